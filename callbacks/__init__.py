@@ -1,0 +1,44 @@
+"""rankguard's framework-free core: guards, the side channel, events and errors.
+
+Nothing here imports a training framework. Adapters in
+``rankguard.integrations`` translate framework events into
+:class:`~rankguard.callbacks.events.Event` s and drive the guards.
+"""
+
+from rankguard.callbacks.batch_parity import BatchParityGuard
+from rankguard.callbacks.drop_last import DropLastGuard
+from rankguard.callbacks.errors import (
+    BatchCountMismatchError,
+    CheckpointMemoryError,
+    DataInconsistencyError,
+    DropLastMismatchError,
+    HangDetectedError,
+    RankGuardError,
+    RanksMissingError,
+    SharedDirTimeoutError,
+)
+from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
+from rankguard.callbacks.guard import Guard, GuardRunner
+from rankguard.callbacks.registry import GUARDS, build_guards
+from rankguard.callbacks.side_channel import SideChannel
+
+__all__ = [
+    "GUARDS",
+    "BatchCountMismatchError",
+    "BatchParityGuard",
+    "CheckpointMemoryError",
+    "DataInconsistencyError",
+    "DropLastGuard",
+    "DropLastMismatchError",
+    "Event",
+    "EventFacts",
+    "Guard",
+    "GuardRunner",
+    "HangDetectedError",
+    "LoaderFacts",
+    "RankGuardError",
+    "RanksMissingError",
+    "SharedDirTimeoutError",
+    "SideChannel",
+    "build_guards",
+]

@@ -1,0 +1,181 @@
+"""BatchParityGuard: every rank runs the same number of batches of every loader.
+
+Ranks that run different numbers of eval batches leave one rank in an eval
+collective while another goes back to training: on NCCL the job hangs after
+its first evaluation with no error; on gloo the extra collectives pair with
+the wrong partner and the metrics are silently wrong.
+
+The guard compares batch counts across ranks:
+
+* at FIT_START, for the train loader and every eval loader known then;
+* at EPOCH_START, for the train loader (from the second epoch on);
+* at EVAL_START, for that eval loader, before its first batch;
+* at EVAL_END, the number of batches that actually ran, which catches
+  loaders whose ``__len__`` lies and loaders without one (iterable,
+  streaming). A rank still stuck in eval is named once ``eval_end_timeout_s``
+  passes, instead of hanging.
+
+Metrics: none. Errors: :class:`BatchCountMismatchError`.
+
+Example::
+
+    guard = BatchParityGuard(on_violation="raise", eval_end_timeout_s=120)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from rankguard.callbacks.errors import BatchCountMismatchError, RanksMissingError
+from rankguard.callbacks.events import EventFacts, LoaderFacts
+from rankguard.callbacks.guard import Guard, check_positive
+from rankguard.callbacks.loaders import planned_batches
+from rankguard.callbacks.ranks import format_groups, rank_label
+
+__all__ = ["BatchParityGuard", "count_mismatches"]
+
+Counts = dict[str, int | None]
+
+FIX_PLANNED = (
+    "Fix: give every rank the same number of batches: shard with a DistributedSampler "
+    "(or the framework's default sampler) over a dataset of the same length on every rank, "
+    "or set drop_last=True (DataLoader and DistributedSampler); for streaming data, use the "
+    "same num_canonical_nodes, batch size and epoch size on every rank."
+)
+FIX_ACTUAL = (
+    "Fix: the loader's __len__ does not match what it yields, or it yields a different "
+    "number of batches per rank (iterable/streaming data): make every rank yield the same "
+    "number of batches, e.g. drop_last=True or an explicit per-rank sample count."
+)
+
+
+def _describe(count: int | None) -> str:
+    if count is None:
+        return "unknown count (no __len__)"
+    return f"{count} batch" if count == 1 else f"{count} batches"
+
+
+def count_mismatches(per_rank: Mapping[int, Counts]) -> dict[str, str]:
+    """Finds loaders whose batch counts differ between ranks.
+
+    Args:
+        per_rank: For each rank, the batch count of each loader by name.
+
+    Returns:
+        For each loader whose counts differ, the grouped description, e.g.
+        ``{"eval": "ranks 0,2: 2 batches; ranks 1,3: 4 batches"}``. Loaders
+        with no known count on every rank are not compared.
+    """
+    names = sorted({name for counts in per_rank.values() for name in counts})
+    mismatches: dict[str, str] = {}
+    for name in names:
+        counts = {rank: counts.get(name) for rank, counts in per_rank.items()}
+        if len(set(counts.values())) > 1:
+            mismatches[name] = format_groups(counts, _describe)
+    return mismatches
+
+
+class BatchParityGuard(Guard):
+    """Checks that all ranks agree on the number of batches of each loader.
+
+    Args:
+        on_violation: ``"raise"`` (default) or ``"warn"``.
+        eval_end_timeout_s: How long the after-eval check waits for ranks
+            still in eval before naming them (seconds, > 0).
+        check_train: Also check the train loader (fit start, epoch start).
+        check_eval: Also check eval loaders (fit start, eval start, eval end).
+    """
+
+    name = "batch_parity_guard"
+
+    def __init__(
+        self,
+        *,
+        on_violation: str = "raise",
+        eval_end_timeout_s: float = 120.0,
+        check_train: bool = True,
+        check_eval: bool = True,
+    ) -> None:
+        super().__init__(on_violation=on_violation)
+        self.eval_end_timeout_s = check_positive("eval_end_timeout_s", eval_end_timeout_s)
+        self.check_train = bool(check_train)
+        self.check_eval = bool(check_eval)
+        self._eval_batches_run: dict[str, int] = {}
+        self._train_checked_epoch: int | None = None
+
+    def on_fit_start(self, facts: EventFacts) -> None:
+        """Compares the planned batch count of every known loader."""
+        loaders = [lf for lf in facts.loaders if self._wanted(lf)]
+        if any(lf.is_train for lf in loaders):
+            self._train_checked_epoch = facts.epoch
+        self._compare_planned("fit_start", loaders, "at fit start")
+
+    def on_epoch_start(self, facts: EventFacts) -> None:
+        """Compares the train loader's planned count (once per epoch)."""
+        if facts.loader is None or not self.check_train or self._train_checked_epoch == facts.epoch:
+            return
+        self._train_checked_epoch = facts.epoch
+        self._compare_planned("epoch_start", [facts.loader], f"at the start of epoch {facts.epoch}")
+
+    def on_eval_start(self, facts: EventFacts) -> None:
+        """Compares the eval loader's planned count before its first batch."""
+        if facts.loader is None or not self.check_eval:
+            return
+        self._eval_batches_run[facts.loader.name] = 0
+        self._compare_planned(
+            f"eval_start/{facts.loader.name}", [facts.loader], "before the first eval batch"
+        )
+
+    def on_eval_batch_end(self, facts: EventFacts) -> None:
+        """Counts an eval batch that ran (no communication)."""
+        if facts.loader is not None:
+            name = facts.loader.name
+            self._eval_batches_run[name] = self._eval_batches_run.get(name, 0) + 1
+
+    def on_eval_end(self, facts: EventFacts) -> None:
+        """Compares the eval batches that actually ran; names ranks still in eval."""
+        if facts.loader is None or not self.check_eval:
+            return
+        name = facts.loader.name
+        ran = self._eval_batches_run.pop(name, 0)
+        try:
+            mismatches = self.channel.exchange(
+                f"{self.name}/eval_end/{name}",
+                {name: ran},
+                count_mismatches,
+                timeout_s=self.eval_end_timeout_s,
+            )
+        except RanksMissingError as missing:
+            self.violation(
+                BatchCountMismatchError(
+                    f"{rank_label(missing.missing)} did not finish eval loader {name!r} within "
+                    f"{missing.timeout_s:g} s of the other ranks (this rank ran {_describe(ran)}). "
+                    "A rank that runs more eval batches than the others waits in an eval "
+                    f"collective that never completes. {FIX_ACTUAL} If eval is just slow on "
+                    "those ranks, raise `eval_end_timeout_s`."
+                )
+            )
+            return
+        if mismatches:
+            self.violation(
+                BatchCountMismatchError(
+                    f"Ranks ran different numbers of batches of eval loader {name!r}: "
+                    f"{mismatches[name]}. {FIX_ACTUAL}"
+                )
+            )
+
+    def _wanted(self, facts: LoaderFacts) -> bool:
+        return self.check_train if facts.is_train else self.check_eval
+
+    def _compare_planned(self, where: str, loaders: list[LoaderFacts], when: str) -> None:
+        if not loaders:
+            return
+        counts: Counts = {lf.name: planned_batches(lf) for lf in loaders}
+        mismatches = self.channel.exchange(f"{self.name}/{where}", counts, count_mismatches)
+        if mismatches:
+            lines = "; ".join(f"loader {name!r}: {desc}" for name, desc in mismatches.items())
+            self.violation(
+                BatchCountMismatchError(
+                    f"Ranks would run different numbers of batches ({when}): {lines}. {FIX_PLANNED}"
+                )
+            )

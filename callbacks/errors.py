@@ -1,0 +1,63 @@
+"""Errors raised by rankguard.
+
+Every error is a :class:`RankGuardError`. A message always says what differs
+per rank (or which ranks did not arrive), where (loader, path, phase), and
+the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BatchCountMismatchError",
+    "CheckpointMemoryError",
+    "DataInconsistencyError",
+    "DropLastMismatchError",
+    "HangDetectedError",
+    "RankGuardError",
+    "RanksMissingError",
+    "SharedDirTimeoutError",
+]
+
+
+class RankGuardError(RuntimeError):
+    """Base class of every error rankguard raises."""
+
+
+class RanksMissingError(RankGuardError):
+    """Some ranks did not reach a side-channel exchange within its timeout.
+
+    Attributes:
+        name: The exchange that timed out (e.g. ``"batch_parity/eval_end/eval"``).
+        missing: The ranks that did not arrive, sorted.
+        timeout_s: The timeout that passed, in seconds.
+    """
+
+    def __init__(self, message: str, *, name: str, missing: list[int], timeout_s: float) -> None:
+        super().__init__(message)
+        self.name = name
+        self.missing = missing
+        self.timeout_s = timeout_s
+
+
+class BatchCountMismatchError(RankGuardError):
+    """Ranks would run (or ran) different numbers of batches of one loader."""
+
+
+class DropLastMismatchError(RankGuardError):
+    """Loader or sampler settings (drop_last, batch size, sampler) differ between ranks."""
+
+
+class SharedDirTimeoutError(RankGuardError):
+    """Some ranks could not see a directory another rank created within the timeout."""
+
+
+class CheckpointMemoryError(RankGuardError):
+    """A checkpoint save would not fit in the host memory available."""
+
+
+class DataInconsistencyError(RankGuardError):
+    """Ranks see different datasets, splits or sampler seeds."""
+
+
+class HangDetectedError(RankGuardError):
+    """A rank made no progress within its deadline."""

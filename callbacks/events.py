@@ -1,0 +1,130 @@
+"""rankguard's event vocabulary: the training loop as the core guards see it.
+
+Core guards never see a Trainer. Adapters translate framework events into
+these, with the plain facts each one needs::
+
+    FIT_START(loaders=[train, eval...], model)   # facts known before any batch
+    for epoch in epochs:
+        EPOCH_START(loader=train)
+        for batch in train loader:
+            DATA_FETCH_START
+            batch = next(iterator)
+            DATA_FETCH_END
+            TRAIN_BATCH_START(step)
+            forward, backward, optimizer step
+            TRAIN_BATCH_END(step)
+            if eval due:
+                for loader in eval loaders:
+                    EVAL_START(loader)                 # before its first batch
+                    for batch in loader:
+                        EVAL_BATCH_START(loader, batch_index)
+                        forward, metric update
+                        EVAL_BATCH_END(loader, batch_index)
+                    EVAL_END(loader)                   # what actually ran
+            if checkpoint due:
+                CHECKPOINT_SAVE_START(directories)
+                save
+                CHECKPOINT_SAVE_END
+    FIT_END
+
+Where each event comes from:
+
+======================  ===========================  ==============================
+core event              Composer ``Event``           Lightning hook
+======================  ===========================  ==============================
+FIT_START               ``FIT_START``                ``on_train_start``
+EPOCH_START             ``EPOCH_START``              ``on_train_epoch_start``
+DATA_FETCH_START        ``BEFORE_DATALOADER``        (end of previous batch)
+DATA_FETCH_END          ``AFTER_DATALOADER``         ``on_train_batch_start``
+TRAIN_BATCH_START       ``BATCH_START``              ``on_train_batch_start``
+TRAIN_BATCH_END         ``BATCH_END``                ``on_train_batch_end``
+EVAL_START              ``EVAL_START``               ``on_validation_start`` (per loader,
+                                                     then on loader change)
+EVAL_BATCH_START        ``EVAL_BATCH_START``         ``on_validation_batch_start``
+EVAL_BATCH_END          ``EVAL_BATCH_END``           ``on_validation_batch_end``
+EVAL_END                ``EVAL_END``                 ``on_validation_end`` (per loader)
+CHECKPOINT_SAVE_START   ``BATCH_CHECKPOINT`` /       ``on_save_checkpoint``
+                        ``EPOCH_CHECKPOINT``
+CHECKPOINT_SAVE_END     (next event)                 (next event)
+FIT_END                 ``FIT_END``                  ``on_fit_end``
+======================  ===========================  ==============================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+__all__ = ["Event", "EventFacts", "LoaderFacts"]
+
+
+class Event(str, Enum):
+    """One point of the training loop (see the module docstring for where)."""
+
+    FIT_START = "fit_start"
+    EPOCH_START = "epoch_start"
+    DATA_FETCH_START = "data_fetch_start"
+    DATA_FETCH_END = "data_fetch_end"
+    TRAIN_BATCH_START = "train_batch_start"
+    TRAIN_BATCH_END = "train_batch_end"
+    EVAL_START = "eval_start"
+    EVAL_BATCH_START = "eval_batch_start"
+    EVAL_BATCH_END = "eval_batch_end"
+    EVAL_END = "eval_end"
+    CHECKPOINT_SAVE_START = "checkpoint_save_start"
+    CHECKPOINT_SAVE_END = "checkpoint_save_end"
+    FIT_END = "fit_end"
+
+
+@dataclass
+class LoaderFacts:
+    """A data loader as a guard sees it.
+
+    Attributes:
+        name: The framework's name for it (``"train"``, a Composer evaluator
+            label, a Lightning val loader name such as ``"val/1"``).
+        loader: The user's loader object (a ``torch.utils.data.DataLoader``
+            or any iterable). Guards must never iterate it.
+        is_train: Whether it feeds training (else evaluation).
+        num_batches: The number of batches the framework plans to run from it
+            in one pass (after its own limits such as Composer's
+            ``eval_subset_num_batches`` or Lightning's ``limit_val_batches``),
+            or ``None`` when unknown; then guards fall back to ``len(loader)``.
+    """
+
+    name: str
+    loader: Any
+    is_train: bool
+    num_batches: int | None = None
+
+
+@dataclass
+class EventFacts:
+    """The plain facts that come with an event; unset fields are unknown.
+
+    Attributes:
+        step: Global index of the current train batch (0 before the first).
+        epoch: Current epoch, from 0.
+        loader: The loader the event is about (EPOCH_START: train; EVAL_*:
+            the eval loader).
+        batch_index: Index of the batch within ``loader`` for batch events.
+        loaders: Every loader known at FIT_START, train first.
+        model: The model being trained (FIT_START).
+        directories: Directories a checkpoint save writes to.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    loader: LoaderFacts | None = None
+    batch_index: int | None = None
+    loaders: list[LoaderFacts] = field(default_factory=list)
+    model: Any = None
+    directories: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def for_loaders(loaders: Iterable[LoaderFacts], **kwargs: Any) -> EventFacts:
+        """Builds FIT_START facts from loaders (train first)."""
+        ordered = sorted(loaders, key=lambda lf: not lf.is_train)
+        return EventFacts(loaders=ordered, **kwargs)

@@ -1,0 +1,134 @@
+"""The base of every core guard, and the runner adapters drive.
+
+A guard reacts to :class:`~rankguard.callbacks.events.Event` s through
+methods named ``on_<event>`` (``on_fit_start``, ``on_eval_end``, ...), talks
+to other ranks only through its :class:`SideChannel`, and reports a
+violation through :meth:`Guard.violation`, which raises or logs a warning as
+``on_violation`` says.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+from rankguard.callbacks.errors import RankGuardError
+from rankguard.callbacks.events import Event, EventFacts
+from rankguard.callbacks.side_channel import SideChannel
+
+__all__ = ["Guard", "GuardRunner", "MetricSink", "check_choice", "check_positive"]
+
+logger = logging.getLogger(__name__)
+
+MetricSink = Callable[[Mapping[str, float]], None]
+
+ON_VIOLATION = ("raise", "warn")
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
+    """Returns ``value`` if it is one of ``choices``, else raises ``ValueError`` naming ``name``."""
+    choices = tuple(choices)
+    if value not in choices:
+        valid = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"`{name}` must be one of {valid}; got {value!r}.")
+    return value
+
+
+def check_positive(name: str, value: Any) -> float:
+    """Returns ``value`` as a float if it is a number > 0, else raises ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"`{name}` must be a number > 0 (seconds); got {value!r}.")
+    return float(value)
+
+
+class Guard:
+    """Base class of core guards.
+
+    Args:
+        on_violation: ``"raise"`` (default) raises the guard's error on every
+            rank; ``"warn"`` logs it as a warning and lets training go on.
+
+    Attributes:
+        name: Snake-case name of the guard, used as its key in ``RankGuard``
+            configs and in side-channel exchange names.
+    """
+
+    name: ClassVar[str] = "guard"
+
+    def __init__(self, *, on_violation: str = "raise") -> None:
+        self.on_violation = check_choice("on_violation", on_violation, ON_VIOLATION)
+        self.channel = SideChannel(None)
+        self.log_metrics: MetricSink = _no_metrics
+        self._warned: set[str] = set()
+
+    def bind(self, channel: SideChannel, log_metrics: MetricSink | None = None) -> None:
+        """Gives the guard its side channel and metric sink (at FIT_START)."""
+        self.channel = channel
+        self.log_metrics = log_metrics or _no_metrics
+
+    def handle(self, event: Event, facts: EventFacts) -> None:
+        """Runs the guard's handler for ``event``, if it has one."""
+        handler = getattr(self, f"on_{event.value}", None)
+        if handler is not None:
+            handler(facts)
+
+    def violation(self, error: RankGuardError) -> None:
+        """Raises ``error`` or logs it as a warning, as ``on_violation`` says."""
+        if self.on_violation == "raise":
+            raise error
+        logger.warning("rankguard %s: %s", self.name, error)
+
+    def warn_once(self, key: str, message: str, *args: Any) -> None:
+        """Logs a warning the first time ``key`` is seen by this guard."""
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("rankguard %s: %s", self.name, message % args if args else message)
+
+    def close(self) -> None:
+        """Releases what the guard holds; safe to call twice and after an error."""
+
+
+def _no_metrics(metrics: Mapping[str, float]) -> None:
+    del metrics
+
+
+class GuardRunner:
+    """Dispatches core events to guards; adapters own one.
+
+    At the first event (normally FIT_START; a sanity-check eval may come
+    first) it opens the side channel (local at world size 1) and binds every
+    guard to it before dispatching.
+
+    Args:
+        guards: The guards, in the order they should run.
+        timeout_s: Default side-channel timeout.
+    """
+
+    def __init__(self, guards: Iterable[Guard], *, timeout_s: float = 300.0) -> None:
+        self.guards = list(guards)
+        self.timeout_s = check_positive("timeout_s", timeout_s)
+        self.channel: SideChannel | None = None
+
+    def fire(self, event: Event, facts: EventFacts, log_metrics: MetricSink | None = None) -> None:
+        """Dispatches ``event`` to every guard in order."""
+        if event is Event.FIT_START or self.channel is None:
+            self.open(log_metrics)
+        for guard in self.guards:
+            guard.handle(event, facts)
+
+    def open(self, log_metrics: MetricSink | None = None) -> None:
+        """Creates the side channel and binds the guards (idempotent per fit)."""
+        if self.channel is None:
+            self.channel = SideChannel.from_environment(timeout_s=self.timeout_s)
+        for guard in self.guards:
+            guard.bind(self.channel, log_metrics)
+
+    def close(self) -> None:
+        """Closes every guard; safe to call twice and after an error."""
+        for guard in self.guards:
+            try:
+                guard.close()
+            except Exception:
+                logger.exception("rankguard: closing %s failed", guard.name)
+        self.channel = None

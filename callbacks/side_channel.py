@@ -1,0 +1,289 @@
+"""The side channel: every cross-rank exchange rankguard makes goes through here.
+
+rankguard never issues a collective on the training process group, so it can
+never be the thing that hangs and never pairs with one of the job's own
+collectives. Exchanges ride on the job's rendezvous key-value store (the
+``TCPStore`` that ``torch.distributed`` already runs on rank 0 for every
+launcher) under their own key prefix:
+
+1. every rank writes its payload under ``<prefix>/<name>/<seq>/r<rank>``;
+2. the deciding rank (rank 0) waits for all payloads, bounded by
+   ``timeout_s``, and applies a pure ``decide`` function to them;
+3. it publishes the verdict (or the list of ranks that did not arrive) under
+   ``.../verdict``; every rank reads it, so every rank reaches the same
+   decision and raises the same error together.
+
+Why the store and not a gloo group: a store exchange names exactly the ranks
+that did not arrive (their key is absent), a timeout leaves nothing
+half-paired behind (a timed-out gloo collective poisons its group), keys
+named by sequence let a background thread exchange concurrently with the
+main thread without any ordering contract, and non-deciding ranks send and
+receive a payload of constant size (the verdict), whatever the world size.
+
+Cost per exchange: every rank makes 3 store round trips (set, wait+get the
+verdict, acknowledge); rank 0 additionally one wait and one multi-get over
+``world_size`` keys and one delete.
+
+At world size 1, or when ``torch.distributed`` is not initialised, the
+channel is local: ``decide`` is applied to this rank's payload alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from rankguard.callbacks.errors import RanksMissingError
+from rankguard.callbacks.ranks import rank_label
+
+__all__ = ["SideChannel", "default_store"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_LEADER = 0
+_channels_created = 0
+_channels_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class _Missing:
+    """Verdict published when some ranks did not arrive in time."""
+
+    ranks: list[int]
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """Verdict published when ``decide`` itself raised on the deciding rank."""
+
+    message: str
+
+
+def default_store() -> Any:
+    """Returns the key-value store of the default process group.
+
+    This is the one place rankguard touches a private ``torch.distributed``
+    name; ``tests/test_side_channel.py`` fails if it disappears.
+
+    Returns:
+        The store the default process group was initialised with.
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+class SideChannel:
+    """Bounded, rank-naming exchanges of small Python objects between ranks.
+
+    Args:
+        store: A ``torch.distributed.Store`` every rank can reach, or ``None``
+            for a local (single-rank) channel.
+        rank: This process's global rank.
+        world_size: Number of ranks taking part.
+        timeout_s: Default time the deciding rank waits for every rank.
+        prefix: Key prefix; channels with different prefixes never collide.
+
+    Example::
+
+        channel = SideChannel.from_environment(timeout_s=60)
+        counts = channel.all_gather("eval_batches", 12)   # {0: 12, 1: 12}
+    """
+
+    def __init__(
+        self,
+        store: Any | None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        timeout_s: float = 60.0,
+        prefix: str = "rankguard",
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"`timeout_s` must be > 0, got {timeout_s!r}.")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"`rank` must be in [0, world_size={world_size}), got {rank!r}.")
+        self.store = store if world_size > 1 else None
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.prefix = prefix
+        self._seq: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @classmethod
+    def from_environment(cls, *, timeout_s: float = 60.0, name: str = "rankguard") -> SideChannel:
+        """Builds a channel over the initialised default process group's store.
+
+        Every rank must create its channels in the same order (each gets the
+        next generation number in its prefix, so two channels never share keys).
+
+        Args:
+            timeout_s: Default time the deciding rank waits for every rank.
+            name: First part of the key prefix.
+
+        Returns:
+            A channel; a local one at world size 1 or without ``torch.distributed``.
+        """
+        global _channels_created
+        with _channels_lock:
+            _channels_created += 1
+            generation = _channels_created
+        prefix = f"{name}/{generation}"
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(None, timeout_s=timeout_s, prefix=prefix)
+        return cls(
+            default_store(),
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            timeout_s=timeout_s,
+            prefix=prefix,
+        )
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether exchanges cross process boundaries."""
+        return self.store is not None
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank decides exchanges."""
+        return self.rank == _LEADER
+
+    def exchange(
+        self,
+        name: str,
+        payload: Any,
+        decide: Callable[[Mapping[int, Any]], T],
+        *,
+        timeout_s: float | None = None,
+    ) -> T:
+        """Sends ``payload`` to the deciding rank and returns its verdict.
+
+        Every rank must call ``exchange`` with the same ``name`` the same
+        number of times; calls are matched by (name, call count).
+
+        Args:
+            name: What is exchanged, e.g. ``"batch_parity/eval_start/val"``.
+            payload: A small picklable object.
+            decide: Pure function from the payload of every rank to the
+                verdict; runs on the deciding rank only.
+            timeout_s: How long the deciding rank waits for the others
+                (default: the channel's ``timeout_s``). The others wait a
+                little longer for the verdict.
+
+        Returns:
+            ``decide``'s result, the same object value on every rank.
+
+        Raises:
+            RanksMissingError: Some ranks did not arrive within the timeout;
+                the error names them.
+        """
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        if self.store is None:
+            return decide({self.rank: payload})
+        with self._lock:
+            seq = self._seq.get(name, 0)
+            self._seq[name] = seq + 1
+        base = f"{self.prefix}/{name}/{seq}"
+        verdict_key = f"{base}/verdict"
+        self._set(f"{base}/r{self.rank}", payload)
+        if self.is_leader:
+            verdict: Any = self._decide(base, decide, timeout)
+            self._set(verdict_key, verdict)
+        else:
+            verdict = self._await_verdict(base, verdict_key, timeout)
+        if self.store.add(f"{base}/ack", 1) == self.world_size:
+            self._delete(verdict_key, f"{base}/ack")
+        if isinstance(verdict, _Missing):
+            raise self._missing_error(name, verdict.ranks, timeout)
+        if isinstance(verdict, _Failed):
+            raise RuntimeError(f"rankguard exchange {name!r} failed on rank 0: {verdict.message}")
+        return verdict
+
+    def all_gather(self, name: str, payload: T, *, timeout_s: float | None = None) -> dict[int, T]:
+        """Returns every rank's payload, keyed by rank (O(world size) on every rank)."""
+        return self.exchange(name, payload, dict, timeout_s=timeout_s)
+
+    def broadcast(self, name: str, payload: T, *, timeout_s: float | None = None) -> T:
+        """Returns rank 0's payload on every rank."""
+        return self.exchange(name, payload, lambda values: values[_LEADER], timeout_s=timeout_s)
+
+    def barrier(self, name: str, *, timeout_s: float | None = None) -> None:
+        """Waits until every rank arrives; names the ranks that did not."""
+        self.exchange(name, None, lambda values: None, timeout_s=timeout_s)
+
+    def _decide(self, base: str, decide: Callable[[Mapping[int, Any]], Any], timeout: float) -> Any:
+        keys = [f"{base}/r{rank}" for rank in range(self.world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout))
+        except RuntimeError:
+            return _Missing([r for r, key in enumerate(keys) if not self.store.check([key])])
+        raw = self.store.multi_get(keys)
+        self.bytes_received += sum(len(b) for b in raw)
+        self._delete(*keys)
+        values = {rank: pickle.loads(blob) for rank, blob in enumerate(raw)}
+        try:
+            return decide(values)
+        except Exception as exc:  # a verdict must reach every rank, even a failed one
+            logger.exception("rankguard: deciding exchange %s failed", base)
+            return _Failed(f"{type(exc).__name__}: {exc}")
+
+    def _await_verdict(self, base: str, verdict_key: str, timeout: float) -> Any:
+        # Wait longer than the deciding rank so it can publish who is missing.
+        grace = max(5.0, 0.25 * timeout)
+        started = time.monotonic()
+        try:
+            self.store.wait([verdict_key], timedelta(seconds=timeout + grace))
+        except RuntimeError:
+            # The deciding rank never decided: it is missing itself, or late.
+            missing = []
+            for rank in range(self.world_size):
+                try:
+                    present = self.store.check([f"{base}/r{rank}"])
+                except RuntimeError:
+                    present = False
+                if not present:
+                    missing.append(rank)
+            logger.debug(
+                "rankguard: no verdict for %s after %.1f s", base, time.monotonic() - started
+            )
+            return _Missing(missing or [_LEADER])
+        blob = self.store.get(verdict_key)
+        self.bytes_received += len(blob)
+        return pickle.loads(blob)
+
+    def _set(self, key: str, value: Any) -> None:
+        blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        self.bytes_sent += len(blob)
+        self.store.set(key, blob)
+
+    def _delete(self, *keys: str) -> None:
+        for key in keys:
+            try:
+                self.store.delete_key(key)
+            except RuntimeError:  # best effort: a leftover key costs a few bytes
+                logger.debug("rankguard: could not delete store key %s", key)
+
+    def _missing_error(self, name: str, missing: list[int], timeout: float) -> RanksMissingError:
+        who = rank_label(missing)
+        return RanksMissingError(
+            f"{who} did not reach rankguard exchange {name!r} within {timeout:g} s "
+            f"(world size {self.world_size}); {'it is' if len(missing) == 1 else 'they are'} "
+            "still busy in an earlier phase, stuck, or dead.",
+            name=name,
+            missing=missing,
+            timeout_s=timeout,
+        )

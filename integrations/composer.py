@@ -1,0 +1,151 @@
+"""rankguard callbacks for MosaicML Composer.
+
+Translation only: Composer events become rankguard core events (see
+:mod:`rankguard.callbacks.events` for the table), and the facts the guards
+need (train loader, each evaluator's loader and planned batch count) are read
+from Composer's public ``State``.
+
+Example::
+
+    from composer import Trainer
+    from rankguard.integrations.composer import RankGuard
+
+    trainer = Trainer(..., callbacks=[RankGuard(hang_watchdog={"timeout_s": 300})])
+
+Requires ``pip install 'rankguard[composer]'``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rankguard.callbacks.events import Event as CoreEvent
+from rankguard.callbacks.events import EventFacts, LoaderFacts
+from rankguard.callbacks.guard import Guard, GuardRunner
+from rankguard.integrations._common import bundle_guards, single_guard
+
+try:
+    from composer.core import Callback, Event, State
+    from composer.loggers import Logger
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "rankguard.integrations.composer needs Composer: pip install 'rankguard[composer]'"
+    ) from exc
+
+__all__ = ["BatchParityGuard", "DropLastGuard", "RankGuard"]
+
+_EVENTS: dict[Event, CoreEvent] = {
+    Event.FIT_START: CoreEvent.FIT_START,
+    Event.EPOCH_START: CoreEvent.EPOCH_START,
+    Event.BEFORE_DATALOADER: CoreEvent.DATA_FETCH_START,
+    Event.AFTER_DATALOADER: CoreEvent.DATA_FETCH_END,
+    Event.BATCH_START: CoreEvent.TRAIN_BATCH_START,
+    Event.BATCH_END: CoreEvent.TRAIN_BATCH_END,
+    Event.EVAL_START: CoreEvent.EVAL_START,
+    Event.EVAL_BATCH_START: CoreEvent.EVAL_BATCH_START,
+    Event.EVAL_BATCH_END: CoreEvent.EVAL_BATCH_END,
+    Event.EVAL_END: CoreEvent.EVAL_END,
+    Event.BATCH_CHECKPOINT: CoreEvent.CHECKPOINT_SAVE_START,
+    Event.EPOCH_CHECKPOINT: CoreEvent.CHECKPOINT_SAVE_START,
+    Event.FIT_END: CoreEvent.FIT_END,
+}
+
+_EVAL_EVENTS = (
+    CoreEvent.EVAL_START,
+    CoreEvent.EVAL_BATCH_START,
+    CoreEvent.EVAL_BATCH_END,
+    CoreEvent.EVAL_END,
+)
+
+
+def _train_loader(state: State) -> LoaderFacts | None:
+    loader = state.train_dataloader
+    if loader is None:
+        return None
+    return LoaderFacts("train", loader, is_train=True, num_batches=_as_int(state.dataloader_len))
+
+
+def _evaluator_loaders(state: State) -> list[LoaderFacts]:
+    facts = []
+    for evaluator in state.evaluators:
+        loader = evaluator.dataloader.dataloader
+        planned = None
+        subset = evaluator.subset_num_batches
+        if subset is not None and subset > 0:
+            try:
+                planned = min(subset, len(loader))
+            except TypeError:
+                planned = None
+        facts.append(LoaderFacts(evaluator.label, loader, is_train=False, num_batches=planned))
+    return facts
+
+
+def _as_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def event_facts(event: CoreEvent, state: State) -> EventFacts:
+    """Reads the facts a core event needs from Composer's ``State``."""
+    timestamp = state.timestamp
+    facts = EventFacts(step=int(timestamp.batch), epoch=int(timestamp.epoch))
+    if event is CoreEvent.FIT_START:
+        train = _train_loader(state)
+        facts.loaders = ([train] if train else []) + _evaluator_loaders(state)
+        facts.model = state.model
+    elif event is CoreEvent.EPOCH_START:
+        facts.loader = _train_loader(state)
+    elif event in _EVAL_EVENTS:
+        facts.loader = LoaderFacts(
+            str(state.dataloader_label),
+            state.dataloader,
+            is_train=False,
+            num_batches=_as_int(state.dataloader_len),
+        )
+        facts.batch_index = int(state.eval_timestamp.batch)
+    return facts
+
+
+class _ComposerAdapter(Callback):
+    """Drives a :class:`GuardRunner` from Composer events."""
+
+    def __init__(self, guards: list[Guard]) -> None:
+        self.runner = GuardRunner(guards)
+
+    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+        """Translates a Composer event and dispatches it to the guards."""
+        core_event = _EVENTS.get(event)
+        if core_event is None:
+            return
+        self.runner.fire(core_event, event_facts(core_event, state), logger.log_metrics)
+
+    def close(self, state: State, logger: Logger) -> None:
+        """Stops every guard; safe to call twice and after an exception."""
+        del state, logger
+        self.runner.close()
+
+
+class RankGuard(_ComposerAdapter):
+    """Every rankguard guard with sound defaults, as one Composer callback.
+
+    Args:
+        **per_guard_config: Per guard, by snake-case name, a dict of its
+            settings or ``False`` to leave it out, e.g.
+            ``RankGuard(batch_parity_guard={"on_violation": "warn"}, drop_last_guard=False)``.
+    """
+
+    def __init__(self, **per_guard_config: dict[str, Any] | bool) -> None:
+        super().__init__(bundle_guards(per_guard_config))
+
+
+class BatchParityGuard(_ComposerAdapter):
+    """Composer callback for :class:`rankguard.callbacks.BatchParityGuard` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("batch_parity_guard", settings))
+
+
+class DropLastGuard(_ComposerAdapter):
+    """Composer callback for :class:`rankguard.callbacks.DropLastGuard` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("drop_last_guard", settings))

@@ -1,0 +1,212 @@
+"""rankguard callbacks for PyTorch Lightning.
+
+Translation only: Lightning hooks become rankguard core events (see
+:mod:`rankguard.callbacks.events` for the table), and the facts the guards
+need (train loader, each val loader by name with Lightning's planned batch
+count) are read from the public ``Trainer`` properties.
+
+Every val loader gets its EVAL_START at ``on_validation_start`` and its
+EVAL_END at ``on_validation_end``, so each rank reports every loader even
+when it has no batch of it. The sanity check counts as an eval.
+
+Example::
+
+    import lightning as L
+    from rankguard.integrations.lightning import RankGuard
+
+    trainer = L.Trainer(strategy="ddp", callbacks=[RankGuard()])
+
+Requires ``pip install 'rankguard[lightning]'``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
+from rankguard.callbacks.guard import Guard, GuardRunner
+from rankguard.integrations._common import bundle_guards, single_guard
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "rankguard.integrations.lightning needs Lightning: pip install 'rankguard[lightning]'"
+    ) from exc
+
+__all__ = ["BatchParityGuard", "DropLastGuard", "RankGuard"]
+
+
+def _planned(value: float | int | None) -> int | None:
+    if value is None or (isinstance(value, float) and math.isinf(value)):
+        return None
+    return int(value)
+
+
+def _flatten(loaders: Any, prefix: str) -> list[tuple[str, Any]]:
+    if loaders is None:
+        return []
+    if isinstance(loaders, Mapping):
+        return [(f"{prefix}/{key}", loader) for key, loader in loaders.items()]
+    if isinstance(loaders, Sequence):
+        return [(f"{prefix}/{i}", loader) for i, loader in enumerate(loaders)]
+    return [(prefix, loaders)]
+
+
+def val_loaders(trainer: pl.Trainer) -> list[LoaderFacts]:
+    """The val loaders with Lightning's planned batch count for the current run."""
+    planned = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+    flat = _flatten(trainer.val_dataloaders, "val")
+    return [
+        LoaderFacts(name, loader, is_train=False, num_batches=_planned(n))
+        for (name, loader), n in zip(flat, planned, strict=False)
+    ]
+
+
+def train_loader(trainer: pl.Trainer) -> LoaderFacts | None:
+    """The train loader with Lightning's planned batch count."""
+    flat = _flatten(trainer.train_dataloader, "train")
+    if len(flat) != 1:
+        return None
+    return LoaderFacts(
+        "train", flat[0][1], is_train=True, num_batches=_planned(trainer.num_training_batches)
+    )
+
+
+class _LightningAdapter(Callback):
+    """Drives a :class:`GuardRunner` from Lightning hooks."""
+
+    def __init__(self, guards: list[Guard]) -> None:
+        self.runner = GuardRunner(guards)
+        self._trainer: pl.Trainer | None = None
+        self._val: list[LoaderFacts] = []
+
+    def _fire(self, trainer: pl.Trainer, event: Event, **facts: Any) -> None:
+        self._trainer = trainer
+        event_facts = EventFacts(step=trainer.global_step, epoch=trainer.current_epoch, **facts)
+        self.runner.fire(event, event_facts, self._log_metrics)
+
+    def _log_metrics(self, metrics: Mapping[str, float]) -> None:
+        trainer = self._trainer
+        if trainer is not None:
+            for logger in trainer.loggers:
+                logger.log_metrics(dict(metrics), step=trainer.global_step)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """FIT_START with the train loader and every val loader known now."""
+        train = train_loader(trainer)
+        loaders = [train] if train else []
+        if trainer.val_dataloaders is not None:  # loaded by the sanity check
+            loaders += val_loaders(trainer)
+        self._fire(trainer, Event.FIT_START, loaders=loaders, model=pl_module)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """EPOCH_START with the train loader."""
+        self._fire(trainer, Event.EPOCH_START, loader=train_loader(trainer))
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """DATA_FETCH_END then TRAIN_BATCH_START."""
+        self._fire(trainer, Event.DATA_FETCH_END, batch_index=batch_idx)
+        self._fire(trainer, Event.TRAIN_BATCH_START, batch_index=batch_idx)
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """TRAIN_BATCH_END, then DATA_FETCH_START for the next batch."""
+        self._fire(trainer, Event.TRAIN_BATCH_END, batch_index=batch_idx)
+        self._fire(trainer, Event.DATA_FETCH_START, batch_index=batch_idx + 1)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """EVAL_START for every val loader, in Lightning's order."""
+        self._val = val_loaders(trainer)
+        for loader in self._val:
+            self._fire(trainer, Event.EVAL_START, loader=loader)
+
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """EVAL_BATCH_START for the loader at ``dataloader_idx``."""
+        self._fire(trainer, Event.EVAL_BATCH_START, **self._val_batch(dataloader_idx, batch_idx))
+
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """EVAL_BATCH_END for the loader at ``dataloader_idx``."""
+        self._fire(trainer, Event.EVAL_BATCH_END, **self._val_batch(dataloader_idx, batch_idx))
+
+    def _val_batch(self, dataloader_idx: int, batch_idx: int) -> dict[str, Any]:
+        loader = self._val[dataloader_idx] if dataloader_idx < len(self._val) else None
+        return {"loader": loader, "batch_index": batch_idx}
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """EVAL_END for every val loader."""
+        for loader in self._val:
+            self._fire(trainer, Event.EVAL_END, loader=loader)
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """CHECKPOINT_SAVE_START."""
+        self._fire(trainer, Event.CHECKPOINT_SAVE_START)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """FIT_END."""
+        self._fire(trainer, Event.FIT_END)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Stops every guard after an error."""
+        self.runner.close()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Stops every guard; safe to call twice."""
+        self.runner.close()
+
+
+class RankGuard(_LightningAdapter):
+    """Every rankguard guard with sound defaults, as one Lightning callback.
+
+    Args:
+        **per_guard_config: Per guard, by snake-case name, a dict of its
+            settings or ``False`` to leave it out, e.g.
+            ``RankGuard(batch_parity_guard={"on_violation": "warn"}, drop_last_guard=False)``.
+    """
+
+    def __init__(self, **per_guard_config: dict[str, Any] | bool) -> None:
+        super().__init__(bundle_guards(per_guard_config))
+
+
+class BatchParityGuard(_LightningAdapter):
+    """Lightning callback for :class:`rankguard.callbacks.BatchParityGuard` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("batch_parity_guard", settings))
+
+
+class DropLastGuard(_LightningAdapter):
+    """Lightning callback for :class:`rankguard.callbacks.DropLastGuard` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("drop_last_guard", settings))

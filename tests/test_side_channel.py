@@ -1,0 +1,122 @@
+"""The side channel: bounded exchanges that name the ranks that did not arrive."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from rankguard.callbacks.side_channel import SideChannel, default_store
+from tests.mp import run_ranks
+
+
+def test_world_size_one_is_local_and_applies_decide():
+    channel = SideChannel.from_environment(timeout_s=1)
+    assert not channel.is_distributed
+    assert channel.exchange("x", 5, lambda v: sorted(v.items())) == [(0, 5)]
+    assert channel.all_gather("y", "a") == {0: "a"}
+    channel.barrier("z")  # returns at once
+
+
+def test_invalid_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="`timeout_s`"):
+        SideChannel(None, timeout_s=0)
+    with pytest.raises(ValueError, match="`rank`"):
+        SideChannel(None, rank=3, world_size=2)
+
+
+def _gather_and_decide(rank, world_size):
+    channel = SideChannel.from_environment(timeout_s=10)
+    gathered = channel.all_gather("counts", rank * 10)
+    verdict = channel.exchange("max", rank, lambda v: max(v.values()))
+    told = channel.broadcast("who", f"from {rank}")
+    return gathered, verdict, told, channel.bytes_sent
+
+
+def test_every_rank_gets_the_same_verdict():
+    outcomes = run_ranks(_gather_and_decide, 3, timeout_s=60)
+    for o in outcomes:
+        assert o.error is None, o.error
+        gathered, verdict, told, sent = o.value
+        assert gathered == {0: 0, 1: 10, 2: 20}
+        assert verdict == 2
+        assert told == "from 0"
+        assert sent > 0
+
+
+def _one_rank_late(rank, world_size, late_rank, delay_s):
+    channel = SideChannel.from_environment(timeout_s=2)
+    if rank == late_rank:
+        time.sleep(delay_s)
+    return channel.all_gather("late", rank)
+
+
+@pytest.mark.parametrize("late_rank", [2, 0])
+def test_timeout_names_the_missing_rank(late_rank):
+    outcomes = run_ranks(_one_rank_late, 3, late_rank, 12.0, timeout_s=60)
+    waiting = [o for o in outcomes if o.rank != late_rank]
+    for o in waiting:
+        assert o.error_type == "RanksMissingError", o.error
+        assert o.error_attrs["missing"] == [late_rank]
+        assert f"rank {late_rank} did not reach rankguard exchange 'late'" in o.error
+        # Leader waits timeout_s; the others wait timeout_s + grace (5 s).
+        assert o.elapsed_s < 2 + 5 + 4
+    late = outcomes[late_rank]
+    if late_rank != 0:
+        # A late rank still learns the verdict: it is the one that was missing.
+        assert late.error_type == "RanksMissingError"
+        assert late.error_attrs["missing"] == [late_rank]
+
+
+def _concurrent(rank, world_size):
+    channel = SideChannel.from_environment(timeout_s=10)
+    results = {}
+
+    def background():
+        results["bg"] = [channel.all_gather("bg", (rank, i)) for i in range(5)]
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    results["main"] = [channel.all_gather("main", rank + i) for i in range(5)]
+    thread.join()
+    return results
+
+
+def test_background_and_main_thread_exchanges_do_not_interfere():
+    for o in run_ranks(_concurrent, 2, timeout_s=60):
+        assert o.error is None, o.error
+        assert o.value["main"] == [{0: i, 1: 1 + i} for i in range(5)]
+        assert o.value["bg"] == [{0: (0, i), 1: (1, i)} for i in range(5)]
+
+
+def _keys_after(rank, world_size):
+    store = default_store()
+    before = store.num_keys()
+    channel = SideChannel.from_environment(timeout_s=10)
+    for i in range(3):
+        channel.all_gather("cleanup", i)
+    channel.barrier("settle")
+    time.sleep(0.5)
+    return before, store.num_keys()
+
+
+def test_exchanges_leave_no_keys_behind():
+    outcomes = run_ranks(_keys_after, 2, timeout_s=60)
+    for o in outcomes:
+        assert o.error is None, o.error
+    # Only the last barrier's verdict/ack may still be in flight on a slower rank.
+    before, after = outcomes[0].value
+    assert after - before <= 2
+
+
+def _default_store_is_reachable(rank, world_size):
+    store = default_store()
+    store.set(f"probe{rank}", b"x")
+    return dist.is_initialized() and store.check([f"probe{rank}"])
+
+
+def test_default_store_private_api_still_exists():
+    # The one private torch.distributed name rankguard uses: fails if torch drops it.
+    assert all(o.value is True for o in run_ranks(_default_store_is_reachable, 2, timeout_s=60))
