@@ -10,9 +10,12 @@ The guard compares batch counts across ranks:
 * at FIT_START, for the train loader and every eval loader known then;
 * at EPOCH_START, for the train loader (from the second epoch on);
 * at EVAL_START, for that eval loader, before its first batch;
-* at EVAL_END, the number of batches that actually ran, which catches
+* at EVAL_END, the number of batches that actually ran, against the other
+  ranks and against what the loader's ``__len__`` promised. This catches
   loaders whose ``__len__`` lies and loaders without one (iterable,
-  streaming). A rank still stuck in eval is named once ``eval_end_timeout_s``
+  streaming), including under frameworks that stop every rank as soon as one
+  runs out of data (Composer), which turns uneven data into silently skipped
+  samples. A rank still stuck in eval is named once ``eval_end_timeout_s``
   passes, instead of hanging.
 
 Metrics: none. Errors: :class:`BatchCountMismatchError`.
@@ -25,14 +28,15 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from rankguard.callbacks.errors import BatchCountMismatchError, RanksMissingError
 from rankguard.callbacks.events import EventFacts, LoaderFacts
 from rankguard.callbacks.guard import Guard, check_positive
-from rankguard.callbacks.loaders import planned_batches
+from rankguard.callbacks.loaders import planned_batches, promised_batches
 from rankguard.callbacks.ranks import format_groups, rank_label
 
-__all__ = ["BatchParityGuard", "count_mismatches"]
+__all__ = ["BatchParityGuard", "EvalRun", "count_mismatches", "eval_run_mismatch"]
 
 Counts = dict[str, int | None]
 
@@ -75,6 +79,38 @@ def count_mismatches(per_rank: Mapping[int, Counts]) -> dict[str, str]:
     return mismatches
 
 
+@dataclass(frozen=True)
+class EvalRun:
+    """What one rank's pass over an eval loader did.
+
+    Attributes:
+        ran: Batches that actually ran.
+        promised: Batches the loader's ``__len__`` promised (capped by the
+            framework's limit), or ``None`` for loaders without ``__len__``.
+    """
+
+    ran: int
+    promised: int | None
+
+    def __str__(self) -> str:
+        if self.promised is None or self.promised == self.ran:
+            return f"ran {_describe(self.ran)}"
+        return f"ran {self.ran} of {_describe(self.promised)} its __len__ promised"
+
+
+def eval_run_mismatch(per_rank: Mapping[int, EvalRun]) -> str:
+    """Describes an eval pass that was uneven or broke a promise, or returns ``""``.
+
+    Uneven: ranks ran different numbers of batches. Broken promise: a rank ran
+    a different number of batches than its loader's ``__len__`` said (some
+    frameworks stop every rank when the first runs out, which hides the
+    uneven data but silently skips the rest of the others' data).
+    """
+    uneven = len({run.ran for run in per_rank.values()}) > 1
+    broken = any(run.promised is not None and run.ran != run.promised for run in per_rank.values())
+    return format_groups(per_rank) if uneven or broken else ""
+
+
 class BatchParityGuard(Guard):
     """Checks that all ranks agree on the number of batches of each loader.
 
@@ -101,6 +137,7 @@ class BatchParityGuard(Guard):
         self.check_train = bool(check_train)
         self.check_eval = bool(check_eval)
         self._eval_batches_run: dict[str, int] = {}
+        self._eval_promised: dict[str, int | None] = {}
         self._train_checked_epoch: int | None = None
 
     def on_fit_start(self, facts: EventFacts) -> None:
@@ -121,10 +158,10 @@ class BatchParityGuard(Guard):
         """Compares the eval loader's planned count before its first batch."""
         if facts.loader is None or not self.check_eval:
             return
-        self._eval_batches_run[facts.loader.name] = 0
-        self._compare_planned(
-            f"eval_start/{facts.loader.name}", [facts.loader], "before the first eval batch"
-        )
+        name = facts.loader.name
+        self._eval_batches_run[name] = 0
+        self._eval_promised[name] = promised_batches(facts.loader)
+        self._compare_planned(f"eval_start/{name}", [facts.loader], "before the first eval batch")
 
     def on_eval_batch_end(self, facts: EventFacts) -> None:
         """Counts an eval batch that ran (no communication)."""
@@ -137,30 +174,30 @@ class BatchParityGuard(Guard):
         if facts.loader is None or not self.check_eval:
             return
         name = facts.loader.name
-        ran = self._eval_batches_run.pop(name, 0)
+        ran = EvalRun(self._eval_batches_run.pop(name, 0), self._eval_promised.pop(name, None))
         try:
-            mismatches = self.channel.exchange(
+            mismatch = self.channel.exchange(
                 f"{self.name}/eval_end/{name}",
-                {name: ran},
-                count_mismatches,
+                ran,
+                eval_run_mismatch,
                 timeout_s=self.eval_end_timeout_s,
             )
         except RanksMissingError as missing:
             self.violation(
                 BatchCountMismatchError(
                     f"{rank_label(missing.missing)} did not finish eval loader {name!r} within "
-                    f"{missing.timeout_s:g} s of the other ranks (this rank ran {_describe(ran)}). "
-                    "A rank that runs more eval batches than the others waits in an eval "
-                    f"collective that never completes. {FIX_ACTUAL} If eval is just slow on "
-                    "those ranks, raise `eval_end_timeout_s`."
+                    f"{missing.timeout_s:g} s of the other ranks (this rank {ran}). A rank that "
+                    "runs more eval batches than the others waits in an eval collective that "
+                    f"never completes. {FIX_ACTUAL} If eval is just slow on those ranks, raise "
+                    "`eval_end_timeout_s`."
                 )
             )
             return
-        if mismatches:
+        if mismatch:
             self.violation(
                 BatchCountMismatchError(
-                    f"Ranks ran different numbers of batches of eval loader {name!r}: "
-                    f"{mismatches[name]}. {FIX_ACTUAL}"
+                    f"Eval loader {name!r} did not run the same, promised number of batches on "
+                    f"every rank: {mismatch}. {FIX_ACTUAL}"
                 )
             )
 

@@ -6,11 +6,18 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset
 
 from rankguard.callbacks.events import LoaderFacts
 
-__all__ = ["LoaderSettings", "loader_settings", "planned_batches", "sample_accounting"]
+__all__ = [
+    "LoaderSettings",
+    "enforce_drop_last",
+    "loader_settings",
+    "planned_batches",
+    "promised_batches",
+    "sample_accounting",
+]
 
 
 def planned_batches(facts: LoaderFacts) -> int | None:
@@ -25,6 +32,19 @@ def planned_batches(facts: LoaderFacts) -> int | None:
         return len(facts.loader)
     except (TypeError, NotImplementedError):
         return None
+
+
+def promised_batches(facts: LoaderFacts) -> int | None:
+    """What the loader's own ``__len__`` promises for one pass (capped by the framework's plan).
+
+    ``None`` when the loader has no usable ``__len__``: a framework's batch
+    limit alone is a cap, not a promise.
+    """
+    try:
+        promised = len(facts.loader)
+    except (TypeError, NotImplementedError):
+        return None
+    return promised if facts.num_batches is None else min(promised, int(facts.num_batches))
 
 
 @dataclass(frozen=True)
@@ -141,9 +161,14 @@ def enforce_drop_last(loader: Any) -> bool:
 
     Returns:
         ``True`` if the loader now drops its remainders; ``False`` if it is
-        not a DataLoader with a standard ``BatchSampler`` (nothing changed).
+        not a map-style DataLoader with a standard ``BatchSampler`` (nothing
+        changed).
     """
-    if not isinstance(loader, DataLoader) or not isinstance(loader.batch_sampler, BatchSampler):
+    if (
+        not isinstance(loader, DataLoader)
+        or isinstance(loader.dataset, IterableDataset)  # batches come from the dataset itself
+        or not isinstance(loader.batch_sampler, BatchSampler)
+    ):
         return False
     sampler = loader.sampler
     if isinstance(sampler, DistributedSampler) and not sampler.drop_last:

@@ -1,0 +1,103 @@
+"""A real 2-rank Composer job with rankguard.
+
+Run: ``composer -n 2 composer_job.py OUT SCENARIO...``.
+
+Each scenario is a fresh Trainer in the same processes; outcomes per rank go
+to ``OUT/rank{N}.json`` (see tests/e2e/common.py).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from composer import Callback, Evaluator, Trainer
+from composer.models import ComposerClassifier
+from composer.utils import dist
+from torch.utils.data import DataLoader
+
+from rankguard.integrations.composer import RankGuard
+from tests.e2e.common import LyingSampler, Points, Recorder
+
+COUNTERS: dict[str, int] = {}
+
+
+class CountBatches(Callback):
+    """Counts the train and eval batches that actually ran on this rank."""
+
+    def batch_start(self, state, logger):
+        COUNTERS["train_batches"] = COUNTERS.get("train_batches", 0) + 1
+
+    def eval_batch_start(self, state, logger):
+        COUNTERS["eval_batches"] = COUNTERS.get("eval_batches", 0) + 1
+
+
+def model() -> ComposerClassifier:
+    torch.manual_seed(0)
+    return ComposerClassifier(torch.nn.Linear(4, 2), num_classes=2)
+
+
+def sharded(n: int, batch_size: int = 4, drop_last: bool = False, sampler=None) -> DataLoader:
+    """Points(n) sharded over the ranks by a DistributedSampler (or ``sampler``)."""
+    data = Points(n)
+    return DataLoader(
+        data,
+        batch_size=batch_size,
+        sampler=sampler or dist.get_sampler(data),
+        drop_last=drop_last,
+    )
+
+
+def fit(train: DataLoader, eval_loader: DataLoader, guard=None) -> None:
+    COUNTERS.clear()
+    trainer = Trainer(
+        model=model(),
+        train_dataloader=train,
+        eval_dataloader=Evaluator(label="eval", dataloader=eval_loader),
+        max_duration="1ep",
+        eval_interval="1ep",
+        device="cpu",
+        progress_bar=False,
+        log_to_console=False,
+        loggers=[],
+        callbacks=[guard or RankGuard(), CountBatches()],
+    )
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+
+
+def per_rank(n_rank0: int, n_rank1: int) -> int:
+    return n_rank0 if dist.get_global_rank() == 0 else n_rank1
+
+
+SCENARIOS = {
+    "healthy": lambda: fit(sharded(64), sharded(32)),
+    # Ranks built eval sets of different sizes: 2 vs 4 eval batches.
+    "uneven_eval": lambda: fit(sharded(64), sharded(per_rank(16, 32))),
+    # Ranks built train sets of different sizes: 2 vs 3 train batches.
+    "uneven_train": lambda: fit(sharded(per_rank(16, 24)), sharded(32)),
+    # drop_last differs: 18 samples per rank, 4 full batches + a partial one on rank 1.
+    "drop_last_mismatch": lambda: fit(
+        sharded(36, drop_last=dist.get_global_rank() == 0), sharded(32)
+    ),
+    # Both ranks claim 4 eval batches; rank 0 yields 2, rank 1 yields 4. Composer stops
+    # every rank when rank 0 runs out: rank 1's last 2 batches are silently skipped.
+    "lying_len": lambda: fit(
+        sharded(64),
+        sharded(64, sampler=LyingSampler(Points(64), 16, per_rank(8, 16))),
+        RankGuard(batch_parity_guard={"eval_end_timeout_s": 5}),
+    ),
+}
+
+
+def main() -> None:
+    out_dir, *names = sys.argv[1:]
+    recorder = Recorder(out_dir)
+    for name in names:
+        recorder.run(name, SCENARIOS[name], COUNTERS)
+
+
+if __name__ == "__main__":
+    main()

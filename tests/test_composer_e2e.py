@@ -1,0 +1,90 @@
+"""Real 2-rank Composer runs (``composer -n 2``, gloo on CPU) with rankguard.
+
+One launcher invocation runs every scenario in sequence (each a fresh
+Trainer); each check fires before ranks fall out of step, so the next
+scenario starts in step. A second invocation checks the process exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.framework
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "tests" / "e2e" / "composer_job.py"
+LAUNCHER = Path(sys.executable).parent / "composer"
+SCENARIOS = ["healthy", "uneven_eval", "uneven_train", "drop_last_mismatch", "lying_len"]
+
+
+def launch(out_dir: Path, *scenarios: str, reraise: bool = False, timeout: float = 240):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "E2E_RERAISE": "1" if reraise else "0"}
+    return subprocess.run(
+        [str(LAUNCHER), "-n", "2", str(JOB), str(out_dir), *scenarios],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=out_dir,
+    )
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("composer")
+    proc = launch(out_dir, *SCENARIOS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def both(outcomes, scenario):
+    return [per_rank[scenario] for per_rank in outcomes]
+
+
+def test_healthy_run_passes_with_no_rankguard_warning(outcomes):
+    for result in both(outcomes, "healthy"):
+        assert result["outcome"] == "ok", result.get("traceback")
+        assert result["warnings"] == []
+        assert result["counters"] == {"train_batches": 8, "eval_batches": 4}
+
+
+def test_uneven_eval_batches_fail_at_fit_start_before_any_batch(outcomes):
+    for result in both(outcomes, "uneven_eval"):
+        assert result["outcome"] == "BatchCountMismatchError"
+        assert "loader 'eval': rank 0: 2 batches; rank 1: 4 batches" in result["message"]
+        assert "Fix:" in result["message"]
+        assert result["counters"] == {}  # no train or eval batch ran on any rank
+
+
+def test_uneven_train_batches_fail_at_fit_start(outcomes):
+    for result in both(outcomes, "uneven_train"):
+        assert result["outcome"] == "BatchCountMismatchError"
+        assert "loader 'train': rank 0: 2 batches; rank 1: 3 batches" in result["message"]
+        assert result["counters"] == {}
+
+
+def test_drop_last_differing_between_ranks_fails_at_fit_start(outcomes):
+    for result in both(outcomes, "drop_last_mismatch"):
+        assert result["outcome"] == "DropLastMismatchError"
+        assert "loader 'train': drop_last: rank 0: True, rank 1: False" in result["message"]
+        assert result["counters"] == {}
+
+
+def test_sampler_whose_len_lies_is_caught_after_eval(outcomes):
+    # Composer stops both ranks when rank 0 runs out: rank 1's data is silently skipped.
+    for result in both(outcomes, "lying_len"):
+        assert result["outcome"] == "BatchCountMismatchError"
+        assert "ranks 0,1: ran 2 of 4 batches its __len__ promised" in result["message"]
+        assert result["counters"]["eval_batches"] == 2
+
+
+def test_uncaught_error_ends_the_job_with_a_nonzero_exit_code(tmp_path):
+    proc = launch(tmp_path, "uneven_eval", reraise=True, timeout=120)
+    assert proc.returncode != 0
+    assert "BatchCountMismatchError" in proc.stdout + proc.stderr

@@ -1,0 +1,166 @@
+"""Core guards without a framework: decisions, messages, validation, registry."""
+
+from __future__ import annotations
+
+import pytest
+from torch.utils.data import DataLoader, DistributedSampler
+
+from rankguard.callbacks import (
+    GUARDS,
+    BatchCountMismatchError,
+    BatchParityGuard,
+    DropLastGuard,
+    DropLastMismatchError,
+    Event,
+    EventFacts,
+    LoaderFacts,
+    SideChannel,
+    build_guards,
+)
+from rankguard.callbacks.batch_parity import EvalRun, count_mismatches, eval_run_mismatch
+from rankguard.callbacks.drop_last import settings_mismatches
+from rankguard.callbacks.loaders import (
+    enforce_drop_last,
+    loader_settings,
+    promised_batches,
+    sample_accounting,
+)
+from rankguard.callbacks.ranks import format_groups, format_ranks
+from tests.e2e.common import Points, Stream
+from tests.mp import run_ranks
+
+
+def test_rank_ranges_stay_compact_at_1024_ranks():
+    counts = {r: 2 if r < 512 else 3 for r in range(1024)}
+    assert format_groups(counts, lambda n: f"{n} batches") == (
+        "ranks 0-511: 2 batches; ranks 512-1023: 3 batches"
+    )
+    assert format_ranks([5, 0, 1, 2, 9, 7, 8]) == "0-2,5,7-9"
+    assert format_ranks([3, 4]) == "3,4"
+    assert format_groups({0: 1}) == "rank 0: 1"
+
+
+def test_count_mismatches_groups_ranks_and_ignores_equal_loaders():
+    per_rank = {0: {"eval": 2, "train": 5}, 1: {"eval": 4, "train": 5}, 2: {"eval": 2, "train": 5}}
+    assert count_mismatches(per_rank) == {"eval": "ranks 0,2: 2 batches; rank 1: 4 batches"}
+    assert count_mismatches({0: {"s": None}, 1: {"s": None}}) == {}
+    assert "unknown count" in count_mismatches({0: {"s": None}, 1: {"s": 3}})["s"]
+
+
+def test_eval_run_mismatch_flags_uneven_runs_and_broken_len_promises():
+    assert eval_run_mismatch({0: EvalRun(4, 4), 1: EvalRun(4, 4)}) == ""
+    assert eval_run_mismatch({0: EvalRun(3, None), 1: EvalRun(3, None)}) == ""
+    assert eval_run_mismatch({0: EvalRun(2, None), 1: EvalRun(4, None)}) == (
+        "rank 0: ran 2 batches; rank 1: ran 4 batches"
+    )
+    assert eval_run_mismatch({0: EvalRun(2, 4), 1: EvalRun(2, 4)}) == (
+        "ranks 0,1: ran 2 of 4 batches its __len__ promised"
+    )
+
+
+def test_loader_facts_read_without_iterating():
+    data = Points(10)
+    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 4, 0))
+    settings = loader_settings(loader)
+    assert (settings.batch_size, settings.drop_last, settings.dist_num_replicas) == (4, False, 4)
+    acc = sample_accounting(loader)
+    assert (acc.samples, acc.padded, acc.last_batch) == (3, 2, 3)
+    assert promised_batches(LoaderFacts("x", loader, False, num_batches=None)) == 1
+    assert promised_batches(LoaderFacts("x", DataLoader(Stream(8)), False, 5)) is None
+
+
+def test_enforce_drop_last_gives_full_batches_only():
+    data = Points(18)
+    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, 2, 1))
+    assert len(loader) == 3  # 9 samples: 2 full batches and a partial one
+    assert enforce_drop_last(loader)
+    assert len(loader) == 2
+    assert [len(b[0]) for b in loader] == [4, 4]
+    assert not enforce_drop_last(DataLoader(Stream(4)))
+
+
+def test_settings_mismatches_name_each_differing_setting():
+    a = loader_settings(DataLoader(Points(8), batch_size=4, drop_last=True))
+    b = loader_settings(DataLoader(Points(8), batch_size=2, drop_last=False))
+    desc = settings_mismatches({0: {"train": a}, 1: {"train": b}})["train"]
+    assert "batch_size: rank 0: 4, rank 1: 2" in desc
+    assert "drop_last: rank 0: True, rank 1: False" in desc
+    assert "<no such loader>" in settings_mismatches({0: {"train": a}, 1: {}})["train"]
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "argument"),
+    [
+        (BatchParityGuard, {"on_violation": "ignore"}, "on_violation"),
+        (BatchParityGuard, {"eval_end_timeout_s": 0}, "eval_end_timeout_s"),
+        (DropLastGuard, {"mode": "fix"}, "mode"),
+    ],
+)
+def test_invalid_settings_raise_value_error_naming_the_argument(cls, kwargs, argument):
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        cls(**kwargs)
+
+
+def test_registry_builds_all_guards_and_rejects_unknown_names():
+    assert [g.name for g in build_guards({})] == list(GUARDS)
+    assert [g.name for g in build_guards({"drop_last_guard": False})] == ["batch_parity_guard"]
+    with pytest.raises(ValueError, match="Did you mean 'batch_parity_guard'"):
+        build_guards({"batch_parity": {}})
+    with pytest.raises(ValueError, match="Did you mean 'eval_end_timeout_s'"):
+        build_guards({"batch_parity_guard": {"eval_timeout_s": 3}})
+
+
+def test_warn_mode_logs_instead_of_raising(caplog):
+    guard = BatchParityGuard(on_violation="warn")
+    guard.violation(BatchCountMismatchError("ranks differ"))
+    assert "ranks differ" in caplog.text
+
+
+def _uneven_eval_on_rank(rank, world_size, on_violation):
+    guard = BatchParityGuard(on_violation=on_violation)
+    guard.bind(SideChannel.from_environment(timeout_s=20))
+    loader = DataLoader(Points(8 if rank == 1 else 16), batch_size=4)
+    guard.handle(Event.EVAL_START, EventFacts(loader=LoaderFacts("val", loader, False)))
+    return "passed"
+
+
+def test_uneven_eval_counts_are_raised_on_every_rank_with_grouped_counts():
+    outcomes = run_ranks(_uneven_eval_on_rank, 3, "raise", timeout_s=60)
+    for o in outcomes:
+        assert o.error_type == "BatchCountMismatchError"
+        assert "loader 'val': ranks 0,2: 4 batches; rank 1: 2 batches" in o.error
+
+
+def _rank_never_finishes_eval(rank, world_size):
+    import time
+
+    guard = BatchParityGuard(eval_end_timeout_s=2)
+    guard.bind(SideChannel.from_environment(timeout_s=20))
+    facts = EventFacts(loader=LoaderFacts("val", DataLoader(Points(8), batch_size=4), False))
+    guard.handle(Event.EVAL_START, facts)
+    if rank == 1:
+        time.sleep(15)  # stuck in eval
+    guard.handle(Event.EVAL_END, facts)
+
+
+def test_after_eval_check_names_the_rank_stuck_in_eval_instead_of_hanging():
+    outcomes = run_ranks(_rank_never_finishes_eval, 2, timeout_s=60)
+    assert outcomes[0].error_type == "BatchCountMismatchError"
+    assert "rank 1 did not finish eval loader 'val' within 2 s" in outcomes[0].error
+    assert outcomes[0].elapsed_s < 10
+
+
+def _drop_last_differs(rank, world_size):
+    guard = DropLastGuard()
+    guard.bind(SideChannel.from_environment(timeout_s=20))
+    data = Points(20)
+    loader = DataLoader(
+        data, batch_size=4, sampler=DistributedSampler(data, world_size, rank), drop_last=rank == 0
+    )
+    guard.handle(Event.FIT_START, EventFacts(loaders=[LoaderFacts("train", loader, True)]))
+
+
+def test_drop_last_mismatch_names_the_setting_and_ranks():
+    for o in run_ranks(_drop_last_differs, 2, timeout_s=60):
+        assert o.error_type == DropLastMismatchError.__name__
+        assert "drop_last: rank 0: True, rank 1: False" in o.error
