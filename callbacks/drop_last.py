@@ -114,6 +114,8 @@ class DropLastGuard(Guard):
         for lf in facts.loaders:
             if self.mode == "enforce" and lf.is_train:
                 self._enforce(lf.name, lf.loader)
+                # The framework planned from the old length; what will run is the new one.
+                lf.num_batches = len(lf.loader)
             accounting = sample_accounting(lf.loader)
             self._report(lf.name, lf.is_train, accounting)
 

@@ -67,9 +67,13 @@ class Guard:
         self.channel = channel
         self.log_metrics = log_metrics or _no_metrics
 
+    def handler(self, event: Event) -> Callable[[EventFacts], None] | None:
+        """The guard's handler for ``event`` (its ``on_<event>`` method), if it has one."""
+        return getattr(self, f"on_{event.value}", None)
+
     def handle(self, event: Event, facts: EventFacts) -> None:
         """Runs the guard's handler for ``event``, if it has one."""
-        handler = getattr(self, f"on_{event.value}", None)
+        handler = self.handler(event)
         if handler is not None:
             handler(facts)
 
@@ -109,13 +113,21 @@ class GuardRunner:
         self.guards = list(guards)
         self.timeout_s = check_positive("timeout_s", timeout_s)
         self.channel: SideChannel | None = None
+        self._handlers = {
+            event: [h for g in self.guards if (h := g.handler(event)) is not None]
+            for event in Event
+        }
+
+    def handles(self, event: Event) -> bool:
+        """Whether any guard handles ``event`` (adapters skip reading facts otherwise)."""
+        return bool(self._handlers[event]) or event is Event.FIT_START
 
     def fire(self, event: Event, facts: EventFacts, log_metrics: MetricSink | None = None) -> None:
         """Dispatches ``event`` to every guard in order."""
         if event is Event.FIT_START or self.channel is None:
             self.open(log_metrics)
-        for guard in self.guards:
-            guard.handle(event, facts)
+        for handler in self._handlers[event]:
+            handler(facts)
 
     def open(self, log_metrics: MetricSink | None = None) -> None:
         """Creates the side channel and binds the guards (idempotent per fit)."""

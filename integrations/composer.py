@@ -114,7 +114,7 @@ class _ComposerAdapter(Callback):
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Translates a Composer event and dispatches it to the guards."""
         core_event = _EVENTS.get(event)
-        if core_event is None:
+        if core_event is None or not self.runner.handles(core_event):
             return
         self.runner.fire(core_event, event_facts(core_event, state), logger.log_metrics)
 

@@ -85,6 +85,8 @@ class _LightningAdapter(Callback):
         self._val: list[LoaderFacts] = []
 
     def _fire(self, trainer: pl.Trainer, event: Event, **facts: Any) -> None:
+        if not self.runner.handles(event):
+            return
         self._trainer = trainer
         event_facts = EventFacts(step=trainer.global_step, epoch=trainer.current_epoch, **facts)
         self.runner.fire(event, event_facts, self._log_metrics)

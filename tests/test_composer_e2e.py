@@ -20,7 +20,14 @@ pytestmark = pytest.mark.framework
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "e2e" / "composer_job.py"
 LAUNCHER = Path(sys.executable).parent / "composer"
-SCENARIOS = ["healthy", "uneven_eval", "uneven_train", "drop_last_mismatch", "lying_len"]
+SCENARIOS = [
+    "healthy",
+    "uneven_eval",
+    "uneven_train",
+    "drop_last_mismatch",
+    "drop_last_enforce",
+    "lying_len",
+]
 
 
 def launch(out_dir: Path, *scenarios: str, reraise: bool = False, timeout: float = 240):
@@ -74,6 +81,13 @@ def test_drop_last_differing_between_ranks_fails_at_fit_start(outcomes):
         assert result["outcome"] == "DropLastMismatchError"
         assert "loader 'train': drop_last: rank 0: True, rank 1: False" in result["message"]
         assert result["counters"] == {}
+
+
+def test_enforced_drop_last_gives_every_rank_the_same_full_batches(outcomes):
+    for result in both(outcomes, "drop_last_enforce"):
+        assert result["outcome"] == "ok", result.get("traceback")
+        assert result["warnings"] == []
+        assert result["counters"]["train_batches"] == 8
 
 
 def test_sampler_whose_len_lies_is_caught_after_eval(outcomes):

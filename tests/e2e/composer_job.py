@@ -82,6 +82,11 @@ SCENARIOS = {
     "drop_last_mismatch": lambda: fit(
         sharded(36, drop_last=dist.get_global_rank() == 0), sharded(32)
     ),
+    # Ranks hold 32 and 34 train samples (8 vs 9 batches, the last partial); enforced
+    # drop_last gives both 8 full batches.
+    "drop_last_enforce": lambda: fit(
+        sharded(per_rank(64, 68)), sharded(32), RankGuard(drop_last_guard={"mode": "enforce"})
+    ),
     # Both ranks claim 4 eval batches; rank 0 yields 2, rank 1 yields 4. Composer stops
     # every rank when rank 0 runs out: rank 1's last 2 batches are silently skipped.
     "lying_len": lambda: fit(
