@@ -132,7 +132,16 @@ class GuardRunner:
     def open(self, log_metrics: MetricSink | None = None) -> None:
         """Creates the side channel and binds the guards (idempotent per fit)."""
         if self.channel is None:
-            self.channel = SideChannel.from_environment(timeout_s=self.timeout_s)
+            try:
+                self.channel = SideChannel.from_environment(timeout_s=self.timeout_s)
+            except Exception as exc:  # never turn a healthy run into a failed one
+                logger.warning(
+                    "rankguard: cannot reach the other ranks (%s: %s); cross-rank checks are "
+                    "off for this run",
+                    type(exc).__name__,
+                    exc,
+                )
+                self.channel = SideChannel(None)
         for guard in self.guards:
             guard.bind(self.channel, log_metrics)
 

@@ -1,0 +1,105 @@
+"""The adapters' contract: every callback builds, closes twice, and is silent at world size 1."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from rankguard.callbacks import GUARDS, Event
+from rankguard.callbacks import events as events_module
+from rankguard.integrations import composer as rg_composer
+from rankguard.integrations import lightning as rg_lightning
+from tests.e2e.common import Points
+
+ADAPTERS = [rg_composer, rg_lightning]
+
+
+def callback_classes(module):
+    return [getattr(module, name) for name in module.__all__]
+
+
+@pytest.mark.parametrize("module", ADAPTERS, ids=lambda m: m.__name__)
+def test_each_adapter_exports_rank_guard_and_every_guard(module):
+    camel = {"".join(p.title() for p in name.split("_")) for name in GUARDS}
+    assert set(module.__all__) == camel | {"RankGuard"}
+
+
+@pytest.mark.parametrize("module", ADAPTERS, ids=lambda m: m.__name__)
+def test_every_callback_closes_twice_safely(module):
+    for cls in callback_classes(module):
+        callback = cls()
+        if module is rg_composer:
+            callback.close(None, None)
+            callback.close(None, None)
+        else:
+            callback.on_exception(None, None, RuntimeError("boom"))
+            callback.teardown(None, None, "fit")
+            callback.teardown(None, None, "fit")
+
+
+@pytest.mark.parametrize("module", ADAPTERS, ids=lambda m: m.__name__)
+def test_rank_guard_rejects_unknown_guard_names(module):
+    with pytest.raises(ValueError, match="Did you mean 'drop_last_guard'"):
+        module.RankGuard(droplast_guard={})
+
+
+def test_every_core_event_is_in_the_documented_table():
+    doc = events_module.__doc__
+    for event in Event:
+        assert event.name in doc
+
+
+def test_composer_single_process_fit_is_silent(caplog):
+    from composer import Evaluator, Trainer
+    from composer.models import ComposerClassifier
+
+    caplog.set_level(logging.WARNING, logger="rankguard")
+    trainer = Trainer(
+        model=ComposerClassifier(torch.nn.Linear(4, 2), num_classes=2),
+        train_dataloader=DataLoader(Points(16), batch_size=4),
+        eval_dataloader=Evaluator(label="eval", dataloader=DataLoader(Points(8), batch_size=4)),
+        max_duration="1ep",
+        device="cpu",
+        progress_bar=False,
+        log_to_console=False,
+        loggers=[],
+        callbacks=[rg_composer.RankGuard()],
+    )
+    trainer.fit()
+    trainer.close()
+    assert [r for r in caplog.records if r.name.startswith("rankguard")] == []
+
+
+def test_lightning_single_process_fit_is_silent(caplog):
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    caplog.set_level(logging.WARNING, logger="rankguard")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[rg_lightning.RankGuard()],
+    )
+    trainer.fit(Module(), DataLoader(Points(16), batch_size=4), DataLoader(Points(8), batch_size=4))
+    assert [r for r in caplog.records if r.name.startswith("rankguard")] == []
