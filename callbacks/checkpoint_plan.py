@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rankguard.callbacks.ranks import format_ranks
+from rankguard.callbacks.ranks import format_ranks, rank_label
 
 __all__ = [
     "MATERIALIZE",
@@ -67,7 +67,7 @@ class RankMemory:
     node: str
     local_rank: int
     state_bytes: int
-    state_on_host: bool
+    state_sharded: bool
     available_bytes: int | None
     source: str
 
@@ -167,7 +167,8 @@ def plan_save(
     """
     world = len(per_rank)
     lead = per_rank[min(per_rank)]
-    factor = (0.0 if lead.state_on_host else 1.0) + overhead
+    copy = 1.0 if lead.state_sharded else 0.0
+    factor = copy + overhead
     per_copy = int(lead.state_bytes * factor)
     per_shard = int(-(-lead.state_bytes // world) * factor)
     groups: dict[str, list[int]] = {}
@@ -194,8 +195,9 @@ def plan_save(
     kind = "sharded" if state_dict_type == "sharded" else "full"
     summary = (
         f"a {kind} checkpoint save needs {format_bytes(worst.needed_bytes)} of host memory on node "
-        f"{worst.node} (ranks {format_ranks(worst.ranks)}; state "
-        f"{format_bytes(lead.state_bytes)} x ({factor:g} = consolidated copy + serialisation), "
+        f"{worst.node} ({rank_label(worst.ranks)}; state "
+        f"{format_bytes(lead.state_bytes)} x ({copy:g} consolidated copy + {overhead:g} "
+        "serialisation), "
         f"materialised on {'every local rank' if materialize == 'every_rank' else 'rank 0'}) "
         f"and {format_bytes(worst.available_bytes)} is available ({worst.source})"
     )

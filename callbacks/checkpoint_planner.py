@@ -9,8 +9,10 @@ with no warning. Before the first save the planner estimates, per node:
 
 * state bytes: parameters, buffers and optimizer state, by dtype
   (:func:`~rankguard.callbacks.state_size.estimate_state_size`);
-* consolidated copy: 1, or 0 when the state already lives unsharded in
-  host memory (a CPU model: ``state_dict()`` aliases it);
+* consolidated copy: 1 for a sharded model (FSDP gathers the full state
+  dict into host memory, ``offload_to_cpu``), 0 for an unsharded one
+  (``torch.save`` copies a GPU tensor to the host one storage at a time, and
+  a CPU model's ``state_dict()`` aliases its tensors);
 * serialisation overhead (:data:`WRITER_OVERHEAD`, measured by
   ``benchmarks/checkpoint_memory.py``): ``torch.save`` to a file adds almost
   nothing (it writes each storage from its own memory); saving to an
@@ -153,7 +155,7 @@ class CheckpointPlanner(Guard):
             node=_node_key(),
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             state_bytes=size.total,
-            state_on_host=size.on_host,
+            state_sharded=size.sharded,
             available_bytes=self.host_memory_bytes or memory.available_bytes,
             source="host_memory_bytes" if self.host_memory_bytes else memory.source,
         )

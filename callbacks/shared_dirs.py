@@ -85,9 +85,10 @@ def _probe(paths: Sequence[str], markers: Mapping[int, Marker | None], wait_s: f
     while True:
         for i, marker in markers.items():
             seen[i] = seen[i] or (marker is not None and marker_seen(paths[i], marker))
-        if all(seen.values()) or time.monotonic() >= deadline:
+        left = deadline - time.monotonic()
+        if all(seen.values()) or left <= 0:
             return seen
-        time.sleep(pause)
+        time.sleep(min(pause, left))
         pause = min(pause * 2, 0.25)
 
 

@@ -54,15 +54,16 @@ class StateSize:
         buffers: Bytes of buffers, by dtype name.
         optimizer: Bytes of optimizer state, by dtype name.
         optimizer_measured: Whether optimizer state was measured (else predicted).
-        on_host: Whether every tensor already lives in host memory unsharded,
-            so a ``state_dict()`` aliases it rather than copying it.
+        sharded: Whether the model is sharded (FSDP1/FSDP2, DTensor): a full
+            save then gathers a consolidated copy into host memory, whereas
+            ``torch.save`` of an unsharded model streams one storage at a time.
     """
 
     params: dict[str, int] = field(default_factory=dict)
     buffers: dict[str, int] = field(default_factory=dict)
     optimizer: dict[str, int] = field(default_factory=dict)
     optimizer_measured: bool = False
-    on_host: bool = False
+    sharded: bool = False
 
     @property
     def total(self) -> int:
@@ -76,6 +77,9 @@ class StateSize:
             for dtype, nbytes in part.items():
                 out[dtype] += nbytes
         return dict(out)
+
+
+_SHARDED_TENSORS = ("DTensor", "FlatParameter")
 
 
 def _dtype_name(tensor: Any) -> str:
@@ -146,14 +150,13 @@ def estimate_state_size(
     params = list(model.parameters())
     buffers = list(model.buffers())
     opt, measured = _optimizer_state(optimizer, shard_world_size) if optimizer else ({}, False)
-    on_host = all(
-        t.device.type == "cpu" and type(t).__name__ not in ("DTensor", "FlatParameter")
-        for t in params + buffers
+    sharded = any(type(t).__name__ in _SHARDED_TENSORS for t in params) or any(
+        type(m).__name__.startswith(("FullyShardedDataParallel", "FSDP")) for m in model.modules()
     )
     return StateSize(
         params=_sum_by_dtype(params, shard_world_size),
         buffers=_sum_by_dtype(buffers, shard_world_size),
         optimizer=opt,
         optimizer_measured=measured,
-        on_host=on_host,
+        sharded=sharded,
     )
