@@ -70,6 +70,7 @@ class RankMemory:
     state_sharded: bool
     available_bytes: int | None
     source: str
+    largest_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,8 @@ def plan_save(
     lead = per_rank[min(per_rank)]
     copy = 1.0 if lead.state_sharded else 0.0
     factor = copy + overhead
-    per_copy = int(lead.state_bytes * factor)
+    streamed = 0 if lead.state_sharded else lead.largest_bytes  # one storage at a time
+    per_copy = int(lead.state_bytes * factor) + streamed
     per_shard = int(-(-lead.state_bytes // world) * factor)
     groups: dict[str, list[int]] = {}
     for rank in sorted(per_rank):

@@ -11,8 +11,9 @@ with no warning. Before the first save the planner estimates, per node:
   (:func:`~rankguard.callbacks.state_size.estimate_state_size`);
 * consolidated copy: 1 for a sharded model (FSDP gathers the full state
   dict into host memory, ``offload_to_cpu``), 0 for an unsharded one
-  (``torch.save`` copies a GPU tensor to the host one storage at a time, and
-  a CPU model's ``state_dict()`` aliases its tensors);
+  (``torch.save`` copies a GPU tensor to the host one storage at a time, so
+  the largest tensor is added instead, and a CPU model's ``state_dict()``
+  aliases its tensors);
 * serialisation overhead (:data:`WRITER_OVERHEAD`, measured by
   ``benchmarks/checkpoint_memory.py``): ``torch.save`` to a file adds almost
   nothing (it writes each storage from its own memory); saving to an
@@ -158,6 +159,7 @@ class CheckpointPlanner(Guard):
             state_sharded=size.sharded,
             available_bytes=self.host_memory_bytes or memory.available_bytes,
             source="host_memory_bytes" if self.host_memory_bytes else memory.source,
+            largest_bytes=size.largest,
         )
         sdt = getattr(facts, "state_dict_type", None) or self.state_dict_type
         plan = channel.exchange(

@@ -37,10 +37,14 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from rankguard.callbacks.dir_probe import Marker, inspect_path, marker_seen, write_marker
-from rankguard.callbacks.dir_probe import node_identity as node_identity
+from rankguard.callbacks.dir_probe import (
+    Marker,
+    inspect_path,
+    marker_seen,
+    node_identity,
+    write_marker,
+)
 from rankguard.callbacks.errors import SharedDirCreateError, SharedDirTimeoutError
 from rankguard.callbacks.events import EventFacts
 from rankguard.callbacks.guard import Guard, check_positive
@@ -236,7 +240,7 @@ class SharedDirBarrier(Guard):
         """Makes the directories of this save visible to every rank."""
         self.run(facts.directories, "checkpoint_save_start")
 
-    def run(self, directories: Sequence[str], where: str) -> Any:
+    def run(self, directories: Sequence[str], where: str) -> DirReport | None:
         """Runs the barrier (every rank, even with no directories, to stay in step)."""
         if not directories and not self.channel.is_distributed:
             return None

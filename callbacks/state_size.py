@@ -54,6 +54,8 @@ class StateSize:
         buffers: Bytes of buffers, by dtype name.
         optimizer: Bytes of optimizer state, by dtype name.
         optimizer_measured: Whether optimizer state was measured (else predicted).
+        largest: Bytes of the largest single tensor (``torch.save`` of an
+            unsharded GPU model holds one such host copy at a time).
         sharded: Whether the model is sharded (FSDP1/FSDP2, DTensor): a full
             save then gathers a consolidated copy into host memory, whereas
             ``torch.save`` of an unsharded model streams one storage at a time.
@@ -63,6 +65,7 @@ class StateSize:
     buffers: dict[str, int] = field(default_factory=dict)
     optimizer: dict[str, int] = field(default_factory=dict)
     optimizer_measured: bool = False
+    largest: int = 0
     sharded: bool = False
 
     @property
@@ -153,10 +156,12 @@ def estimate_state_size(
     sharded = any(type(t).__name__ in _SHARDED_TENSORS for t in params) or any(
         type(m).__name__.startswith(("FullyShardedDataParallel", "FSDP")) for m in model.modules()
     )
+    largest = max((_global_bytes(t, shard_world_size) for t in params + buffers), default=0)
     return StateSize(
         params=_sum_by_dtype(params, shard_world_size),
         buffers=_sum_by_dtype(buffers, shard_world_size),
         optimizer=opt,
         optimizer_measured=measured,
+        largest=largest,
         sharded=sharded,
     )
