@@ -56,7 +56,7 @@ from rankguard.callbacks.errors import CheckpointMemoryError
 from rankguard.callbacks.events import EventFacts
 from rankguard.callbacks.guard import Guard, check_choice
 from rankguard.callbacks.host_memory import host_memory_available
-from rankguard.callbacks.state_size import estimate_state_size
+from rankguard.callbacks.state_size import StateSize, estimate_state_size
 
 __all__ = ["CheckpointPlanner"]
 
@@ -150,7 +150,11 @@ class CheckpointPlanner(Guard):
                 fit, or ``mode="auto"`` and a sharded save does not fit either.
         """
         channel = self.channel
-        size = estimate_state_size(model, optimizer, shard_world_size=channel.world_size)
+        try:
+            size = estimate_state_size(model, optimizer, shard_world_size=channel.world_size)
+        except Exception as exc:  # never fail a healthy run over an estimate
+            self.warn_once("estimate", "cannot estimate the checkpoint size (%s); skipped", exc)
+            size = StateSize()
         memory = host_memory_available()
         mine = RankMemory(
             node=_node_key(),

@@ -174,6 +174,11 @@ def ensure_shared_dirs(
         if channel.rank in plan.creators[i]:
             try:
                 os.makedirs(absolute[i], exist_ok=True)
+            except FileExistsError as exc:
+                # Not seen here but the server has it (NFS negative cache): wait below,
+                # unless what is there is visibly not a directory.
+                if os.path.lexists(absolute[i]):
+                    errors[i] = f"{type(exc).__name__}: {exc}"
             except OSError as exc:
                 errors[i] = f"{type(exc).__name__}: {exc}"
     _raise(channel.exchange(f"{name}/created", errors, planner.created))
