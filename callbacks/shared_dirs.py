@@ -51,7 +51,7 @@ from rankguard.callbacks.guard import Guard, check_positive
 from rankguard.callbacks.shared_dirs_plan import BarrierPlanner, Verdict
 from rankguard.callbacks.side_channel import SideChannel
 
-__all__ = ["DirReport", "SharedDirBarrier", "ensure_shared_dirs"]
+__all__ = ["DirReport", "SharedDirBarrier", "ensure_shared_dirs", "local_paths"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +111,20 @@ def _wait(paths: Sequence[str], pending: Sequence[int], timeout_s: float, poll_s
         pause = min(pause * 1.5, max(poll_s, 2.0))
 
 
+def local_paths(paths: Sequence[str]) -> list[str]:
+    """Drops remote URIs (``s3://``, ``oci://``...), strips ``file://``, keeps plain paths."""
+    out = []
+    for path in paths:
+        scheme, sep, rest = str(path).partition("://")
+        if not sep:
+            out.append(str(path))
+        elif scheme == "file":
+            out.append(rest)
+        else:
+            logger.debug("rankguard: %s is remote; no directory to share", path)
+    return out
+
+
 def ensure_shared_dirs(
     paths: Sequence[str],
     channel: SideChannel,
@@ -126,7 +140,8 @@ def ensure_shared_dirs(
     may resolve differently per rank).
 
     Args:
-        paths: Directories, absolute or relative to each rank's cwd.
+        paths: Directories, absolute or relative to each rank's cwd; remote
+            URIs (``s3://...``) are skipped, ``file://`` is stripped.
         channel: The side channel (a local one at world size 1).
         timeout_s: How long a rank polls for a path to appear (seconds).
         poll_s: First polling interval; it grows 1.5x up to 2 s.
@@ -135,13 +150,13 @@ def ensure_shared_dirs(
         name: Prefix of the side-channel exchange names.
 
     Returns:
-        What was found and done.
+        What was found and done (for the local paths only).
 
     Raises:
         SharedDirCreateError: A path is blocked or could not be created.
         SharedDirTimeoutError: Some rank did not see a path within ``timeout_s``.
     """
-    states = [inspect_path(p) for p in paths]
+    states = [inspect_path(p) for p in local_paths(paths)]
     absolute = [s.path for s in states]
     planner = BarrierPlanner(timeout_s)  # its decide methods run on rank 0 only
     look = channel.exchange(f"{name}/look", (node_identity(), states), planner.look)

@@ -184,6 +184,14 @@ def test_single_rank_creates_relative_dirs_and_reports_them_absolute(tmp_path, m
     assert again.created_by == {str(tmp_path / "a" / "b"): []}
 
 
+def test_remote_uris_are_skipped_and_file_uris_are_local(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    paths = ["s3://bucket/ckpt", f"file://{tmp_path}/x", "y"]
+    report = ensure_shared_dirs(paths, SideChannel(None))
+    assert report.paths == [str(tmp_path / "x"), str(tmp_path / "y")]
+    assert sorted(os.listdir(tmp_path)) == ["x", "y"]  # no "s3:" directory
+
+
 def test_guard_warns_instead_of_raising_when_asked(tmp_path, caplog):
     (tmp_path / "f").write_text("x")
     facts = EventFacts(directories=[str(tmp_path / "f" / "model")])
