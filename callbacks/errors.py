@@ -15,6 +15,7 @@ __all__ = [
     "HangDetectedError",
     "RankGuardError",
     "RanksMissingError",
+    "SharedDirCreateError",
     "SharedDirTimeoutError",
 ]
 
@@ -49,6 +50,10 @@ class DropLastMismatchError(RankGuardError):
 
 class SharedDirTimeoutError(RankGuardError):
     """Some ranks could not see a directory another rank created within the timeout."""
+
+
+class SharedDirCreateError(RankGuardError):
+    """A directory could not be created (permission, a file in the way) on some rank."""
 
 
 class CheckpointMemoryError(RankGuardError):

@@ -1,0 +1,83 @@
+"""Overhead of the shared-directory barrier at 2 ranks on a local filesystem.
+
+Measures, per rank (gloo, file store, CPU), the median and worst wall time of:
+
+* ``channel.barrier``: one side-channel exchange, the floor;
+* ``ensure_shared_dirs`` when every rank already sees the directories (the
+  every-checkpoint case: one exchange);
+* ``ensure_shared_dirs`` on fresh directories: look, marker probe, create,
+  wait and release (five exchanges, a marker write and removal, a mkdir);
+* the same with each rank on its own simulated node (``NODE_RANK``), where
+  the directories are node-local and every rank waits ``probe_wait_s``
+  (0.2 s here) for a marker it will never see.
+
+Run: ``.venv/bin/python benchmarks/shared_dirs.py`` (about 30 s).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+REPEATS = 30
+
+
+def _timed(fn, repeats):
+    times = []
+    for i in range(repeats):
+        started = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times), max(times)
+
+
+def _bench(rank, world_size, base):
+    from rankguard.callbacks.shared_dirs import ensure_shared_dirs
+    from rankguard.callbacks.side_channel import SideChannel
+
+    channel = SideChannel.from_environment(timeout_s=30)
+    existing = [os.path.join(base, "shared", "existing", d) for d in ("model", "optim", "train")]
+    os.makedirs(existing[0], exist_ok=True)  # the others are created by the first call
+    results = {"channel.barrier": _timed(lambda i: channel.barrier("b"), REPEATS)}
+    ensure_shared_dirs(existing, channel)
+    results["existing dirs (3)"] = _timed(lambda i: ensure_shared_dirs(existing, channel), REPEATS)
+
+    def fresh(i):
+        paths = [os.path.join(base, "shared", f"fresh{i}", d) for d in ("model", "optim", "train")]
+        ensure_shared_dirs(paths, channel)
+
+    results["fresh shared dirs (3)"] = _timed(fresh, REPEATS)
+    os.environ["NODE_RANK"] = str(rank)
+    node_root = os.path.join(base, f"node{rank}")
+    os.makedirs(node_root, exist_ok=True)
+
+    def local(i):
+        paths = [os.path.join(node_root, f"fresh{i}", d) for d in ("model", "optim", "train")]
+        ensure_shared_dirs(paths, channel, probe_wait_s=0.2)
+
+    results["fresh node-local dirs (3)"] = _timed(local, 10)
+    return results
+
+
+def main() -> None:
+    from tests.mp import run_ranks
+
+    with tempfile.TemporaryDirectory() as base:
+        outcomes = run_ranks(_bench, 2, base, timeout_s=120)
+    for o in outcomes:
+        if o.error:
+            raise SystemExit(o.error)
+    print(f"{'case (2 ranks, local ext4)':<28} {'rank':>4} {'median ms':>10} {'max ms':>8}")
+    for case in outcomes[0].value:
+        for o in outcomes:
+            median, worst = o.value[case]
+            print(f"{case:<28} {o.rank:>4} {median * 1e3:10.2f} {worst * 1e3:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

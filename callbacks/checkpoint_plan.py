@@ -1,0 +1,220 @@
+"""The pure decision of :class:`~rankguard.callbacks.checkpoint_planner.CheckpointPlanner`.
+
+:func:`plan_save` turns what every rank reports (node, state size, memory
+available) into a :class:`CheckpointPlan`: per node, the host memory a full
+and a sharded save need against what is available, an action and a reason.
+It runs on the side channel's deciding rank, so every rank gets the same plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rankguard.callbacks.ranks import format_ranks, rank_label
+
+__all__ = [
+    "MATERIALIZE",
+    "MODES",
+    "WRITER_OVERHEAD",
+    "CheckpointPlan",
+    "NodeBudget",
+    "RankMemory",
+    "format_bytes",
+    "plan_save",
+]
+
+MODES = ("warn", "raise", "auto")
+MATERIALIZE = ("rank0", "every_rank")
+
+#: Peak host memory of serialising, as a multiple of the state bytes, on top of
+#: the state itself; measured with ``benchmarks/checkpoint_memory.py`` (50M-500M
+#: fp32 parameters + Adam, torch 2.7, both measured 0.000 and 1.000 at every
+#: size): ``torch.save`` to a file writes each storage from its own memory;
+#: through an ``io.BytesIO`` (Lightning's ``_atomic_save``) it grows a buffer
+#: as large as the file, which ``getvalue()`` shares rather than copies.
+WRITER_OVERHEAD: dict[str, float] = {"file": 0.0, "buffer": 1.0}
+
+FIX_SHARDED = (
+    "Fix: save sharded checkpoints, where each rank writes only its shard (Composer: "
+    "`parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}`; Lightning: "
+    "`FSDPStrategy(state_dict_type='sharded')`; both need FSDP), or give each node more host "
+    "memory; if the memory read is wrong, set `host_memory_bytes`."
+)
+FIX_MORE_MEMORY = (
+    "Fix: even a sharded save does not fit: give each node more host memory, spread the job "
+    "over more nodes (a sharded save holds 1/world_size of the state per rank), or shrink the "
+    "optimizer state; if the memory read is wrong, set `host_memory_bytes`."
+)
+
+
+def format_bytes(n: int | None) -> str:
+    """Formats bytes as ``"1.5 GiB"`` (``"unknown"`` for ``None``)."""
+    if n is None:
+        return "unknown"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one rank reports to the plan."""
+
+    node: str
+    local_rank: int
+    state_bytes: int
+    state_sharded: bool
+    available_bytes: int | None
+    source: str
+    largest_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class NodeBudget:
+    """Host memory one node needs for a save, and has.
+
+    Attributes:
+        node: Node name (hostname, plus ``/node<NODE_RANK>`` when set).
+        ranks: Global ranks on the node.
+        available_bytes: Memory available (the smallest its ranks report).
+        source: Where ``available_bytes`` comes from.
+        full_bytes: Peak host memory of a full save on this node.
+        sharded_bytes: Peak host memory of a sharded save on this node.
+        needed_bytes: The one of the two the job does now.
+    """
+
+    node: str
+    ranks: list[int]
+    available_bytes: int | None
+    source: str
+    full_bytes: int
+    sharded_bytes: int
+    needed_bytes: int
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` fits (unknown memory counts as fitting)."""
+        return self.available_bytes is None or nbytes <= self.available_bytes
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """The decision: ``action`` is ``"ok"``, ``"warn"``, ``"switch_to_sharded"`` or ``"raise"``.
+
+    Attributes:
+        action: What to do; an adapter applies ``"switch_to_sharded"`` by
+            setting the ``settings`` of its framework.
+        reason: One paragraph with the numbers and the fix.
+        nodes: The per-node budget.
+        settings: For ``"switch_to_sharded"``, the setting per framework.
+    """
+
+    action: str
+    reason: str
+    nodes: list[NodeBudget]
+    settings: dict[str, str]
+
+    def node_of(self, rank: int) -> NodeBudget | None:
+        """The budget of the node ``rank`` runs on."""
+        return next((n for n in self.nodes if rank in n.ranks), None)
+
+    def table(self) -> str:
+        """The per-node table: needed (full and sharded save) vs available."""
+        rows = [("node", "ranks", "available", "full save", "sharded save")]
+        for n in self.nodes:
+            rows.append(
+                (
+                    n.node,
+                    format_ranks(n.ranks),
+                    f"{format_bytes(n.available_bytes)} ({n.source})",
+                    format_bytes(n.full_bytes) + ("" if n.fits(n.full_bytes) else " !"),
+                    format_bytes(n.sharded_bytes) + ("" if n.fits(n.sharded_bytes) else " !"),
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        return "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        )
+
+
+SETTINGS = {
+    "composer": "parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}",
+    "lightning": "FSDPStrategy(state_dict_type='sharded')",
+}
+
+
+def plan_save(
+    per_rank: Mapping[int, RankMemory],
+    *,
+    materialize: str = "rank0",
+    overhead: float = WRITER_OVERHEAD["file"],
+    mode: str = "warn",
+    state_dict_type: str = "full",
+) -> CheckpointPlan:
+    """Decides whether a checkpoint save fits in host memory on every node.
+
+    Args:
+        per_rank: What every rank reports, by global rank.
+        materialize: ``"rank0"`` or ``"every_rank"`` (who holds the full state).
+        overhead: Serialisation overhead, a multiple of the state bytes.
+        mode: ``"warn"``, ``"raise"`` or ``"auto"``.
+        state_dict_type: What the job saves now, ``"full"`` or ``"sharded"``.
+
+    Returns:
+        The plan (the same on every rank).
+    """
+    world = len(per_rank)
+    lead = per_rank[min(per_rank)]
+    copy = 1.0 if lead.state_sharded else 0.0
+    factor = copy + overhead
+    streamed = 0 if lead.state_sharded else lead.largest_bytes  # one storage at a time
+    per_copy = int(lead.state_bytes * factor) + streamed
+    per_shard = int(-(-lead.state_bytes // world) * factor)
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(per_rank):
+        groups.setdefault(per_rank[rank].node, []).append(rank)
+    nodes = []
+    for node, ranks in groups.items():
+        reported = [per_rank[r] for r in ranks if per_rank[r].available_bytes is not None]
+        least = min(reported, key=lambda m: m.available_bytes or 0, default=None)
+        holders = len(ranks) if materialize == "every_rank" else int(min(per_rank) in ranks)
+        full, sharded = per_copy * holders, per_shard * len(ranks)
+        nodes.append(
+            NodeBudget(
+                node=node,
+                ranks=ranks,
+                available_bytes=least.available_bytes if least else None,
+                source=least.source if least else "unknown",
+                full_bytes=full,
+                sharded_bytes=sharded,
+                needed_bytes=sharded if state_dict_type == "sharded" else full,
+            )
+        )
+    worst = max(nodes, key=lambda n: n.needed_bytes - (n.available_bytes or n.needed_bytes))
+    kind = "sharded" if state_dict_type == "sharded" else "full"
+    summary = (
+        f"a {kind} checkpoint save needs {format_bytes(worst.needed_bytes)} of host memory on node "
+        f"{worst.node} ({rank_label(worst.ranks)}; state "
+        f"{format_bytes(lead.state_bytes)} x ({copy:g} consolidated copy + {overhead:g} "
+        "serialisation), "
+        f"materialised on {'every local rank' if materialize == 'every_rank' else 'rank 0'}) "
+        f"and {format_bytes(worst.available_bytes)} is available ({worst.source})"
+    )
+    if all(n.fits(n.needed_bytes) for n in nodes):
+        return CheckpointPlan("ok", f"Checkpoint memory fits: {summary}.", nodes, {})
+    shard_fits = all(n.fits(n.sharded_bytes) for n in nodes)
+    if kind == "full" and shard_fits:
+        if mode == "auto":
+            reason = (
+                f"Switching to sharded checkpoints: {summary}; a sharded save needs at most "
+                f"{format_bytes(max(n.sharded_bytes for n in nodes))} per node."
+            )
+            return CheckpointPlan("switch_to_sharded", reason, nodes, dict(SETTINGS))
+        fix = FIX_SHARDED
+    else:
+        fix = FIX_MORE_MEMORY
+    action = "warn" if mode == "warn" else "raise"
+    return CheckpointPlan(action, f"Checkpoint save will not fit: {summary}. {fix}", nodes, {})

@@ -1,0 +1,199 @@
+"""CheckpointPlanner: say before the first save whether a full checkpoint fits in host RAM.
+
+A full (consolidated) checkpoint gathers the whole model and optimizer state
+into host memory on the ranks that write it; at 64 nodes of OLMo that was
+more than the node had, and the OOM killer ended the job at its first save
+with no warning. Before the first save the planner estimates, per node:
+
+    needed = state bytes x (consolidated copy + serialisation overhead) x ranks that materialise it
+
+* state bytes: parameters, buffers and optimizer state, by dtype
+  (:func:`~rankguard.callbacks.state_size.estimate_state_size`);
+* consolidated copy: 1 for a sharded model (FSDP gathers the full state
+  dict into host memory, ``offload_to_cpu``), 0 for an unsharded one
+  (``torch.save`` copies a GPU tensor to the host one storage at a time, so
+  the largest tensor is added instead, and a CPU model's ``state_dict()``
+  aliases its tensors);
+* serialisation overhead (:data:`WRITER_OVERHEAD`, measured by
+  ``benchmarks/checkpoint_memory.py``): ``torch.save`` to a file adds almost
+  nothing (it writes each storage from its own memory); saving to an
+  ``io.BytesIO`` first, as Lightning's ``_atomic_save`` does, adds one more
+  copy of the state;
+* ranks: only global rank 0 (``materialize="rank0"``, FSDP's ``rank0_only``
+  full state dict, Composer's default) or every local rank
+  (``materialize="every_rank"``).
+
+It compares that with the host memory available to the process
+(:mod:`~rankguard.callbacks.host_memory`, or ``host_memory_bytes``) and with a
+sharded save (each rank writes ``1 / world_size`` of the state), then logs a
+per-node table. Modes: ``"warn"`` logs a warning, ``"raise"`` raises
+:class:`CheckpointMemoryError`, ``"auto"`` decides ``"switch_to_sharded"``
+when a sharded save fits, which the adapter applies (Composer
+``parallelism_config={"fsdp": {"state_dict_type": "sharded"}}``, Lightning
+``FSDPStrategy(state_dict_type="sharded")``), and raises otherwise. The
+decision is :attr:`CheckpointPlanner.plan`.
+
+Metrics: ``rankguard/checkpoint_needed_bytes``, ``rankguard/checkpoint_available_bytes``
+(the node of this rank). Errors: :class:`CheckpointMemoryError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+from rankguard.callbacks.checkpoint_plan import (
+    MATERIALIZE,
+    MODES,
+    WRITER_OVERHEAD,
+    CheckpointPlan,
+    RankMemory,
+    plan_save,
+)
+from rankguard.callbacks.errors import CheckpointMemoryError
+from rankguard.callbacks.events import EventFacts
+from rankguard.callbacks.guard import Guard, check_choice
+from rankguard.callbacks.host_memory import host_memory_available
+from rankguard.callbacks.state_size import StateSize, estimate_state_size
+
+__all__ = ["CheckpointPlanner"]
+
+logger = logging.getLogger(__name__)
+
+
+def _node_key() -> str:
+    node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK"))
+    host = socket.gethostname()
+    return host if node is None else f"{host}/node{node}"
+
+
+class CheckpointPlanner(Guard):
+    """Checks, before the first save, that a full checkpoint fits in host memory.
+
+    Args:
+        mode: ``"warn"`` (default) logs a warning, ``"raise"`` raises
+            :class:`CheckpointMemoryError`, ``"auto"`` decides to switch to a
+            sharded save when that fits (see :attr:`plan`), else raises.
+        materialize: ``"rank0"`` (default): only global rank 0 holds the full
+            state; ``"every_rank"``: every local rank does.
+        writer: ``"file"`` (default): ``torch.save`` to a file (Composer);
+            ``"buffer"``: to an ``io.BytesIO`` first (Lightning).
+        host_memory_bytes: Memory available per node, overriding what is read
+            from the cgroup and ``/proc/meminfo``; ``None`` reads it.
+        state_dict_type: ``"full"`` (default) or ``"sharded"``: what the job
+            saves now, if the adapter does not say (``facts.state_dict_type``).
+
+    Attributes:
+        plan: The last :class:`CheckpointPlan`, or ``None`` before it is made.
+            An adapter applies ``plan.action == "switch_to_sharded"``.
+
+    Example::
+
+        planner = CheckpointPlanner(mode="auto", materialize="rank0")
+        # at fit start: planner.plan.action in {"ok", "warn", "switch_to_sharded"}
+    """
+
+    name = "checkpoint_planner"
+
+    def __init__(
+        self,
+        *,
+        mode: str = "warn",
+        materialize: str = "rank0",
+        writer: str = "file",
+        host_memory_bytes: int | None = None,
+        state_dict_type: str = "full",
+    ) -> None:
+        super().__init__(on_violation="raise")
+        self.mode = check_choice("mode", mode, MODES)
+        self.materialize = check_choice("materialize", materialize, MATERIALIZE)
+        self.writer = check_choice("writer", writer, tuple(WRITER_OVERHEAD))
+        if host_memory_bytes is not None and (
+            isinstance(host_memory_bytes, bool)
+            or not isinstance(host_memory_bytes, int)
+            or host_memory_bytes <= 0
+        ):
+            raise ValueError(
+                f"`host_memory_bytes` must be an int > 0 or None; got {host_memory_bytes!r}."
+            )
+        self.host_memory_bytes = host_memory_bytes
+        self.state_dict_type = check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
+        self.plan: CheckpointPlan | None = None
+
+    def on_fit_start(self, facts: EventFacts) -> None:
+        """Plans from the model (and optimizer) known at fit start."""
+        if facts.model is not None:
+            self.check(facts.model, getattr(facts, "optimizer", None), facts)
+
+    def on_checkpoint_save_start(self, facts: EventFacts) -> None:
+        """Plans at the first save if fit start had no model."""
+        if self.plan is None and facts.model is not None:
+            self.check(facts.model, getattr(facts, "optimizer", None), facts)
+
+    def check(
+        self, model: Any, optimizer: Any = None, facts: EventFacts | None = None
+    ) -> CheckpointPlan:
+        """Estimates, exchanges per-node numbers, decides, and acts on the decision.
+
+        Args:
+            model: The model (a ``torch.nn.Module``).
+            optimizer: Its optimizer, if known.
+            facts: The event facts (for ``state_dict_type``), if any.
+
+        Returns:
+            The plan, also stored in :attr:`plan`.
+
+        Raises:
+            CheckpointMemoryError: ``mode="raise"`` and a full save does not
+                fit, or ``mode="auto"`` and a sharded save does not fit either.
+        """
+        channel = self.channel
+        try:
+            size = estimate_state_size(model, optimizer, shard_world_size=channel.world_size)
+        except Exception as exc:  # never fail a healthy run over an estimate
+            self.warn_once("estimate", "cannot estimate the checkpoint size (%s); skipped", exc)
+            size = StateSize()
+        memory = host_memory_available()
+        mine = RankMemory(
+            node=_node_key(),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            state_bytes=size.total,
+            state_sharded=size.sharded,
+            available_bytes=self.host_memory_bytes or memory.available_bytes,
+            source="host_memory_bytes" if self.host_memory_bytes else memory.source,
+            largest_bytes=size.largest,
+        )
+        sdt = getattr(facts, "state_dict_type", None) or self.state_dict_type
+        plan = channel.exchange(
+            f"{self.name}/plan",
+            mine,
+            lambda per_rank: plan_save(
+                per_rank,
+                materialize=self.materialize,
+                overhead=WRITER_OVERHEAD[self.writer],
+                mode=self.mode,
+                state_dict_type=sdt,
+            ),
+        )
+        self.plan = plan
+        node = plan.node_of(channel.rank)
+        if node is not None:
+            self.log_metrics(
+                {
+                    "rankguard/checkpoint_needed_bytes": float(node.needed_bytes),
+                    "rankguard/checkpoint_available_bytes": float(node.available_bytes or 0),
+                }
+            )
+        self._act(plan)
+        return plan
+
+    def _act(self, plan: CheckpointPlan) -> None:
+        text = f"{plan.reason}\n{plan.table()}"
+        if plan.action == "ok":
+            logger.info("rankguard %s: %s", self.name, text)
+        elif plan.action == "raise":
+            raise CheckpointMemoryError(text)
+        else:  # "warn" or "switch_to_sharded": the adapter applies the switch
+            logger.warning("rankguard %s: %s", self.name, text)

@@ -1,0 +1,183 @@
+"""What one rank can see of a directory: node identity, path state, filesystem, markers.
+
+The pure, per-rank half of :mod:`~rankguard.callbacks.shared_dirs`; nothing
+here talks to other ranks.
+
+Node identity is the hostname plus the launcher's node rank
+(``NODE_RANK``, else ``GROUP_RANK`` as torchrun sets it) and the local rank
+(``LOCAL_RANK``). Two ranks are on the same node when both agree, so tests
+can simulate several nodes on one machine by setting ``NODE_RANK`` and
+``LOCAL_RANK`` per process.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "MARKER_PREFIX",
+    "Marker",
+    "NodeId",
+    "PathState",
+    "filesystem_type",
+    "inspect_path",
+    "marker_seen",
+    "node_identity",
+    "write_marker",
+]
+
+#: Marker files are named ``MARKER_PREFIX + nonce``; a fresh name is never in a
+#: client's negative lookup cache, so a shared filesystem shows it at once.
+MARKER_PREFIX = ".rankguard-probe-"
+
+
+@dataclass(frozen=True)
+class NodeId:
+    """Which node a rank runs on.
+
+    Attributes:
+        host: ``socket.gethostname()``.
+        node_rank: ``NODE_RANK`` (or ``GROUP_RANK``), or ``None`` when unset.
+        local_rank: ``LOCAL_RANK``, or ``None`` when unset.
+    """
+
+    host: str
+    node_rank: str | None
+    local_rank: int | None
+
+    @property
+    def key(self) -> str:
+        """The node's name in messages, e.g. ``"gpu-12"`` or ``"gpu-12/node1"``."""
+        return self.host if self.node_rank is None else f"{self.host}/node{self.node_rank}"
+
+
+def node_identity(env: Mapping[str, str] | None = None) -> NodeId:
+    """Returns this process's node identity from the hostname and launcher variables."""
+    env = os.environ if env is None else env
+    node = env.get("NODE_RANK", env.get("GROUP_RANK"))
+    local = env.get("LOCAL_RANK")
+    return NodeId(socket.gethostname(), node, int(local) if local not in (None, "") else None)
+
+
+@dataclass(frozen=True)
+class PathState:
+    """One directory as one rank sees it.
+
+    Attributes:
+        path: Absolute path (relative paths are resolved against this rank's cwd).
+        state: ``"dir"`` (exists), ``"missing"`` or ``"blocked"`` (something
+            that is not a directory is in the way).
+        existing: The nearest existing ancestor-or-self.
+        fs: Filesystem type of ``existing`` from ``/proc/mounts``.
+    """
+
+    path: str
+    state: str
+    existing: str
+    fs: str
+
+
+def _unescape(field: str) -> str:
+    # /proc/mounts escapes space, tab, newline and backslash as \ooo octal.
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def filesystem_type(path: str, mounts_text: str) -> str:
+    """Returns the type (``nfs``, ``lustre``, ``ext4``...) of the mount holding ``path``.
+
+    Args:
+        path: An absolute, symlink-free path.
+        mounts_text: Text of ``/proc/mounts``.
+
+    Returns:
+        The type of the longest mount point that contains ``path``, or ``"unknown"``.
+    """
+    best, fstype = -1, "unknown"
+    for line in mounts_text.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = _unescape(fields[1]).rstrip("/") or "/"
+        inside = path == mount or path.startswith(mount if mount == "/" else mount + "/")
+        if inside and len(mount) >= best:  # later mounts over the same point win
+            best, fstype = len(mount), fields[2]
+    return fstype
+
+
+def _mounts() -> str:
+    try:
+        with open("/proc/mounts") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def inspect_path(path: str) -> PathState:
+    """Resolves ``path`` against this rank's cwd and says what is there."""
+    absolute = os.path.abspath(path)
+    existing = absolute
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if os.path.isdir(existing):
+        state = "dir" if existing == absolute else "missing"
+    else:
+        state = "blocked"
+    return PathState(
+        absolute, state, existing, filesystem_type(os.path.realpath(existing), _mounts())
+    )
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A marker file rank 0 wrote ``levels`` directories above a target path."""
+
+    levels: int
+    name: str
+    nonce: str
+
+
+def _up(path: str, levels: int) -> str:
+    for _ in range(levels):
+        path = os.path.dirname(path)
+    return path
+
+
+def write_marker(state: PathState) -> tuple[Marker, str]:
+    """Writes a fresh marker in the nearest existing ancestor-or-self of ``state.path``.
+
+    Returns:
+        The marker and the file written (the caller removes it).
+
+    Raises:
+        OSError: The directory is not writable.
+    """
+    nonce = secrets.token_hex(8)
+    name = MARKER_PREFIX + nonce
+    levels = 0
+    while _up(state.path, levels) != state.existing:
+        levels += 1
+    file = os.path.join(state.existing, name)
+    with open(file, "x") as f:  # "x": never overwrite anything
+        f.write(nonce)
+    return Marker(levels, name, nonce), file
+
+
+def marker_seen(path: str, marker: Marker) -> bool:
+    """Whether this rank sees ``marker`` at the same place above its own ``path``."""
+    try:
+        with open(os.path.join(_up(path, marker.levels), marker.name)) as f:
+            return f.read() == marker.nonce
+    except OSError:
+        return False

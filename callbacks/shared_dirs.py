@@ -1,0 +1,280 @@
+"""SharedDirBarrier: every rank sees every checkpoint directory before anyone writes.
+
+OLMo's rank 0 created ``checkpoint_dir/model``, ``optim`` and ``train``
+while the other ranks polled for them with a fixed 10 s timeout and died
+(``Waiting for checkpoint model directory timed out``) whenever NFS or
+Lustre showed the directory late, rank 0 was late, or the nodes did not
+share the filesystem at all. :func:`ensure_shared_dirs` does instead:
+
+1. **look**: every rank resolves each path against its own cwd and reports
+   whether it is there, missing, or blocked by a file in the way (an error
+   on every rank at once). If every rank already sees every path, done.
+2. **probe**: rank 0 writes a marker with a fresh nonce in the nearest
+   existing ancestor of each missing path; every rank says (through the
+   side channel) whether it sees that nonce at the same place, within
+   ``probe_wait_s``. A node on which some rank sees it shares the
+   filesystem with rank 0; other nodes are node-local. Markers are removed.
+3. **create**: global rank 0 creates a shared path; the lowest local rank
+   of each node-local node creates its own copy (``exist_ok``, so a shared
+   filesystem that was slow to show the marker is harmless). A creation
+   failure on any rank is reported to every rank, not waited out.
+4. **wait and release**: every rank polls, with backoff, until it sees
+   every path or ``timeout_s`` passes; then every rank is released together
+   by one exchange. A rank that never saw a path is named, with its host,
+   the time it waited, the filesystem type and the fix.
+
+Nothing it did not create is ever deleted or overwritten. Node identity: see
+:mod:`~rankguard.callbacks.dir_probe`.
+
+Metrics: ``rankguard/shared_dir_wait_s`` (slowest rank's wait).
+Errors: :class:`SharedDirTimeoutError`, :class:`SharedDirCreateError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from rankguard.callbacks.dir_probe import (
+    Marker,
+    inspect_path,
+    marker_seen,
+    node_identity,
+    write_marker,
+)
+from rankguard.callbacks.errors import SharedDirCreateError, SharedDirTimeoutError
+from rankguard.callbacks.events import EventFacts
+from rankguard.callbacks.guard import Guard, check_positive
+from rankguard.callbacks.shared_dirs_plan import BarrierPlanner, Verdict
+from rankguard.callbacks.side_channel import SideChannel
+
+__all__ = ["DirReport", "SharedDirBarrier", "ensure_shared_dirs", "local_paths"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DirReport:
+    """What :func:`ensure_shared_dirs` found and did.
+
+    Attributes:
+        paths: This rank's absolute paths, in the order given.
+        shared: Per path: ``True`` shared by every node, ``False`` node-local
+            on some node, ``None`` not probed (every rank saw it already) or
+            unknown (rank 0 could not write a marker).
+        created_by: Per path, the ranks that created it (empty if none had to).
+        waited_s: How long this rank polled for paths to appear.
+        max_waited_s: The longest any rank polled.
+    """
+
+    paths: list[str]
+    shared: dict[str, bool | None]
+    created_by: dict[str, list[int]]
+    waited_s: float
+    max_waited_s: float
+
+
+def _raise(verdict: Verdict) -> None:
+    if verdict.error is not None:
+        cls = SharedDirTimeoutError if verdict.timeout else SharedDirCreateError
+        raise cls(verdict.error)
+
+
+def _probe(paths: Sequence[str], markers: Mapping[int, Marker | None], wait_s: float) -> dict:
+    seen = {i: False for i in markers}
+    deadline, pause = time.monotonic() + wait_s, 0.02
+    while True:
+        for i, marker in markers.items():
+            seen[i] = seen[i] or (marker is not None and marker_seen(paths[i], marker))
+        left = deadline - time.monotonic()
+        if all(seen.values()) or left <= 0:
+            return seen
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.25)
+
+
+def _wait(paths: Sequence[str], pending: Sequence[int], timeout_s: float, poll_s: float) -> dict:
+    started = time.monotonic()
+    waited: dict[int, float | None] = {i: None for i in pending}
+    pause = poll_s
+    while True:
+        for i in pending:
+            if waited[i] is None and os.path.isdir(paths[i]):
+                waited[i] = time.monotonic() - started
+        left = timeout_s - (time.monotonic() - started)
+        if all(w is not None for w in waited.values()) or left <= 0:
+            return waited
+        time.sleep(min(pause, left))
+        pause = min(pause * 1.5, max(poll_s, 2.0))
+
+
+def local_paths(paths: Sequence[str]) -> list[str]:
+    """Drops remote URIs (``s3://``, ``oci://``...), strips ``file://``, keeps plain paths."""
+    out = []
+    for path in paths:
+        scheme, sep, rest = str(path).partition("://")
+        if not sep:
+            out.append(str(path))
+        elif scheme == "file":
+            out.append(rest)
+        else:
+            logger.debug("rankguard: %s is remote; no directory to share", path)
+    return out
+
+
+def ensure_shared_dirs(
+    paths: Sequence[str],
+    channel: SideChannel,
+    *,
+    timeout_s: float = 600.0,
+    poll_s: float = 0.05,
+    probe_wait_s: float = 2.0,
+    name: str = "shared_dirs",
+) -> DirReport:
+    """Creates ``paths`` where needed and returns once every rank sees every one.
+
+    Every rank must call it with the same number of paths (relative paths
+    may resolve differently per rank).
+
+    Args:
+        paths: Directories, absolute or relative to each rank's cwd; remote
+            URIs (``s3://...``) are skipped, ``file://`` is stripped.
+        channel: The side channel (a local one at world size 1).
+        timeout_s: How long a rank polls for a path to appear (seconds).
+        poll_s: First polling interval; it grows 1.5x up to 2 s.
+        probe_wait_s: How long a rank looks for rank 0's marker before
+            deciding its node does not share the filesystem.
+        name: Prefix of the side-channel exchange names.
+
+    Returns:
+        What was found and done (for the local paths only).
+
+    Raises:
+        SharedDirCreateError: A path is blocked or could not be created.
+        SharedDirTimeoutError: Some rank did not see a path within ``timeout_s``.
+    """
+    states = [inspect_path(p) for p in local_paths(paths)]
+    absolute = [s.path for s in states]
+    planner = BarrierPlanner(timeout_s)  # its decide methods run on rank 0 only
+    look = channel.exchange(f"{name}/look", (node_identity(), states), planner.look)
+    _raise(look)
+    if not look.pending:
+        return DirReport(absolute, dict.fromkeys(absolute), {p: [] for p in absolute}, 0.0, 0.0)
+    markers: dict[int, Marker | None] = {}
+    written: list[str] = []
+    try:
+        if channel.is_leader:
+            for i in look.pending:
+                try:
+                    markers[i], file = write_marker(states[i])
+                    written.append(file)
+                except OSError as exc:
+                    logger.warning("rankguard: no marker for %s: %s", absolute[i], exc)
+                    markers[i] = None
+        markers = channel.broadcast(f"{name}/markers", markers)
+        seen = _probe(absolute, markers, probe_wait_s)
+        missing = {i: states[i].state != "dir" for i in look.pending}
+        plan = channel.exchange(f"{name}/seen", (seen, missing), planner.creators)
+    finally:
+        for file in written:
+            try:
+                os.remove(file)
+            except OSError:
+                logger.warning("rankguard: could not remove marker %s", file)
+    errors: dict[int, str] = {}
+    for i in look.pending:
+        if channel.rank in plan.creators[i]:
+            try:
+                os.makedirs(absolute[i], exist_ok=True)
+            except FileExistsError as exc:
+                # Not seen here but the server has it (NFS negative cache): wait below,
+                # unless what is there is visibly not a directory.
+                if os.path.lexists(absolute[i]):
+                    errors[i] = f"{type(exc).__name__}: {exc}"
+            except OSError as exc:
+                errors[i] = f"{type(exc).__name__}: {exc}"
+    _raise(channel.exchange(f"{name}/created", errors, planner.created))
+    waited = _wait(absolute, look.pending, timeout_s, poll_s)
+    mine = max((w if w is not None else timeout_s) for w in waited.values())
+    done = channel.exchange(
+        f"{name}/visible", waited, planner.visible, timeout_s=timeout_s + max(30.0, timeout_s / 4)
+    )
+    _raise(done)
+    if channel.is_leader:
+        logger.info("rankguard %s: %s", name, done.summary)
+    return DirReport(
+        absolute,
+        {p: plan.shared.get(i) for i, p in enumerate(absolute)},
+        {p: sorted(plan.creators.get(i, [])) for i, p in enumerate(absolute)},
+        mine,
+        done.max_waited_s,
+    )
+
+
+class SharedDirBarrier(Guard):
+    """Makes every rank see the checkpoint directories before a save writes to them.
+
+    Runs :func:`ensure_shared_dirs` on ``facts.directories`` at fit start and
+    at every checkpoint save start (one side-channel exchange when every rank
+    already sees them).
+
+    Args:
+        on_violation: ``"raise"`` (default) or ``"warn"``.
+        timeout_s: How long ranks wait for a directory to appear (> 0;
+            minutes, because NFS attribute caches can hide a new directory
+            for up to a minute).
+        poll_s: First polling interval in seconds (> 0).
+        probe_wait_s: How long a rank looks for rank 0's marker before it
+            treats its node as not sharing the filesystem (> 0).
+
+    Example::
+
+        barrier = SharedDirBarrier(timeout_s=600)
+        # at fit start: creates save_folder where needed; every rank sees it
+    """
+
+    name = "shared_dir_barrier"
+
+    def __init__(
+        self,
+        *,
+        on_violation: str = "raise",
+        timeout_s: float = 600.0,
+        poll_s: float = 0.05,
+        probe_wait_s: float = 2.0,
+    ) -> None:
+        super().__init__(on_violation=on_violation)
+        self.timeout_s = check_positive("timeout_s", timeout_s)
+        self.poll_s = check_positive("poll_s", poll_s)
+        self.probe_wait_s = check_positive("probe_wait_s", probe_wait_s)
+        self.last_report: DirReport | None = None
+
+    def on_fit_start(self, facts: EventFacts) -> None:
+        """Makes the save directories known at fit start visible to every rank."""
+        self.run(facts.directories, "fit_start")
+
+    def on_checkpoint_save_start(self, facts: EventFacts) -> None:
+        """Makes the directories of this save visible to every rank."""
+        self.run(facts.directories, "checkpoint_save_start")
+
+    def run(self, directories: Sequence[str], where: str) -> DirReport | None:
+        """Runs the barrier (every rank, even with no directories, to stay in step)."""
+        if not directories and not self.channel.is_distributed:
+            return None
+        try:
+            self.last_report = ensure_shared_dirs(
+                list(directories),
+                self.channel,
+                timeout_s=self.timeout_s,
+                poll_s=self.poll_s,
+                probe_wait_s=self.probe_wait_s,
+                name=f"{self.name}/{where}",
+            )
+        except (SharedDirTimeoutError, SharedDirCreateError) as error:
+            self.violation(error)
+            return None
+        self.log_metrics({"rankguard/shared_dir_wait_s": self.last_report.max_waited_s})
+        return self.last_report

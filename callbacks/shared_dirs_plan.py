@@ -1,0 +1,181 @@
+"""The decisions of :func:`~rankguard.callbacks.shared_dirs.ensure_shared_dirs`.
+
+:class:`BarrierPlanner`'s methods are the ``decide`` functions of the
+barrier's side-channel exchanges. They run on the deciding rank only, which
+keeps what every rank reported at the first exchange (paths, nodes,
+filesystems) to word later verdicts, so other ranks receive only a small
+:class:`Verdict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from rankguard.callbacks.dir_probe import NodeId, PathState
+from rankguard.callbacks.ranks import format_groups, rank_label
+
+__all__ = ["FIX_CREATE", "FIX_TIMEOUT", "BarrierPlanner", "Verdict"]
+
+FIX_TIMEOUT = (
+    "Fix: if the filesystem is shared but shows new directories late (NFS attribute and "
+    "lookup caches), raise `timeout_s` or mount it with `lookupcache=positive` or a small "
+    "`actimeo` (e.g. actimeo=1); if a rank is just late, raise `timeout_s`; or save to a "
+    "node-local directory (each node then gets its own) and upload from there."
+)
+FIX_CREATE = (
+    "Fix: remove or rename what is in the way, give the job write permission on the parent, "
+    "or choose another checkpoint directory."
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every rank learns from one exchange of the barrier.
+
+    Attributes:
+        error: A message to raise on every rank, or ``None``.
+        timeout: Whether ``error`` is a timeout (else a creation failure).
+        pending: Path indices some rank does not see yet (look).
+        creators: Per pending path, the ranks that create it (seen).
+        shared: Per pending path, whether every node shares it (seen).
+        max_waited_s: The longest any rank polled (visible).
+        summary: One line per path for the log (visible).
+    """
+
+    error: str | None = None
+    timeout: bool = False
+    pending: list[int] = field(default_factory=list)
+    creators: dict[int, list[int]] = field(default_factory=dict)
+    shared: dict[int, bool | None] = field(default_factory=dict)
+    max_waited_s: float = 0.0
+    summary: str = ""
+
+
+class BarrierPlanner:
+    """The deciding rank's side of one barrier.
+
+    Args:
+        timeout_s: The barrier's polling timeout, quoted in errors.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.nodes: dict[int, NodeId] = {}
+        self.states: dict[int, list[PathState]] = {}
+        self.made_by: dict[int, list[int]] = {}
+        self.described: dict[int, str] = {}
+
+    def _where(self, i: int, ranks: list[int] | None = None) -> str:
+        ranks = sorted(self.states) if ranks is None else ranks
+        paths = {r: self.states[r][i].path for r in ranks}
+        return next(iter(paths.values())) if len(set(paths.values())) == 1 else format_groups(paths)
+
+    def _hosts(self, ranks: list[int]) -> str:
+        return ", ".join(sorted({self.nodes[r].key for r in ranks}))
+
+    def look(self, per_rank: Mapping[int, tuple[NodeId, list[PathState]]]) -> Verdict:
+        """Finds blocked paths and the paths some rank does not see yet."""
+        self.nodes = {r: node for r, (node, _) in per_rank.items()}
+        self.states = {r: states for r, (_, states) in per_rank.items()}
+        counts = {r: len(states) for r, states in self.states.items()}
+        if len(set(counts.values())) > 1:
+            described = format_groups(counts, lambda n: f"{n} directories")
+            return Verdict(error=f"Ranks pass different directories to the barrier: {described}.")
+        problems = []
+        for i in range(next(iter(counts.values()))):
+            blocked = sorted(r for r, s in self.states.items() if s[i].state == "blocked")
+            if blocked:
+                at = format_groups({r: self.states[r][i].existing for r in blocked})
+                problems.append(
+                    f"Cannot create directory {self._where(i, blocked)}: something that is not "
+                    f"a directory is in the way for {rank_label(blocked)} "
+                    f"({self._hosts(blocked)}): {at}."
+                )
+        if problems:
+            return Verdict(error=f"{' '.join(problems)} {FIX_CREATE}")
+        pending = [
+            i
+            for i in range(next(iter(counts.values())))
+            if any(s[i].state != "dir" for s in self.states.values())
+        ]
+        return Verdict(pending=pending)
+
+    def creators_of(self, seen: Mapping[int, bool], missing: Mapping[int, bool]) -> tuple:
+        """Chooses who creates one path: rank 0 for nodes sharing it, else each node's leader."""
+        by_node: dict[str, list[int]] = {}
+        for rank in sorted(self.nodes):
+            by_node.setdefault(self.nodes[rank].key, []).append(rank)
+        sharing = {self.nodes[r].key for r, s in seen.items() if s}
+        creators: set[int] = set()
+        for node, ranks in by_node.items():
+            if not any(missing[r] for r in ranks):
+                continue
+            if node in sharing:
+                creators.add(min(self.nodes))
+            else:
+                local = self.nodes
+                creators.add(
+                    min(
+                        ranks,
+                        key=lambda r: (local[r].local_rank is None, local[r].local_rank or 0, r),
+                    )
+                )
+        shared = None if not sharing else len(sharing) == len(by_node)
+        return sorted(creators), shared, sorted(set(by_node) - sharing), len(by_node)
+
+    def creators(self, per_rank: Mapping[int, tuple[dict, dict]]) -> Verdict:
+        """Decides, per pending path, whether it is shared and who creates it."""
+        verdict = Verdict(creators={}, shared={})
+        for i in next(iter(per_rank.values()))[0]:
+            seen = {r: p[0][i] for r, p in per_rank.items()}
+            missing = {r: p[1][i] for r, p in per_rank.items()}
+            creators, shared, local_nodes, n_nodes = self.creators_of(seen, missing)
+            verdict.creators[i], verdict.shared[i] = creators, shared
+            self.made_by[i] = creators
+            fs = format_groups({r: s[i].fs for r, s in self.states.items()})
+            kind = {
+                True: f"shared by all {n_nodes} node(s)",
+                False: f"not shared with rank 0 by {', '.join(local_nodes)} (node-local)",
+                None: "sharing unknown (rank 0 could not write a marker)",
+            }[shared]
+            made = f"created by {rank_label(creators)}" if creators else "created by none"
+            self.described[i] = f"{self._where(i)}: {kind}; {made}; filesystem {fs}"
+        return verdict
+
+    def created(self, per_rank: Mapping[int, dict[int, str]]) -> Verdict:
+        """Turns creation failures on any rank into one error for every rank."""
+        problems = [
+            f"Could not create directory {self.states[r][i].path} on rank {r} "
+            f"({self.nodes[r].key}): {error}."
+            for r, errors in sorted(per_rank.items())
+            for i, error in sorted(errors.items())
+        ]
+        return Verdict(error=f"{' '.join(problems)} {FIX_CREATE}" if problems else None)
+
+    def visible(self, per_rank: Mapping[int, dict[int, float | None]]) -> Verdict:
+        """Names the ranks that never saw a path; else releases everyone together."""
+        waits = [w for waited in per_rank.values() for w in waited.values() if w is not None]
+        longest = max(waits, default=0.0)
+        problems = []
+        for i in sorted(next(iter(per_rank.values()))):
+            late = sorted(r for r, waited in per_rank.items() if waited[i] is None)
+            if not late:
+                continue
+            fine = sorted(set(per_rank) - set(late))
+            fs = format_groups({r: self.states[r][i].fs for r in late})
+            creators = self.made_by.get(i, [])
+            made = rank_label(creators) if creators else "nobody"
+            problems.append(
+                f"Directory {self._where(i, late)} (created by {made} on "
+                f"{self._hosts(creators) or 'no node'}) was not visible to "
+                f"{rank_label(late)} ({self._hosts(late)}) after they waited {self.timeout_s:g} s "
+                f"(`timeout_s`); {rank_label(fine) if fine else 'no rank'} "
+                f"{'sees' if len(fine) == 1 else 'see'} it. Filesystem: {fs}."
+            )
+        if problems:
+            return Verdict(error=f"{' '.join(problems)} {FIX_TIMEOUT}", timeout=True)
+        lines = "; ".join(self.described.values())
+        return Verdict(
+            max_waited_s=longest, summary=f"{lines}; every rank saw it within {longest:.2f} s"
+        )

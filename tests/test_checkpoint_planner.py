@@ -1,0 +1,201 @@
+"""CheckpointPlanner: a checkpoint save that will not fit in host RAM is known before it runs."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from rankguard.callbacks.checkpoint_plan import RankMemory, plan_save
+from rankguard.callbacks.checkpoint_planner import CheckpointPlanner
+from rankguard.callbacks.errors import CheckpointMemoryError
+from rankguard.callbacks.events import EventFacts
+from rankguard.callbacks.host_memory import (
+    cgroup_memory_dirs,
+    host_memory_available,
+    parse_cgroup_limit,
+    parse_inactive_file,
+    parse_meminfo,
+)
+from rankguard.callbacks.state_size import estimate_state_size, optimizer_state_copies
+from tests.mp import run_ranks
+
+GiB, MiB = 1024**3, 1024**2
+
+
+def _small_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(10, 20), torch.nn.BatchNorm1d(20), torch.nn.Linear(20, 3)
+    )
+    return model.to(dtype)
+
+
+def test_estimate_of_small_model_with_adam_matches_hand_count_before_and_after_a_step():
+    model = _small_model()
+    opt = torch.optim.Adam(model.parameters())
+    params = 10 * 20 + 20 + 20 + 20 + 20 * 3 + 3  # two Linears and BatchNorm's weight/bias
+    expected_opt = 2 * 4 * params + 4 * 6  # exp_avg + exp_avg_sq in fp32, a 4-byte step per tensor
+    before = estimate_state_size(model, opt)
+    assert before.params == {"float32": 4 * params}
+    assert before.buffers == {"float32": 4 * 40, "int64": 8}  # running mean/var, num_batches
+    assert before.optimizer == {"float32": expected_opt}
+    assert not before.optimizer_measured and not before.sharded
+
+    model(torch.randn(4, 10)).sum().backward()
+    opt.step()
+    after = estimate_state_size(model, opt)
+    assert after.optimizer_measured
+    assert after.optimizer == before.optimizer
+    assert after.total == 4 * params + 4 * 40 + 8 + expected_opt
+
+
+def test_optimizer_state_follows_parameter_dtype_and_optimizer_kind():
+    model = _small_model(torch.bfloat16)
+    size = estimate_state_size(model, torch.optim.AdamW(model.parameters()))
+    assert size.optimizer["bfloat16"] == 2 * size.params["bfloat16"]
+    assert optimizer_state_copies(torch.optim.SGD(model.parameters(), lr=0.1)) == 0
+    assert optimizer_state_copies(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)) == 1
+    assert estimate_state_size(model).optimizer == {}
+
+
+def _meta_model(params_millions: int) -> torch.nn.Module:
+    layers = max(1, round(params_millions * 1e6 / (1024 * 1024)))
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, device="meta") for _ in range(layers)])
+
+
+def _over_budget(mode: str):
+    model = _meta_model(100)  # ~100M fp32 parameters, no memory used: 1.1 GiB with Adam
+    planner = CheckpointPlanner(mode=mode, writer="buffer", host_memory_bytes=GiB)
+    facts = EventFacts(model=model)
+    facts.optimizer = torch.optim.Adam(model.parameters())
+    planner.on_fit_start(facts)
+    return planner
+
+
+def test_over_budget_save_warns_with_table_by_default(caplog):
+    with caplog.at_level(logging.WARNING):
+        planner = _over_budget("warn")
+    assert planner.plan.action == "warn"
+    assert "Checkpoint save will not fit" in caplog.text
+    assert "1.0 GiB (host_memory_bytes)" in caplog.text  # the table
+    assert "full save" in caplog.text and "sharded save" in caplog.text
+
+
+def test_over_budget_save_raises_with_numbers_and_fix():
+    with pytest.raises(CheckpointMemoryError) as info:
+        _over_budget("raise")
+    text = str(info.value)
+    assert "needs 1.1 GiB of host memory" in text and "1.0 GiB is available" in text
+    assert "host_memory_bytes" in text and "more host memory" in text
+
+
+def test_auto_cannot_switch_a_single_rank_to_sharded_and_raises_with_setting():
+    with pytest.raises(CheckpointMemoryError, match="even a sharded save does not fit"):
+        _over_budget("auto")
+
+
+def test_fitting_save_logs_info_and_plans_ok(caplog):
+    model = _small_model()
+    planner = CheckpointPlanner(mode="raise")
+    with caplog.at_level(logging.INFO):
+        planner.on_checkpoint_save_start(EventFacts(model=model))
+    assert planner.plan.action == "ok"
+    assert "Checkpoint memory fits" in caplog.text
+
+
+def _four_ranks(available: int, materialize: str = "rank0", mode: str = "auto"):
+    per_rank = {
+        r: RankMemory(f"host{r // 2}", r % 2, 8 * GiB, True, available, "MemAvailable")
+        for r in range(4)
+    }
+    return plan_save(per_rank, materialize=materialize, overhead=0.0, mode=mode)
+
+
+def test_plan_counts_the_ranks_that_materialise_the_full_state():
+    rank0 = _four_ranks(100 * GiB, "rank0")
+    assert [n.full_bytes for n in rank0.nodes] == [8 * GiB, 0]
+    assert [n.sharded_bytes for n in rank0.nodes] == [4 * GiB, 4 * GiB]
+    every = _four_ranks(100 * GiB, "every_rank")
+    assert [n.full_bytes for n in every.nodes] == [16 * GiB, 16 * GiB]
+    assert rank0.action == every.action == "ok"
+
+
+def test_auto_decides_to_switch_to_sharded_when_that_fits():
+    plan = _four_ranks(6 * GiB)
+    assert plan.action == "switch_to_sharded"
+    assert plan.settings["lightning"] == "FSDPStrategy(state_dict_type='sharded')"
+    assert "state_dict_type" in plan.settings["composer"]
+    assert "host0" in plan.table() and "8.0 GiB !" in plan.table()
+    assert _four_ranks(6 * GiB, mode="raise").action == "raise"
+
+
+def _planned_on_two_nodes(rank, world_size):
+    os.environ["NODE_RANK"], os.environ["LOCAL_RANK"] = str(rank), "0"
+    model = _meta_model(100)  # 400 MiB of fp32 parameters, serialised on rank 0 only
+    planner = CheckpointPlanner(mode="auto", writer="buffer", host_memory_bytes=300 * MiB)
+    from rankguard.callbacks.side_channel import SideChannel
+
+    planner.bind(SideChannel.from_environment(timeout_s=30))
+    plan = planner.check(model, None, EventFacts(model=model))
+    return plan.action, [n.node.split("/")[-1] for n in plan.nodes], plan.table()
+
+
+def test_two_nodes_agree_to_switch_to_sharded():
+    outcomes = run_ranks(_planned_on_two_nodes, 2, timeout_s=60)
+    for o in outcomes:
+        assert o.error is None, o.error
+    assert outcomes[0].value == outcomes[1].value
+    action, nodes, _ = outcomes[0].value
+    assert action == "switch_to_sharded" and nodes == ["node0", "node1"]
+
+
+MEMINFO = "MemTotal:       32000000 kB\nMemFree:  1000 kB\nMemAvailable:   20971520 kB\n"
+
+
+def test_meminfo_and_cgroup_parsing_on_sample_text():
+    assert parse_meminfo(MEMINFO) == 20 * GiB
+    assert parse_meminfo("MemTotal: 1 kB\n") is None
+    assert parse_cgroup_limit("max\n") is None
+    assert parse_cgroup_limit("9223372036854771712\n") is None  # cgroup v1 "unlimited"
+    assert parse_cgroup_limit("8589934592\n") == 8 * GiB
+    assert parse_inactive_file("anon 5\ninactive_file 1024\nactive_file 7\n") == 1024
+    assert parse_inactive_file("cache 5\ntotal_inactive_file 2048\n") == 2048
+    v2 = cgroup_memory_dirs("0::/job/step_0\n", "/cg")
+    assert v2[0] == ("v2", "/cg/job/step_0")
+    v1 = cgroup_memory_dirs("5:cpu:/x\n4:memory:/slurm/uid_1/job_7\n", "/cg")
+    assert v1[0] == ("v1", "/cg/memory/slurm/uid_1/job_7")
+
+
+def test_host_memory_is_the_smaller_of_cgroup_headroom_and_memavailable(tmp_path):
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "meminfo").write_text(MEMINFO)
+    (tmp_path / "proc" / "self" / "cgroup").write_text("0::/job\n")
+    job = tmp_path / "cg" / "job"
+    job.mkdir(parents=True)
+    (job / "memory.max").write_text(f"{8 * GiB}\n")
+    (job / "memory.current").write_text(f"{3 * GiB}\n")
+    (job / "memory.stat").write_text(f"anon 1\ninactive_file {GiB}\n")
+    memory = host_memory_available(str(tmp_path / "proc"), str(tmp_path / "cg"))
+    assert memory.available_bytes == 6 * GiB and memory.source.startswith("cgroup v2")
+    (job / "memory.max").write_text("max\n")
+    memory = host_memory_available(str(tmp_path / "proc"), str(tmp_path / "cg"))
+    assert memory.available_bytes == 20 * GiB and "MemAvailable" in memory.source
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"mode": "error"}, "mode"),
+        ({"materialize": "all"}, "materialize"),
+        ({"writer": "s3"}, "writer"),
+        ({"host_memory_bytes": 0}, "host_memory_bytes"),
+        ({"host_memory_bytes": "8G"}, "host_memory_bytes"),
+        ({"state_dict_type": "local"}, "state_dict_type"),
+    ],
+)
+def test_constructor_names_the_bad_argument(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        CheckpointPlanner(**kwargs)

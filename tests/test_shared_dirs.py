@@ -1,0 +1,239 @@
+"""SharedDirBarrier: ranks on other nodes see checkpoint directories before anyone writes.
+
+Two nodes are simulated on one machine: ranks 0,1 are node 0 and ranks 2,3
+node 1 (``NODE_RANK``/``LOCAL_RANK`` set in each worker). A lagging shared
+filesystem is a pair of directories, node 0's view and node 1's view, kept
+in step by a mirror thread in the test process: marker files (fresh names,
+which a real NFS client looks up on the server at once) are copied at once,
+directories only after a lag, as NFS shows a directory that a polling client
+has already cached as missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+
+import pytest
+
+from rankguard.callbacks.dir_probe import MARKER_PREFIX, filesystem_type, node_identity
+from rankguard.callbacks.errors import SharedDirCreateError
+from rankguard.callbacks.events import EventFacts
+from rankguard.callbacks.shared_dirs import SharedDirBarrier, ensure_shared_dirs
+from rankguard.callbacks.side_channel import SideChannel
+from tests.mp import run_ranks
+
+LAG_OK_S, LAG_BAD_S, TIMEOUT_S = 1.0, 60.0, 3.0
+
+
+class Mirror(threading.Thread):
+    """Copies node 0's view into node 1's: markers at once, directories after ``lag_s``."""
+
+    def __init__(self, pairs: list[tuple[str, str, float]]) -> None:
+        super().__init__(daemon=True)
+        self.pairs, self.stop, self.first_seen = pairs, threading.Event(), {}
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for src, dst, lag in self.pairs:
+                self._sync(src, dst, lag)
+            time.sleep(0.02)
+
+    def _sync(self, src: str, dst: str, lag: float) -> None:
+        now = time.monotonic()
+        for here, dirs, files in os.walk(src):
+            rel = os.path.relpath(here, src)
+            for d in dirs:
+                key = os.path.join(src, rel, d)
+                if now - self.first_seen.setdefault(key, now) >= lag:
+                    os.makedirs(os.path.join(dst, rel, d), exist_ok=True)
+            for f in files:
+                target = os.path.join(dst, rel, f)
+                if f.startswith(MARKER_PREFIX) and os.path.isdir(os.path.dirname(target)):
+                    if not os.path.exists(target):
+                        shutil.copyfile(os.path.join(here, f), target)
+        for here, _, files in os.walk(dst):
+            for f in files:
+                rel = os.path.relpath(os.path.join(here, f), dst)
+                if f.startswith(MARKER_PREFIX) and not os.path.exists(os.path.join(src, rel)):
+                    os.remove(os.path.join(here, f))
+
+
+def _two_nodes(rank, world_size, base):
+    os.environ["NODE_RANK"], os.environ["LOCAL_RANK"] = str(rank // 2), str(rank % 2)
+    node = rank // 2
+    channel = SideChannel.from_environment(timeout_s=30)
+    out = {}
+
+    def attempt(key, paths, **kwargs):
+        kwargs.setdefault("timeout_s", TIMEOUT_S)
+        try:
+            out[key] = ensure_shared_dirs(paths, channel, probe_wait_s=0.5, **kwargs)
+        except Exception as exc:
+            out[key] = (type(exc).__name__, str(exc))
+
+    os.chdir(os.path.join(base, "local", f"n{node}"))  # node-local disks, relative path
+    attempt("node_local", ["ckpt/model", "ckpt/optim"])
+    attempt("shared", [os.path.join(base, "shared", "ckpt", "train")])
+    attempt("lag_within_timeout", [os.path.join(base, "lag_ok", f"view{node}", "ckpt", "model")])
+    attempt(
+        "lag_beyond_timeout",
+        [os.path.join(base, "lag_bad", f"view{node}", "ckpt", "model")],
+        timeout_s=1.5,
+    )
+    attempt("file_in_the_way", [os.path.join(base, "shared", "blocker", "model")])
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("nodes"))
+    for d in ("local/n0", "local/n1", "shared", "lag_ok/view0", "lag_ok/view1"):
+        os.makedirs(os.path.join(base, d))
+    for d in ("lag_bad/view0", "lag_bad/view1"):
+        os.makedirs(os.path.join(base, d))
+    with open(os.path.join(base, "shared", "blocker"), "w") as f:
+        f.write("not a directory")
+    mirror = Mirror(
+        [
+            (f"{base}/lag_ok/view0", f"{base}/lag_ok/view1", LAG_OK_S),
+            (f"{base}/lag_bad/view0", f"{base}/lag_bad/view1", LAG_BAD_S),
+        ]
+    )
+    mirror.start()
+    try:
+        outcomes = run_ranks(_two_nodes, 4, base, timeout_s=90)
+    finally:
+        mirror.stop.set()
+        mirror.join()
+    for o in outcomes:
+        assert o.error is None, o.error
+    return base, [o.value for o in outcomes]
+
+
+def test_node_local_dirs_are_detected_and_created_by_each_nodes_local_rank_0(two_nodes):
+    base, values = two_nodes
+    for rank, value in enumerate(values):
+        report = value["node_local"]
+        own = os.path.join(base, "local", f"n{rank // 2}", "ckpt", "model")
+        assert report.paths[0] == own  # relative path resolved per rank, reported absolute
+        assert report.shared[own] is False
+        assert report.created_by[own] == [0, 2]
+        assert os.path.isdir(own)
+
+
+def test_shared_dir_is_created_once_by_rank_0(two_nodes):
+    base, values = two_nodes
+    path = os.path.join(base, "shared", "ckpt", "train")
+    for value in values:
+        assert value["shared"].shared[path] is True
+        assert value["shared"].created_by[path] == [0]
+
+
+def test_shared_dir_shown_late_on_node_1_passes_within_timeout(two_nodes):
+    _, values = two_nodes
+    for rank, value in enumerate(values):
+        report = value["lag_within_timeout"]
+        assert not isinstance(report, tuple), report
+        assert report.created_by[report.paths[0]] == [0]
+        assert report.shared[report.paths[0]] is True
+        if rank >= 2:
+            assert LAG_OK_S * 0.8 <= report.waited_s < TIMEOUT_S
+        assert report.max_waited_s >= LAG_OK_S * 0.8
+
+
+def test_shared_dir_shown_too_late_names_path_lagging_ranks_and_fix(two_nodes):
+    base, values = two_nodes
+    for value in values:
+        kind, message = value["lag_beyond_timeout"]
+        assert kind == "SharedDirTimeoutError"
+        assert os.path.join(base, "lag_bad", "view1", "ckpt", "model") in message
+        assert "was not visible to ranks 2,3" in message
+        assert "/node1" in message and "waited 1.5 s" in message
+        assert "Filesystem: ranks 2,3:" in message
+        assert "actimeo" in message and "`timeout_s`" in message and "node-local" in message
+
+
+def test_file_in_the_way_is_a_clear_error_on_every_rank(two_nodes):
+    base, values = two_nodes
+    for value in values:
+        kind, message = value["file_in_the_way"]
+        assert kind == "SharedDirCreateError"
+        assert os.path.join(base, "shared", "blocker") in message
+        assert "not a directory" in message and "Fix:" in message
+    with open(os.path.join(base, "shared", "blocker")) as f:
+        assert f.read() == "not a directory"  # never touched
+
+
+def test_markers_are_removed(two_nodes):
+    base, _ = two_nodes
+    leftovers = [f for _, _, files in os.walk(base) for f in files if f.startswith(MARKER_PREFIX)]
+    assert leftovers == []
+
+
+def test_single_rank_creates_relative_dirs_and_reports_them_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    report = ensure_shared_dirs(["a/b", "c"], SideChannel(None))
+    assert report.paths == [str(tmp_path / "a" / "b"), str(tmp_path / "c")]
+    assert (tmp_path / "a" / "b").is_dir() and (tmp_path / "c").is_dir()
+    assert sorted(os.listdir(tmp_path)) == ["a", "c"]  # no marker left
+    again = ensure_shared_dirs(["a/b"], SideChannel(None))
+    assert again.created_by == {str(tmp_path / "a" / "b"): []}
+
+
+def test_remote_uris_are_skipped_and_file_uris_are_local(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    paths = ["s3://bucket/ckpt", f"file://{tmp_path}/x", "y"]
+    report = ensure_shared_dirs(paths, SideChannel(None))
+    assert report.paths == [str(tmp_path / "x"), str(tmp_path / "y")]
+    assert sorted(os.listdir(tmp_path)) == ["x", "y"]  # no "s3:" directory
+
+
+def test_guard_warns_instead_of_raising_when_asked(tmp_path, caplog):
+    (tmp_path / "f").write_text("x")
+    facts = EventFacts(directories=[str(tmp_path / "f" / "model")])
+    with pytest.raises(SharedDirCreateError):
+        SharedDirBarrier().on_checkpoint_save_start(facts)
+    with caplog.at_level(logging.WARNING):
+        SharedDirBarrier(on_violation="warn").on_fit_start(facts)
+    assert "not a directory" in caplog.text
+    assert (tmp_path / "f").read_text() == "x"
+
+
+@pytest.mark.parametrize("arg", ["timeout_s", "poll_s", "probe_wait_s"])
+def test_constructor_rejects_non_positive_times(arg):
+    with pytest.raises(ValueError, match=f"`{arg}`"):
+        SharedDirBarrier(**{arg: 0})
+    with pytest.raises(ValueError, match="`on_violation`"):
+        SharedDirBarrier(on_violation="ignore")
+
+
+MOUNTS = """\
+/dev/vda / ext4 rw,relatime 0 0
+nfs01:/export/ckpt /mnt/ckpt nfs4 rw,actimeo=60 0 0
+10.0.0.1@tcp:/scratch /lustre lustre rw 0 0
+tmpfs /mnt/ckpt/tmp\\040dir tmpfs rw 0 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "fstype"),
+    [
+        ("/home/u/run", "ext4"),
+        ("/mnt/ckpt/run1", "nfs4"),
+        ("/mnt/ckptx", "ext4"),
+        ("/lustre/proj/run", "lustre"),
+        ("/mnt/ckpt/tmp dir/x", "tmpfs"),
+    ],
+)
+def test_filesystem_type_from_proc_mounts(path, fstype):
+    assert filesystem_type(path, MOUNTS) == fstype
+
+
+def test_node_identity_uses_node_rank_then_group_rank():
+    assert node_identity({"NODE_RANK": "1", "LOCAL_RANK": "3"}).key.endswith("/node1")
+    assert node_identity({"GROUP_RANK": "2"}).node_rank == "2"
+    assert node_identity({}).node_rank is None and node_identity({}).local_rank is None
