@@ -6,6 +6,8 @@ Nothing here imports a training framework. Adapters in
 """
 
 from rankguard.callbacks.batch_parity import BatchParityGuard
+from rankguard.callbacks.checkpoint_plan import CheckpointPlan
+from rankguard.callbacks.checkpoint_planner import CheckpointPlanner
 from rankguard.callbacks.drop_last import DropLastGuard
 from rankguard.callbacks.errors import (
     BatchCountMismatchError,
@@ -15,18 +17,23 @@ from rankguard.callbacks.errors import (
     HangDetectedError,
     RankGuardError,
     RanksMissingError,
+    SharedDirCreateError,
     SharedDirTimeoutError,
 )
 from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.guard import Guard, GuardRunner
 from rankguard.callbacks.registry import GUARDS, build_guards
+from rankguard.callbacks.shared_dirs import SharedDirBarrier, ensure_shared_dirs
 from rankguard.callbacks.side_channel import SideChannel
+from rankguard.callbacks.state_size import estimate_state_size
 
 __all__ = [
     "GUARDS",
     "BatchCountMismatchError",
     "BatchParityGuard",
     "CheckpointMemoryError",
+    "CheckpointPlan",
+    "CheckpointPlanner",
     "DataInconsistencyError",
     "DropLastGuard",
     "DropLastMismatchError",
@@ -38,7 +45,11 @@ __all__ = [
     "LoaderFacts",
     "RankGuardError",
     "RanksMissingError",
+    "SharedDirBarrier",
+    "SharedDirCreateError",
     "SharedDirTimeoutError",
     "SideChannel",
     "build_guards",
+    "ensure_shared_dirs",
+    "estimate_state_size",
 ]

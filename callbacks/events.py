@@ -112,7 +112,9 @@ class EventFacts:
         batch_index: Index of the batch within ``loader`` for batch events.
         loaders: Every loader known at FIT_START, train first.
         model: The model being trained (FIT_START).
-        directories: Directories a checkpoint save writes to.
+        optimizer: Its (first) optimizer, if the framework has built it (FIT_START).
+        directories: Local directories checkpoints are saved to (FIT_START,
+            CHECKPOINT_SAVE_START); the same number on every rank.
     """
 
     step: int = 0
@@ -121,6 +123,7 @@ class EventFacts:
     batch_index: int | None = None
     loaders: list[LoaderFacts] = field(default_factory=list)
     model: Any = None
+    optimizer: Any = None
     directories: list[str] = field(default_factory=list)
 
     @staticmethod

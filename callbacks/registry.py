@@ -11,8 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from rankguard.callbacks.batch_parity import BatchParityGuard
+from rankguard.callbacks.checkpoint_planner import CheckpointPlanner
 from rankguard.callbacks.drop_last import DropLastGuard
 from rankguard.callbacks.guard import Guard
+from rankguard.callbacks.shared_dirs import SharedDirBarrier
 
 __all__ = ["GUARDS", "build_guard", "build_guards", "unknown_name_error"]
 
@@ -22,6 +24,8 @@ __all__ = ["GUARDS", "build_guard", "build_guards", "unknown_name_error"]
 GUARDS: dict[str, type[Guard]] = {
     DropLastGuard.name: DropLastGuard,
     BatchParityGuard.name: BatchParityGuard,
+    SharedDirBarrier.name: SharedDirBarrier,
+    CheckpointPlanner.name: CheckpointPlanner,
 }
 
 

@@ -10,12 +10,36 @@ from rankguard.callbacks.registry import GUARDS, build_guard, build_guards
 
 __all__ = ["bundle_guards", "single_guard"]
 
-
-def bundle_guards(per_guard_config: Mapping[str, Mapping[str, Any] | bool | None]) -> list[Guard]:
-    """The guards of a ``RankGuard`` callback (every guard unless disabled)."""
-    return build_guards(per_guard_config)
+Defaults = Mapping[str, Mapping[str, Any]]
 
 
-def single_guard(name: str, settings: Mapping[str, Any]) -> list[Guard]:
+def _with_defaults(name: str, settings: Any, defaults: Defaults | None) -> Any:
+    """The user's settings for guard ``name`` over the framework's defaults for it."""
+    if not defaults or name not in defaults or settings is False:
+        return settings
+    user = settings if isinstance(settings, Mapping) else {}
+    return {**defaults[name], **user}
+
+
+def bundle_guards(
+    per_guard_config: Mapping[str, Mapping[str, Any] | bool | None],
+    defaults: Defaults | None = None,
+) -> list[Guard]:
+    """The guards of a ``RankGuard`` callback (every guard unless disabled).
+
+    Args:
+        per_guard_config: The user's settings per guard name.
+        defaults: The framework's own defaults per guard name, under the user's.
+    """
+    names = set(per_guard_config) | set(defaults or {})
+    config = {
+        name: _with_defaults(name, per_guard_config.get(name, True), defaults) for name in names
+    }
+    return build_guards(config)
+
+
+def single_guard(
+    name: str, settings: Mapping[str, Any], defaults: Defaults | None = None
+) -> list[Guard]:
     """The one guard of a single-guard callback such as ``BatchParityGuard``."""
-    return [build_guard(GUARDS[name], settings)]
+    return [build_guard(GUARDS[name], _with_defaults(name, settings, defaults))]

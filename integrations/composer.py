@@ -25,14 +25,22 @@ from rankguard.callbacks.guard import Guard, GuardRunner
 from rankguard.integrations._common import bundle_guards, single_guard
 
 try:
+    from composer.callbacks import CheckpointSaver
     from composer.core import Callback, Event, State
     from composer.loggers import Logger
+    from composer.utils import format_name_with_dist
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "rankguard.integrations.composer needs Composer: pip install 'rankguard[composer]'"
     ) from exc
 
-__all__ = ["BatchParityGuard", "DropLastGuard", "RankGuard"]
+__all__ = [
+    "BatchParityGuard",
+    "CheckpointPlanner",
+    "DropLastGuard",
+    "RankGuard",
+    "SharedDirBarrier",
+]
 
 _EVENTS: dict[Event, CoreEvent] = {
     Event.FIT_START: CoreEvent.FIT_START,
@@ -80,6 +88,27 @@ def _evaluator_loaders(state: State) -> list[LoaderFacts]:
     return facts
 
 
+def _savers(state: State) -> list[CheckpointSaver]:
+    return [cb for cb in state.callbacks if isinstance(cb, CheckpointSaver)]
+
+
+def save_directories(state: State) -> list[str]:
+    """The local folders Composer's checkpoint savers write to (formatted per rank)."""
+    return [format_name_with_dist(saver.folder, state.run_name) for saver in _savers(state)]
+
+
+def save_due(state: State, event: Event) -> bool:
+    """Whether a checkpoint saver will save at this ``*_CHECKPOINT`` event.
+
+    Composer fires BATCH_CHECKPOINT after every batch; a save happens only when
+    a saver's ``save_interval`` says so. That scheduler only records the last
+    batch it answered ``True`` for, so asking it first (rankguard runs before
+    the savers, which Composer appends after user callbacks) does not change
+    the saver's answer.
+    """
+    return any(saver.save_interval(state, event) for saver in _savers(state))
+
+
 def _as_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
@@ -92,6 +121,11 @@ def event_facts(event: CoreEvent, state: State) -> EventFacts:
         train = _train_loader(state)
         facts.loaders = ([train] if train else []) + _evaluator_loaders(state)
         facts.model = state.model
+        facts.optimizer = state.optimizers[0] if state.optimizers else None
+        facts.directories = save_directories(state)
+    elif event is CoreEvent.CHECKPOINT_SAVE_START:
+        facts.model = state.model
+        facts.directories = save_directories(state)
     elif event is CoreEvent.EPOCH_START:
         facts.loader = _train_loader(state)
     elif event in _EVAL_EVENTS:
@@ -115,6 +149,8 @@ class _ComposerAdapter(Callback):
         """Translates a Composer event and dispatches it to the guards."""
         core_event = _EVENTS.get(event)
         if core_event is None or not self.runner.handles(core_event):
+            return
+        if core_event is CoreEvent.CHECKPOINT_SAVE_START and not save_due(state, event):
             return
         self.runner.fire(core_event, event_facts(core_event, state), logger.log_metrics)
 
@@ -149,3 +185,17 @@ class DropLastGuard(_ComposerAdapter):
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(single_guard("drop_last_guard", settings))
+
+
+class SharedDirBarrier(_ComposerAdapter):
+    """Composer callback for :class:`rankguard.callbacks.SharedDirBarrier` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("shared_dir_barrier", settings))
+
+
+class CheckpointPlanner(_ComposerAdapter):
+    """Composer callback for :class:`rankguard.callbacks.CheckpointPlanner` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("checkpoint_planner", settings))

@@ -37,7 +37,13 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "rankguard.integrations.lightning needs Lightning: pip install 'rankguard[lightning]'"
     ) from exc
 
-__all__ = ["BatchParityGuard", "DropLastGuard", "RankGuard"]
+__all__ = [
+    "BatchParityGuard",
+    "CheckpointPlanner",
+    "DropLastGuard",
+    "RankGuard",
+    "SharedDirBarrier",
+]
 
 
 def _planned(value: float | int | None) -> int | None:
@@ -76,6 +82,15 @@ def train_loader(trainer: pl.Trainer) -> LoaderFacts | None:
     )
 
 
+#: Lightning writes checkpoints through an in-memory buffer (``_atomic_save``).
+LIGHTNING_DEFAULTS = {"checkpoint_planner": {"writer": "buffer"}}
+
+
+def save_directories(trainer: pl.Trainer) -> list[str]:
+    """The local directories of the trainer's ``ModelCheckpoint`` callbacks."""
+    return [str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+
+
 class _LightningAdapter(Callback):
     """Drives a :class:`GuardRunner` from Lightning hooks."""
 
@@ -103,7 +118,14 @@ class _LightningAdapter(Callback):
         loaders = [train] if train else []
         if trainer.val_dataloaders is not None:  # loaded by the sanity check
             loaders += val_loaders(trainer)
-        self._fire(trainer, Event.FIT_START, loaders=loaders, model=pl_module)
+        self._fire(
+            trainer,
+            Event.FIT_START,
+            loaders=loaders,
+            model=pl_module,
+            optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+            directories=save_directories(trainer),
+        )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EPOCH_START with the train loader."""
@@ -170,7 +192,12 @@ class _LightningAdapter(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """CHECKPOINT_SAVE_START."""
-        self._fire(trainer, Event.CHECKPOINT_SAVE_START)
+        self._fire(
+            trainer,
+            Event.CHECKPOINT_SAVE_START,
+            model=pl_module,
+            directories=save_directories(trainer),
+        )
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """FIT_END."""
@@ -197,7 +224,7 @@ class RankGuard(_LightningAdapter):
     """
 
     def __init__(self, **per_guard_config: dict[str, Any] | bool) -> None:
-        super().__init__(bundle_guards(per_guard_config))
+        super().__init__(bundle_guards(per_guard_config, LIGHTNING_DEFAULTS))
 
 
 class BatchParityGuard(_LightningAdapter):
@@ -212,3 +239,17 @@ class DropLastGuard(_LightningAdapter):
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(single_guard("drop_last_guard", settings))
+
+
+class SharedDirBarrier(_LightningAdapter):
+    """Lightning callback for :class:`rankguard.callbacks.SharedDirBarrier` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("shared_dir_barrier", settings))
+
+
+class CheckpointPlanner(_LightningAdapter):
+    """Lightning callback for :class:`rankguard.callbacks.CheckpointPlanner` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("checkpoint_planner", settings, LIGHTNING_DEFAULTS))

@@ -46,6 +46,18 @@ def test_rank_guard_rejects_unknown_guard_names(module):
         module.RankGuard(droplast_guard={})
 
 
+def test_lightning_defaults_sit_under_user_settings():
+    def planner(callback):
+        return next(g for g in callback.runner.guards if g.name == "checkpoint_planner")
+
+    assert planner(rg_lightning.RankGuard()).writer == "buffer"
+    assert planner(rg_lightning.RankGuard(checkpoint_planner={"mode": "raise"})).writer == "buffer"
+    assert planner(rg_lightning.RankGuard(checkpoint_planner={"writer": "file"})).writer == "file"
+    assert planner(rg_composer.RankGuard()).writer == "file"
+    names = [g.name for g in rg_lightning.RankGuard(checkpoint_planner=False).runner.guards]
+    assert "checkpoint_planner" not in names
+
+
 def test_every_core_event_is_in_the_documented_table():
     doc = events_module.__doc__
     for event in Event:

@@ -22,6 +22,7 @@ JOB = ROOT / "tests" / "e2e" / "composer_job.py"
 LAUNCHER = Path(sys.executable).parent / "composer"
 SCENARIOS = [
     "healthy",
+    "checkpointing",
     "uneven_eval",
     "uneven_train",
     "drop_last_mismatch",
@@ -43,11 +44,16 @@ def launch(out_dir: Path, *scenarios: str, reraise: bool = False, timeout: float
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory):
+def job_dir(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("composer")
     proc = launch(out_dir, *SCENARIOS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def outcomes(job_dir):
+    return [json.loads((job_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 def both(outcomes, scenario):
@@ -59,6 +65,15 @@ def test_healthy_run_passes_with_no_rankguard_warning(outcomes):
         assert result["outcome"] == "ok", result.get("traceback")
         assert result["warnings"] == []
         assert result["counters"] == {"train_batches": 8, "eval_batches": 4}
+
+
+def test_checkpointing_run_goes_through_the_dir_barrier_silently(outcomes, job_dir):
+    for result in both(outcomes, "checkpointing"):
+        assert result["outcome"] == "ok", result.get("traceback")
+        assert result["warnings"] == []
+    saved = sorted(p.name for p in (job_dir / "ckpt" / "e2e").glob("ep*-ba*-rank0.pt"))
+    assert saved == ["ep0-ba4-rank0.pt", "ep0-ba8-rank0.pt"]
+    assert not list(job_dir.rglob("*rankguard*"))  # barrier markers are removed
 
 
 def test_uneven_eval_batches_fail_at_fit_start_before_any_batch(outcomes):

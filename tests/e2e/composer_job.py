@@ -48,9 +48,10 @@ def sharded(n: int, batch_size: int = 4, drop_last: bool = False, sampler=None) 
     )
 
 
-def fit(train: DataLoader, eval_loader: DataLoader, guard=None) -> None:
+def fit(train: DataLoader, eval_loader: DataLoader, guard=None, **trainer_kwargs) -> None:
     COUNTERS.clear()
     trainer = Trainer(
+        **trainer_kwargs,
         model=model(),
         train_dataloader=train,
         eval_dataloader=Evaluator(label="eval", dataloader=eval_loader),
@@ -74,6 +75,14 @@ def per_rank(n_rank0: int, n_rank1: int) -> int:
 
 SCENARIOS = {
     "healthy": lambda: fit(sharded(64), sharded(32)),
+    # Checkpoints every 4 batches into a relative folder: every save goes through the barrier.
+    "checkpointing": lambda: fit(
+        sharded(64),
+        sharded(32),
+        save_folder="ckpt/{run_name}",
+        save_interval="4ba",
+        run_name="e2e",
+    ),
     # Ranks built eval sets of different sizes: 2 vs 4 eval batches.
     "uneven_eval": lambda: fit(sharded(64), sharded(per_rank(16, 32))),
     # Ranks built train sets of different sizes: 2 vs 3 train batches.
