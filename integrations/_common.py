@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.registry import GUARDS, build_guard, build_guards
 
-__all__ = ["bundle_guards", "single_guard"]
+__all__ = ["bundle_guards", "expose_signatures", "single_guard"]
 
 Defaults = Mapping[str, Mapping[str, Any]]
 
@@ -43,3 +44,31 @@ def single_guard(
 ) -> list[Guard]:
     """The one guard of a single-guard callback such as ``BatchParityGuard``."""
     return [build_guard(GUARDS[name], _with_defaults(name, settings, defaults))]
+
+
+def _bundle_signature() -> inspect.Signature:
+    """``RankGuard(*, <guard name>: dict | bool = True, ...)`` for every registered guard."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [
+        inspect.Parameter(
+            name, inspect.Parameter.KEYWORD_ONLY, default=True, annotation=dict[str, Any] | bool
+        )
+        for name in GUARDS
+    ]
+    return inspect.Signature(params)
+
+
+def expose_signatures(bundle: type, singles: Mapping[str, type]) -> None:
+    """Gives callbacks that take ``**kwargs`` the explicit signature of what they accept.
+
+    Config tools that read signatures (LightningCLI's jsonargparse) cannot see
+    through ``**kwargs``; the signatures come from the registry and the core
+    guards, so they never drift from what the constructors accept.
+
+    Args:
+        bundle: The adapter's ``RankGuard`` class.
+        singles: Guard name to the adapter's single-guard class.
+    """
+    bundle.__init__.__signature__ = _bundle_signature()
+    for name, cls in singles.items():
+        cls.__init__.__signature__ = inspect.signature(GUARDS[name].__init__, eval_str=True)

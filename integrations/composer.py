@@ -22,7 +22,7 @@ from typing import Any
 from rankguard.callbacks.events import Event as CoreEvent
 from rankguard.callbacks.events import EventFacts, LoaderFacts
 from rankguard.callbacks.guard import Guard, GuardRunner
-from rankguard.integrations._common import bundle_guards, single_guard
+from rankguard.integrations._common import bundle_guards, expose_signatures, single_guard
 
 try:
     from composer.callbacks import CheckpointSaver
@@ -199,3 +199,14 @@ class CheckpointPlanner(_ComposerAdapter):
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(single_guard("checkpoint_planner", settings))
+
+
+expose_signatures(
+    RankGuard,
+    {
+        "drop_last_guard": DropLastGuard,
+        "batch_parity_guard": BatchParityGuard,
+        "shared_dir_barrier": SharedDirBarrier,
+        "checkpoint_planner": CheckpointPlanner,
+    },
+)

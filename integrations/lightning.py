@@ -27,7 +27,7 @@ from typing import Any
 
 from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.guard import Guard, GuardRunner
-from rankguard.integrations._common import bundle_guards, single_guard
+from rankguard.integrations._common import bundle_guards, expose_signatures, single_guard
 
 try:
     import lightning.pytorch as pl
@@ -253,3 +253,14 @@ class CheckpointPlanner(_LightningAdapter):
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(single_guard("checkpoint_planner", settings, LIGHTNING_DEFAULTS))
+
+
+expose_signatures(
+    RankGuard,
+    {
+        "drop_last_guard": DropLastGuard,
+        "batch_parity_guard": BatchParityGuard,
+        "shared_dir_barrier": SharedDirBarrier,
+        "checkpoint_planner": CheckpointPlanner,
+    },
+)

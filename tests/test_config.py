@@ -1,0 +1,92 @@
+"""rankguard where users configure training: llm-foundry YAML, LightningCLI YAML, plain dicts."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rankguard.callbacks import GUARDS
+from rankguard.integrations import composer as rg_composer
+from rankguard.integrations import lightning as rg_lightning
+from rankguard.integrations.config import CALLBACK_NAMES, build_callbacks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def guard(callback, name):
+    return next(g for g in callback.runner.guards if g.name == name)
+
+
+def test_every_callback_is_an_llmfoundry_entry_point():
+    found = {ep.name: ep for ep in entry_points(group="llmfoundry_callbacks")}
+    assert set(found) == set(CALLBACK_NAMES)
+    for name, ep in found.items():
+        assert ep.load() is getattr(rg_composer, CALLBACK_NAMES[name])
+
+
+def test_llmfoundry_yaml_builds_callbacks_as_llmfoundry_does():
+    # llm-foundry: look the name up in the entry-point group, call it with the YAML kwargs.
+    config = yaml.safe_load((ROOT / "examples" / "llmfoundry_callbacks.yaml").read_text())
+    registry = {ep.name: ep for ep in entry_points(group="llmfoundry_callbacks")}
+    callbacks = [registry[name].load()(**kwargs) for name, kwargs in config["callbacks"].items()]
+    (rank_guard,) = callbacks
+    assert isinstance(rank_guard, rg_composer.RankGuard)
+    assert guard(rank_guard, "batch_parity_guard").eval_end_timeout_s == 300
+    assert guard(rank_guard, "shared_dir_barrier").timeout_s == 900
+
+
+@pytest.mark.parametrize("framework", ["composer", "lightning"])
+def test_build_callbacks_from_a_plain_dict(framework):
+    module = rg_composer if framework == "composer" else rg_lightning
+    callbacks = build_callbacks(
+        {"rank_guard": {"drop_last_guard": False}, "batch_parity_guard": None}, framework
+    )
+    assert [type(c) for c in callbacks] == [module.RankGuard, module.BatchParityGuard]
+    assert "drop_last_guard" not in [g.name for g in callbacks[0].runner.guards]
+
+
+def test_unknown_names_and_settings_list_the_valid_ones_with_a_suggestion():
+    with pytest.raises(ValueError, match="Did you mean 'rank_guard'"):
+        build_callbacks({"rankguard": {}}, "composer")
+    with pytest.raises(ValueError, match="Did you mean 'eval_end_timeout_s'"):
+        build_callbacks({"batch_parity_guard": {"eval_end_timeout": 5}}, "lightning")
+    with pytest.raises(ValueError, match="valid: composer, lightning"):
+        build_callbacks({}, "keras")
+
+
+@pytest.mark.parametrize("module", [rg_composer, rg_lightning], ids=lambda m: m.__name__)
+def test_signatures_show_every_setting_to_config_tools(module):
+    assert list(inspect.signature(module.RankGuard).parameters) == list(GUARDS)
+    params = inspect.signature(module.BatchParityGuard).parameters
+    assert params["eval_end_timeout_s"].default == 120.0
+
+
+def run_cli(tmp_path, *extra):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "lightning_cli.py"),
+        "fit",
+        "--config",
+        str(ROOT / "examples" / "lightning_cli.yaml"),
+        *extra,
+    ]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.framework
+def test_lightning_cli_yaml_runs_rankguard_on_two_ranks(tmp_path):
+    healthy = run_cli(tmp_path)
+    assert healthy.returncode == 0, healthy.stderr[-3000:]
+    assert "rankguard" not in healthy.stdout + healthy.stderr
+    faulty = run_cli(tmp_path, "--data.uneven_eval", "true")
+    assert faulty.returncode != 0
+    assert "BatchCountMismatchError" in faulty.stderr
+    assert "loader 'val': rank 0: 2 batches; rank 1: 4 batches" in faulty.stderr
