@@ -62,7 +62,9 @@ def main() -> None:
     parser.add_argument("--fault", choices=["none", "uneven_eval", "uneven_train", "drop_last"])
     parser.add_argument("--no-rankguard", action="store_true")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="[rank %(rank)s] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="[rank %(rank)s] %(levelname)s %(name)s: %(message)s"
+    )
     rank = dist.get_global_rank()
     old_factory = logging.getLogRecordFactory()
 

@@ -67,7 +67,7 @@ def main() -> int:
     caught = code != 0 and len(errors) >= 2
 
     code, out, err = launch()
-    warnings = [line for line in out + err if "rankguard" in line and "WARNING" in line]
+    warnings = [line for line in out + err if "WARNING rankguard" in line]
     finished = [line for line in out + err if "training finished" in line]
     show("3. healthy job, with RankGuard()", code, finished + warnings)
     healthy = code == 0 and not warnings
