@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from rankguard.callbacks.ranks import format_ranks, group_ranks, rank_label
+from rankguard.callbacks.ranks import group_ranks, rank_label
 
 __all__ = [
     "KINDS",
@@ -302,13 +302,3 @@ def flight_recorder_note(env: Mapping[str, str], rank: int) -> str:
         "TORCH_NCCL_DUMP_ON_TIMEOUT=1 to record each rank's last collectives "
         "(dumped to TORCH_NCCL_DEBUG_INFO_TEMP_FILE, default /tmp/nccl_trace_rank_<rank>)."
     )
-
-
-def runs_label(runs: Runs) -> str:
-    """Renders runs as ranks, e.g. ``"ranks 0-3,7"``."""
-    return rank_label(r for first, last in runs for r in range(first, last + 1))
-
-
-def format_runs(runs: Runs) -> str:
-    """Renders runs as a compact rank list, e.g. ``"0-3,7"``."""
-    return format_ranks(r for first, last in runs for r in range(first, last + 1))

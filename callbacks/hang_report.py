@@ -31,7 +31,14 @@ from pathlib import Path
 
 from rankguard.callbacks.ranks import group_ranks, rank_label
 
-__all__ = ["main", "merge_stacks", "write_heartbeats", "write_stacks", "write_summary"]
+__all__ = [
+    "main",
+    "merge_stacks",
+    "write_heartbeats",
+    "write_incident",
+    "write_stacks",
+    "write_summary",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +74,25 @@ def write_heartbeats(directory: str | Path, rank: int, beats: Iterable[dict]) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(b) + "\n" for b in beats), encoding="utf-8")
     return path
+
+
+def write_incident(
+    directory: str | Path, rank: int, header: str, beats: Iterable[dict], summary: str | None
+) -> None:
+    """Writes one rank's part of an incident report.
+
+    Args:
+        directory: The report directory (created if needed).
+        rank: This rank.
+        header: First line of ``rank{rank}.txt``: rank, host, pid, phase.
+        beats: Recent heartbeats for ``rank{rank}.jsonl``.
+        summary: The verdict for ``summary.txt``, on the one rank that writes it.
+    """
+    write_stacks(directory, rank, header)
+    write_heartbeats(directory, rank, beats)
+    if summary is not None:
+        stacks = f"Stacks: {Path(directory)}/rank<N>.txt per rank (merge: rankguard report DIR)."
+        write_summary(directory, f"{summary.rstrip()}\n{stacks}")
 
 
 def _stack_body(text: str) -> str:

@@ -35,7 +35,7 @@ from rankguard.callbacks.hang_diagnosis import (
     phase_deadline,
     phase_label,
 )
-from rankguard.callbacks.hang_report import write_heartbeats, write_stacks, write_summary
+from rankguard.callbacks.hang_report import write_incident
 
 __all__ = ["HANG_EXIT_CODE", "HangWatchdog", "process_group_timeout"]
 
@@ -110,15 +110,27 @@ class HangWatchdog(Guard):
         action: ``"abort"`` (exit with :data:`HANG_EXIT_CODE`) or ``"report"``
             (report once per incident, keep waiting).
         report_dir: Directory for the report files; must be writable.
-        exchange_period_s: Time between status exchanges. A rank that stops
-            answering is reported within its deadline + about
-            ``exchange_period_s`` + ``max(2, exchange_period_s)`` seconds.
+        exchange_period_s: Time between status exchanges. A stuck rank is
+            reported within its deadline + ``exchange_period_s``; a rank that
+            stops answering (frozen, dead) within the deadline + about
+            ``exchange_period_s`` + ``exchange_timeout_s`` (5 s more when it is
+            rank 0, which decides the exchanges).
         auto_calibrate: After ``warmup_steps`` train steps, lower each phase's
             deadline to ``calibration_factor`` x its slowest observed interval,
             never below ``floor_s`` nor above the configured deadline.
         warmup_steps: Train steps before intervals are observed.
         calibration_factor: Multiple of the slowest interval (> 1).
         floor_s: Lowest calibrated deadline.
+
+    Attributes:
+        exchange_timeout_s: How long rank 0 waits for every rank's status,
+            ``max(2, exchange_period_s)``.
+        incidents: Incidents reported by this rank so far.
+        last_incident: The last incident as a :class:`HangDetectedError`
+            (its message is the logged report), or ``None``.
+
+    Metrics: none. Exit code: :data:`HANG_EXIT_CODE`. Files: see
+    :mod:`rankguard.callbacks.hang_report`.
 
     Example::
 
@@ -160,7 +172,6 @@ class HangWatchdog(Guard):
         if self.calibration_factor <= 1:
             raise ValueError(f"`calibration_factor` must be > 1; got {calibration_factor!r}.")
         self.floor_s = check_positive("floor_s", floor_s)
-        #: How long rank 0 waits for every rank's status; others wait a little longer.
         self.exchange_timeout_s = max(2.0, self.exchange_period_s)
         self.incidents = 0
         self.last_incident: HangDetectedError | None = None
@@ -364,28 +375,24 @@ class HangWatchdog(Guard):
             last=self._last,
             default_s=self.first_step_timeout_s,
         )
-        if frozen and not self._stop.is_set():
+        if frozen and not self._stop.is_set() and self._beat[5] != "done":
             self._incident(describe_frozen(frozen, waited, self._last), (), frozen=frozen)
 
     def _incident(self, summary: str, details: tuple[str, ...], frozen: list[int]) -> None:
         if self._incident_open:
             return
         self._incident_open = True
-        self.incidents += 1
         rank, status = self.channel.rank, self._status()
         header = f"rank {rank}, host {status.host}, pid {status.pid}: {status.phase}"
         report = Path(self.report_dir)
+        beats = [
+            {"t": t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
+            for t, e, s, b, ld in tuple(self._history)
+        ]
+        writer = min(r for r in range(self.channel.world_size) if r not in frozen)
+        text = "\n".join([summary, "", *details, "", self._nccl_note]) if rank == writer else None
         try:
-            write_stacks(report, rank, f"{header}, no progress for {status.idle_s:.1f} s")
-            beats = [
-                {"t": t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
-                for t, e, s, b, ld in tuple(self._history)
-            ]
-            write_heartbeats(report, rank, beats)
-            writer = min(r for r in range(self.channel.world_size) if r not in frozen)
-            if rank == writer:
-                lines = [summary, "", *details, "", f"Stacks: {report}/rank<N>.txt per rank."]
-                write_summary(report, "\n".join(line for line in [*lines, self._nccl_note]))
+            write_incident(report, rank, f"{header}, idle {status.idle_s:.1f} s", beats, text)
         except OSError as exc:
             logger.error("rankguard %s: could not write the report: %s", self.name, exc)
         then = f"aborting with exit code {HANG_EXIT_CODE}" if self.action == "abort" else "waiting"
@@ -400,6 +407,7 @@ class HangWatchdog(Guard):
             )
         )
         logger.error("rankguard %s: %s Now %s.", self.name, self.last_incident, then)
+        self.incidents += 1  # counted once reported (tests wait on it)
         if self.action == "abort":
             self._abort()
 
