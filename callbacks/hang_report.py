@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
-import logging
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -39,8 +39,6 @@ __all__ = [
     "write_stacks",
     "write_summary",
 ]
-
-logger = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.txt"
 MERGED_FILE = "merged.txt"
@@ -179,14 +177,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (m := _RANK_FILE.match(p.name))
     }
     if not stacks:
-        logger.error("rankguard report: no rank*.txt files in %s", directory)
+        sys.stderr.write(f"rankguard report: no rank*.txt files in {directory}\n")
         return 2
     summary = directory / SUMMARY_FILE
     head = summary.read_text(encoding="utf-8") + "\n" if summary.exists() else ""
     (directory / MERGED_FILE).write_text(head + merge_stacks(stacks), encoding="utf-8")
-    logger.info("rankguard report: wrote %s", directory / MERGED_FILE)
+    sys.stdout.write(f"wrote {directory / MERGED_FILE}\n")
     beats = {rank: rows for rank, rows in _read_heartbeats(directory).items() if rows}
     if beats:
         plot_timeline(beats, directory / TIMELINE_FILE)
-        logger.info("rankguard report: wrote %s", directory / TIMELINE_FILE)
+        sys.stdout.write(f"wrote {directory / TIMELINE_FILE}\n")
     return 0

@@ -177,6 +177,7 @@ class HangWatchdog(Guard):
         self.last_incident: HangDetectedError | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # ends the thread's sleep early (fit end, close)
         self._history: collections.deque = collections.deque(maxlen=HISTORY)
         self._nccl_note = ""
         self._beat: tuple | None = None  # (event, step, batch_index, loader, monotonic, kind)
@@ -235,6 +236,8 @@ class HangWatchdog(Guard):
 
     def on_fit_start(self, facts: EventFacts) -> None:
         """Starts the watchdog thread (a new fit starts from a clean state)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self._thread = None  # it ended with the previous fit
         self._reset()
         self._heartbeat("fit_start", facts)
 
@@ -283,20 +286,23 @@ class HangWatchdog(Guard):
         self._heartbeat("checkpoint_save_end", facts)
 
     def on_fit_end(self, facts: EventFacts) -> None:
-        """Records the end of fit: no deadline from here on."""
+        """Records the end of fit: no deadline from here on; tells the other ranks at once."""
         self._heartbeat("fit_end", facts)
+        self._wake.set()
 
     def close(self) -> None:
         """Stops and joins the watchdog thread; safe to call twice and after an error."""
         thread, self._thread = self._thread, None
         if thread is None or thread is threading.current_thread():
             self._stop.set()
+            self._wake.set()
             return
         if self._beat is not None and self._beat[5] == "done":
             # Fit ended here: let the exchange that finds every rank done end all threads
             # together, so no rank is left waiting for a rank that already left.
             thread.join(timeout=2 * self.exchange_period_s + self.exchange_timeout_s)
         self._stop.set()
+        self._wake.set()
         # An exchange in flight ends within its timeout (+ the followers' grace).
         thread.join(timeout=1.25 * self.exchange_timeout_s + 7.0)
 
@@ -316,6 +322,7 @@ class HangWatchdog(Guard):
                 self.warn_once("nccl_timeout", advice)
             self._nccl_note = flight_recorder_note(os.environ, self.channel.rank)
         self._stop.clear()
+        self._wake.clear()
         self._thread = threading.Thread(
             target=self._run, name=f"rankguard-{self.name}", daemon=True
         )
@@ -354,7 +361,7 @@ class HangWatchdog(Guard):
             except Exception as exc:
                 if not self._stop.is_set() and self._beat[5] != "done":
                     self.warn_once("exchange", "status exchange failed (%s); retrying.", exc)
-                self._stop.wait(self.exchange_period_s)
+                self._sleep()
                 continue
             self._failures = 0
             self._last = verdict
@@ -364,7 +371,11 @@ class HangWatchdog(Guard):
                 self._incident_open = False
             if verdict.done == ((0, self.channel.world_size - 1),):
                 return  # every rank's fit ended: every thread ends after this same exchange
-            self._stop.wait(self.exchange_period_s)
+            self._sleep()
+
+    def _sleep(self) -> None:
+        self._wake.wait(self.exchange_period_s)
+        self._wake.clear()
 
     def _on_missing(self, missing: list[int]) -> None:
         waited = self.exchange_period_s + self._failures * self.exchange_timeout_s

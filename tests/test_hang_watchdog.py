@@ -185,17 +185,17 @@ def _healthy_run(rank, world_size, report_dir):
         report_dir=report_dir,
     )
     watchdog.on_fit_start(EventFacts())
-    _train(watchdog, range(1), step_s=1.6)  # compile / warm-up: longer than `timeout_s`
+    _train(watchdog, range(1), step_s=1.2)  # compile / warm-up: longer than `timeout_s`
     for epoch in range(2):
-        _train(watchdog, range(1 + 6 * epoch, 7 + 6 * epoch), step_s=0.05)
+        _train(watchdog, range(1 + 6 * epoch, 7 + 6 * epoch), step_s=0.03)
         watchdog.on_eval_start(EventFacts(step=7, loader=EVAL))
         for index in range(4):  # 5x slower than a train step
             watchdog.on_eval_batch_start(EventFacts(step=7, loader=EVAL, batch_index=index))
-            time.sleep(0.25)
+            time.sleep(0.15)
             watchdog.on_eval_batch_end(EventFacts(step=7, loader=EVAL, batch_index=index))
         watchdog.on_eval_end(EventFacts(step=7, loader=EVAL))
     watchdog.on_fit_end(EventFacts(step=13))
-    time.sleep(1.0 if rank else 0.0)  # ranks close at their own pace
+    time.sleep(0.5 if rank else 0.0)  # ranks close at their own pace
     watchdog.close()
     watchdog.close()
     return watchdog.incidents, records.lines, dict(watchdog._slowest), process_group_timeout()
@@ -208,7 +208,7 @@ def test_healthy_run_with_slow_eval_and_long_first_step_reports_nothing(tmp_path
         incidents, lines, slowest, pg = o.value
         assert incidents == 0
         assert [m for level, m in lines if level in ("WARNING", "ERROR")] == []
-        assert slowest["eval"] >= 0.25 and "startup" not in slowest
+        assert slowest["eval"] >= 0.15 and "startup" not in slowest
         # The one private torch.distributed attribute the watchdog reads still exists.
         assert pg == ("gloo", 1800.0)
     assert not (tmp_path / "reports").exists()
@@ -232,6 +232,50 @@ def test_single_process_stall_is_reported_without_a_process_group(tmp_path, capl
     assert "rank 0 stuck" in caplog.text and "in train batch 1 (deadline 0.3 s)" in caplog.text
     assert "stall_in_train" in (tmp_path / "rank0.txt").read_text()
     assert watchdog.last_incident is not None
+
+
+def test_post_eval_deadline_runs_from_eval_end_until_the_next_train_batch(tmp_path):
+    watchdog = HangWatchdog(
+        timeout_s=100,
+        eval_timeout_s=200,
+        post_eval_timeout_s=300,
+        checkpoint_timeout_s=400,
+        first_step_timeout_s=500,
+        report_dir=str(tmp_path),
+    )
+    seen = []
+
+    def beat(handler: str, **facts) -> None:
+        getattr(watchdog, f"on_{handler}")(EventFacts(**facts))
+        status = watchdog._status()
+        seen.append((status.phase, status.deadline_s))
+
+    beat("fit_start")
+    beat("train_batch_start", step=0)
+    beat("train_batch_end", step=0)
+    beat("eval_batch_start", step=1, loader=EVAL, batch_index=0)
+    beat("eval_end", step=1, loader=EVAL)
+    beat("data_fetch_start", step=1)
+    beat("train_batch_start", step=1)
+    beat("checkpoint_save_start", step=1)
+    beat("checkpoint_save_end", step=1)
+    beat("fit_end", step=2)
+    thread, start = watchdog._thread, time.monotonic()
+    watchdog.close()  # fit end woke the thread: no wait for the 10 s exchange period
+    assert time.monotonic() - start < 2 and not thread.is_alive()
+    assert seen == [
+        ("fit start", 500),
+        ("train batch 0", 500),
+        ("after train batch 0", 100),
+        ("eval batch 0 of 'eval'", 200),
+        ("after eval of 'eval'", 300),
+        ("data fetch for train batch 1", 300),
+        ("train batch 1", 100),
+        ("checkpoint save at step 1", 400),
+        ("after checkpoint save at step 1", 100),
+        ("fit end", None),
+    ]
+    assert watchdog.incidents == 0 and not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(
