@@ -180,6 +180,7 @@ class HangWatchdog(Guard):
         self._wake = threading.Event()  # ends the thread's sleep early (fit end, close)
         self._history: collections.deque = collections.deque(maxlen=HISTORY)
         self._nccl_note = ""
+        self._host = socket.gethostname()
         self._beat: tuple | None = None  # (event, step, batch_index, loader, monotonic, kind)
         self._reset()
 
@@ -344,7 +345,7 @@ class HangWatchdog(Guard):
             step=step,
             idle_s=round(time.monotonic() - since, 3),
             deadline_s=deadline,
-            host=socket.gethostname(),
+            host=self._host,
             pid=os.getpid(),
         )
 
