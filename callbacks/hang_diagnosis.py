@@ -23,6 +23,7 @@ __all__ = [
     "frozen_ranks",
     "in_runs",
     "nccl_timeout_advice",
+    "next_step",
     "phase_deadline",
     "phase_label",
     "to_runs",
@@ -79,6 +80,8 @@ class Verdict:
         done: Ranks whose fit has ended, as runs.
         slack_s: The longest any running rank may still go without progress
             before passing its deadline (``inf`` when no rank has a deadline).
+        first: The stuck rank without progress the longest (it stopped first),
+            or ``None``.
     """
 
     stuck: Runs
@@ -87,6 +90,7 @@ class Verdict:
     phases: str
     done: Runs
     slack_s: float
+    first: int | None = None
 
 
 def phase_label(event: str, step: int, batch_index: int | None, loader: str | None) -> str:
@@ -207,6 +211,7 @@ def diagnose(statuses: Mapping[int, RankStatus]) -> Verdict:
         phases="; ".join(_grouped(statuses, "{who} in {phase}")),
         done=to_runs(r for r, s in statuses.items() if s.deadline_s is None),
         slack_s=max(slacks) if slacks else math.inf,
+        first=max(stuck, key=lambda r: (stuck[r].idle_s, -r)) if stuck else None,
     )
 
 
@@ -244,6 +249,21 @@ def describe_frozen(ranks: list[int], waited_s: float, last: Verdict | None) -> 
     return (
         f"{rank_label(ranks)} frozen or dead (no answer on the side channel for "
         f"{waited_s:.0f} s; {seen})"
+    )
+
+
+def next_step(first: int | None, frozen: list[int]) -> str:
+    """What to look at first, for the report."""
+    if frozen:
+        return (
+            f"Next: on the host of {rank_label(frozen)}, look for an OOM kill (dmesg, the "
+            "launcher's log) or a stopped process; `py-spy dump --pid PID` shows the stack "
+            "of a live one."
+        )
+    return (
+        f"Next: read rank{first}.txt (the rank that stopped first): the frame its main thread "
+        "is in is the cause; ranks waiting in a collective are blocked on it. If that rank "
+        "is only slow, raise the deadline shown."
     )
 
 

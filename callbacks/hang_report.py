@@ -52,7 +52,8 @@ def write_stacks(directory: str | Path, rank: int, header: str) -> Path:
     path = Path(directory) / f"rank{rank}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as file:
-        file.write(header.rstrip("\n") + "\n\n")
+        file.write(header.rstrip("\n") + "\n")
+        file.write("(The training loop is the main thread; the watchdog is the current one.)\n\n")
         file.flush()  # faulthandler writes to the descriptor, past Python's buffer
         faulthandler.dump_traceback(file, all_threads=True)
     return path

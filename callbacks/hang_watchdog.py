@@ -32,6 +32,7 @@ from rankguard.callbacks.hang_diagnosis import (
     flight_recorder_note,
     frozen_ranks,
     nccl_timeout_advice,
+    next_step,
     phase_deadline,
     phase_label,
 )
@@ -367,7 +368,8 @@ class HangWatchdog(Guard):
             self._failures = 0
             self._last = verdict
             if verdict.stuck:
-                self._incident(verdict.summary, verdict.details, frozen=[])
+                details = (*verdict.details, next_step(verdict.first, []))
+                self._incident(verdict.summary, details, frozen=[])
             else:
                 self._incident_open = False
             if verdict.done == ((0, self.channel.world_size - 1),):
@@ -388,7 +390,8 @@ class HangWatchdog(Guard):
             default_s=self.first_step_timeout_s,
         )
         if frozen and not self._stop.is_set() and self._beat[5] != "done":
-            self._incident(describe_frozen(frozen, waited, self._last), (), frozen=frozen)
+            summary = describe_frozen(frozen, waited, self._last)
+            self._incident(summary, (next_step(None, frozen),), frozen=frozen)
 
     def _incident(self, summary: str, details: tuple[str, ...], frozen: list[int]) -> None:
         if self._incident_open:

@@ -62,15 +62,17 @@ def _train(watchdog: HangWatchdog, steps: range, step_s: float = 0.0) -> None:
         watchdog.on_train_batch_end(EventFacts(step=step))
 
 
-def _wait_for_incident(watchdog: HangWatchdog, limit_s: float) -> float:
+def _wait_for_incident(watchdog: HangWatchdog, limit_s: float, action: str = "report") -> float:
     start = time.monotonic()
-    while watchdog.incidents == 0 and time.monotonic() - start < limit_s:
+    while time.monotonic() - start < limit_s:
+        if watchdog.incidents and action == "report":
+            break
         time.sleep(0.05)
     return time.monotonic() - start
 
 
-def stall_in_eval(watchdog: HangWatchdog, limit_s: float) -> float:
-    return _wait_for_incident(watchdog, limit_s)  # sleeps: the rank makes no progress
+def stall_in_eval(watchdog: HangWatchdog, limit_s: float, action: str) -> float:
+    return _wait_for_incident(watchdog, limit_s, action)  # sleeps: no progress
 
 
 def _rank1_stalls_in_eval(rank, world_size, report_dir, action):
@@ -82,12 +84,13 @@ def _rank1_stalls_in_eval(rank, world_size, report_dir, action):
     for index in range(3):
         watchdog.on_eval_batch_start(EventFacts(step=2, loader=EVAL, batch_index=index))
         watchdog.on_eval_batch_end(EventFacts(step=2, loader=EVAL, batch_index=index))
+    limit_s = 15 if action == "report" else 30  # "abort" ends the process from the watchdog
     if rank == 1:
         watchdog.on_eval_batch_start(EventFacts(step=2, loader=EVAL, batch_index=3))
-        waited = stall_in_eval(watchdog, 15)
+        waited = stall_in_eval(watchdog, limit_s, action)
     else:
         watchdog.on_eval_end(EventFacts(step=2, loader=EVAL))
-        waited = _wait_for_incident(watchdog, 15)
+        waited = _wait_for_incident(watchdog, limit_s, action)
     watchdog.close()
     watchdog.close()
     return waited, watchdog.incidents, records.lines, watchdog._thread
@@ -108,6 +111,7 @@ def test_rank_stuck_in_eval_is_named_with_phase_step_and_stack(tmp_path):
     assert "in eval batch 3 of 'eval' (deadline 2 s)" in summary
     assert "rank 0 waiting" in summary and "in after eval of 'eval'" in summary
     assert "rank 1: host" in summary and "(step 2)" in summary
+    assert "Next: read rank1.txt (the rank that stopped first)" in summary
     assert "stall_in_eval" in (tmp_path / "rank1.txt").read_text()
     assert "_wait_for_incident" in (tmp_path / "rank0.txt").read_text()
     assert "eval_batch_start" in (tmp_path / "rank1.jsonl").read_text()
@@ -115,9 +119,9 @@ def test_rank_stuck_in_eval_is_named_with_phase_step_and_stack(tmp_path):
 
 def test_abort_exits_every_rank_with_the_hang_exit_code(tmp_path):
     start = time.monotonic()
-    outcomes = run_ranks(_rank1_stalls_in_eval, 2, str(tmp_path), "abort", timeout_s=40)
+    outcomes = run_ranks(_rank1_stalls_in_eval, 2, str(tmp_path), "abort", timeout_s=50)
     assert [o.exitcode for o in outcomes] == [HANG_EXIT_CODE, HANG_EXIT_CODE], outcomes
-    assert time.monotonic() - start < 25
+    assert time.monotonic() - start < 40  # not the harness's kill at 50 s
     assert "rank 1 stuck" in (tmp_path / "summary.txt").read_text()
     assert "stall_in_eval" in (tmp_path / "rank1.txt").read_text()
 
@@ -319,7 +323,7 @@ def test_verdict_names_the_stuck_rank_first_and_stays_short_at_1000_ranks():
         "rank 1 stuck 61 s in eval batch 3 of 'eval' (deadline 60 s); "
         "ranks 0,2-999 waiting 58 s in train batch 2001"
     )
-    assert verdict.stuck == ((1, 1),) and len(verdict.details) == 1
+    assert verdict.stuck == ((1, 1),) and len(verdict.details) == 1 and verdict.first == 1
     assert diagnose({0: _status("fit end", 99.0, None)}).summary == ""
 
 
