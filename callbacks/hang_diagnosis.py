@@ -1,0 +1,324 @@
+"""Pure decisions of the HangWatchdog: phases, deadlines, the cross-rank verdict, NCCL advice.
+
+Nothing here touches a thread, a file or a process group, so every rule is
+unit-tested with plain values. :mod:`rankguard.callbacks.hang_watchdog` wires
+them to a background thread and the side channel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from rankguard.callbacks.ranks import group_ranks, rank_label
+
+__all__ = [
+    "KINDS",
+    "RankStatus",
+    "Verdict",
+    "describe_frozen",
+    "diagnose",
+    "flight_recorder_note",
+    "frozen_ranks",
+    "in_runs",
+    "nccl_timeout_advice",
+    "next_step",
+    "phase_deadline",
+    "phase_label",
+    "to_runs",
+]
+
+#: Phase kinds, each with its own deadline. ``done`` (after fit end) has none.
+KINDS = ("startup", "train", "eval", "post_eval", "checkpoint", "done")
+
+#: At most this many stuck ranks are described one by one; the rest as ranges.
+MAX_DETAILED = 16
+#: At most this many phase groups are listed in one line.
+MAX_GROUPS = 8
+
+Runs = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """What one rank's watchdog thread sends at each exchange.
+
+    Attributes:
+        phase: Where the main thread is, e.g. ``"eval batch 3 of 'eval'"``.
+        step: Global train step at the last heartbeat.
+        idle_s: Seconds since the last heartbeat (progress).
+        deadline_s: The deadline of the current phase, or ``None`` (fit ended).
+        host: Host name.
+        pid: Process id.
+    """
+
+    phase: str
+    step: int
+    idle_s: float
+    deadline_s: float | None
+    host: str
+    pid: int
+
+    @property
+    def stuck(self) -> bool:
+        """Whether the rank is past its deadline."""
+        return self.deadline_s is not None and self.idle_s > self.deadline_s
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The deciding rank's diagnosis, the same on every rank; its size does not grow per rank.
+
+    Attributes:
+        stuck: Ranks past their deadline, as ``(first, last)`` runs.
+        summary: One line: the stuck ranks and what the others are doing
+            (empty when no rank is stuck).
+        details: One line per stuck rank (at most ``MAX_DETAILED``), with host and pid.
+        phases: Every rank's phase, grouped (the last known state, kept for
+            reporting ranks that stop answering).
+        done: Ranks whose fit has ended, as runs.
+        slack_s: The longest any running rank may still go without progress
+            before passing its deadline (``inf`` when no rank has a deadline).
+        first: The stuck rank without progress the longest (it stopped first),
+            or ``None``.
+    """
+
+    stuck: Runs
+    summary: str
+    details: tuple[str, ...]
+    phases: str
+    done: Runs
+    slack_s: float
+    first: int | None = None
+
+
+def phase_label(event: str, step: int, batch_index: int | None, loader: str | None) -> str:
+    """Renders a heartbeat as a phase a person reads, e.g. ``"eval batch 3 of 'eval'"``."""
+    of = f" of {loader!r}" if loader is not None else ""
+    labels = {
+        "fit_start": "fit start",
+        "epoch_start": f"epoch start at step {step}",
+        "data_fetch_start": f"data fetch for train batch {step}",
+        "data_fetch_end": f"after data fetch for train batch {step}",
+        "train_batch_start": f"train batch {step}",
+        "train_batch_end": f"after train batch {step}",
+        "eval_start": f"eval start{of}",
+        "eval_batch_start": f"eval batch {batch_index}{of}",
+        "eval_batch_end": f"after eval batch {batch_index}{of}",
+        "eval_end": f"after eval{of}",
+        "checkpoint_save_start": f"checkpoint save at step {step}",
+        "checkpoint_save_end": f"after checkpoint save at step {step}",
+        "fit_end": "fit end",
+    }
+    return labels.get(event, event.replace("_", " "))
+
+
+def phase_deadline(
+    kind: str,
+    deadlines: Mapping[str, float],
+    slowest: Mapping[str, float],
+    *,
+    calibrate: bool,
+    factor: float,
+    floor_s: float,
+) -> float | None:
+    """Returns the deadline of a phase kind.
+
+    Args:
+        kind: One of :data:`KINDS`.
+        deadlines: Configured deadline per kind (seconds); ``done`` has none.
+        slowest: Slowest healthy interval observed per kind, once calibration
+            may apply (after the warm-up steps); kinds not seen are absent.
+        calibrate: Whether to calibrate at all.
+        factor: Calibrated deadline = ``factor`` x the slowest interval ...
+        floor_s: ... but never less than ``floor_s`` nor more than configured.
+
+    Returns:
+        Seconds, or ``None`` when the phase has no deadline.
+    """
+    if kind == "done":
+        return None
+    configured = deadlines[kind]
+    if not calibrate or kind == "startup" or kind not in slowest:
+        return configured
+    return min(configured, max(floor_s, factor * slowest[kind]))
+
+
+def to_runs(ranks: Iterable[int]) -> Runs:
+    """Compresses ranks into sorted ``(first, last)`` runs."""
+    runs: list[tuple[int, int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], rank)
+        else:
+            runs.append((rank, rank))
+    return tuple(runs)
+
+
+def in_runs(rank: int, runs: Runs) -> bool:
+    """Whether ``rank`` lies in one of ``runs``."""
+    return any(first <= rank <= last for first, last in runs)
+
+
+def _grouped(statuses: Mapping[int, RankStatus], template: str) -> list[str]:
+    parts = []
+    groups = group_ranks({rank: s.phase for rank, s in statuses.items()})
+    groups.sort(key=lambda g: -max(statuses[r].idle_s for r in g[0]))
+    for ranks, phase in groups[:MAX_GROUPS]:
+        sample = max((statuses[r] for r in ranks), key=lambda s: s.idle_s)
+        deadline = "none" if sample.deadline_s is None else f"{sample.deadline_s:g} s"
+        parts.append(
+            template.format(
+                who=rank_label(ranks), idle=sample.idle_s, phase=phase, deadline=deadline
+            )
+        )
+    if len(groups) > MAX_GROUPS:
+        parts.append(f"... {len(groups) - MAX_GROUPS} more groups")
+    return parts
+
+
+def diagnose(statuses: Mapping[int, RankStatus]) -> Verdict:
+    """The ``decide`` function of the status exchange (runs on rank 0).
+
+    Ranks past their phase deadline are stuck; the stuck group that stopped
+    first (longest without progress) is named first, as the likely cause.
+
+    Args:
+        statuses: Every rank's status.
+
+    Returns:
+        A verdict whose summary reads e.g. ``"rank 1 stuck 61 s in eval batch
+        3 of 'eval' (deadline 60 s); ranks 0,2,3 waiting 58 s in train batch 2001"``.
+    """
+    stuck = {r: s for r, s in statuses.items() if s.stuck}
+    others = {r: s for r, s in statuses.items() if not s.stuck}
+    summary = ""
+    if stuck:
+        parts = _grouped(stuck, "{who} stuck {idle:.0f} s in {phase} (deadline {deadline})")
+        parts += _grouped(others, "{who} waiting {idle:.0f} s in {phase}")
+        summary = "; ".join(parts)
+    details = tuple(
+        f"rank {r}: host {s.host}, pid {s.pid}, {s.phase} (step {s.step}), "
+        f"no progress for {s.idle_s:.1f} s, deadline {s.deadline_s:g} s"
+        for r, s in sorted(stuck.items())[:MAX_DETAILED]
+    )
+    slacks = [s.deadline_s - s.idle_s for s in statuses.values() if s.deadline_s is not None]
+    return Verdict(
+        stuck=to_runs(stuck),
+        summary=summary,
+        details=details,
+        phases="; ".join(_grouped(statuses, "{who} in {phase}")),
+        done=to_runs(r for r, s in statuses.items() if s.deadline_s is None),
+        slack_s=max(slacks) if slacks else math.inf,
+        first=max(stuck, key=lambda r: (stuck[r].idle_s, -r)) if stuck else None,
+    )
+
+
+def frozen_ranks(
+    missing: Iterable[int], *, rank: int, waited_s: float, last: Verdict | None, default_s: float
+) -> list[int]:
+    """Decides which ranks that stopped answering to report as frozen or dead.
+
+    A rank is reported once it has been silent longer than any running rank
+    could legitimately go without progress (``last.slack_s``), so a rank whose
+    Python is only briefly busy is never reported. Ranks whose fit had ended
+    (they close at their own pace) and this rank itself are never reported.
+
+    Args:
+        missing: Ranks the side channel named as missing.
+        rank: This rank.
+        waited_s: Time since the last successful exchange, counted the same
+            way on every rank (failed exchanges x their timeout).
+        last: The last successful verdict, or ``None`` if there was none.
+        default_s: Slack before any verdict (the first-step deadline).
+
+    Returns:
+        The ranks to report, sorted; empty while it is too early.
+    """
+    slack = default_s if last is None else last.slack_s
+    done = () if last is None else last.done
+    if in_runs(rank, done) or waited_s <= slack:
+        return []
+    return sorted(r for r in set(missing) if r != rank and not in_runs(r, done))
+
+
+def describe_frozen(ranks: list[int], waited_s: float, last: Verdict | None) -> str:
+    """One line for ranks that stopped answering on the side channel."""
+    seen = f"last seen: {last.phases}" if last is not None else "never seen by the watchdog"
+    return (
+        f"{rank_label(ranks)} frozen or dead (no answer on the side channel for "
+        f"{waited_s:.0f} s; {seen})"
+    )
+
+
+def next_step(first: int | None, frozen: list[int]) -> str:
+    """What to look at first, for the report."""
+    if frozen:
+        return (
+            f"Next: on the host of {rank_label(frozen)}, look for an OOM kill (dmesg, the "
+            "launcher's log) or a stopped process; `py-spy dump --pid PID` shows the stack "
+            "of a live one."
+        )
+    return (
+        f"Next: read rank{first}.txt (the rank that stopped first): the frame its main thread "
+        "is in is the cause; ranks waiting in a collective are blocked on it. If that rank "
+        "is only slow, raise the deadline shown."
+    )
+
+
+def nccl_timeout_advice(
+    nccl_timeout_s: float | None, deadlines: Mapping[str, float], detect_s: float
+) -> str | None:
+    """Says whether NCCL's own timeout would end a hang before the watchdog reports it.
+
+    Args:
+        nccl_timeout_s: The training process group's timeout, or ``None`` if unknown.
+        deadlines: The watchdog deadlines that apply after the first step, by
+            argument name (e.g. ``{"timeout_s": 600}``).
+        detect_s: Time the watchdog needs after a deadline to report
+            (exchange period + exchange timeout).
+
+    Returns:
+        A warning with the fix, or ``None`` when the watchdog reports first.
+    """
+    if nccl_timeout_s is None or not deadlines:
+        return None
+    name, longest = max(deadlines.items(), key=lambda item: item[1])
+    needed = longest + detect_s
+    if nccl_timeout_s > needed:
+        return None
+    return (
+        f"the NCCL process-group timeout ({nccl_timeout_s:g} s) is shorter than the time the "
+        f"hang watchdog needs to report a hang (`{name}`={longest:g} s + {detect_s:g} s), so "
+        "NCCL would end the job first without naming the stuck rank. Fix: raise the "
+        f"process-group timeout above {math.ceil(needed)} s (init_process_group(timeout=...), "
+        "Composer `dist_timeout`, Lightning `DDPStrategy(timeout=...)`), or lower the "
+        f"watchdog's `{name}`."
+    )
+
+
+def flight_recorder_note(env: Mapping[str, str], rank: int) -> str:
+    """Where the NCCL flight recorder writes, or how to turn it on (for NCCL runs).
+
+    Args:
+        env: The environment (``os.environ``).
+        rank: This rank, to name its dump file.
+
+    Returns:
+        A sentence for the hang report.
+    """
+    size = env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0").strip()
+    if size not in ("", "0"):
+        prefix = env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+        dump = env.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "0") == "1"
+        when = "on NCCL timeout" if dump else "only if TORCH_NCCL_DUMP_ON_TIMEOUT=1 is also set"
+        return (
+            f"NCCL flight recorder is on (TORCH_NCCL_TRACE_BUFFER_SIZE={size}); it dumps the "
+            f"last collectives of rank {rank} to {prefix}{rank} {when}."
+        )
+    return (
+        "NCCL flight recorder is off: set TORCH_NCCL_TRACE_BUFFER_SIZE=2000 and "
+        "TORCH_NCCL_DUMP_ON_TIMEOUT=1 to record each rank's last collectives "
+        "(dumped to TORCH_NCCL_DEBUG_INFO_TEMP_FILE, default /tmp/nccl_trace_rank_<rank>)."
+    )

@@ -1,0 +1,373 @@
+"""HangWatchdog: names the stuck rank, its phase and its stack within seconds of a deadline."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from rankguard.callbacks.events import EventFacts, LoaderFacts
+from rankguard.callbacks.hang_diagnosis import (
+    RankStatus,
+    diagnose,
+    flight_recorder_note,
+    frozen_ranks,
+    nccl_timeout_advice,
+    phase_deadline,
+)
+from rankguard.callbacks.hang_report import main as report_main
+from rankguard.callbacks.hang_report import write_heartbeats, write_stacks
+from rankguard.callbacks.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
+from tests.mp import run_ranks
+
+EVAL = LoaderFacts("eval", None, is_train=False)
+FAST = {"exchange_period_s": 0.5, "first_step_timeout_s": 30, "post_eval_timeout_s": 30}
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelname, record.getMessage()))
+
+
+def _capture() -> _Records:
+    handler = _Records()
+    log = logging.getLogger("rankguard")
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    return handler
+
+
+def _bound(**kwargs) -> HangWatchdog:
+    from rankguard.callbacks.side_channel import SideChannel
+
+    watchdog = HangWatchdog(**kwargs)
+    watchdog.bind(SideChannel.from_environment(timeout_s=10))
+    return watchdog
+
+
+def _train(watchdog: HangWatchdog, steps: range, step_s: float = 0.0) -> None:
+    for step in steps:
+        watchdog.on_data_fetch_start(EventFacts(step=step))
+        watchdog.on_data_fetch_end(EventFacts(step=step))
+        watchdog.on_train_batch_start(EventFacts(step=step))
+        time.sleep(step_s)
+        watchdog.on_train_batch_end(EventFacts(step=step))
+
+
+def _wait_for_incident(watchdog: HangWatchdog, limit_s: float, action: str = "report") -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if watchdog.incidents and action == "report":
+            break
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def stall_in_eval(watchdog: HangWatchdog, limit_s: float, action: str) -> float:
+    return _wait_for_incident(watchdog, limit_s, action)  # sleeps: no progress
+
+
+def _rank1_stalls_in_eval(rank, world_size, report_dir, action):
+    records = _capture()
+    watchdog = _bound(eval_timeout_s=2, timeout_s=30, action=action, report_dir=report_dir, **FAST)
+    watchdog.on_fit_start(EventFacts())
+    _train(watchdog, range(2))
+    watchdog.on_eval_start(EventFacts(step=2, loader=EVAL))
+    for index in range(3):
+        watchdog.on_eval_batch_start(EventFacts(step=2, loader=EVAL, batch_index=index))
+        watchdog.on_eval_batch_end(EventFacts(step=2, loader=EVAL, batch_index=index))
+    limit_s = 15 if action == "report" else 30  # "abort" ends the process from the watchdog
+    if rank == 1:
+        watchdog.on_eval_batch_start(EventFacts(step=2, loader=EVAL, batch_index=3))
+        waited = stall_in_eval(watchdog, limit_s, action)
+    else:
+        watchdog.on_eval_end(EventFacts(step=2, loader=EVAL))
+        waited = _wait_for_incident(watchdog, limit_s, action)
+    watchdog.close()
+    watchdog.close()
+    return waited, watchdog.incidents, records.lines, watchdog._thread
+
+
+def test_rank_stuck_in_eval_is_named_with_phase_step_and_stack(tmp_path):
+    outcomes = run_ranks(_rank1_stalls_in_eval, 2, str(tmp_path), "report", timeout_s=40)
+    for o in outcomes:
+        assert o.error is None, o.error
+        waited, incidents, lines, thread = o.value
+        assert incidents == 1 and thread is None
+        assert waited < 2 + 3, waited  # within deadline + 3 s
+        errors = [msg for level, msg in lines if level == "ERROR"]
+        assert len(errors) == 1 and "rank 1 stuck" in errors[0], lines
+        assert "eval batch 3 of 'eval'" in errors[0] and "(step 2)" in errors[0]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("rank 1 stuck")
+    assert "in eval batch 3 of 'eval' (deadline 2 s)" in summary
+    assert "rank 0 waiting" in summary and "in after eval of 'eval'" in summary
+    assert "rank 1: host" in summary and "(step 2)" in summary
+    assert "Next: read rank1.txt (the rank that stopped first)" in summary
+    assert "stall_in_eval" in (tmp_path / "rank1.txt").read_text()
+    assert "_wait_for_incident" in (tmp_path / "rank0.txt").read_text()
+    assert "eval_batch_start" in (tmp_path / "rank1.jsonl").read_text()
+
+
+def test_abort_exits_every_rank_with_the_hang_exit_code(tmp_path):
+    start = time.monotonic()
+    outcomes = run_ranks(_rank1_stalls_in_eval, 2, str(tmp_path), "abort", timeout_s=50)
+    assert [o.exitcode for o in outcomes] == [HANG_EXIT_CODE, HANG_EXIT_CODE], outcomes
+    assert time.monotonic() - start < 40  # not the harness's kill at 50 s
+    assert "rank 1 stuck" in (tmp_path / "summary.txt").read_text()
+    assert "stall_in_eval" in (tmp_path / "rank1.txt").read_text()
+
+
+def _one_rank_freezes(rank, world_size, report_dir, frozen, port):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rankguard.callbacks.side_channel import SideChannel
+
+    records = _capture()
+    # A process stopped inside a FileStore operation keeps its file lock; a TCPStore hosted
+    # outside the ranks (as torchrun's agent does) keeps answering the others.
+    store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(seconds=30))
+    watchdog = HangWatchdog(timeout_s=2, action="report", report_dir=report_dir, **FAST)
+    watchdog.bind(SideChannel(store, rank=rank, world_size=world_size, timeout_s=10))
+    pids = watchdog.channel.all_gather("pids", os.getpid())
+    watchdog.on_fit_start(EventFacts())
+    _train(watchdog, range(2))
+    watchdog.on_train_batch_start(EventFacts(step=2))
+    time.sleep(1.0)  # the ranks exchange their train phase (no longer the first-step deadline)
+    if rank == frozen:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the whole process stops, watchdog thread too
+    waited = _wait_for_incident(watchdog, 20)
+    os.kill(pids[frozen], signal.SIGKILL)
+    # No close(): it could wait out an exchange in flight; the worker exits hard.
+    return waited, records.lines, (Path(report_dir) / "summary.txt").read_text()
+
+
+def test_frozen_rank_is_named_frozen_or_dead(tmp_path):
+    # A frozen rank 0 is found the same way, 5 s later (the side channel's grace for the
+    # deciding rank); test_side_channel covers that path, test_frozen_ranks_* the decision.
+    frozen = 1
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    outcomes = run_ranks(_one_rank_freezes, 2, str(tmp_path), frozen, host.port, timeout_s=40)
+    assert outcomes[frozen].exitcode == -signal.SIGKILL
+    waiting = outcomes[1 - frozen]
+    assert waiting.error is None, waiting.error
+    waited, lines, summary = waiting.value
+    assert waited < 2 + 3, waited  # rank 0 decides after max(2, period) s
+    expected = f"rank {frozen} frozen or dead (no answer on the side channel"
+    assert summary.startswith(expected)
+    assert "last seen: " in summary and "train batch 2" in summary
+    assert any(level == "ERROR" and expected in msg for level, msg in lines)
+
+
+def _healthy_run(rank, world_size, report_dir):
+    from rankguard.callbacks.hang_watchdog import process_group_timeout
+
+    records = _capture()
+    watchdog = _bound(
+        timeout_s=1,
+        eval_timeout_s=1,
+        post_eval_timeout_s=1,
+        first_step_timeout_s=5,
+        exchange_period_s=0.3,
+        auto_calibrate=True,
+        warmup_steps=2,
+        floor_s=0.8,
+        report_dir=report_dir,
+    )
+    watchdog.on_fit_start(EventFacts())
+    _train(watchdog, range(1), step_s=1.2)  # compile / warm-up: longer than `timeout_s`
+    for epoch in range(2):
+        _train(watchdog, range(1 + 6 * epoch, 7 + 6 * epoch), step_s=0.03)
+        watchdog.on_eval_start(EventFacts(step=7, loader=EVAL))
+        for index in range(4):  # 5x slower than a train step
+            watchdog.on_eval_batch_start(EventFacts(step=7, loader=EVAL, batch_index=index))
+            time.sleep(0.15)
+            watchdog.on_eval_batch_end(EventFacts(step=7, loader=EVAL, batch_index=index))
+        watchdog.on_eval_end(EventFacts(step=7, loader=EVAL))
+    watchdog.on_fit_end(EventFacts(step=13))
+    time.sleep(0.5 if rank else 0.0)  # ranks close at their own pace
+    watchdog.close()
+    watchdog.close()
+    return watchdog.incidents, records.lines, dict(watchdog._slowest), process_group_timeout()
+
+
+def test_healthy_run_with_slow_eval_and_long_first_step_reports_nothing(tmp_path):
+    outcomes = run_ranks(_healthy_run, 2, str(tmp_path / "reports"), timeout_s=40)
+    for o in outcomes:
+        assert o.error is None, o.error
+        incidents, lines, slowest, pg = o.value
+        assert incidents == 0
+        assert [m for level, m in lines if level in ("WARNING", "ERROR")] == []
+        assert slowest["eval"] >= 0.15 and "startup" not in slowest
+        # The one private torch.distributed attribute the watchdog reads still exists.
+        assert pg == ("gloo", 1800.0)
+    assert not (tmp_path / "reports").exists()
+
+
+def stall_in_train(watchdog: HangWatchdog) -> float:
+    return _wait_for_incident(watchdog, 5)
+
+
+def test_single_process_stall_is_reported_without_a_process_group(tmp_path, caplog):
+    watchdog = HangWatchdog(
+        timeout_s=0.3, exchange_period_s=0.1, action="report", report_dir=str(tmp_path)
+    )
+    watchdog.on_train_batch_end(EventFacts(step=0))  # fit start missed: starts lazily
+    watchdog.on_train_batch_start(EventFacts(step=1))
+    with caplog.at_level(logging.ERROR, logger="rankguard"):
+        waited = stall_in_train(watchdog)
+    thread = watchdog._thread
+    watchdog.close()
+    assert waited < 1.5 and not thread.is_alive()
+    assert "rank 0 stuck" in caplog.text and "in train batch 1 (deadline 0.3 s)" in caplog.text
+    assert "stall_in_train" in (tmp_path / "rank0.txt").read_text()
+    assert watchdog.last_incident is not None
+
+
+def test_post_eval_deadline_runs_from_eval_end_until_the_next_train_batch(tmp_path):
+    watchdog = HangWatchdog(
+        timeout_s=100,
+        eval_timeout_s=200,
+        post_eval_timeout_s=300,
+        checkpoint_timeout_s=400,
+        first_step_timeout_s=500,
+        report_dir=str(tmp_path),
+    )
+    seen = []
+
+    def beat(handler: str, **facts) -> None:
+        getattr(watchdog, f"on_{handler}")(EventFacts(**facts))
+        status = watchdog._status()
+        seen.append((status.phase, status.deadline_s))
+
+    beat("fit_start")
+    beat("train_batch_start", step=0)
+    beat("train_batch_end", step=0)
+    beat("eval_batch_start", step=1, loader=EVAL, batch_index=0)
+    beat("eval_end", step=1, loader=EVAL)
+    beat("data_fetch_start", step=1)
+    beat("train_batch_start", step=1)
+    beat("checkpoint_save_start", step=1)
+    beat("checkpoint_save_end", step=1)
+    beat("fit_end", step=2)
+    thread, start = watchdog._thread, time.monotonic()
+    watchdog.close()  # fit end woke the thread: no wait for the 10 s exchange period
+    assert time.monotonic() - start < 2 and not thread.is_alive()
+    assert seen == [
+        ("fit start", 500),
+        ("train batch 0", 500),
+        ("after train batch 0", 100),
+        ("eval batch 0 of 'eval'", 200),
+        ("after eval of 'eval'", 300),
+        ("data fetch for train batch 1", 300),
+        ("train batch 1", 100),
+        ("checkpoint save at step 1", 400),
+        ("after checkpoint save at step 1", 100),
+        ("fit end", None),
+    ]
+    assert watchdog.incidents == 0 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"eval_timeout_s": -1}, "eval_timeout_s"),
+        ({"post_eval_timeout_s": "10"}, "post_eval_timeout_s"),
+        ({"checkpoint_timeout_s": True}, "checkpoint_timeout_s"),
+        ({"first_step_timeout_s": None}, "first_step_timeout_s"),
+        ({"action": "raise"}, "action"),
+        ({"exchange_period_s": 0}, "exchange_period_s"),
+        ({"auto_calibrate": "yes"}, "auto_calibrate"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"calibration_factor": 1}, "calibration_factor"),
+        ({"floor_s": 0}, "floor_s"),
+        ({"report_dir": ""}, "report_dir"),
+        ({"report_dir": __file__ + "/reports"}, "report_dir"),  # under a file
+    ],
+)
+def test_invalid_settings_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        HangWatchdog(**kwargs)
+
+
+def test_close_is_safe_before_start_and_twice():
+    watchdog = HangWatchdog()
+    watchdog.close()
+    watchdog.close()
+
+
+def _status(phase, idle, deadline=60.0, step=2001):
+    return RankStatus(phase, step, idle, deadline, "node", 1)
+
+
+def test_verdict_names_the_stuck_rank_first_and_stays_short_at_1000_ranks():
+    statuses = {r: _status("train batch 2001", 58.0) for r in range(1000)}
+    statuses[1] = _status("eval batch 3 of 'eval'", 61.0)
+    verdict = diagnose(statuses)
+    assert verdict.summary == (
+        "rank 1 stuck 61 s in eval batch 3 of 'eval' (deadline 60 s); "
+        "ranks 0,2-999 waiting 58 s in train batch 2001"
+    )
+    assert verdict.stuck == ((1, 1),) and len(verdict.details) == 1 and verdict.first == 1
+    assert diagnose({0: _status("fit end", 99.0, None)}).summary == ""
+
+
+def test_frozen_ranks_wait_for_the_slack_and_skip_finished_ranks():
+    verdict = diagnose({0: _status("train batch 5", 1.0, 10.0), 1: _status("fit end", 0, None)})
+    assert verdict.slack_s == 9.0
+    assert frozen_ranks([2], rank=0, waited_s=5, last=verdict, default_s=99) == []
+    assert frozen_ranks([0, 2], rank=0, waited_s=12, last=verdict, default_s=99) == [2]
+    assert frozen_ranks([1], rank=0, waited_s=12, last=verdict, default_s=99) == []
+    assert frozen_ranks([3], rank=1, waited_s=12, last=verdict, default_s=99) == []
+
+
+def test_calibrated_deadline_is_clamped_between_floor_and_configured():
+    deadlines = {"train": 600.0, "eval": 600.0, "startup": 1800.0}
+    args = {"calibrate": True, "factor": 10.0, "floor_s": 60.0}
+    assert phase_deadline("eval", deadlines, {"eval": 2.0}, **args) == 60.0
+    assert phase_deadline("eval", deadlines, {"eval": 20.0}, **args) == 200.0
+    assert phase_deadline("eval", deadlines, {"eval": 200.0}, **args) == 600.0
+    assert phase_deadline("train", deadlines, {"eval": 2.0}, **args) == 600.0
+    assert phase_deadline("startup", deadlines, {"startup": 1.0}, **args) == 1800.0
+    assert phase_deadline("done", deadlines, {}, **args) is None
+
+
+def test_nccl_timeout_shorter_than_detection_is_a_warning_with_the_fix():
+    advice = nccl_timeout_advice(300.0, {"timeout_s": 600.0, "eval_timeout_s": 120.0}, 20.0)
+    assert "NCCL process-group timeout (300 s)" in advice
+    assert "`timeout_s`=600 s" in advice and "above 620 s" in advice
+    assert nccl_timeout_advice(1800.0, {"timeout_s": 600.0}, 20.0) is None
+    assert nccl_timeout_advice(None, {"timeout_s": 600.0}, 20.0) is None
+
+
+def test_flight_recorder_is_named_when_set_and_recommended_when_not():
+    on = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert "/tmp/nccl_trace_rank_3 on NCCL timeout" in flight_recorder_note(on, 3)
+    assert "set TORCH_NCCL_TRACE_BUFFER_SIZE=2000" in flight_recorder_note({}, 3)
+
+
+def test_report_cli_groups_identical_stacks_and_draws_a_timeline(tmp_path):
+    for rank in range(3):
+        write_stacks(tmp_path, rank, f"rank {rank}, host h, pid {rank}: train batch 5")
+        beats = [{"t": 100.0, "event": "train_batch_start", "phase": "train batch 5", "step": 5}]
+        write_heartbeats(tmp_path, rank, beats)
+    assert report_main([str(tmp_path)]) == 0
+    merged = (tmp_path / "merged.txt").read_text()
+    assert merged.startswith("== ranks 0-2 (3 ranks) ==")
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    assert report_main([str(tmp_path / "missing")]) == 2
