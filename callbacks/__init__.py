@@ -22,6 +22,7 @@ from rankguard.callbacks.errors import (
 )
 from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.guard import Guard, GuardRunner
+from rankguard.callbacks.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
 from rankguard.callbacks.registry import GUARDS, build_guards
 from rankguard.callbacks.shared_dirs import SharedDirBarrier, ensure_shared_dirs
 from rankguard.callbacks.side_channel import SideChannel
@@ -29,6 +30,7 @@ from rankguard.callbacks.state_size import estimate_state_size
 
 __all__ = [
     "GUARDS",
+    "HANG_EXIT_CODE",
     "BatchCountMismatchError",
     "BatchParityGuard",
     "CheckpointMemoryError",
@@ -42,6 +44,7 @@ __all__ = [
     "Guard",
     "GuardRunner",
     "HangDetectedError",
+    "HangWatchdog",
     "LoaderFacts",
     "RankGuardError",
     "RanksMissingError",

@@ -47,7 +47,16 @@ HANG_EXIT_CODE = 75
 
 STATUS_EXCHANGE = "hang_watchdog/status"
 ABORT_BARRIER = "hang_watchdog/abort"
-HISTORY = 256  # heartbeats kept per rank for rank{N}.jsonl
+HISTORY = 256
+
+#: Deadlines used when an argument is left at ``None``; under NCCL they are
+#: lowered to fit inside the process-group timeout (see ``fit_deadlines``).
+DEFAULT_DEADLINES = {
+    "timeout_s": 600.0,
+    "eval_timeout_s": 600.0,
+    "post_eval_timeout_s": 600.0,
+    "checkpoint_timeout_s": 1800.0,
+}  # heartbeats kept per rank for rank{N}.jsonl
 
 
 def process_group_timeout() -> tuple[str | None, float | None]:
@@ -102,11 +111,16 @@ class HangWatchdog(Guard):
     (``checkpoint_timeout_s``); until the first train batch ends only
     ``first_step_timeout_s`` applies (compile, warm-up); after fit end none.
 
+    Under NCCL, a deadline left at its default (``None``) is lowered to fit
+    inside the process group's timeout, so the watchdog reports before NCCL
+    ends the job; a deadline you set that does not fit gets a warning with
+    the fix.
+
     Args:
-        timeout_s: Deadline of train phases (seconds).
-        eval_timeout_s: Deadline of eval phases.
-        post_eval_timeout_s: Deadline from eval end back to a train batch.
-        checkpoint_timeout_s: Deadline of a checkpoint save.
+        timeout_s: Deadline of train phases (seconds; default 600).
+        eval_timeout_s: Deadline of eval phases (default 600).
+        post_eval_timeout_s: Deadline from eval end back to a train batch (default 600).
+        checkpoint_timeout_s: Deadline of a checkpoint save (default 1800).
         first_step_timeout_s: Deadline of everything before the first train batch ends.
         action: ``"abort"`` (exit with :data:`HANG_EXIT_CODE`) or ``"report"``
             (report once per incident, keep waiting).
@@ -145,10 +159,10 @@ class HangWatchdog(Guard):
     def __init__(
         self,
         *,
-        timeout_s: float = 600.0,
-        eval_timeout_s: float = 600.0,
-        post_eval_timeout_s: float = 600.0,
-        checkpoint_timeout_s: float = 1800.0,
+        timeout_s: float | None = None,
+        eval_timeout_s: float | None = None,
+        post_eval_timeout_s: float | None = None,
+        checkpoint_timeout_s: float | None = None,
         first_step_timeout_s: float = 1800.0,
         action: str = "abort",
         report_dir: str = "./rankguard_reports",
@@ -159,10 +173,17 @@ class HangWatchdog(Guard):
         floor_s: float = 60.0,
     ) -> None:
         super().__init__()
-        self.timeout_s = check_positive("timeout_s", timeout_s)
-        self.eval_timeout_s = check_positive("eval_timeout_s", eval_timeout_s)
-        self.post_eval_timeout_s = check_positive("post_eval_timeout_s", post_eval_timeout_s)
-        self.checkpoint_timeout_s = check_positive("checkpoint_timeout_s", checkpoint_timeout_s)
+        given = {
+            "timeout_s": timeout_s,
+            "eval_timeout_s": eval_timeout_s,
+            "post_eval_timeout_s": post_eval_timeout_s,
+            "checkpoint_timeout_s": checkpoint_timeout_s,
+        }
+        #: Deadline arguments left at their default, which fit under NCCL's timeout.
+        self.defaulted = {name for name, value in given.items() if value is None}
+        for name, value in given.items():
+            value = DEFAULT_DEADLINES[name] if value is None else check_positive(name, value)
+            setattr(self, name, value)
         self.first_step_timeout_s = check_positive("first_step_timeout_s", first_step_timeout_s)
         self.action = check_choice("action", action, ("abort", "report"))
         self.report_dir = _check_report_dir(report_dir)
@@ -313,6 +334,7 @@ class HangWatchdog(Guard):
     def _start(self) -> None:
         backend, pg_timeout = process_group_timeout()
         if backend == "nccl":
+            self._fit_defaults_under(pg_timeout)
             deadlines = {
                 f"{k}_timeout_s" if k != "train" else "timeout_s": v
                 for k, v in self.deadlines.items()
@@ -329,6 +351,23 @@ class HangWatchdog(Guard):
             target=self._run, name=f"rankguard-{self.name}", daemon=True
         )
         self._thread.start()
+
+    def _fit_defaults_under(self, pg_timeout: float | None) -> None:
+        """Lowers defaulted deadlines so a hang is reported before NCCL ends the job."""
+        if pg_timeout is None:
+            return
+        detect = self.exchange_period_s + self.exchange_timeout_s
+        fitted = max(self.exchange_period_s, 0.8 * pg_timeout - detect)
+        for name in self.defaulted:
+            if getattr(self, name) > fitted:
+                setattr(self, name, fitted)
+                logger.info(
+                    "rankguard %s: `%s` set to %.0f s to report before NCCL's %.0f s timeout",
+                    self.name,
+                    name,
+                    fitted,
+                    pg_timeout,
+                )
 
     def _status(self) -> RankStatus:
         beat = self._beat

@@ -14,6 +14,7 @@ from rankguard.callbacks.batch_parity import BatchParityGuard
 from rankguard.callbacks.checkpoint_planner import CheckpointPlanner
 from rankguard.callbacks.drop_last import DropLastGuard
 from rankguard.callbacks.guard import Guard
+from rankguard.callbacks.hang_watchdog import HangWatchdog
 from rankguard.callbacks.shared_dirs import SharedDirBarrier
 
 __all__ = ["GUARDS", "build_guard", "build_guards", "unknown_name_error"]
@@ -26,6 +27,7 @@ GUARDS: dict[str, type[Guard]] = {
     BatchParityGuard.name: BatchParityGuard,
     SharedDirBarrier.name: SharedDirBarrier,
     CheckpointPlanner.name: CheckpointPlanner,
+    HangWatchdog.name: HangWatchdog,
 }
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "BatchParityGuard",
     "CheckpointPlanner",
     "DropLastGuard",
+    "HangWatchdog",
     "RankGuard",
     "SharedDirBarrier",
 ]
@@ -201,6 +202,13 @@ class CheckpointPlanner(_ComposerAdapter):
         super().__init__(single_guard("checkpoint_planner", settings))
 
 
+class HangWatchdog(_ComposerAdapter):
+    """Composer callback for :class:`rankguard.callbacks.HangWatchdog` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("hang_watchdog", settings))
+
+
 expose_signatures(
     RankGuard,
     {
@@ -208,5 +216,6 @@ expose_signatures(
         "batch_parity_guard": BatchParityGuard,
         "shared_dir_barrier": SharedDirBarrier,
         "checkpoint_planner": CheckpointPlanner,
+        "hang_watchdog": HangWatchdog,
     },
 )

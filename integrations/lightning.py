@@ -41,6 +41,7 @@ __all__ = [
     "BatchParityGuard",
     "CheckpointPlanner",
     "DropLastGuard",
+    "HangWatchdog",
     "RankGuard",
     "SharedDirBarrier",
 ]
@@ -255,6 +256,13 @@ class CheckpointPlanner(_LightningAdapter):
         super().__init__(single_guard("checkpoint_planner", settings, LIGHTNING_DEFAULTS))
 
 
+class HangWatchdog(_LightningAdapter):
+    """Lightning callback for :class:`rankguard.callbacks.HangWatchdog` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("hang_watchdog", settings))
+
+
 expose_signatures(
     RankGuard,
     {
@@ -262,5 +270,6 @@ expose_signatures(
         "batch_parity_guard": BatchParityGuard,
         "shared_dir_barrier": SharedDirBarrier,
         "checkpoint_planner": CheckpointPlanner,
+        "hang_watchdog": HangWatchdog,
     },
 )

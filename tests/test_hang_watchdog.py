@@ -371,3 +371,17 @@ def test_report_cli_groups_identical_stacks_and_draws_a_timeline(tmp_path):
     assert merged.startswith("== ranks 0-2 (3 ranks) ==")
     assert (tmp_path / "timeline.png").stat().st_size > 0
     assert report_main([str(tmp_path / "missing")]) == 2
+
+
+def test_default_deadlines_fit_under_the_nccl_timeout_and_set_ones_are_kept(tmp_path):
+    from rankguard.callbacks.hang_diagnosis import nccl_timeout_advice
+
+    watchdog = HangWatchdog(eval_timeout_s=900, report_dir=str(tmp_path))
+    watchdog._fit_defaults_under(300.0)  # Composer's default dist_timeout
+    detect = watchdog.exchange_period_s + watchdog.exchange_timeout_s
+    assert watchdog.timeout_s == watchdog.post_eval_timeout_s == 0.8 * 300 - detect
+    assert watchdog.checkpoint_timeout_s == 0.8 * 300 - detect
+    assert watchdog.eval_timeout_s == 900  # the user's own setting stays
+    deadlines = {k: v for k, v in watchdog.deadlines.items() if k != "startup"}
+    advice = nccl_timeout_advice(300.0, {f"{k}_timeout_s": v for k, v in deadlines.items()}, detect)
+    assert advice is not None and "`eval_timeout_s`=900" in advice
