@@ -78,7 +78,7 @@ class OpaqueDataset(Dataset):
         return {"obj": Opaque(), "set": {i}, "x": torch.tensor([i])}
 
 
-def _scenarios(rank, world_size):
+def _scenarios(rank, world_size, root):
     def loader(data, seed=0):
         return DataLoader(data, sampler=DistributedSampler(data, world_size, rank, seed=seed))
 
@@ -89,12 +89,15 @@ def _scenarios(rank, world_size):
     out["sampler_seed"] = _check(loader(data, seed=rank), rank, world_size)
     out["length"] = _check(loader(list(range(100 + rank))), rank, world_size, check_rng=False)
     out["opaque"] = _check(loader(OpaqueDataset()), rank, world_size)
+    out["streaming"] = _streaming(rank, world_size, root)
     return out
 
 
 @pytest.fixture(scope="module")
-def scenarios():
-    outcomes = run_ranks(_scenarios, 2, timeout_s=60)
+def scenarios(tmp_path_factory):
+    # One spawn for every scenario: starting ranks (torch, streaming imports) dominates.
+    root = str(tmp_path_factory.mktemp("mds"))
+    outcomes = run_ranks(_scenarios, 2, root, timeout_s=90)
     for o in outcomes:
         assert o.error is None, o.error
     return [o.value for o in outcomes]
@@ -142,8 +145,15 @@ def _streaming(rank, world_size, root):
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )  # fmt: skip
-    from streaming import StreamingDataset
+    from streaming import MDSWriter, StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
+
+    if rank == 0:
+        for name in "abc":
+            with MDSWriter(out=os.path.join(root, name), columns={"x": "int"}) as writer:
+                for i in range(64):
+                    writer.write({"x": i})
+    SideChannel.from_environment(timeout_s=60).barrier("mds_written")
 
     def dataset(name, **kwargs):
         local = os.path.join(root, name)
@@ -157,17 +167,10 @@ def _streaming(rank, world_size, root):
     return out
 
 
-def test_streaming_dataset_config_differences_are_caught(tmp_path):
-    from streaming import MDSWriter
-
-    for name in "abc":
-        with MDSWriter(out=str(tmp_path / name), columns={"x": "int"}) as writer:
-            for i in range(64):
-                writer.write({"x": i})
-    outcomes = run_ranks(_streaming, 2, str(tmp_path), timeout_s=90)
-    for o in outcomes:
-        assert o.error is None, o.error
-        same, seed, nodes = o.value
+def test_streaming_dataset_config_differences_are_caught(scenarios):
+    # StreamingDatasets written locally with MDSWriter, opened on 2 ranks with local paths.
+    for ranks in scenarios:
+        same, seed, nodes = ranks["streaming"]
         assert same == (None, [])
         assert "streaming shuffle_seed differs (rank 0: 7; rank 1: 8)" in seed[0]
         assert "streaming num_canonical_nodes differs (rank 0: 1; rank 1: 2)" in nodes[0]
