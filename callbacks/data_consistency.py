@@ -36,9 +36,10 @@ from typing import Any
 
 from rankguard.callbacks.errors import DataInconsistencyError
 from rankguard.callbacks.events import EventFacts, LoaderFacts
-from rankguard.callbacks.fingerprint import DatasetFingerprint, fingerprint_loader, rng_digest
+from rankguard.callbacks.fingerprint import DatasetFingerprint, fingerprint_loader
 from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.ranks import group_ranks, rank_label
+from rankguard.callbacks.rng_state import rng_digest
 
 __all__ = ["DataConsistencyGuard", "DataVerdict", "compare_data", "rng_verdict"]
 
@@ -169,7 +170,8 @@ def rng_verdict(per_rank: Mapping[int, Mapping[str, str | None] | None]) -> str 
         f"({details}). Data code that shuffles or splits with {' or '.join(differ)} gives "
         "each rank different data. Fix: seed every generator with the same value on every "
         "rank (`random.seed(s); numpy.random.seed(s); torch.manual_seed(s)`); if per-rank "
-        "streams are intended, seed all of them per rank, or set `check_rng=False`."
+        "streams are intended, seed all of them per rank. If code that runs on some ranks "
+        "only draws from them before fit start, this is expected: set `check_rng=False`."
     )
 
 
@@ -211,8 +213,11 @@ class DataConsistencyGuard(Guard):
             item reads, whatever the dataset's length.
         check_content: Compare dataset length and sampled content. Set ``False``
             when each rank loads its own shard on purpose.
-        check_rng: Warn once at fit start when python ``random``, numpy and
-            torch are seeded the same on every rank for some but not others.
+        check_rng: Warn once at fit start when, of python ``random``, numpy and
+            torch, some have the same state on every rank and others do not.
+            python ``random`` and numpy are compared by state, so code that draws
+            from them on some ranks only before fit start looks unseeded; torch
+            is compared by ``torch.initial_seed()``.
     """
 
     name = "data_consistency_guard"

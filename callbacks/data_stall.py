@@ -196,6 +196,9 @@ class DataStallMonitor(Guard):
         """Starts measuring; reads the train batch size for samples/s."""
         train = next((lf for lf in facts.loaders if lf.is_train), None)
         self.batch_size = loader_settings(train.loader).batch_size if train else None
+        self._batches = 0
+        self._reported = frozenset()
+        self._reset_interval(run=0)
         self._discard()
 
     def on_data_fetch_start(self, facts: EventFacts) -> None:

@@ -1,4 +1,4 @@
-"""Cheap, deterministic fingerprints of a rank's dataset and random state.
+"""Cheap, deterministic fingerprints of a rank's dataset, compared across ranks.
 
 A fingerprint is compared across ranks by
 :class:`~rankguard.callbacks.data_consistency.DataConsistencyGuard`. Its
@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import random
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +40,12 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from rankguard.callbacks.loaders import loader_settings
+from rankguard.callbacks.rng_state import preserved_rng, seed_generators
 
-__all__ = ["DatasetFingerprint", "fingerprint_loader", "hash_item", "rng_digest", "sample_indices"]
+__all__ = ["DatasetFingerprint", "fingerprint_loader", "hash_item", "sample_indices"]
 
 logger = logging.getLogger(__name__)
 
-#: ``torch.initial_seed()`` of a process that never seeded torch, on torch builds
-#: with a fixed default seed (recent ones seed randomly, so ranks differ anyway).
-TORCH_DEFAULT_SEED = 67280421310721
 #: Arrays and tensors above this many bytes hash their first and last half of it only.
 MAX_HASHED_BYTES = 1 << 20
 _MAX_DEPTH = 8
@@ -192,60 +188,6 @@ def _bounded(data: memoryview) -> bytes | memoryview:
     return bytes(data[:half]) + bytes(data[-half:]) + str(data.nbytes).encode()
 
 
-@contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Restores python ``random``, numpy's global and torch's CPU generator on exit."""
-    py_state = random.getstate()
-    np_random = _numpy_random()
-    np_state = np_random.get_state() if np_random is not None else None
-    torch_state = torch.get_rng_state()
-    try:
-        yield
-    finally:
-        random.setstate(py_state)
-        if np_random is not None:
-            np_random.set_state(np_state)
-        torch.set_rng_state(torch_state)
-
-
-def _seed_generators(seed: int) -> None:
-    random.seed(seed)
-    np_random = _numpy_random()
-    if np_random is not None:
-        np_random.seed(seed % 2**32)
-    torch.default_generator.manual_seed(seed)  # CPU only: never initialises CUDA
-
-
-def _numpy_random() -> Any:
-    try:
-        import numpy as np
-    except ImportError:  # numpy is optional for torch
-        return None
-    return np.random
-
-
-def rng_digest() -> dict[str, str | None]:
-    """Short hashes of the global generators data code commonly uses.
-
-    Python ``random`` and numpy are hashed by state. torch is described by
-    ``torch.initial_seed()`` (unaffected by how many numbers a rank drew), and
-    by ``None`` when it is torch's fixed default seed (equal in every process,
-    so equality would say nothing).
-    """
-
-    def short(value: Any) -> str:
-        return hashlib.blake2b(repr(value).encode(), digest_size=6).hexdigest()
-
-    digest: dict[str, str | None] = {"python random": short(random.getstate())}
-    np_random = _numpy_random()
-    if np_random is not None:
-        _, keys, pos, *_ = np_random.get_state()
-        digest["numpy"] = short((keys.tobytes(), pos))
-    seed = torch.initial_seed()
-    digest["torch"] = None if seed == TORCH_DEFAULT_SEED else short(seed)
-    return digest
-
-
 def fingerprint_loader(loader: Any, sample_items: int) -> DatasetFingerprint:
     """Fingerprints the dataset behind ``loader`` without iterating the loader."""
     dataset = getattr(loader, "dataset", None) if isinstance(loader, DataLoader) else None
@@ -287,12 +229,12 @@ def _hash_sample(dataset: Any, indices: list[int]) -> tuple[str | None, str, int
     with preserved_rng():
         try:
             for n, index in enumerate(indices):
-                _seed_generators(index)
+                seed_generators(index)
                 item = dataset[index]
                 strong.update(hash_item(item).encode())
                 weak.update(hash_item(item, weak=True).encode())
                 if n == 0:
-                    _seed_generators(index)
+                    seed_generators(index)
                     deterministic = hash_item(dataset[index]) == hash_item(item)
         except Exception as exc:  # a dataset that cannot be read here is not compared
             logger.debug("rankguard: could not read %s items: %r", type(dataset).__name__, exc)

@@ -21,9 +21,9 @@ from rankguard.callbacks.events import EventFacts, LoaderFacts
 from rankguard.callbacks.fingerprint import (
     DatasetFingerprint,
     fingerprint_loader,
-    rng_digest,
     sample_indices,
 )
+from rankguard.callbacks.rng_state import rng_digest
 from rankguard.callbacks.side_channel import SideChannel
 from tests.mp import run_ranks
 
