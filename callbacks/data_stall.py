@@ -20,8 +20,11 @@ a rank whose longest run of slow steps since the last exchange reached
 ``window`` is stalled, and every rank reports it together. A run continues
 across exchanges, so ``window`` may exceed ``interval``; a stall is reported
 at most ``interval`` batches after it reaches ``window`` slow steps, and again
-only after that rank recovered. Steps across EPOCH_START, EVAL_START and
-CHECKPOINT_SAVE_START are not measured (they hold eval and saving, not data).
+only after that rank recovered. Steps across EPOCH_START and EVAL_START are
+not measured (they hold evaluation and loader start-up, not data waits). A
+checkpoint save only makes its step longer, which lowers its wait fraction;
+it is not skipped, because Composer's checkpoint events fire after every
+batch whether or not anything is saved.
 
 Metrics, logged by every rank every ``interval`` train batches:
 
@@ -132,9 +135,10 @@ def describe_stall(stalled: Mapping[int, IntervalStats], threshold: float, windo
         for r, s in stalled.items()
     )
     return (
-        f"Data loading cannot keep up on {rank_label(stalled)}: each waited for its next batch "
+        f"Data loading cannot keep up on {rank_label(stalled)}: waited for the next batch "
         f"more than {threshold:.0%} of step time for at least {window} consecutive steps "
-        f"({details}). The other ranks wait for them at every collective. {FIX}"
+        f"({details}); in a multi-rank job every other rank waits for "
+        f"{'it' if len(stalled) == 1 else 'them'} at each collective. {FIX}"
     )
 
 
@@ -236,10 +240,6 @@ class DataStallMonitor(Guard):
 
     def on_eval_start(self, facts: EventFacts) -> None:
         """Does not measure across evaluation."""
-        self._discard()
-
-    def on_checkpoint_save_start(self, facts: EventFacts) -> None:
-        """Does not measure across checkpoint saving."""
         self._discard()
 
     def on_error(self, exc: BaseException, facts: EventFacts | None = None) -> bool:

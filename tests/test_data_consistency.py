@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from rankguard.callbacks.data_consistency import (
     DataConsistencyGuard,
@@ -186,6 +186,24 @@ def test_hugging_face_fingerprint_alone_is_not_a_mismatch():
     assert compare_loader({0: _fp(hf_fingerprint="a"), 1: _fp(hf_fingerprint="b")}) == []
     diffs = compare_loader({0: _fp(length=1, hf_fingerprint="a"), 1: _fp(length=2)})
     assert [name for name, _ in diffs] == ["length", "hf fingerprint"]
+
+
+def test_check_content_false_allows_per_rank_shards():
+    assert compare_loader({0: _fp(length=1, content="a"), 1: _fp(length=2)}, False) == []
+
+
+def test_iterable_datasets_are_never_iterated_and_hf_fingerprints_are_read():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            raise AssertionError("iterated")
+
+    fp = fingerprint_loader(DataLoader(Stream(), batch_size=2), 16)
+    assert (fp.dataset_type, fp.length, fp.content_kind) == ("Stream", None, "none")
+
+    class HFLike(list):
+        _fingerprint = "9a8b7c"
+
+    assert fingerprint_loader(DataLoader(HFLike([1, 2])), 16).hf_fingerprint == "9a8b7c"
 
 
 def test_thousands_of_distinct_values_stay_short():
