@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,7 +42,9 @@ from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.ranks import group_ranks, rank_label
 from rankguard.callbacks.rng_state import rng_digest
 
-__all__ = ["DataConsistencyGuard", "DataVerdict", "compare_data", "rng_verdict"]
+__all__ = ["DataConsistencyGuard", "DataVerdict", "compare_data", "compare_loader", "rng_verdict"]
+
+logger = logging.getLogger(__name__)
 
 FIX_SPLIT = (
     "Fix: build the dataset and its split identically on every rank: pass a seed to every "
@@ -56,6 +59,7 @@ FIX_SAMPLER_SEED = (
     "seed + epoch; the ranks' shares partition the data only when their seeds are equal)."
 )
 FIX_SAMPLER = "Fix: build the sampler with the same arguments on every rank."
+FIX_LOADERS = "Fix: give every rank the same loaders, under the same names."
 FIX_STREAMING = (
     "Fix: construct the StreamingDataset with the same arguments on every rank (streams, "
     "split, shuffle, shuffle_seed, num_canonical_nodes, batch_size, epoch size); compute "
@@ -78,9 +82,7 @@ class DataVerdict:
     rng: str | None = None
 
 
-def _components(fp: DatasetFingerprint | None, check_content: bool) -> dict[str, Hashable]:
-    if fp is None:
-        return {"loader": "absent"}
+def _components(fp: DatasetFingerprint, check_content: bool) -> dict[str, Hashable]:
     parts: dict[str, Hashable] = {"dataset type": fp.dataset_type}
     if check_content:
         parts["length"] = fp.length
@@ -127,6 +129,9 @@ def compare_loader(
     """
     if len({None if fp is None else fp.digest for fp in per_rank.values()}) == 1:
         return []
+    if any(fp is None for fp in per_rank.values()):
+        present = {rank: fp is not None for rank, fp in per_rank.items()}
+        return [("loader", grouped(present, lambda p: "present" if p else "absent"))]
     parts = {rank: _components(fp, check_content) for rank, fp in per_rank.items()}
     names = list(dict.fromkeys(name for p in parts.values() for name in p))
     diffs = []
@@ -192,7 +197,9 @@ def compare_data(
 
 def _fixes(components: set[str]) -> str:
     fixes = []
-    if components & {"length", "content", "dataset type", "loader", "hf fingerprint"}:
+    if "loader" in components:
+        fixes.append(FIX_LOADERS)
+    if components & {"length", "content", "dataset type", "hf fingerprint"}:
         fixes.append(FIX_SPLIT)
     if "sampler seed" in components:
         fixes.append(FIX_SAMPLER_SEED)
@@ -252,9 +259,7 @@ class DataConsistencyGuard(Guard):
             return
         payload = {
             "rng": rng_digest() if with_rng else None,
-            "loaders": {
-                lf.name: fingerprint_loader(lf.loader, self.sample_items) for lf in loaders
-            },
+            "loaders": {lf.name: self._fingerprint(lf) for lf in loaders},
         }
         decide = partial(compare_data, check_content=self.check_content)
         verdict: DataVerdict = self.channel.exchange(f"{self.name}/{where}", payload, decide)
@@ -262,6 +267,14 @@ class DataConsistencyGuard(Guard):
             self.warn_once("rng", verdict.rng)
         if verdict.loaders:
             self.violation(DataInconsistencyError(describe_verdict(verdict, when)))
+
+    def _fingerprint(self, facts: LoaderFacts) -> DatasetFingerprint:
+        # A rank that raised here would leave the others waiting in the exchange.
+        try:
+            return fingerprint_loader(facts.loader, self.sample_items)
+        except Exception as exc:
+            logger.debug("rankguard: fingerprinting loader %r failed: %r", facts.name, exc)
+            return DatasetFingerprint(dataset_type=type(facts.loader).__name__)
 
 
 def describe_verdict(verdict: DataVerdict, when: str) -> str:

@@ -26,18 +26,8 @@ checkpoint save only makes its step longer, which lowers its wait fraction;
 it is not skipped, because Composer's checkpoint events fire after every
 batch whether or not anything is saved.
 
-Metrics, logged by every rank every ``interval`` train batches:
-
-=====================================  ==================================================
-key                                    value
-=====================================  ==================================================
-``rankguard/data_wait_s``              this rank's mean wait per batch over the interval (s)
-``rankguard/data_wait_fraction``       this rank's wait / step time over the interval
-``rankguard/data_wait_fraction_max``   the largest ``data_wait_fraction`` of any rank
-``rankguard/data_wait_slowest_rank``   the rank with that largest fraction
-=====================================  ==================================================
-
-Errors (``on_violation="raise"``): :class:`DataStallError`.
+Metrics: the table in :class:`DataStallMonitor`. Errors (with
+``on_violation="raise"``): :class:`DataStallError`.
 
 Example::
 
@@ -151,6 +141,18 @@ def _check_int(name: str, value: object) -> int:
 class DataStallMonitor(Guard):
     """Measures per-rank data-wait time and reports ranks starved of data.
 
+    Metrics, logged by every rank every ``interval`` train batches (a key is left
+    out when nothing was measured in that interval):
+
+    =====================================  ==================================================
+    key                                    value
+    =====================================  ==================================================
+    ``rankguard/data_wait_s``              this rank's mean wait per batch over the interval (s)
+    ``rankguard/data_wait_fraction``       this rank's wait / step time over the interval
+    ``rankguard/data_wait_fraction_max``   the largest ``data_wait_fraction`` of any rank
+    ``rankguard/data_wait_slowest_rank``   the rank with that largest fraction
+    =====================================  ==================================================
+
     Args:
         on_violation: ``"warn"`` (default) logs a warning; ``"raise"`` raises
             :class:`DataStallError` on every rank.
@@ -158,6 +160,11 @@ class DataStallMonitor(Guard):
             in (0, 1].
         window: Consecutive slow steps that make a stall (>= 1).
         interval: Train batches between cross-rank exchanges and metric logs (>= 1).
+
+    Example::
+
+        monitor = DataStallMonitor(threshold=0.5, window=10, interval=50)
+        # Composer: BEFORE_DATALOADER/AFTER_DATALOADER/BATCH_START drive it via the adapter.
     """
 
     name = "data_stall_monitor"
@@ -171,9 +178,8 @@ class DataStallMonitor(Guard):
         interval: int = 50,
     ) -> None:
         super().__init__(on_violation=on_violation)
-        if isinstance(threshold, bool) or not isinstance(threshold, int | float):
-            raise ValueError(f"`threshold` must be a number in (0, 1]; got {threshold!r}.")
-        if not 0 < threshold <= 1:
+        number = isinstance(threshold, int | float) and not isinstance(threshold, bool)
+        if not number or not 0 < threshold <= 1:
             raise ValueError(f"`threshold` must be a number in (0, 1]; got {threshold!r}.")
         self.threshold = float(threshold)
         self.window = _check_int("window", window)
@@ -274,14 +280,15 @@ class DataStallMonitor(Guard):
         except RanksMissingError as missing:
             self.warn_once("missing", "skipping a data-wait exchange: %s", missing)
             return
-        metrics = {
-            "rankguard/data_wait_fraction_max": verdict.fraction_max,
-            "rankguard/data_wait_slowest_rank": float(verdict.slowest_rank),
-        }
+        metrics: dict[str, float] = {}
+        if verdict.slowest_rank >= 0:  # some rank measured a step
+            metrics["rankguard/data_wait_fraction_max"] = verdict.fraction_max
+            metrics["rankguard/data_wait_slowest_rank"] = float(verdict.slowest_rank)
         if stats.steps:
             metrics["rankguard/data_wait_s"] = stats.wait_s / stats.steps
             metrics["rankguard/data_wait_fraction"] = stats.fraction or 0.0
-        self.log_metrics(metrics)
+        if metrics:
+            self.log_metrics(metrics)
         newly = set(verdict.stalled) - self._reported
         self._reported = frozenset(verdict.stalled)
         if newly:

@@ -188,6 +188,11 @@ def test_hugging_face_fingerprint_alone_is_not_a_mismatch():
     assert [name for name, _ in diffs] == ["length", "hf fingerprint"]
 
 
+def test_a_loader_missing_on_some_ranks_is_named():
+    diffs = compare_loader({0: _fp(), 1: None, 2: None})
+    assert diffs == [("loader", "ranks 1,2: absent; rank 0: present")]
+
+
 def test_check_content_false_allows_per_rank_shards():
     assert compare_loader({0: _fp(length=1, content="a"), 1: _fp(length=2)}, False) == []
 
