@@ -13,7 +13,10 @@ length, a hash of ``sample_items`` evenly spaced items, sampler settings,
 StreamingDataset configuration, Hugging Face ``_fingerprint``) and all ranks
 compare them in one side-channel exchange. Rank 0 compares whole-fingerprint
 digests first and describes only the parts that differ, so every rank gets
-the same compact verdict and raises together.
+the same compact verdict and raises together. Length and content are
+compared (by default) only for loaders that split the dataset with a
+distributed sampler, which assumes every rank holds the same dataset; ranks
+without one may be loading their own shard on purpose (``check_content``).
 
 At FIT_START it also compares the state of python ``random``, numpy's global
 generator and torch's seed. Per-rank seeding (``seed + rank``) is legitimate,
@@ -38,7 +41,7 @@ from typing import Any
 from rankguard.callbacks.errors import DataInconsistencyError
 from rankguard.callbacks.events import EventFacts, LoaderFacts
 from rankguard.callbacks.fingerprint import DatasetFingerprint, fingerprint_loader
-from rankguard.callbacks.guard import Guard
+from rankguard.callbacks.guard import Guard, check_choice
 from rankguard.callbacks.ranks import group_ranks, rank_label
 from rankguard.callbacks.rng_state import rng_digest
 
@@ -82,9 +85,9 @@ class DataVerdict:
     rng: str | None = None
 
 
-def _components(fp: DatasetFingerprint, check_content: bool) -> dict[str, Hashable]:
+def _components(fp: DatasetFingerprint, with_content: bool) -> dict[str, Hashable]:
     parts: dict[str, Hashable] = {"dataset type": fp.dataset_type}
-    if check_content:
+    if with_content:
         parts["length"] = fp.length
         parts["content"] = (fp.content_kind, fp.sampled, fp.content)
     sampler = dict(fp.sampler)
@@ -119,9 +122,14 @@ def grouped(values: Mapping[int, Hashable], describe: Callable[[Any], str]) -> s
 
 
 def compare_loader(
-    per_rank: Mapping[int, DatasetFingerprint | None], check_content: bool = True
+    per_rank: Mapping[int, DatasetFingerprint | None], check_content: bool | str = "auto"
 ) -> list[tuple[str, str]]:
     """Returns the differing components of one loader's fingerprints, described per rank.
+
+    Length and content are compared when ``check_content`` is ``True``, or when
+    it is ``"auto"`` and some rank splits the dataset with a distributed
+    sampler (which assumes the same dataset everywhere). Without one, ranks
+    that hold different data may be sharding it themselves.
 
     A difference in the Hugging Face fingerprint alone is not reported: datasets
     assigns a random fingerprint to transforms it cannot hash, so it may differ
@@ -132,7 +140,10 @@ def compare_loader(
     if any(fp is None for fp in per_rank.values()):
         present = {rank: fp is not None for rank, fp in per_rank.items()}
         return [("loader", grouped(present, lambda p: "present" if p else "absent"))]
-    parts = {rank: _components(fp, check_content) for rank, fp in per_rank.items()}
+    with_content = check_content is True or (
+        check_content == "auto" and any(fp.sharded for fp in per_rank.values() if fp)
+    )
+    parts = {rank: _components(fp, with_content) for rank, fp in per_rank.items()}
     names = list(dict.fromkeys(name for p in parts.values() for name in p))
     diffs = []
     for name in names:
@@ -181,7 +192,7 @@ def rng_verdict(per_rank: Mapping[int, Mapping[str, str | None] | None]) -> str 
 
 
 def compare_data(
-    per_rank: Mapping[int, Mapping[str, Any]], check_content: bool = True
+    per_rank: Mapping[int, Mapping[str, Any]], check_content: bool | str = "auto"
 ) -> DataVerdict:
     """The exchange's ``decide``: per rank ``{"loaders": {name: fingerprint}, "rng": digest}``."""
     names = sorted({name for payload in per_rank.values() for name in payload["loaders"]})
@@ -218,8 +229,12 @@ class DataConsistencyGuard(Guard):
         sample_items: Items read with ``dataset[i]`` per map-style dataset (>= 0;
             0 compares length and configuration only). Cost is ``sample_items``
             item reads, whatever the dataset's length.
-        check_content: Compare dataset length and sampled content. Set ``False``
-            when each rank loads its own shard on purpose.
+        check_content: Compare dataset length and sampled content: ``"auto"``
+            (default) when the loader splits the dataset between ranks with a
+            distributed sampler (``DistributedSampler``, Lightning's default, or
+            any sampler with ``num_replicas``), which assumes every rank holds
+            the same dataset; ``True`` always; ``False`` never (each rank loads
+            its own shard on purpose).
         check_rng: Warn once at fit start when, of python ``random``, numpy and
             torch, some have the same state on every rank and others do not.
             python ``random`` and numpy are compared by state, so code that draws
@@ -234,14 +249,14 @@ class DataConsistencyGuard(Guard):
         *,
         on_violation: str = "raise",
         sample_items: int = 16,
-        check_content: bool = True,
+        check_content: bool | str = "auto",
         check_rng: bool = True,
     ) -> None:
         super().__init__(on_violation=on_violation)
         if isinstance(sample_items, bool) or not isinstance(sample_items, int) or sample_items < 0:
             raise ValueError(f"`sample_items` must be an integer >= 0; got {sample_items!r}.")
         self.sample_items = sample_items
-        self.check_content = bool(check_content)
+        self.check_content = check_choice("check_content", check_content, (True, False, "auto"))
         self.check_rng = bool(check_rng)
 
     def on_fit_start(self, facts: EventFacts) -> None:

@@ -81,6 +81,9 @@ class DatasetFingerprint:
         sampler: Sampler type and its seed/shuffle/num_replicas/drop_last.
         streaming: StreamingDataset configuration, empty for other datasets.
         hf_fingerprint: A Hugging Face dataset's ``_fingerprint``, or ``None``.
+        sharded: Whether a distributed sampler (one with ``num_replicas``, such as
+            ``DistributedSampler``) splits the dataset between ranks, which
+            assumes every rank holds the same dataset.
     """
 
     dataset_type: str
@@ -91,6 +94,7 @@ class DatasetFingerprint:
     sampler: Pairs = ()
     streaming: Pairs = ()
     hf_fingerprint: str | None = None
+    sharded: bool = False
 
     @property
     def digest(self) -> str:
@@ -208,6 +212,7 @@ def fingerprint_loader(loader: Any, sample_items: int) -> DatasetFingerprint:
         sampler=_sampler_config(loader),
         streaming=_streaming_config(target),
         hf_fingerprint=hf if isinstance(hf, str) else None,
+        sharded=_sharded(loader),
     )
 
 
@@ -246,6 +251,11 @@ def _hash_sample(dataset: Any, indices: list[int]) -> tuple[str | None, str, int
         )
         return weak.hexdigest(), "weak", len(indices)
     return strong.hexdigest(), "items", len(indices)
+
+
+def _sharded(loader: Any) -> bool:
+    samplers = (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None))
+    return any(hasattr(s, "num_replicas") for s in samplers if s is not None)
 
 
 def _sampler_config(loader: Any) -> Pairs:

@@ -90,6 +90,8 @@ def _scenarios(rank, world_size, root):
     out["sampler_seed"] = _check(loader(data, seed=rank), rank, world_size)
     out["length"] = _check(loader(list(range(100 + rank))), rank, world_size, check_rng=False)
     out["opaque"] = _check(loader(OpaqueDataset()), rank, world_size)
+    own_shard = DataLoader(list(range(rank * 50, rank * 50 + 50 + rank)))  # no DistributedSampler
+    out["own_shard"] = _check(own_shard, rank, world_size)
     out["streaming"] = _streaming(rank, world_size, root) if find_spec("streaming") else None
     return out
 
@@ -181,7 +183,7 @@ def test_streaming_dataset_config_differences_are_caught(scenarios):
 
 
 def _fp(**kwargs):
-    return DatasetFingerprint(dataset_type="D", **kwargs)
+    return DatasetFingerprint(**{"dataset_type": "D", "sharded": True, **kwargs})
 
 
 def test_hugging_face_fingerprint_alone_is_not_a_mismatch():
@@ -196,8 +198,18 @@ def test_a_loader_missing_on_some_ranks_is_named():
     assert diffs == [("loader", "ranks 1,2: absent; rank 0: present")]
 
 
-def test_check_content_false_allows_per_rank_shards():
-    assert compare_loader({0: _fp(length=1, content="a"), 1: _fp(length=2)}, False) == []
+def test_ranks_loading_their_own_shard_without_a_distributed_sampler_pass(scenarios):
+    for ranks in scenarios:
+        assert ranks["own_shard"] == (None, [])
+
+
+def test_check_content_decides_when_length_and_content_are_compared():
+    own = {0: _fp(length=1, content="a", sharded=False), 1: _fp(length=2, sharded=False)}
+    assert compare_loader(own) == []  # "auto": nobody shards with a distributed sampler
+    assert [name for name, _ in compare_loader(own, True)] == ["length", "content"]
+    sharded = {r: _fp(length=1 + r) for r in range(2)}
+    assert [name for name, _ in compare_loader(sharded)] == ["length"]
+    assert compare_loader(sharded, False) == []
 
 
 def test_iterable_datasets_are_never_iterated_and_hf_fingerprints_are_read():
@@ -256,3 +268,5 @@ def test_invalid_arguments_name_the_argument():
         DataConsistencyGuard(sample_items=-1)
     with pytest.raises(ValueError, match="`on_violation`"):
         DataConsistencyGuard(on_violation="ignore")
+    with pytest.raises(ValueError, match="`check_content`"):
+        DataConsistencyGuard(check_content="sometimes")
