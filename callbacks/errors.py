@@ -11,6 +11,7 @@ __all__ = [
     "BatchCountMismatchError",
     "CheckpointMemoryError",
     "DataInconsistencyError",
+    "DataStallError",
     "DropLastMismatchError",
     "HangDetectedError",
     "RankGuardError",
@@ -62,6 +63,10 @@ class CheckpointMemoryError(RankGuardError):
 
 class DataInconsistencyError(RankGuardError):
     """Ranks see different datasets, splits or sampler seeds."""
+
+
+class DataStallError(RankGuardError):
+    """Some ranks spend most of their step time waiting for the next batch."""
 
 
 class HangDetectedError(RankGuardError):

@@ -1,0 +1,297 @@
+"""DataStallMonitor: how long each rank waits for its next batch, and who is starved.
+
+When data loading cannot keep up (remote storage, too few workers) the GPUs
+idle, the slowest rank sets everyone's pace, and at worst a loader thread
+gives up (``generator thread data thread 3 failed``) at a random step.
+Nobody sees it coming without per-rank data-wait times.
+
+Per step the monitor takes two timestamps and adds two numbers:
+
+* data wait: DATA_FETCH_START to DATA_FETCH_END (Composer's
+  ``BEFORE_DATALOADER``/``AFTER_DATALOADER``; Lightning only exposes the gap
+  from one train batch's end to the next one's start, mapped to the same
+  events, so it also counts per-batch callback and logging time);
+* step time: one TRAIN_BATCH_START to the next.
+
+A step is *slow* when its wait exceeds ``threshold`` of its step time. Each
+rank counts its consecutive slow steps. Every ``interval`` train batches all
+ranks exchange their totals once through the side channel (never per step):
+a rank whose longest run of slow steps since the last exchange reached
+``window`` is stalled, and every rank reports it together. A run continues
+across exchanges, so ``window`` may exceed ``interval``; a stall is reported
+at most ``interval`` batches after it reaches ``window`` slow steps, and again
+only after that rank recovered. Steps across EPOCH_START and EVAL_START are
+not measured (they hold evaluation and loader start-up, not data waits). A
+checkpoint save only makes its step longer, which lowers its wait fraction;
+it is not skipped, because Composer's checkpoint events fire after every
+batch whether or not anything is saved.
+
+Metrics: the table in :class:`DataStallMonitor`. Errors (with
+``on_violation="raise"``): :class:`DataStallError`.
+
+Example::
+
+    monitor = DataStallMonitor(threshold=0.5, window=10, interval=50)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import partial
+
+from rankguard.callbacks.data_worker import worker_failure
+from rankguard.callbacks.errors import DataStallError, RanksMissingError
+from rankguard.callbacks.events import EventFacts
+from rankguard.callbacks.guard import Guard
+from rankguard.callbacks.loaders import loader_settings
+from rankguard.callbacks.ranks import rank_label
+
+__all__ = ["DataStallMonitor", "IntervalStats", "StallVerdict", "stall_verdict"]
+
+logger = logging.getLogger(__name__)
+
+FIX = (
+    "Fix: make data loading faster than a training step: raise the DataLoader's "
+    "num_workers and prefetch_factor, set persistent_workers=True (no worker restart per "
+    "epoch) and pin_memory=True; read from local disk or same-region storage; for "
+    "streaming data, raise predownload and cache_limit and keep the local cache on fast disk."
+)
+
+
+@dataclass(frozen=True)
+class IntervalStats:
+    """One rank's data-wait totals since the last exchange.
+
+    Attributes:
+        wait_s: Seconds spent waiting for batches.
+        step_s: Seconds of measured steps (train batch start to the next).
+        steps: Measured steps.
+        longest_run: Longest run of consecutive slow steps (carried over exchanges).
+        batch_size: Samples per batch, if known.
+    """
+
+    wait_s: float
+    step_s: float
+    steps: int
+    longest_run: int
+    batch_size: int | None = None
+
+    @property
+    def fraction(self) -> float | None:
+        """Wait time over step time, or ``None`` before any measured step."""
+        return self.wait_s / self.step_s if self.step_s > 0 else None
+
+    def throughput(self) -> str:
+        """Samples/s when the batch size is known, else batches/s."""
+        if self.step_s <= 0:
+            return "unknown throughput"
+        rate = self.steps / self.step_s
+        if self.batch_size:
+            return f"{rate * self.batch_size:.1f} samples/s"
+        return f"{rate:.2f} batches/s"
+
+
+@dataclass(frozen=True)
+class StallVerdict:
+    """Cross-rank summary of one interval, the same on every rank.
+
+    Attributes:
+        fraction_max: The largest wait fraction of any rank (0.0 if none measured).
+        slowest_rank: The rank with that fraction (-1 if none measured).
+        stalled: Per stalled rank, its interval statistics.
+    """
+
+    fraction_max: float = 0.0
+    slowest_rank: int = -1
+    stalled: dict[int, IntervalStats] = field(default_factory=dict)
+
+
+def stall_verdict(per_rank: Mapping[int, IntervalStats], window: int) -> StallVerdict:
+    """Finds the slowest rank and the ranks with ``window`` consecutive slow steps."""
+    measured = {r: s.fraction for r, s in per_rank.items() if s.fraction is not None}
+    slowest = max(sorted(measured), key=lambda r: measured[r], default=-1)
+    stalled = {r: s for r, s in sorted(per_rank.items()) if s.longest_run >= window}
+    return StallVerdict(measured.get(slowest, 0.0), slowest, stalled)
+
+
+def describe_stall(stalled: Mapping[int, IntervalStats], threshold: float, window: int) -> str:
+    """The warning or error message for stalled ranks."""
+    details = "; ".join(
+        f"rank {r}: waited {s.fraction or 0.0:.0%} of step time, {s.longest_run} slow steps "
+        f"in a row, {s.throughput()}"
+        for r, s in stalled.items()
+    )
+    return (
+        f"Data loading cannot keep up on {rank_label(stalled)}: waited for the next batch "
+        f"more than {threshold:.0%} of step time for at least {window} consecutive steps "
+        f"({details}); in a multi-rank job every other rank waits for "
+        f"{'it' if len(stalled) == 1 else 'them'} at each collective. {FIX}"
+    )
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}.")
+    return value
+
+
+class DataStallMonitor(Guard):
+    """Measures per-rank data-wait time and reports ranks starved of data.
+
+    Metrics, logged by every rank every ``interval`` train batches (a key is left
+    out when nothing was measured in that interval):
+
+    =====================================  ==================================================
+    key                                    value
+    =====================================  ==================================================
+    ``rankguard/data_wait_s``              this rank's mean wait per batch over the interval (s)
+    ``rankguard/data_wait_fraction``       this rank's wait / step time over the interval
+    ``rankguard/data_wait_fraction_max``   the largest ``data_wait_fraction`` of any rank
+    ``rankguard/data_wait_slowest_rank``   the rank with that largest fraction
+    =====================================  ==================================================
+
+    Args:
+        on_violation: ``"warn"`` (default) logs a warning; ``"raise"`` raises
+            :class:`DataStallError` on every rank.
+        threshold: Wait fraction of a step above which the step is slow,
+            in (0, 1].
+        window: Consecutive slow steps that make a stall (>= 1).
+        interval: Train batches between cross-rank exchanges and metric logs (>= 1).
+
+    Example::
+
+        monitor = DataStallMonitor(threshold=0.5, window=10, interval=50)
+        # Composer: BEFORE_DATALOADER/AFTER_DATALOADER/BATCH_START drive it via the adapter.
+    """
+
+    name = "data_stall_monitor"
+
+    def __init__(
+        self,
+        *,
+        on_violation: str = "warn",
+        threshold: float = 0.5,
+        window: int = 10,
+        interval: int = 50,
+    ) -> None:
+        super().__init__(on_violation=on_violation)
+        number = isinstance(threshold, int | float) and not isinstance(threshold, bool)
+        if not number or not 0 < threshold <= 1:
+            raise ValueError(f"`threshold` must be a number in (0, 1]; got {threshold!r}.")
+        self.threshold = float(threshold)
+        self.window = _check_int("window", window)
+        self.interval = _check_int("interval", interval)
+        self.batch_size: int | None = None
+        self._reset_interval(run=0)
+        self._discard()
+        self._batches = 0
+        self._reported: frozenset[int] = frozenset()
+
+    def _reset_interval(self, run: int) -> None:
+        self._sum_wait = 0.0
+        self._sum_step = 0.0
+        self._steps = 0
+        self._run = run
+        self._longest = run
+
+    def _discard(self) -> None:
+        self._fetch_start: float | None = None
+        self._wait = 0.0
+        self._last_start: float | None = None
+
+    def on_fit_start(self, facts: EventFacts) -> None:
+        """Starts measuring; reads the train batch size for samples/s."""
+        train = next((lf for lf in facts.loaders if lf.is_train), None)
+        self.batch_size = loader_settings(train.loader).batch_size if train else None
+        self._batches = 0
+        self._reported = frozenset()
+        self._reset_interval(run=0)
+        self._discard()
+
+    def on_data_fetch_start(self, facts: EventFacts) -> None:
+        """Starts the wait clock."""
+        self._fetch_start = time.perf_counter()
+
+    def on_data_fetch_end(self, facts: EventFacts) -> None:
+        """Stops the wait clock."""
+        if self._fetch_start is not None:
+            self._wait += time.perf_counter() - self._fetch_start
+            self._fetch_start = None
+
+    def on_train_batch_start(self, facts: EventFacts) -> None:
+        """Closes the previous step; every ``interval`` batches, exchanges and logs."""
+        now = time.perf_counter()
+        if self._last_start is not None:
+            step = now - self._last_start
+            self._sum_step += step
+            self._sum_wait += self._wait
+            self._steps += 1
+            if self._wait > self.threshold * step:
+                self._run += 1
+                self._longest = max(self._longest, self._run)
+            else:
+                self._run = 0
+        self._wait = 0.0
+        self._batches += 1
+        if self._batches % self.interval == 0:
+            self._exchange()
+        self._last_start = time.perf_counter()
+
+    def on_epoch_start(self, facts: EventFacts) -> None:
+        """Does not measure across the epoch boundary."""
+        self._discard()
+
+    def on_eval_start(self, facts: EventFacts) -> None:
+        """Does not measure across evaluation."""
+        self._discard()
+
+    def on_error(self, exc: BaseException, facts: EventFacts | None = None) -> bool:
+        """Logs a failed data-loader worker with this rank and step, before the error propagates.
+
+        Adapters call this from their exception hook; it never raises.
+
+        Args:
+            exc: The exception the framework is about to propagate.
+            facts: The facts of the last event, for the step.
+
+        Returns:
+            Whether ``exc`` was recognised as a data-loader failure.
+        """
+        reason = worker_failure(exc)
+        if reason is None:
+            return False
+        step = facts.step if facts is not None else self._batches
+        logger.error(
+            "rankguard %s: rank %d, step %d: %s", self.name, self.channel.rank, step, reason
+        )
+        return True
+
+    def _exchange(self) -> None:
+        stats = IntervalStats(
+            self._sum_wait, self._sum_step, self._steps, self._longest, self.batch_size
+        )
+        self._reset_interval(run=self._run)
+        decide = partial(stall_verdict, window=self.window)
+        try:
+            verdict: StallVerdict = self.channel.exchange(f"{self.name}/interval", stats, decide)
+        except RanksMissingError as missing:
+            self.warn_once("missing", "skipping a data-wait exchange: %s", missing)
+            return
+        metrics: dict[str, float] = {}
+        if verdict.slowest_rank >= 0:  # some rank measured a step
+            metrics["rankguard/data_wait_fraction_max"] = verdict.fraction_max
+            metrics["rankguard/data_wait_slowest_rank"] = float(verdict.slowest_rank)
+        if stats.steps:
+            metrics["rankguard/data_wait_s"] = stats.wait_s / stats.steps
+            metrics["rankguard/data_wait_fraction"] = stats.fraction or 0.0
+        if metrics:
+            self.log_metrics(metrics)
+        newly = set(verdict.stalled) - self._reported
+        self._reported = frozenset(verdict.stalled)
+        if newly:
+            self.violation(
+                DataStallError(describe_stall(verdict.stalled, self.threshold, self.window))
+            )

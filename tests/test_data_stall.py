@@ -1,0 +1,192 @@
+"""DataStallMonitor: a rank starved of data is named within `window` steps + one interval."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from rankguard.callbacks.data_stall import DataStallMonitor, IntervalStats, stall_verdict
+from rankguard.callbacks.data_worker import worker_failure
+from rankguard.callbacks.errors import DataStallError
+from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
+from rankguard.callbacks.side_channel import SideChannel
+from tests.mp import run_ranks
+
+WINDOW, INTERVAL, STEPS = 3, 5, 20
+COMPUTE_S, SLOW_FETCH_S = 0.004, 0.03
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.batches: list[tuple[int, str]] = []
+        self.batch = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.batches.append((self.batch, record.getMessage()))
+
+
+def _train(rank, slow_rank, slow_from):
+    """Drives the monitor like an adapter; rank `slow_rank` fetches slowly from `slow_from` on."""
+    records = _Records()
+    logging.getLogger("rankguard").addHandler(records)
+    metrics: list[dict] = []
+    monitor = DataStallMonitor(threshold=0.5, window=WINDOW, interval=INTERVAL)
+    monitor.bind(SideChannel.from_environment(timeout_s=20), log_metrics=metrics.append)
+    loader = DataLoader(list(range(8 * STEPS)), batch_size=8)
+    monitor.on_fit_start(EventFacts.for_loaders([LoaderFacts("train", loader, is_train=True)]))
+    for step in range(STEPS):
+        records.batch = step
+        facts = EventFacts(step=step)
+        monitor.handle(Event.DATA_FETCH_START, facts)
+        if rank == slow_rank and step >= slow_from:
+            time.sleep(SLOW_FETCH_S)
+        monitor.handle(Event.DATA_FETCH_END, facts)
+        monitor.handle(Event.TRAIN_BATCH_START, facts)
+        time.sleep(COMPUTE_S)
+        monitor.handle(Event.TRAIN_BATCH_END, facts)
+    logging.getLogger("rankguard").removeHandler(records)
+    return records.batches, metrics
+
+
+def _runs(rank, world_size):
+    return {"healthy": _train(rank, None, 0), "slow": _train(rank, 1, 2)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    outcomes = run_ranks(_runs, 2, timeout_s=60)
+    for o in outcomes:
+        assert o.error is None, o.error
+    return [o.value for o in outcomes]
+
+
+def test_slow_rank_is_named_within_window_plus_one_interval_on_every_rank(runs):
+    slow_from = 2
+    for rank_runs in runs:
+        warnings, metrics = rank_runs["slow"]
+        assert len(warnings) == 1, warnings  # once, not at every interval
+        batch, message = warnings[0]
+        # The first slow step closes at batch slow_from + 1; WINDOW of them, then <= INTERVAL.
+        assert batch <= slow_from + WINDOW + INTERVAL
+        assert "Data loading cannot keep up on rank 1:" in message
+        assert "samples/s" in message and "num_workers" in message
+        assert "rank 0" not in message
+        assert metrics[-1]["rankguard/data_wait_slowest_rank"] == 1.0
+        assert metrics[-1]["rankguard/data_wait_fraction_max"] > 0.5
+    _, slow_metrics = runs[1]["slow"]
+    assert slow_metrics[-1]["rankguard/data_wait_fraction"] > 0.5
+    assert slow_metrics[-1]["rankguard/data_wait_s"] >= SLOW_FETCH_S * 0.9
+
+
+def test_healthy_run_logs_metrics_and_never_warns(runs):
+    for rank_runs in runs:
+        warnings, metrics = rank_runs["healthy"]
+        assert warnings == []
+        assert len(metrics) == STEPS // INTERVAL
+        assert set(metrics[-1]) == {
+            "rankguard/data_wait_s",
+            "rankguard/data_wait_fraction",
+            "rankguard/data_wait_fraction_max",
+            "rankguard/data_wait_slowest_rank",
+        }
+        assert metrics[-1]["rankguard/data_wait_fraction_max"] < 0.5
+
+
+def test_stall_raises_when_asked():
+    monitor = DataStallMonitor(on_violation="raise", window=1, interval=2)
+    monitor.on_data_fetch_start(EventFacts())
+    monitor.on_train_batch_start(EventFacts())
+    monitor.on_data_fetch_start(EventFacts())
+    time.sleep(0.01)
+    monitor.on_data_fetch_end(EventFacts())
+    with pytest.raises(DataStallError, match="cannot keep up on rank 0"):
+        monitor.on_train_batch_start(EventFacts())
+
+
+def test_eval_and_epoch_boundaries_are_not_counted_as_data_wait():
+    metrics: list[dict] = []
+    monitor = DataStallMonitor(window=1, interval=2)
+    monitor.bind(SideChannel(None), log_metrics=metrics.append)
+    monitor.on_train_batch_start(EventFacts())
+    monitor.on_data_fetch_start(EventFacts())  # Lightning: at train batch end
+    monitor.on_eval_start(EventFacts())
+    time.sleep(0.02)  # evaluation
+    monitor.on_data_fetch_end(EventFacts())
+    monitor.on_train_batch_start(EventFacts())
+    assert metrics == []  # the only step spanned evaluation: nothing measured
+
+
+def test_stall_verdict_names_ranks_with_a_long_enough_run():
+    fast = IntervalStats(wait_s=0.1, step_s=10.0, steps=50, longest_run=0)
+    slow = IntervalStats(wait_s=8.0, step_s=10.0, steps=50, longest_run=7, batch_size=32)
+    verdict = stall_verdict({0: fast, 1: slow, 2: fast}, window=5)
+    assert (verdict.slowest_rank, verdict.fraction_max) == (1, 0.8)
+    assert list(verdict.stalled) == [1] and slow.throughput() == "160.0 samples/s"
+    assert stall_verdict({0: fast, 1: slow}, window=8).stalled == {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"threshold": 0}, "threshold"),
+        ({"threshold": 1.5}, "threshold"),
+        ({"threshold": True}, "threshold"),
+        ({"window": 0}, "window"),
+        ({"window": 2.5}, "window"),
+        ({"interval": 0}, "interval"),
+        ({"on_violation": "crash"}, "on_violation"),
+    ],
+)
+def test_invalid_arguments_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        DataStallMonitor(**kwargs)
+    DataStallMonitor(threshold=1, window=1, interval=1)  # the bounds themselves are valid
+
+
+class _DiesInWorker(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return torch.zeros(1)
+
+
+def test_dead_loader_worker_is_logged_with_rank_and_step(caplog):
+    loader = DataLoader(_DiesInWorker(), num_workers=1)
+    with pytest.raises(RuntimeError) as info:
+        next(iter(loader))
+    monitor = DataStallMonitor()
+    with caplog.at_level(logging.ERROR, logger="rankguard"):
+        assert monitor.on_error(info.value, EventFacts(step=17)) is True
+        assert monitor.on_error(ValueError("loss is nan"), EventFacts(step=18)) is False
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert "rank 0, step 17" in message and "DataLoader worker process died" in message
+    # torch says "is killed by signal: Killed." or "exited unexpectedly", depending on timing.
+    assert "DataLoader worker (pid" in message
+
+
+def test_worker_failures_are_recognised_through_the_cause_chain():
+    try:
+        try:
+            raise RuntimeError("generator thread data thread 3 failed")
+        except RuntimeError as inner:
+            raise ValueError("training failed") from inner
+    except ValueError as outer:
+        assert "same-region storage" in worker_failure(outer)
+    assert "num_workers=0" in worker_failure(
+        ValueError("Caught KeyError in DataLoader worker process 0.\nOriginal Traceback ...")
+    )
+    exited = RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
+    assert "(RuntimeError: DataLoader worker (pid(s) 4242) exited unexpectedly)" in worker_failure(
+        exited
+    )
+    assert worker_failure(RuntimeError("CUDA out of memory")) is None
