@@ -8,11 +8,14 @@ Nothing here imports a training framework. Adapters in
 from rankguard.callbacks.batch_parity import BatchParityGuard
 from rankguard.callbacks.checkpoint_plan import CheckpointPlan
 from rankguard.callbacks.checkpoint_planner import CheckpointPlanner
+from rankguard.callbacks.data_consistency import DataConsistencyGuard
+from rankguard.callbacks.data_stall import DataStallMonitor
 from rankguard.callbacks.drop_last import DropLastGuard
 from rankguard.callbacks.errors import (
     BatchCountMismatchError,
     CheckpointMemoryError,
     DataInconsistencyError,
+    DataStallError,
     DropLastMismatchError,
     HangDetectedError,
     RankGuardError,
@@ -36,7 +39,10 @@ __all__ = [
     "CheckpointMemoryError",
     "CheckpointPlan",
     "CheckpointPlanner",
+    "DataConsistencyGuard",
     "DataInconsistencyError",
+    "DataStallError",
+    "DataStallMonitor",
     "DropLastGuard",
     "DropLastMismatchError",
     "Event",

@@ -145,6 +145,16 @@ class GuardRunner:
         for guard in self.guards:
             guard.bind(self.channel, log_metrics)
 
+    def error(self, exc: BaseException, facts: EventFacts) -> None:
+        """Lets guards that explain errors (``on_error``) log what they know about ``exc``."""
+        for guard in self.guards:
+            on_error = getattr(guard, "on_error", None)
+            if on_error is not None:
+                try:
+                    on_error(exc, facts)
+                except Exception:
+                    logger.exception("rankguard: %s could not explain the error", guard.name)
+
     def close(self) -> None:
         """Closes every guard; safe to call twice and after an error."""
         for guard in self.guards:

@@ -12,6 +12,8 @@ from typing import Any
 
 from rankguard.callbacks.batch_parity import BatchParityGuard
 from rankguard.callbacks.checkpoint_planner import CheckpointPlanner
+from rankguard.callbacks.data_consistency import DataConsistencyGuard
+from rankguard.callbacks.data_stall import DataStallMonitor
 from rankguard.callbacks.drop_last import DropLastGuard
 from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.hang_watchdog import HangWatchdog
@@ -19,14 +21,17 @@ from rankguard.callbacks.shared_dirs import SharedDirBarrier
 
 __all__ = ["GUARDS", "build_guard", "build_guards", "unknown_name_error"]
 
-#: Core guard classes by snake-case name, in the order they run. DropLastGuard
-#: runs before BatchParityGuard: a settings difference is the better
-#: explanation of a count difference, and ``mode="enforce"`` changes counts.
+#: Core guard classes by snake-case name, in the order they run. Root causes
+#: first: a dataset or seed difference explains a settings or count
+#: difference, and a settings difference explains a count difference (and
+#: ``DropLastGuard(mode="enforce")`` changes counts).
 GUARDS: dict[str, type[Guard]] = {
+    DataConsistencyGuard.name: DataConsistencyGuard,
     DropLastGuard.name: DropLastGuard,
     BatchParityGuard.name: BatchParityGuard,
     SharedDirBarrier.name: SharedDirBarrier,
     CheckpointPlanner.name: CheckpointPlanner,
+    DataStallMonitor.name: DataStallMonitor,
     HangWatchdog.name: HangWatchdog,
 }
 

@@ -62,7 +62,7 @@ def main() -> int:
     silent = any(re.search(r"rank 1 evaluated (\d+) of its (\d+)", line) for line in logged)
 
     code, out, err = launch("--fault", "uneven_eval")
-    errors = [line for line in err if "BatchCountMismatchError:" in line]
+    errors = [line for line in err if "rankguard.callbacks.errors." in line]
     show("2. uneven eval split, with RankGuard()", code, errors)
     caught = code != 0 and len(errors) >= 2
 

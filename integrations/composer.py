@@ -37,6 +37,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = [
     "BatchParityGuard",
     "CheckpointPlanner",
+    "DataConsistencyGuard",
+    "DataStallMonitor",
     "DropLastGuard",
     "HangWatchdog",
     "RankGuard",
@@ -209,9 +211,25 @@ class HangWatchdog(_ComposerAdapter):
         super().__init__(single_guard("hang_watchdog", settings))
 
 
+class DataConsistencyGuard(_ComposerAdapter):
+    """Composer callback for :class:`rankguard.callbacks.DataConsistencyGuard` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("data_consistency_guard", settings))
+
+
+class DataStallMonitor(_ComposerAdapter):
+    """Composer callback for :class:`rankguard.callbacks.DataStallMonitor` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("data_stall_monitor", settings))
+
+
 expose_signatures(
     RankGuard,
     {
+        "data_consistency_guard": DataConsistencyGuard,
+        "data_stall_monitor": DataStallMonitor,
         "drop_last_guard": DropLastGuard,
         "batch_parity_guard": BatchParityGuard,
         "shared_dir_barrier": SharedDirBarrier,

@@ -40,6 +40,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 __all__ = [
     "BatchParityGuard",
     "CheckpointPlanner",
+    "DataConsistencyGuard",
+    "DataStallMonitor",
     "DropLastGuard",
     "HangWatchdog",
     "RankGuard",
@@ -207,7 +209,10 @@ class _LightningAdapter(Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        """Stops every guard after an error."""
+        """Lets guards explain the error (e.g. a dead data worker), then stops them."""
+        # Never raise from an exception hook, whatever state the trainer is in.
+        step, epoch = getattr(trainer, "global_step", 0), getattr(trainer, "current_epoch", 0)
+        self.runner.error(exception, EventFacts(step=step, epoch=epoch))
         self.runner.close()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -263,9 +268,25 @@ class HangWatchdog(_LightningAdapter):
         super().__init__(single_guard("hang_watchdog", settings))
 
 
+class DataConsistencyGuard(_LightningAdapter):
+    """Lightning callback for :class:`rankguard.callbacks.DataConsistencyGuard` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("data_consistency_guard", settings))
+
+
+class DataStallMonitor(_LightningAdapter):
+    """Lightning callback for :class:`rankguard.callbacks.DataStallMonitor` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("data_stall_monitor", settings))
+
+
 expose_signatures(
     RankGuard,
     {
+        "data_consistency_guard": DataConsistencyGuard,
+        "data_stall_monitor": DataStallMonitor,
         "drop_last_guard": DropLastGuard,
         "batch_parity_guard": BatchParityGuard,
         "shared_dir_barrier": SharedDirBarrier,

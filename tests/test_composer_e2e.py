@@ -24,6 +24,7 @@ SCENARIOS = [
     "healthy",
     "checkpointing",
     "uneven_eval",
+    "uneven_eval_all_guards",
     "uneven_train",
     "drop_last_mismatch",
     "drop_last_enforce",
@@ -82,6 +83,16 @@ def test_uneven_eval_batches_fail_at_fit_start_before_any_batch(outcomes):
         assert "loader 'eval': rank 0: 2 batches; rank 1: 4 batches" in result["message"]
         assert "Fix:" in result["message"]
         assert result["counters"] == {}  # no train or eval batch ran on any rank
+
+
+def test_with_every_guard_the_root_cause_is_named_first(outcomes):
+    for result in both(outcomes, "uneven_eval_all_guards"):
+        assert result["outcome"] == "DataInconsistencyError"
+        assert (
+            "loader 'eval': length differs (rank 0: 16 items; rank 1: 32 items)"
+            in (result["message"])
+        )
+        assert result["counters"] == {}
 
 
 def test_uneven_train_batches_fail_at_fit_start(outcomes):

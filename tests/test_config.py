@@ -88,5 +88,5 @@ def test_lightning_cli_yaml_runs_rankguard_on_two_ranks(tmp_path):
     assert "rankguard" not in healthy.stdout + healthy.stderr
     faulty = run_cli(tmp_path, "--data.uneven_eval", "true")
     assert faulty.returncode != 0
-    assert "BatchCountMismatchError" in faulty.stderr
-    assert "loader 'val': rank 0: 2 batches; rank 1: 4 batches" in faulty.stderr
+    assert "DataInconsistencyError" in faulty.stderr
+    assert "loader 'val': length differs (rank 0: 16 items; rank 1: 32 items)" in faulty.stderr

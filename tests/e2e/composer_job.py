@@ -61,7 +61,7 @@ def fit(train: DataLoader, eval_loader: DataLoader, guard=None, **trainer_kwargs
         progress_bar=False,
         log_to_console=False,
         loggers=[],
-        callbacks=[guard or RankGuard(), CountBatches()],
+        callbacks=[guard or RankGuard(data_consistency_guard=False), CountBatches()],
     )
     try:
         trainer.fit()
@@ -74,17 +74,20 @@ def per_rank(n_rank0: int, n_rank1: int) -> int:
 
 
 SCENARIOS = {
-    "healthy": lambda: fit(sharded(64), sharded(32)),
+    "healthy": lambda: fit(sharded(64), sharded(32), RankGuard()),
     # Checkpoints every 4 batches into a relative folder: every save goes through the barrier.
     "checkpointing": lambda: fit(
         sharded(64),
         sharded(32),
+        RankGuard(),
         save_folder="ckpt/{run_name}",
         save_interval="4ba",
         run_name="e2e",
     ),
     # Ranks built eval sets of different sizes: 2 vs 4 eval batches.
     "uneven_eval": lambda: fit(sharded(64), sharded(per_rank(16, 32))),
+    # The same with every guard: the root cause (different datasets) is named first.
+    "uneven_eval_all_guards": lambda: fit(sharded(64), sharded(per_rank(16, 32)), RankGuard()),
     # Ranks built train sets of different sizes: 2 vs 3 train batches.
     "uneven_train": lambda: fit(sharded(per_rank(16, 24)), sharded(32)),
     # drop_last differs: 18 samples per rank, 4 full batches + a partial one on rank 1.
@@ -94,14 +97,16 @@ SCENARIOS = {
     # Ranks hold 32 and 34 train samples (8 vs 9 batches, the last partial); enforced
     # drop_last gives both 8 full batches.
     "drop_last_enforce": lambda: fit(
-        sharded(per_rank(64, 68)), sharded(32), RankGuard(drop_last_guard={"mode": "enforce"})
+        sharded(per_rank(64, 68)),
+        sharded(32),
+        RankGuard(data_consistency_guard=False, drop_last_guard={"mode": "enforce"}),
     ),
     # Both ranks claim 4 eval batches; rank 0 yields 2, rank 1 yields 4. Composer stops
     # every rank when rank 0 runs out: rank 1's last 2 batches are silently skipped.
     "lying_len": lambda: fit(
         sharded(64),
         sharded(64, sampler=LyingSampler(Points(64), 16, per_rank(8, 16))),
-        RankGuard(batch_parity_guard={"eval_end_timeout_s": 5}),
+        RankGuard(data_consistency_guard=False, batch_parity_guard={"eval_end_timeout_s": 5}),
     ),
 }
 
