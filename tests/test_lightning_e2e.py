@@ -8,7 +8,9 @@ never blocks it.
 
 Without rankguard, uneven val batch counts on gloo do not stop the run: with
 ``self.log(..., sync_dist=True)`` (one sync at val epoch end) both ranks finish,
-rank 1 having silently run twice the val batches of rank 0.
+rank 1 having silently run twice the val batches of rank 0. (With per-step
+collectives in validation the extra ones pair with the wrong partner: gloo
+aborts on a size mismatch, or hangs when training goes on after eval.)
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ JOB_TIMEOUT_S = 240
 # Every scenario's error fires on both ranks at the same point, so the ranks stay in
 # step for the next one. The last one's error ends the job with a non-zero exit.
 SCENARIOS = [
+    "uneven_val_no_guard",
     "healthy",
     "healthy_distributed_sampler",
+    "eval_padding_distributed_sampler",
     "uneven_val",
     "uneven_val_first_due_in_epoch_2",
     "uneven_val_after_sanity",
@@ -130,6 +134,13 @@ def test_job_ran_every_scenario_and_exits_nonzero_promptly_on_the_last_error(job
     assert job["returncode"] != 0, job["output"][-3000:]
     assert job["exited_at"] - job[0]["ended_at"] < 30
     assert "BatchCountMismatchError" in job["output"]
+
+
+def test_without_rankguard_uneven_val_batches_pass_silently_on_gloo(job):
+    outcomes = _outcomes(job, "uneven_val_no_guard")
+    assert [o["outcome"] for o in outcomes] == ["ok", "ok"]
+    assert [o["val_steps"] for o in outcomes] == [2, 4]
+    assert outcomes[0]["metrics"] == outcomes[1]["metrics"]  # synced, nothing flagged
 
 
 @pytest.mark.parametrize("scenario", ["uneven_val", "uneven_val_after_sanity"])
@@ -228,3 +239,12 @@ def test_healthy_runs_pass_without_rankguard_warnings(job, scenario):
     # The sanity check ran (2 steps per val loader), then full validation.
     expected = {"healthy": (2, 4), "healthy_distributed_sampler": (4, 5)}[scenario]
     assert [(o["sanity_val_steps"], o["val_steps"]) for o in outcomes] == [expected] * 2
+
+
+def test_eval_padding_by_lightnings_distributed_sampler_is_a_warning(job):
+    outcomes = _outcomes(job, "eval_padding_distributed_sampler")
+    for o in outcomes:
+        assert o["outcome"] == "ok", o
+        [warning] = o["warnings"]
+        assert "eval loader 'val': the DistributedSampler repeats 1 sample(s)" in warning
+        assert "15 samples" in warning

@@ -122,6 +122,9 @@ EQUAL = per_rank(16, 16)  # 4 batches on every rank
 UNEVEN_VAL = per_rank(8, 16)  # 2 batches on rank 0, 4 on rank 1
 
 SCENARIOS: dict[str, Scenario] = {
+    # The failure without rankguard: on gloo with one val metric sync per epoch, both
+    # ranks finish and nothing says rank 1 ran twice the val batches of rank 0.
+    "uneven_val_no_guard": Scenario(lambda: [], EQUAL, UNEVEN_VAL, {"num_sanity_val_steps": 0}),
     # Healthy runs: equal data, every guard, the sanity check on (2 steps).
     "healthy": Scenario(lambda: [RankGuard()], EQUAL, EQUAL),
     "healthy_distributed_sampler": Scenario(
@@ -129,6 +132,13 @@ SCENARIOS: dict[str, Scenario] = {
         lambda rank: loader(32),
         lambda rank: [loader(16), loader(24)],
         {"use_distributed_sampler": True},
+    ),
+    # Lightning's DistributedSampler pads a val set of 15 to 16 samples: a warning.
+    "eval_padding_distributed_sampler": Scenario(
+        lambda: [RankGuard()],
+        lambda rank: loader(32),
+        lambda rank: loader(15),
+        {"use_distributed_sampler": True, "num_sanity_val_steps": 0},
     ),
     # Uneven val batch counts: caught before the first val batch.
     "uneven_val": Scenario(
@@ -241,6 +251,7 @@ def run(name: str) -> dict[str, Any]:
         train_steps=module.train_steps,
         val_steps=module.val_steps,
         sanity_val_steps=module.sanity_val_steps,
+        metrics={k: float(v) for k, v in trainer.callback_metrics.items()},
         elapsed_s=round(time.monotonic() - started, 3),
     )
     record["_error"] = error
