@@ -71,7 +71,7 @@ class TinyModule(L.LightningModule):
 class LyingSampler(Sampler[int]):
     """Claims ``claimed`` samples but yields ``actual`` (as a broken streaming sampler does).
 
-    Each batch from sample ``slow_after`` on takes 0.6 s more to fetch.
+    Each batch from sample ``slow_after`` on takes 1.5 s more to fetch.
     """
 
     def __init__(self, claimed: int, actual: int, slow_after: int | None = None) -> None:
@@ -85,7 +85,7 @@ class LyingSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         for i in range(self.actual):
             if self.slow_after is not None and i >= self.slow_after and i % BATCH == 0:
-                time.sleep(0.6)
+                time.sleep(1.5)
             yield i
 
 
