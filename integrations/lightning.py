@@ -119,7 +119,9 @@ class _LightningAdapter(Callback):
         """FIT_START with the train loader and every val loader known now."""
         train = train_loader(trainer)
         loaders = [train] if train else []
-        if trainer.val_dataloaders is not None:  # loaded by the sanity check
+        # Lightning loads the val loaders before on_train_start when val is due in the
+        # first epoch (or the sanity check ran); else EVAL_START checks them later.
+        if trainer.val_dataloaders is not None:
             loaders += val_loaders(trainer)
         self._fire(
             trainer,
