@@ -67,6 +67,21 @@ class _Failed:
     message: str
 
 
+def _TCPStore() -> type:
+    from torch.distributed import TCPStore
+
+    return TCPStore
+
+
+def _unwrap(store: Any) -> Any:
+    """The store under any ``PrefixStore`` layers: every thread's client sees the same keys."""
+    from torch.distributed import PrefixStore
+
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return store
+
+
 def default_store() -> Any:
     """Returns the key-value store of the default process group.
 
@@ -111,7 +126,8 @@ class SideChannel:
             raise ValueError(f"`timeout_s` must be > 0, got {timeout_s!r}.")
         if not 0 <= rank < world_size:
             raise ValueError(f"`rank` must be in [0, world_size={world_size}), got {rank!r}.")
-        self.store = store if world_size > 1 else None
+        self._root = _unwrap(store) if world_size > 1 else None
+        self._local = threading.local()
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
@@ -153,9 +169,33 @@ class SideChannel:
         )
 
     @property
+    def store(self) -> Any | None:
+        """This thread's store client (``None`` for a local channel).
+
+        A TCPStore client is one socket: a blocking ``wait`` on one thread
+        stalls every other thread's request on it (the watchdog thread waits
+        while the main thread checks). So each thread gets its own connection
+        to the same server; other stores are shared.
+        """
+        root = self._root
+        if root is None or not isinstance(root, _TCPStore()):
+            return root
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = _TCPStore()(
+                root.host,
+                root.port,
+                is_master=False,
+                timeout=timedelta(seconds=max(60.0, 2 * self.timeout_s)),
+                wait_for_workers=False,
+            )
+            self._local.client = client
+        return client
+
+    @property
     def is_distributed(self) -> bool:
         """Whether exchanges cross process boundaries."""
-        return self.store is not None
+        return self._root is not None
 
     @property
     def is_leader(self) -> bool:
@@ -192,7 +232,7 @@ class SideChannel:
                 the error names them.
         """
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        if self.store is None:
+        if self._root is None:
             return decide({self.rank: payload})
         with self._lock:
             seq = self._seq.get(name, 0)

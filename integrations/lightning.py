@@ -85,6 +85,14 @@ def train_loader(trainer: pl.Trainer) -> LoaderFacts | None:
     )
 
 
+ENFORCE_UNSUPPORTED = (
+    "`drop_last_guard` `mode='enforce'` is not available under Lightning: Lightning counts "
+    "the train batches of an epoch before any callback hook runs, so a loader shortened "
+    "from a callback ends the epoch early and skips its end-of-epoch validation. Fix: build "
+    "the train loader with DataLoader(..., drop_last=True) (Lightning's DistributedSampler "
+    "follows it), and keep `mode='check'`."
+)
+
 #: Lightning writes checkpoints through an in-memory buffer (``_atomic_save``).
 LIGHTNING_DEFAULTS = {"checkpoint_planner": {"writer": "buffer"}}
 
@@ -98,6 +106,9 @@ class _LightningAdapter(Callback):
     """Drives a :class:`GuardRunner` from Lightning hooks."""
 
     def __init__(self, guards: list[Guard]) -> None:
+        for guard in guards:
+            if guard.name == "drop_last_guard" and getattr(guard, "mode", None) == "enforce":
+                raise ValueError(ENFORCE_UNSUPPORTED)
         self.runner = GuardRunner(guards)
         self._trainer: pl.Trainer | None = None
         self._val: list[LoaderFacts] = []

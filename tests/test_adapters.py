@@ -115,3 +115,12 @@ def test_lightning_single_process_fit_is_silent(caplog):
     )
     trainer.fit(Module(), DataLoader(Points(16), batch_size=4), DataLoader(Points(8), batch_size=4))
     assert [r for r in caplog.records if r.name.startswith("rankguard")] == []
+
+
+def test_lightning_refuses_enforced_drop_last_with_the_fix():
+    # Lightning counts an epoch's batches before any hook: a loader shortened from a
+    # callback would end the epoch early and silently skip end-of-epoch validation.
+    with pytest.raises(ValueError, match=r"DataLoader\(\.\.\., drop_last=True\)"):
+        rg_lightning.RankGuard(drop_last_guard={"mode": "enforce"})
+    with pytest.raises(ValueError, match="not available under Lightning"):
+        rg_lightning.DropLastGuard(mode="enforce")

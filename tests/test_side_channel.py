@@ -120,3 +120,47 @@ def _default_store_is_reachable(rank, world_size):
 def test_default_store_private_api_still_exists():
     # The one private torch.distributed name rankguard uses: fails if torch drops it.
     assert all(o.value is True for o in run_ranks(_default_store_is_reachable, 2, timeout_s=60))
+
+
+def _tcp_threads(rank, world_size, port):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    channel = SideChannel(store, rank=rank, world_size=world_size, timeout_s=20)
+    started = threading.Event()
+
+    def background():
+        started.set()
+        if rank == 0:
+            time.sleep(4)  # rank 1's background thread blocks in a store wait meanwhile
+        channel.all_gather("slow", rank)
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    started.wait()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    quick = [channel.all_gather("quick", i) for i in range(5)]
+    elapsed = time.monotonic() - t0
+    thread.join()
+    return quick, elapsed
+
+
+def test_a_blocked_thread_does_not_stall_another_threads_tcp_store_exchanges():
+    # One TCPStore client is one socket: a waiting background thread (the watchdog)
+    # must not hold up the main thread's checks.
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    server = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    outcomes = run_ranks(_tcp_threads, 2, server.port, timeout_s=90)
+    for o in outcomes:
+        assert o.error is None, o.error
+        quick, elapsed = o.value
+        assert quick == [{0: i, 1: i} for i in range(5)]
+        assert elapsed < 3.0  # not held up by the 4 s background wait

@@ -174,12 +174,6 @@ SCENARIOS: dict[str, Scenario] = {
     ),
     # 34 samples through Lightning's DistributedSampler: 17 per rank, 5 batches of 4
     # (the last of 1) unless mode="enforce" makes every rank drop the partial batch.
-    "drop_last_enforce": Scenario(
-        lambda: [RankGuard(drop_last_guard={"mode": "enforce"})],
-        lambda rank: loader(34),
-        EQUAL,
-        {"use_distributed_sampler": True},
-    ),
     # Two val loaders (a list): 2 vs 3 batches, then 2 vs 4 batches.
     "two_val_loaders_uneven": Scenario(
         lambda: [BatchParityGuard()],
