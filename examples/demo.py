@@ -5,7 +5,8 @@
    evaluates only half of its samples (on NCCL with other frameworks the
    same bug hangs after the first eval).
 2. The same job WITH rankguard: every rank stops at fit start, before any
-   batch, with an error that names the ranks, the counts and the fix.
+   batch, with an error that names the loader, the ranks, what differs
+   (their eval sets' lengths) and the fix.
 3. A healthy job with rankguard: passes, with no rankguard warning.
 """
 
