@@ -53,7 +53,12 @@ FIX_ACTUAL = (
 )
 
 
+_NO_LOADER = -1  # the loader does not exist on that rank
+
+
 def _describe(count: int | None) -> str:
+    if count == _NO_LOADER:
+        return "no such loader"
     if count is None:
         return "unknown count (no __len__)"
     return f"{count} batch" if count == 1 else f"{count} batches"
@@ -73,7 +78,7 @@ def count_mismatches(per_rank: Mapping[int, Counts]) -> dict[str, str]:
     names = sorted({name for counts in per_rank.values() for name in counts})
     mismatches: dict[str, str] = {}
     for name in names:
-        counts = {rank: counts.get(name) for rank, counts in per_rank.items()}
+        counts = {rank: counts.get(name, _NO_LOADER) for rank, counts in per_rank.items()}
         if len(set(counts.values())) > 1:
             mismatches[name] = format_groups(counts, _describe)
     return mismatches
@@ -208,7 +213,13 @@ class BatchParityGuard(Guard):
         if not loaders:
             return
         counts: Counts = {lf.name: planned_batches(lf) for lf in loaders}
-        mismatches = self.channel.exchange(f"{self.name}/{where}", counts, count_mismatches)
+        try:
+            mismatches = self.channel.exchange(f"{self.name}/{where}", counts, count_mismatches)
+        except RanksMissingError as missing:  # honour on_violation="warn" here too
+            self.violation(
+                BatchCountMismatchError(f"Batch counts not compared ({when}): {missing}")
+            )
+            return
         if mismatches:
             lines = "; ".join(f"loader {name!r}: {desc}" for name, desc in mismatches.items())
             self.violation(

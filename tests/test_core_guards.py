@@ -45,6 +45,9 @@ def test_count_mismatches_groups_ranks_and_ignores_equal_loaders():
     assert count_mismatches(per_rank) == {"eval": "ranks 0,2: 2 batches; rank 1: 4 batches"}
     assert count_mismatches({0: {"s": None}, 1: {"s": None}}) == {}
     assert "unknown count" in count_mismatches({0: {"s": None}, 1: {"s": 3}})["s"]
+    assert (
+        count_mismatches({0: {"v": 2}, 1: {}})["v"] == "rank 0: 2 batches; rank 1: no such loader"
+    )
 
 
 def test_eval_run_mismatch_flags_uneven_runs_and_broken_len_promises():
@@ -165,3 +168,26 @@ def test_drop_last_mismatch_names_the_setting_and_ranks():
     for o in run_ranks(_drop_last_differs, 2, timeout_s=60):
         assert o.error_type == DropLastMismatchError.__name__
         assert "drop_last: rank 0: True, rank 1: False" in o.error
+
+
+def _rank_missing_at_eval_start(rank, world_size):
+    import logging
+    import time
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("rankguard").addHandler(handler)
+    guard = BatchParityGuard(on_violation="warn")
+    guard.bind(SideChannel.from_environment(timeout_s=2))
+    if rank == 1:
+        time.sleep(12)  # never arrives in time
+    loader = DataLoader(Points(8), batch_size=4)
+    guard.handle(Event.EVAL_START, EventFacts(loader=LoaderFacts("val", loader, False)))
+    return records
+
+
+def test_warn_mode_also_warns_when_a_rank_does_not_arrive():
+    rank0 = run_ranks(_rank_missing_at_eval_start, 2, timeout_s=60)[0]
+    assert rank0.error is None, rank0.error
+    assert any("rank 1 did not reach" in message for message in rank0.value)
