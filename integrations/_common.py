@@ -9,7 +9,7 @@ from typing import Any
 from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.registry import GUARDS, build_guard, build_guards
 
-__all__ = ["bundle_guards", "expose_signatures", "single_guard"]
+__all__ = ["bundle_guards", "class_name", "expose_signatures", "single_guard"]
 
 Defaults = Mapping[str, Mapping[str, Any]]
 
@@ -58,17 +58,24 @@ def _bundle_signature() -> inspect.Signature:
     return inspect.Signature(params)
 
 
-def expose_signatures(bundle: type, singles: Mapping[str, type]) -> None:
-    """Gives callbacks that take ``**kwargs`` the explicit signature of what they accept.
+def class_name(guard_name: str) -> str:
+    """A guard's callback class name in each adapter, e.g. ``BatchParityGuard``."""
+    return "".join(part.title() for part in guard_name.split("_"))
+
+
+def expose_signatures(namespace: Mapping[str, Any]) -> None:
+    """Gives an adapter's callbacks, which take ``**kwargs``, the signature of what they accept.
 
     Config tools that read signatures (LightningCLI's jsonargparse) cannot see
     through ``**kwargs``; the signatures come from the registry and the core
     guards, so they never drift from what the constructors accept.
 
     Args:
-        bundle: The adapter's ``RankGuard`` class.
-        singles: Guard name to the adapter's single-guard class.
+        namespace: The adapter module's globals: ``RankGuard`` and one class per
+            registered guard, named by :func:`class_name` (a missing one is a
+            ``KeyError`` at import).
     """
-    bundle.__init__.__signature__ = _bundle_signature()
-    for name, cls in singles.items():
-        cls.__init__.__signature__ = inspect.signature(GUARDS[name].__init__, eval_str=True)
+    namespace["RankGuard"].__init__.__signature__ = _bundle_signature()
+    for name, guard in GUARDS.items():
+        init = namespace[class_name(name)].__init__
+        init.__signature__ = inspect.signature(guard.__init__, eval_str=True)

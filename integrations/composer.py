@@ -225,15 +225,4 @@ class DataStallMonitor(_ComposerAdapter):
         super().__init__(single_guard("data_stall_monitor", settings))
 
 
-expose_signatures(
-    RankGuard,
-    {
-        "data_consistency_guard": DataConsistencyGuard,
-        "data_stall_monitor": DataStallMonitor,
-        "drop_last_guard": DropLastGuard,
-        "batch_parity_guard": BatchParityGuard,
-        "shared_dir_barrier": SharedDirBarrier,
-        "checkpoint_planner": CheckpointPlanner,
-        "hang_watchdog": HangWatchdog,
-    },
-)
+expose_signatures(globals())

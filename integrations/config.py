@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rankguard.callbacks.registry import GUARDS, unknown_name_error
+from rankguard.integrations._common import class_name
 
 __all__ = ["CALLBACK_NAMES", "FRAMEWORKS", "build_callbacks", "callback_class"]
 
@@ -27,7 +28,7 @@ FRAMEWORKS = ("composer", "lightning")
 #: Config name -> class name in each integration module.
 CALLBACK_NAMES: dict[str, str] = {
     "rank_guard": "RankGuard",
-    **{name: "".join(part.title() for part in name.split("_")) for name in GUARDS},
+    **{name: class_name(name) for name in GUARDS},
 }
 
 

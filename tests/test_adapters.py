@@ -12,6 +12,7 @@ from rankguard.callbacks import GUARDS, Event
 from rankguard.callbacks import events as events_module
 from rankguard.integrations import composer as rg_composer
 from rankguard.integrations import lightning as rg_lightning
+from rankguard.integrations._common import class_name
 from tests.e2e.common import Points
 
 ADAPTERS = [rg_composer, rg_lightning]
@@ -23,7 +24,7 @@ def callback_classes(module):
 
 @pytest.mark.parametrize("module", ADAPTERS, ids=lambda m: m.__name__)
 def test_each_adapter_exports_rank_guard_and_every_guard(module):
-    camel = {"".join(p.title() for p in name.split("_")) for name in GUARDS}
+    camel = {class_name(name) for name in GUARDS}
     assert set(module.__all__) == camel | {"RankGuard"}
 
 
