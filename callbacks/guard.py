@@ -106,12 +106,13 @@ class GuardRunner:
 
     Args:
         guards: The guards, in the order they should run.
-        timeout_s: Default side-channel timeout.
+        exchange_timeout_s: Default side-channel timeout (scaled with the world
+            size by :func:`~rankguard.callbacks.side_channel.scaled_timeout`).
     """
 
-    def __init__(self, guards: Iterable[Guard], *, timeout_s: float = 300.0) -> None:
+    def __init__(self, guards: Iterable[Guard], *, exchange_timeout_s: float = 300.0) -> None:
         self.guards = list(guards)
-        self.timeout_s = check_positive("timeout_s", timeout_s)
+        self.timeout_s = check_positive("exchange_timeout_s", exchange_timeout_s)
         self.channel: SideChannel | None = None
         self._handlers = {
             event: [h for g in self.guards if (h := g.handler(event)) is not None]

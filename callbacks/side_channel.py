@@ -20,9 +20,17 @@ named by sequence let a background thread exchange concurrently with the
 main thread without any ordering contract, and non-deciding ranks send and
 receive a payload of constant size (the verdict), whatever the world size.
 
-Cost per exchange: every rank makes 3 store round trips (set, wait+get the
-verdict, acknowledge); rank 0 additionally one wait and one multi-get over
-``world_size`` keys and one delete.
+Cost per exchange: every rank makes 5 store requests (set its payload, wait
+for and get the verdict, delete its payload, acknowledge) and sends its
+payload and receives the verdict, both independent of the world size; rank 0
+additionally one wait and one multi-get over ``world_size`` keys and one
+verdict set, and runs ``decide`` over ``world_size`` payloads.
+``docs/scale.md`` has the measured figures per check.
+
+Timeouts scale with the world size: the deciding rank waits ``timeout_s +
+world_size x PER_RANK_WAIT_S`` (:func:`scaled_timeout`), since its own share
+of an exchange (reading and deciding on every payload) and the store's
+(serving every rank's requests, one at a time) both grow linearly.
 
 At world size 1, or when ``torch.distributed`` is not initialised, the
 channel is local: ``decide`` is applied to this rank's payload alone.
@@ -42,13 +50,16 @@ from typing import Any, TypeVar
 from rankguard.callbacks.errors import RanksMissingError
 from rankguard.callbacks.ranks import rank_label
 
-__all__ = ["SideChannel", "default_store"]
+__all__ = ["PER_RANK_WAIT_S", "SideChannel", "default_store", "scaled_timeout"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 _LEADER = 0
+
+#: Added to an exchange's timeout per rank in the world (see :func:`scaled_timeout`).
+PER_RANK_WAIT_S = 0.005
 _channels_created = 0
 _channels_lock = threading.Lock()
 
@@ -60,11 +71,32 @@ class _Missing:
     ranks: list[int]
 
 
+#: What a non-deciding rank gets when no verdict came in time.
+_NO_VERDICT = object()
+
+
 @dataclass(frozen=True)
 class _Failed:
     """Verdict published when ``decide`` itself raised on the deciding rank."""
 
     message: str
+
+
+def scaled_timeout(timeout_s: float, world_size: int) -> float:
+    """The time the deciding rank waits for an exchange at ``world_size`` ranks.
+
+    ``timeout_s`` is what a small job needs; each rank adds
+    :data:`PER_RANK_WAIT_S`, 5 ms, more than ten times the deciding rank's
+    measured work per rank (``benchmarks/scale.py``): 20 s more at 4096 ranks.
+
+    Args:
+        timeout_s: The configured timeout (seconds).
+        world_size: Ranks taking part.
+
+    Returns:
+        The timeout in seconds.
+    """
+    return timeout_s + PER_RANK_WAIT_S * world_size
 
 
 def _TCPStore() -> type:
@@ -104,8 +136,15 @@ class SideChannel:
             for a local (single-rank) channel.
         rank: This process's global rank.
         world_size: Number of ranks taking part.
-        timeout_s: Default time the deciding rank waits for every rank.
+        timeout_s: Default time the deciding rank waits for every rank, before
+            scaling with the world size (:func:`scaled_timeout`).
         prefix: Key prefix; channels with different prefixes never collide.
+
+    Attributes:
+        exchanges: Exchanges this rank has taken part in.
+        bytes_sent: Payload bytes this rank wrote to the store.
+        bytes_received: Payload and verdict bytes this rank read from the store.
+        decide_s: Time the deciding rank spent reading payloads and deciding.
 
     Example::
 
@@ -134,8 +173,10 @@ class SideChannel:
         self.prefix = prefix
         self._seq: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.exchanges = 0
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.decide_s = 0.0
 
     @classmethod
     def from_environment(cls, *, timeout_s: float = 60.0, name: str = "rankguard") -> SideChannel:
@@ -221,8 +262,9 @@ class SideChannel:
             decide: Pure function from the payload of every rank to the
                 verdict; runs on the deciding rank only.
             timeout_s: How long the deciding rank waits for the others
-                (default: the channel's ``timeout_s``). The others wait a
-                little longer for the verdict.
+                (default: the channel's ``timeout_s``), scaled with the world
+                size by :func:`scaled_timeout`. The others wait a little
+                longer for the verdict.
 
         Returns:
             ``decide``'s result, the same object value on every rank.
@@ -232,11 +274,13 @@ class SideChannel:
                 the error names them.
         """
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
-        if self._root is None:
-            return decide({self.rank: payload})
         with self._lock:
+            self.exchanges += 1
             seq = self._seq.get(name, 0)
             self._seq[name] = seq + 1
+        if self._root is None:
+            return decide({self.rank: payload})
+        timeout = scaled_timeout(timeout, self.world_size)
         base = f"{self.prefix}/{name}/{seq}"
         verdict_key = f"{base}/verdict"
         self._set(f"{base}/r{self.rank}", payload)
@@ -245,8 +289,14 @@ class SideChannel:
             self._set(verdict_key, verdict)
         else:
             verdict = self._await_verdict(base, verdict_key, timeout)
-        if self.store.add(f"{base}/ack", 1) == self.world_size:
-            self._delete(verdict_key, f"{base}/ack")
+        if verdict is not _NO_VERDICT:
+            # Each rank removes its own payload (the deciding rank has read it by now),
+            # so the deciding rank makes no per-rank request; the last one out the rest.
+            self._delete(f"{base}/r{self.rank}")
+            if self.store.add(f"{base}/ack", 1) == self.world_size:
+                self._delete(verdict_key, f"{base}/ack")
+        else:  # payloads stay: the others tell the missing ranks by their absence
+            verdict = self._missing_without_verdict(base)
         if isinstance(verdict, _Missing):
             raise self._missing_error(name, verdict.ranks, timeout)
         if isinstance(verdict, _Failed):
@@ -271,15 +321,17 @@ class SideChannel:
             self.store.wait(keys, timedelta(seconds=timeout))
         except RuntimeError:
             return _Missing([r for r, key in enumerate(keys) if not self.store.check([key])])
+        started = time.perf_counter()
         raw = self.store.multi_get(keys)
         self.bytes_received += sum(len(b) for b in raw)
-        self._delete(*keys)
         values = {rank: pickle.loads(blob) for rank, blob in enumerate(raw)}
         try:
             return decide(values)
         except Exception as exc:  # a verdict must reach every rank, even a failed one
             logger.exception("rankguard: deciding exchange %s failed", base)
             return _Failed(f"{type(exc).__name__}: {exc}")
+        finally:
+            self.decide_s += time.perf_counter() - started
 
     def _await_verdict(self, base: str, verdict_key: str, timeout: float) -> Any:
         # Wait longer than the deciding rank so it can publish who is missing.
@@ -288,22 +340,25 @@ class SideChannel:
         try:
             self.store.wait([verdict_key], timedelta(seconds=timeout + grace))
         except RuntimeError:
-            # The deciding rank never decided: it is missing itself, or late.
-            missing = []
-            for rank in range(self.world_size):
-                try:
-                    present = self.store.check([f"{base}/r{rank}"])
-                except RuntimeError:
-                    present = False
-                if not present:
-                    missing.append(rank)
             logger.debug(
                 "rankguard: no verdict for %s after %.1f s", base, time.monotonic() - started
             )
-            return _Missing(missing or [_LEADER])
+            return _NO_VERDICT
         blob = self.store.get(verdict_key)
         self.bytes_received += len(blob)
         return pickle.loads(blob)
+
+    def _missing_without_verdict(self, base: str) -> _Missing:
+        """The deciding rank never decided: it is missing itself, or late; so may others be."""
+        missing = []
+        for rank in range(self.world_size):
+            try:
+                present = self.store.check([f"{base}/r{rank}"])
+            except RuntimeError:
+                present = False
+            if not present:
+                missing.append(rank)
+        return _Missing(missing or [_LEADER])
 
     def _set(self, key: str, value: Any) -> None:
         blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)

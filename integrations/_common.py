@@ -47,8 +47,16 @@ def single_guard(
 
 
 def _bundle_signature() -> inspect.Signature:
-    """``RankGuard(*, <guard name>: dict | bool = True, ...)`` for every registered guard."""
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    """``RankGuard(exchange_timeout_s=300.0, *, <guard name>: dict | bool = True, ...)``."""
+    params = [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter(
+            "exchange_timeout_s",
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            default=300.0,
+            annotation=float,
+        ),
+    ]
     params += [
         inspect.Parameter(
             name, inspect.Parameter.KEYWORD_ONLY, default=True, annotation=dict[str, Any] | bool

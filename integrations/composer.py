@@ -145,8 +145,8 @@ def event_facts(event: CoreEvent, state: State) -> EventFacts:
 class _ComposerAdapter(Callback):
     """Drives a :class:`GuardRunner` from Composer events."""
 
-    def __init__(self, guards: list[Guard]) -> None:
-        self.runner = GuardRunner(guards)
+    def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
+        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Translates a Composer event and dispatches it to the guards."""
@@ -167,13 +167,19 @@ class RankGuard(_ComposerAdapter):
     """Every rankguard guard with sound defaults, as one Composer callback.
 
     Args:
+        exchange_timeout_s: How long a cross-rank check waits for every rank
+            before naming the ones that did not arrive (seconds; grows by 5 ms
+            per rank with the world size, see ``docs/scale.md``). The hang
+            watchdog's own exchanges use its settings.
         **per_guard_config: Per guard, by snake-case name, a dict of its
             settings or ``False`` to leave it out, e.g.
             ``RankGuard(batch_parity_guard={"on_violation": "warn"}, drop_last_guard=False)``.
     """
 
-    def __init__(self, **per_guard_config: dict[str, Any] | bool) -> None:
-        super().__init__(bundle_guards(per_guard_config))
+    def __init__(
+        self, exchange_timeout_s: float = 300.0, **per_guard_config: dict[str, Any] | bool
+    ) -> None:
+        super().__init__(bundle_guards(per_guard_config), exchange_timeout_s)
 
 
 class BatchParityGuard(_ComposerAdapter):

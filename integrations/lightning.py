@@ -105,11 +105,11 @@ def save_directories(trainer: pl.Trainer) -> list[str]:
 class _LightningAdapter(Callback):
     """Drives a :class:`GuardRunner` from Lightning hooks."""
 
-    def __init__(self, guards: list[Guard]) -> None:
+    def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
         for guard in guards:
             if guard.name == "drop_last_guard" and getattr(guard, "mode", None) == "enforce":
                 raise ValueError(ENFORCE_UNSUPPORTED)
-        self.runner = GuardRunner(guards)
+        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
         self._trainer: pl.Trainer | None = None
         self._val: list[LoaderFacts] = []
 
@@ -237,13 +237,19 @@ class RankGuard(_LightningAdapter):
     """Every rankguard guard with sound defaults, as one Lightning callback.
 
     Args:
+        exchange_timeout_s: How long a cross-rank check waits for every rank
+            before naming the ones that did not arrive (seconds; grows by 5 ms
+            per rank with the world size, see ``docs/scale.md``). The hang
+            watchdog's own exchanges use its settings.
         **per_guard_config: Per guard, by snake-case name, a dict of its
             settings or ``False`` to leave it out, e.g.
             ``RankGuard(batch_parity_guard={"on_violation": "warn"}, drop_last_guard=False)``.
     """
 
-    def __init__(self, **per_guard_config: dict[str, Any] | bool) -> None:
-        super().__init__(bundle_guards(per_guard_config, LIGHTNING_DEFAULTS))
+    def __init__(
+        self, exchange_timeout_s: float = 300.0, **per_guard_config: dict[str, Any] | bool
+    ) -> None:
+        super().__init__(bundle_guards(per_guard_config, LIGHTNING_DEFAULTS), exchange_timeout_s)
 
 
 class BatchParityGuard(_LightningAdapter):

@@ -125,3 +125,11 @@ def test_lightning_refuses_enforced_drop_last_with_the_fix():
         rg_lightning.RankGuard(drop_last_guard={"mode": "enforce"})
     with pytest.raises(ValueError, match="not available under Lightning"):
         rg_lightning.DropLastGuard(mode="enforce")
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS, ids=lambda m: m.__name__)
+def test_rank_guard_sets_the_exchange_timeout_and_rejects_a_bad_one(adapter):
+    assert adapter.RankGuard(exchange_timeout_s=42).runner.timeout_s == 42.0
+    assert adapter.RankGuard().runner.timeout_s == 300.0
+    with pytest.raises(ValueError, match="`exchange_timeout_s`"):
+        adapter.RankGuard(exchange_timeout_s=0)

@@ -63,7 +63,10 @@ def test_unknown_names_and_settings_list_the_valid_ones_with_a_suggestion():
 
 @pytest.mark.parametrize("module", [rg_composer, rg_lightning], ids=lambda m: m.__name__)
 def test_signatures_show_every_setting_to_config_tools(module):
-    assert list(inspect.signature(module.RankGuard).parameters) == list(GUARDS)
+    assert list(inspect.signature(module.RankGuard).parameters) == [
+        "exchange_timeout_s",
+        *GUARDS,
+    ]
     params = inspect.signature(module.BatchParityGuard).parameters
     assert params["eval_end_timeout_s"].default == 120.0
 

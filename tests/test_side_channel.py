@@ -8,7 +8,12 @@ import time
 import pytest
 import torch.distributed as dist
 
-from rankguard.callbacks.side_channel import SideChannel, default_store
+from rankguard.callbacks.side_channel import (
+    PER_RANK_WAIT_S,
+    SideChannel,
+    default_store,
+    scaled_timeout,
+)
 from tests.mp import run_ranks
 
 
@@ -164,3 +169,48 @@ def test_a_blocked_thread_does_not_stall_another_threads_tcp_store_exchanges():
         quick, elapsed = o.value
         assert quick == [{0: i, 1: i} for i in range(5)]
         assert elapsed < 3.0  # not held up by the 4 s background wait
+
+
+class CountingStore:
+    """A store that counts the requests this rank makes (wraps the job's real store)."""
+
+    def __init__(self, store) -> None:
+        self.store, self.requests = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.requests += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def _requests_per_exchange(rank, world_size):
+    store = CountingStore(default_store())
+    channel = SideChannel(store, rank=rank, world_size=world_size, timeout_s=20)
+    for i in range(3):
+        channel.all_gather("count", (rank, i))
+    return store.requests / 3, channel.exchanges
+
+
+def test_store_requests_per_exchange_do_not_grow_with_the_world_size():
+    # Every rank: set its payload, wait for and get the verdict (rank 0: wait for
+    # and read every payload in one request each, set the verdict), delete its own
+    # payload, acknowledge; the last one out also deletes the verdict and the ack.
+    for world in (2, 4):
+        outcomes = run_ranks(_requests_per_exchange, world, timeout_s=90)
+        for o in outcomes:
+            assert o.error is None, o.error
+        (leader, exchanges), *others = [o.value for o in outcomes]
+        assert exchanges == 3
+        assert 6 <= leader <= 6 + 2, world
+        assert all(5 <= requests <= 5 + 2 for requests, _ in others), (world, others)
+
+
+def test_timeouts_grow_with_the_world_size():
+    assert scaled_timeout(300.0, 2) == pytest.approx(300.0 + 2 * PER_RANK_WAIT_S)
+    assert scaled_timeout(300.0, 4096) - scaled_timeout(300.0, 8) == pytest.approx(
+        4088 * PER_RANK_WAIT_S
+    )
