@@ -1,12 +1,19 @@
 """How rankguard's cross-rank checks grow with world size (gloo, CPU processes).
 
 For world sizes 2, 4, 8, 16, 32 (simulated nodes of 4 ranks, one torchrun per
-node, master on 127.0.0.1), times the fit-start checks of every guard and a
-watchdog-status-sized exchange, on the deciding rank (0) and on the others,
-with the bytes each sends and receives; fits ``t = a + b * world`` and projects
-to 4096 ranks.
+node, master on 127.0.0.1; see ``benchmarks/scale_worker.py``) it prints:
 
-Usage: ``python benchmarks/scale.py [--sizes 2,4,8,16,32] [--repeats 5]``
+1. the fit-start checks of every guard, as ``RankGuard()`` runs them, on the
+   deciding rank (0) and the slowest other rank: wall time and CPU time. With
+   more processes than cores, wall time mostly measures waiting for the
+   scheduler to run the other ranks; CPU time is each rank's own work;
+2. the hang watchdog's status exchange (its real background thread): CPU
+   time per exchange and bytes per exchange;
+3. per check (guard and event): store exchanges, bytes sent and received on
+   rank 0 and on another rank, at every world size measured;
+4. least-squares fits ``y = a + b * world`` projected to 4096 ranks.
+
+Usage: ``python benchmarks/scale.py [--sizes 2,4,8,16,32] [--repeats 3]``
 """
 
 from __future__ import annotations
@@ -14,24 +21,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
-from launch import launch_nodes
-
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from launch import launch_nodes  # noqa: E402
+
+PROJECT_TO = 4096
 
 
 def measure(world: int, repeats: int) -> dict:
     per_node = min(world, 4)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "scale.json"
+        args = [str(out), "--repeats", str(repeats), "--folder", str(Path(tmp) / "ckpt")]
         results = launch_nodes(
-            HERE / "scale_worker.py",
-            [str(out), "--repeats", str(repeats)],
-            world // per_node,
-            per_node,
-            timeout=600,
+            HERE / "scale_worker.py", args, world // per_node, per_node, timeout=900
         )
         if not out.exists():
             raise SystemExit(f"world {world} failed:\n{results[0].stderr[-3000:]}")
@@ -50,52 +57,92 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="2,4,8,16,32")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    runs = {world: measure(world, args.repeats)["ranks"] for world in sizes}
+
+    print("1. fit-start checks of every guard (median of repeats), ms")
+    print(
+        f"{'world':>5} | {'wall rank 0':>11} {'wall others max':>15} | "
+        f"{'CPU rank 0':>10} {'CPU others max':>14} | {'decide rank 0':>13}"
+    )
     rows = []
-    print(
-        f"{'world':>5} | {'fit-start checks ms':^25} | {'status exchange ms':^25} | "
-        f"{'bytes sent/recv per exchange':^40}"
-    )
-    print(
-        f"{'':>5} | {'rank 0':>11} {'others max':>13} | {'rank 0':>11} {'others max':>13} | "
-        f"{'rank 0':>19} {'other rank':>20}"
-    )
-    for world in sizes:
-        ranks = measure(world, args.repeats)["ranks"]
+    for world, ranks in runs.items():
         leader, others = ranks[0], ranks[1:]
-        n_check = 2 * args.repeats  # two guards exchange at fit start
         row = {
             "world": world,
-            "check0": 1000 * leader["check_s"],
-            "check_o": 1000 * max(r["check_s"] for r in others),
-            "status0": 1000 * leader["status_s"],
-            "status_o": 1000 * max(r["status_s"] for r in others),
-            "bytes0": [b / n_check for b in leader["check_bytes"]],
-            "bytes_o": [b / n_check for b in others[-1]["check_bytes"]],
+            "wall0": 1000 * leader["fit_start"]["wall_s"],
+            "wall_o": 1000 * max(r["fit_start"]["wall_s"] for r in others),
+            "cpu0": 1000 * leader["fit_start"]["cpu_s"],
+            "cpu_o": 1000 * max(r["fit_start"]["cpu_s"] for r in others),
+            "decide0": 1000
+            * sum(
+                leader["checks"][name]["fit_start"]["decide_s"]
+                for name in leader["checks"]
+                if "fit_start" in leader["checks"][name]
+            ),
+            "status_cpu0": 1000 * leader["checks"]["hang_watchdog"]["status"]["cpu_s"],
+            "status_cpu_o": 1000
+            * max(r["checks"]["hang_watchdog"]["status"]["cpu_s"] for r in others),
+            "status_decide0": 1000 * leader["checks"]["hang_watchdog"]["status"]["decide_s"],
+            "status_in0": leader["checks"]["hang_watchdog"]["status"]["received"],
+            "status_o": max(
+                r["checks"]["hang_watchdog"]["status"]["sent"]
+                + r["checks"]["hang_watchdog"]["status"]["received"]
+                for r in others
+            ),
         }
         rows.append(row)
         print(
-            f"{world:>5} | {row['check0']:>11.1f} {row['check_o']:>13.1f} | "
-            f"{row['status0']:>11.1f} {row['status_o']:>13.1f} | "
-            f"{row['bytes0'][0]:>8.0f} / {row['bytes0'][1]:>8.0f} "
-            f"{row['bytes_o'][0]:>9.0f} / {row['bytes_o'][1]:>8.0f}"
+            f"{world:>5} | {row['wall0']:>11.1f} {row['wall_o']:>15.1f} | "
+            f"{row['cpu0']:>10.1f} {row['cpu_o']:>14.1f} | {row['decide0']:>13.2f}"
         )
+
+    print("\n2. hang watchdog status exchange (real thread, period 0.5 s), per exchange")
+    print(
+        f"{'world':>5} | {'CPU ms rank 0':>13} {'CPU ms others max':>17} | "
+        f"{'decide ms rank 0':>16} | {'bytes in, rank 0':>16} {'bytes in+out, other':>19}"
+    )
+    for row in rows:
+        print(
+            f"{row['world']:>5} | {row['status_cpu0']:>13.2f} {row['status_cpu_o']:>17.2f} | "
+            f"{row['status_decide0']:>16.3f} | {row['status_in0']:>16.0f} "
+            f"{row['status_o']:>19.0f}"
+        )
+
+    print(
+        "\n3. per check: exchanges, bytes sent/received per occurrence "
+        "(rank 0 | another rank), at each world size"
+    )
+    last = runs[sizes[-1]]
+    for name, checks in last[0]["checks"].items():
+        for event in checks:
+            cells = []
+            for world in sizes:
+                zero = runs[world][0]["checks"][name][event]
+                other = runs[world][-1]["checks"][name][event]
+                cells.append(
+                    f"{world}: {zero['sent']:.0f}/{zero['received']:.0f} | "
+                    f"{other['sent']:.0f}/{other['received']:.0f}"
+                )
+            exchanges = last[-1]["checks"][name][event]["exchanges"]
+            print(f"  {name}/{event} ({exchanges:g} exchange(s)): " + "; ".join(cells))
+
     worlds = [r["world"] for r in rows]
-    print("\nfitted t = a + b * world (ms), projected to 4096 ranks:")
-    for key, label in (
-        ("check0", "fit-start checks, rank 0"),
-        ("check_o", "fit-start checks, slowest other"),
-        ("status0", "status exchange, rank 0"),
-        ("status_o", "status exchange, slowest other"),
+    print(f"\n4. fitted y = a + b * world, projected to {PROJECT_TO} ranks")
+    for key, label, unit in (
+        ("cpu0", "fit-start CPU, rank 0", "ms"),
+        ("cpu_o", "fit-start CPU, slowest other", "ms"),
+        ("decide0", "fit-start decide, rank 0", "ms"),
+        ("wall0", "fit-start wall, rank 0", "ms"),
+        ("status_cpu0", "status exchange CPU, rank 0", "ms"),
+        ("status_cpu_o", "status exchange CPU, other", "ms"),
+        ("status_in0", "status bytes in, rank 0", "B"),
+        ("status_o", "status bytes in+out, other", "B"),
     ):
         a, b = fit(worlds, [r[key] for r in rows])
-        print(f"  {label:<34} a={a:7.2f} b={b:7.3f}  -> {a + b * 4096:9.1f} ms at 4096")
-    for key, label in (("bytes0", "bytes received by rank 0"), ("bytes_o", "by another rank")):
-        a, b = fit(worlds, [r[key][1] for r in rows])
-        projected = a + b * 4096
-        print(f"  {label:<34} a={a:7.0f} b={b:7.1f}  -> {projected:9.0f} B at 4096")
+        print(f"  {label:<32} a={a:9.2f} b={b:8.3f} -> {a + b * PROJECT_TO:10.1f} {unit}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,17 @@
 """One rank of benchmarks/scale.py and tests/test_multinode.py (launched by torchrun per node).
 
-Runs the fit-start checks of RankGuard's guards and a status-sized exchange
-``REPEATS`` times through the side channel, then rank 0 writes per-rank
-timings and bytes to ``OUT``. With ``--uneven`` the upper half of the ranks
-hold a longer eval set, and rank 0 records the error every rank raised.
+Default: measures each guard's cross-rank checks, one guard at a time on its
+own side channel, at every event where it exchanges (the events a real
+training fires, with real loaders, a real model and a real checkpoint
+folder), ``--repeats`` times: wall and CPU time (``time.process_time``, all
+of this process's threads, the store server's included on rank 0), store
+exchanges, bytes sent and received; then the hang watchdog's status
+exchanges from its real background thread. Rank 0 writes every rank's
+figures to ``OUT``.
+
+With ``--uneven`` the upper half of the ranks hold a longer eval set; the
+fit-start checks of every guard run once and rank 0 records the error every
+rank raised.
 """
 
 from __future__ import annotations
@@ -12,14 +20,28 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from rankguard.callbacks import Event, EventFacts, LoaderFacts, RankGuardError, SideChannel
-from rankguard.callbacks.registry import build_guards
+from rankguard.callbacks.registry import GUARDS, build_guard, build_guards
 from tests.e2e.common import Points
+
+#: The events at which each guard exchanges, in the order a training fires them.
+CHECKS: dict[str, tuple[str, ...]] = {
+    "data_consistency_guard": ("fit_start", "eval_start"),
+    "drop_last_guard": ("fit_start",),
+    "batch_parity_guard": ("fit_start", "eval_start", "eval_end"),
+    "shared_dir_barrier": ("fit_start", "checkpoint_save_start"),
+    "checkpoint_planner": ("fit_start",),
+    "data_stall_monitor": ("interval",),
+}
+EVAL_BATCHES = 4
 
 
 def loaders(rank: int, world: int, uneven: bool) -> list[LoaderFacts]:
@@ -36,48 +58,143 @@ def loaders(rank: int, world: int, uneven: bool) -> list[LoaderFacts]:
     ]
 
 
+class Meter:
+    """Wall time, CPU time and side-channel traffic of one timed call."""
+
+    def __init__(self, channel: SideChannel) -> None:
+        self.channel = channel
+        self.samples: dict[str, list[dict[str, float]]] = {}
+
+    def time(self, key: str, call: Callable[[], object]) -> None:
+        c = self.channel
+        before = (c.exchanges, c.bytes_sent, c.bytes_received, c.decide_s)
+        wall, cpu = time.perf_counter(), time.process_time()
+        call()
+        sample = {
+            "wall_s": time.perf_counter() - wall,
+            "cpu_s": time.process_time() - cpu,
+            "exchanges": c.exchanges - before[0],
+            "sent": c.bytes_sent - before[1],
+            "received": c.bytes_received - before[2],
+            "decide_s": c.decide_s - before[3],
+        }
+        self.samples.setdefault(key, []).append(sample)
+
+    def medians(self) -> dict[str, dict[str, float]]:
+        return {
+            key: {field: statistics.median(s[field] for s in samples) for field in samples[0]}
+            for key, samples in self.samples.items()
+        }
+
+
+def measure_guard(name: str, facts: EventFacts, folder: str, repeats: int) -> dict:
+    """Times ``name``'s exchanging events; returns medians per event."""
+    settings = {"interval": 10} if name == "data_stall_monitor" else {}
+    guard = build_guard(GUARDS[name], settings)
+    channel = SideChannel.from_environment(timeout_s=120, name=f"scale/{name}")
+    guard.bind(channel)
+    meter = Meter(channel)
+    _, evals = facts.loaders
+    eval_facts = EventFacts(loader=evals, step=1)
+    save_facts = EventFacts(step=1, model=facts.model, directories=[folder])
+    for _ in range(repeats):
+        for event in CHECKS[name]:
+            if event == "fit_start":
+                meter.time(event, lambda: guard.handle(Event.FIT_START, facts))
+            elif event == "eval_start":
+                meter.time(event, lambda: guard.handle(Event.EVAL_START, eval_facts))
+            elif event == "eval_end":
+                for _ in range(EVAL_BATCHES):
+                    guard.handle(Event.EVAL_BATCH_END, eval_facts)
+                meter.time(event, lambda: guard.handle(Event.EVAL_END, eval_facts))
+            elif event == "checkpoint_save_start":
+                meter.time(event, lambda: guard.handle(Event.CHECKPOINT_SAVE_START, save_facts))
+            elif event == "interval":  # the 10th train batch start exchanges
+                guard.handle(Event.FIT_START, facts)
+                for _ in range(settings["interval"] - 1):
+                    guard.handle(Event.TRAIN_BATCH_START, EventFacts(step=1))
+                meter.time(event, lambda: guard.handle(Event.TRAIN_BATCH_START, EventFacts()))
+    guard.close()
+    return meter.medians()
+
+
+def measure_watchdog(facts: EventFacts, folder: str, seconds: float) -> dict:
+    """The real watchdog thread's status exchanges over ``seconds``: per-exchange figures."""
+    guard = build_guard(GUARDS["hang_watchdog"], {"exchange_period_s": 0.5, "report_dir": folder})
+    channel = SideChannel.from_environment(timeout_s=120, name="scale/hang_watchdog")
+    guard.bind(channel)
+    cpu = time.process_time()
+    guard.handle(Event.FIT_START, facts)
+    guard.handle(Event.TRAIN_BATCH_START, EventFacts(step=1))
+    time.sleep(seconds)
+    guard.close()
+    n = max(channel.exchanges, 1)
+    return {
+        "status": {
+            "exchanges": channel.exchanges,
+            "sent": channel.bytes_sent / n,
+            "received": channel.bytes_received / n,
+            "decide_s": channel.decide_s / n,
+            # The thread sleeps between exchanges: CPU, not wall time, is its cost.
+            "cpu_s": (time.process_time() - cpu) / n,
+        }
+    }
+
+
+def fit_start_all(facts: EventFacts) -> str | None:
+    """Every guard's fit-start checks, as ``RankGuard()`` runs them; the error raised, if any."""
+    guards = [g for g in build_guards({}) if g.name != "hang_watchdog"]
+    channel = SideChannel.from_environment(timeout_s=120)
+    for guard in guards:
+        guard.bind(channel)
+    try:
+        for guard in guards:
+            guard.handle(Event.FIT_START, facts)
+    except RankGuardError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        for guard in guards:
+            guard.close()
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--uneven", action="store_true")
+    parser.add_argument("--watchdog-s", type=float, default=3.0)
+    parser.add_argument("--folder", default=None, help="checkpoint folder every rank sees")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    channel = SideChannel.from_environment(timeout_s=120)
-    guards = build_guards({})
-    for guard in guards:
-        guard.bind(channel)
-    facts = EventFacts(loaders=loaders(rank, world, args.uneven))
-    check_s, status_s, error = [], [], None
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        try:
-            for guard in guards:
-                guard.handle(Event.FIT_START, facts)
-        except RankGuardError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        check_s.append(time.perf_counter() - start)
-    check_bytes = (channel.bytes_sent, channel.bytes_received)
-    status = {"phase": "train batch 2001", "step": 2001, "idle_s": 0.5, "host": os.uname()[1]}
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        channel.exchange("status", {**status, "rank": rank}, lambda v: len(v))
-        status_s.append(time.perf_counter() - start)
-    mine = {
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+    folder = args.folder or os.path.join(tempfile.gettempdir(), "rankguard-scale", "ckpt")
+    facts = EventFacts(
+        loaders=loaders(rank, world, args.uneven),
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters()),
+        directories=[folder],
+    )
+    mine: dict = {
         "rank": rank,
         "node": int(os.environ.get("GROUP_RANK", "0")),
         "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
-        "check_s": statistics.median(check_s),
-        "status_s": statistics.median(status_s),
-        "check_bytes": check_bytes,
-        "status_bytes": (
-            channel.bytes_sent - check_bytes[0],
-            channel.bytes_received - check_bytes[1],
-        ),
-        "error": error,
     }
-    everyone = channel.all_gather("report", mine)  # measurement only, after the timed part
+    if args.uneven:
+        mine["error"] = fit_start_all(facts)
+    else:
+        walls, cpus = [], []
+        for _ in range(args.repeats):
+            start = time.perf_counter(), time.process_time()
+            mine["error"] = fit_start_all(facts)
+            walls.append(time.perf_counter() - start[0])
+            cpus.append(time.process_time() - start[1])
+        mine["fit_start"] = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
+        mine["checks"] = {name: measure_guard(name, facts, folder, args.repeats) for name in CHECKS}
+        mine["checks"]["hang_watchdog"] = measure_watchdog(facts, folder, args.watchdog_s)
+    report = SideChannel.from_environment(timeout_s=300, name="scale/report")
+    everyone = report.all_gather("report", mine)  # measurement only, after the timed part
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"world": world, "ranks": [everyone[r] for r in range(world)]}, f)

@@ -214,3 +214,70 @@ def test_timeouts_grow_with_the_world_size():
     assert scaled_timeout(300.0, 4096) - scaled_timeout(300.0, 8) == pytest.approx(
         4088 * PER_RANK_WAIT_S
     )
+
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "gather",
+    "gather_object",
+    "reduce",
+    "scatter",
+    "monitored_barrier",
+)
+
+
+def _every_guard_without_collectives(rank, world_size, folder):
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from rankguard.callbacks import Event, EventFacts, LoaderFacts
+    from rankguard.callbacks.guard import GuardRunner
+    from rankguard.callbacks.registry import build_guards
+    from tests.e2e.common import Points
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("rankguard issued a collective on the training process group")
+
+    for name in COLLECTIVES:
+        setattr(dist, name, forbidden)
+    data = Points(32)
+    loader = DataLoader(data, 4, sampler=DistributedSampler(data, world_size, rank))
+    model = torch.nn.Linear(4, 2)
+    runner = GuardRunner(
+        build_guards({"hang_watchdog": {"exchange_period_s": 0.2, "report_dir": folder}})
+    )
+    facts = EventFacts(
+        loaders=[LoaderFacts("train", loader, True), LoaderFacts("eval", loader, False)],
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters()),
+        directories=[f"{folder}/ckpt"],
+    )
+    runner.fire(Event.FIT_START, facts)
+    eval_facts = EventFacts(loader=facts.loaders[1], step=1)
+    runner.fire(Event.EVAL_START, eval_facts)
+    for _ in range(len(loader)):
+        runner.fire(Event.EVAL_BATCH_START, eval_facts)
+        runner.fire(Event.EVAL_BATCH_END, eval_facts)
+    runner.fire(Event.EVAL_END, eval_facts)
+    runner.fire(
+        Event.CHECKPOINT_SAVE_START, EventFacts(step=1, model=model, directories=facts.directories)
+    )
+    time.sleep(1.0)  # the watchdog thread exchanges statuses meanwhile
+    exchanges = runner.channel.exchanges
+    runner.close()
+    return exchanges
+
+
+def test_no_guard_ever_uses_the_training_process_group(tmp_path):
+    # Every collective of torch.distributed raises in these ranks: the guards'
+    # checks and the watchdog's background exchanges all go through the store.
+    outcomes = run_ranks(_every_guard_without_collectives, 2, str(tmp_path), timeout_s=90)
+    for o in outcomes:
+        assert o.error is None, o.error
+        assert o.value >= 8  # fit start, eval start/end, save, watchdog statuses
