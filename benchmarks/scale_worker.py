@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--uneven", action="store_true")
-    parser.add_argument("--watchdog-s", type=float, default=3.0)
+    parser.add_argument("--watchdog-s", type=float, default=5.0)
     parser.add_argument("--folder", default=None, help="checkpoint folder every rank sees")
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -192,6 +192,8 @@ def main() -> None:
             cpus.append(time.process_time() - start[1])
         mine["fit_start"] = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
         mine["checks"] = {name: measure_guard(name, facts, folder, args.repeats) for name in CHECKS}
+        # Start every rank's watchdog together: its first exchange waits for all of them.
+        SideChannel.from_environment(timeout_s=300, name="scale/start").barrier("watchdog")
         mine["checks"]["hang_watchdog"] = measure_watchdog(facts, folder, args.watchdog_s)
     report = SideChannel.from_environment(timeout_s=300, name="scale/report")
     everyone = report.all_gather("report", mine)  # measurement only, after the timed part
