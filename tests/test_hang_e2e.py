@@ -154,6 +154,11 @@ def _ranks(out: Path) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
+def _seconds(summary: str) -> str:
+    """The summary with each whole-second count (e.g. ``stuck 4 s``) as ``N s``."""
+    return re.sub(r"\b(stuck|waiting) \d+ s\b", r"\1 N s", summary)
+
+
 def _latency(out: Path, scenario: str) -> float:
     """Seconds from the start of rank 1's stall to the report (summary.txt written)."""
     stall = json.loads((out / f"stall_{scenario}.json").read_text())
@@ -207,9 +212,9 @@ def test_composer_rank_stalled_after_eval_is_named_and_every_rank_exits_75(compo
         assert f"This is rank {rank}, " in launch.output  # each rank logged the verdict
     assert launch.output.count("Now aborting with exit code 75.") == 2
     summary = (reports / "summary.txt").read_text()
-    assert summary.startswith(
-        f"rank 1 stuck 4 s in after eval of 'eval' (deadline {POST_EVAL_DEADLINE_S:g} s); "
-        "rank 0 waiting 4 s in data fetch for train batch 2 (blocked in all_reduce"
+    assert _seconds(summary).startswith(
+        f"rank 1 stuck N s in after eval of 'eval' (deadline {POST_EVAL_DEADLINE_S:g} s); "
+        "rank 0 waiting N s in data fetch for train batch 2 (blocked in all_reduce"
     ), summary
     assert "Next: read rank1.txt" in summary
     latency = _latency(launch.out, "post_eval_stall")
@@ -249,9 +254,9 @@ def test_lightning_rank_stalled_in_on_validation_end_is_named_and_every_rank_exi
     summary = (reports / "summary.txt").read_text()
     # Both ranks' last heartbeat is the end of validation: rank 0 is told apart because it
     # is blocked in Lightning's per-step broadcast, and rank 1 is not.
-    assert summary.startswith(
-        "rank 1 stuck 4 s in after eval of 'val' (deadline 4 s); "
-        "rank 0 waiting 4 s in after eval of 'val' (blocked in broadcast, called from "
+    assert _seconds(summary).startswith(
+        "rank 1 stuck N s in after eval of 'val' (deadline 4 s); "
+        "rank 0 waiting N s in after eval of 'val' (blocked in broadcast, called from "
         "training_epoch_loop.py:"
     ), summary
     assert "Next: read rank1.txt" in summary
@@ -268,11 +273,12 @@ def test_rank_in_an_unmatched_collective_is_named_with_its_call_site(composer_co
     for rank in (0, 1):
         assert re.search(rf"Global rank {rank} \(PID \d+\) exited with code 75", launch.output)
     summary = (reports / "summary.txt").read_text()
-    assert summary.startswith(
-        "rank 1 stuck 4 s in after eval of 'eval' (deadline 4 s; blocked in all_reduce, "
+    assert _seconds(summary).startswith(
+        "rank 1 stuck N s in after eval of 'eval' (deadline 4 s; blocked in all_reduce, "
         "called from composer_hang_job.py:"
     ), summary
-    assert "(reduce_on_side_group)); rank 0 waiting 4 s in data fetch for train batch 2" in summary
+    waiting = "(reduce_on_side_group)); rank 0 waiting N s in data fetch for train batch 2"
+    assert waiting in _seconds(summary)
     latency = _latency(launch.out, "unmatched_collective")
     assert latency < POST_EVAL_DEADLINE_S + REPORT_MARGIN_S
     stack = _loop_stack(reports / "rank1.txt")
@@ -290,7 +296,7 @@ def test_report_cli_groups_the_real_hangs_stacks_and_draws_the_timeline(composer
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert out.startswith("rank 1 stuck 4 s in after eval of 'eval'")
+    assert _seconds(out).startswith("rank 1 stuck N s in after eval of 'eval'")
     groups = dict(re.findall(r"^== (rank \d) ==\n(.*?)(?=^==|^wrote)", out, re.S | re.M))
     assert set(groups) == {"rank 0", "rank 1"}, out  # two places: two groups
     assert "in stall_after_eval" in groups["rank 1"] and "stall_after_eval" not in groups["rank 0"]
