@@ -8,7 +8,8 @@ them to a background thread and the side channel.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rankguard.callbacks.ranks import group_ranks, rank_label
@@ -17,6 +18,7 @@ __all__ = [
     "KINDS",
     "RankStatus",
     "Verdict",
+    "blocked_in",
     "describe_frozen",
     "diagnose",
     "flight_recorder_note",
@@ -38,6 +40,14 @@ MAX_DETAILED = 16
 MAX_GROUPS = 8
 
 Runs = tuple[tuple[int, int], ...]
+#: A stack as ``(file, line, function)`` frames, innermost first.
+Frames = Sequence[tuple[str, int, str]]
+
+#: Code in which a thread waits for other ranks (collectives, barriers, DDP's buffer sync).
+PEER_WAIT_CODE = (
+    os.path.join("torch", "distributed", ""),
+    os.path.join("torch", "nn", "parallel", "distributed.py"),
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,8 @@ class RankStatus:
         deadline_s: The deadline of the current phase, or ``None`` (fit ended).
         host: Host name.
         pid: Process id.
+        blocked_in: The ``torch.distributed`` call the training loop is blocked
+            in, with its call site (see :func:`blocked_in`), or ``None``.
     """
 
     phase: str
@@ -59,9 +71,10 @@ class RankStatus:
     deadline_s: float | None
     host: str
     pid: int
+    blocked_in: str | None = None
 
     @property
-    def stuck(self) -> bool:
+    def overdue(self) -> bool:
         """Whether the rank is past its deadline."""
         return self.deadline_s is not None and self.idle_s > self.deadline_s
 
@@ -71,7 +84,8 @@ class Verdict:
     """The deciding rank's diagnosis, the same on every rank; its size does not grow per rank.
 
     Attributes:
-        stuck: Ranks past their deadline, as ``(first, last)`` runs.
+        stuck: Ranks past their deadline (less those only waiting for them,
+            see :func:`diagnose`), as ``(first, last)`` runs.
         summary: One line: the stuck ranks and what the others are doing
             (empty when no rank is stuck).
         details: One line per stuck rank (at most ``MAX_DETAILED``), with host and pid.
@@ -112,6 +126,34 @@ def phase_label(event: str, step: int, batch_index: int | None, loader: str | No
         "fit_end": "fit end",
     }
     return labels.get(event, event.replace("_", " "))
+
+
+def _waits_for_peers(filename: str) -> bool:
+    return any(marker in filename for marker in PEER_WAIT_CODE)
+
+
+def blocked_in(stack: Frames) -> str | None:
+    """Names the cross-rank call a thread is blocked in, from its stack.
+
+    Args:
+        stack: The training loop's frames, innermost first.
+
+    Returns:
+        ``None`` unless the innermost frame is ``torch.distributed`` code (a
+        collective, barrier or store wait: the thread waits for other ranks),
+        else the call and its call site, past wrappers of the same name (a
+        framework's ``all_reduce``), e.g.
+        ``"all_reduce, called from trainer.py:3634 (_iter_dataloader)"``.
+    """
+    if not stack or not _waits_for_peers(stack[0][0]):
+        return None
+    call = stack[0][2]
+    callers = (f for f in stack if not _waits_for_peers(f[0]) and f[2] != call)
+    caller = next(callers, None)
+    if caller is None:
+        return call
+    filename, line, function = caller
+    return f"{call}, called from {os.path.basename(filename)}:{line} ({function})"
 
 
 def phase_deadline(
@@ -163,14 +205,19 @@ def in_runs(rank: int, runs: Runs) -> bool:
 
 def _grouped(statuses: Mapping[int, RankStatus], template: str) -> list[str]:
     parts = []
-    groups = group_ranks({rank: s.phase for rank, s in statuses.items()})
+    groups = group_ranks({rank: (s.phase, s.blocked_in) for rank, s in statuses.items()})
     groups.sort(key=lambda g: -max(statuses[r].idle_s for r in g[0]))
-    for ranks, phase in groups[:MAX_GROUPS]:
+    for ranks, (phase, blocked) in groups[:MAX_GROUPS]:
         sample = max((statuses[r] for r in ranks), key=lambda s: s.idle_s)
         deadline = "none" if sample.deadline_s is None else f"{sample.deadline_s:g} s"
         parts.append(
             template.format(
-                who=rank_label(ranks), idle=sample.idle_s, phase=phase, deadline=deadline
+                who=rank_label(ranks),
+                idle=sample.idle_s,
+                phase=phase,
+                deadline=deadline,
+                where=f" (blocked in {blocked})" if blocked else "",
+                and_where=f"; blocked in {blocked}" if blocked else "",
             )
         )
     if len(groups) > MAX_GROUPS:
@@ -183,6 +230,11 @@ def diagnose(statuses: Mapping[int, RankStatus]) -> Verdict:
 
     Ranks past their phase deadline are stuck; the stuck group that stopped
     first (longest without progress) is named first, as the likely cause.
+    A rank past its deadline while blocked in a ``torch.distributed`` call
+    waits for a peer: when some ranks past their deadline are blocked there
+    and others are not, only the others are stuck; the blocked ones are
+    listed as waiting (their last heartbeat may be the same, e.g. both
+    after eval when Lightning broadcasts before the next batch).
 
     Args:
         statuses: Every rank's status.
@@ -191,16 +243,19 @@ def diagnose(statuses: Mapping[int, RankStatus]) -> Verdict:
         A verdict whose summary reads e.g. ``"rank 1 stuck 61 s in eval batch
         3 of 'eval' (deadline 60 s); ranks 0,2,3 waiting 58 s in train batch 2001"``.
     """
-    stuck = {r: s for r, s in statuses.items() if s.stuck}
-    others = {r: s for r, s in statuses.items() if not s.stuck}
+    overdue = {r: s for r, s in statuses.items() if s.overdue}
+    stuck = {r: s for r, s in overdue.items() if not s.blocked_in} or overdue
+    others = {r: s for r, s in statuses.items() if r not in stuck}
     summary = ""
     if stuck:
-        parts = _grouped(stuck, "{who} stuck {idle:.0f} s in {phase} (deadline {deadline})")
-        parts += _grouped(others, "{who} waiting {idle:.0f} s in {phase}")
+        template = "{who} stuck {idle:.0f} s in {phase} (deadline {deadline}{and_where})"
+        parts = _grouped(stuck, template)
+        parts += _grouped(others, "{who} waiting {idle:.0f} s in {phase}{where}")
         summary = "; ".join(parts)
     details = tuple(
         f"rank {r}: host {s.host}, pid {s.pid}, {s.phase} (step {s.step}), "
         f"no progress for {s.idle_s:.1f} s, deadline {s.deadline_s:g} s"
+        + (f", blocked in {s.blocked_in}" if s.blocked_in else "")
         for r, s in sorted(stuck.items())[:MAX_DETAILED]
     )
     slacks = [s.deadline_s - s.idle_s for s in statuses.values() if s.deadline_s is not None]
@@ -208,7 +263,7 @@ def diagnose(statuses: Mapping[int, RankStatus]) -> Verdict:
         stuck=to_runs(stuck),
         summary=summary,
         details=details,
-        phases="; ".join(_grouped(statuses, "{who} in {phase}")),
+        phases="; ".join(_grouped(statuses, "{who} in {phase}{where}")),
         done=to_runs(r for r, s in statuses.items() if s.deadline_s is None),
         slack_s=max(slacks) if slacks else math.inf,
         first=max(stuck, key=lambda r: (stuck[r].idle_s, -r)) if stuck else None,
@@ -261,8 +316,8 @@ def next_step(first: int | None, frozen: list[int]) -> str:
             "of a live one."
         )
     return (
-        f"Next: read rank{first}.txt (the rank that stopped first): the frame its main thread "
-        "is in is the cause; ranks waiting in a collective are blocked on it. If that rank "
+        f"Next: read rank{first}.txt (the rank that stopped first): the frame its training "
+        "loop is in is the cause; ranks waiting in a collective are blocked on it. If that rank "
         "is only slow, raise the deadline shown."
     )
 

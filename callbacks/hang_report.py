@@ -6,10 +6,11 @@ Files in the report directory (default ``./rankguard_reports``):
 file              written by   content
 ================  ===========  ==========================================================
 ``summary.txt``   rank 0 [1]_  the verdict: stuck ranks, what the others wait in, the fix
-``rank{N}.txt``   rank N       header (rank, host, pid, phase) + every thread's Python stack
+``rank{N}.txt``   rank N       header (rank, host, pid, phase) + every thread's Python stack,
+                               the training loop's marked ``[training loop]``
 ``rank{N}.jsonl`` rank N       the last heartbeats, one JSON object a line (``t``: Unix
                                time, ``event``, ``phase``, ``step``)
-``merged.txt``    the CLI      ranks grouped by identical stacks
+``merged.txt``    the CLI      the summary, then ranks grouped by identical stacks
 ``timeline.png``  the CLI      per-rank phases over time (needs the ``report`` extra)
 ================  ===========  ==========================================================
 
@@ -17,6 +18,10 @@ file              written by   content
 
 Stacks come from :func:`faulthandler.dump_traceback`: function names, files
 and lines only, never variable values or the environment.
+
+``rankguard report DIR`` prints the summary and the training loop's stack
+per group of ranks where it is identical (the ranks that stopped in the same
+place), and writes ``merged.txt`` and ``timeline.png``.
 """
 
 from __future__ import annotations
@@ -26,12 +31,15 @@ import faulthandler
 import json
 import re
 import sys
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from rankguard.callbacks.ranks import group_ranks, rank_label
 
 __all__ = [
+    "LOOP_MARK",
+    "loop_stack",
     "main",
     "merge_stacks",
     "write_heartbeats",
@@ -44,18 +52,45 @@ SUMMARY_FILE = "summary.txt"
 MERGED_FILE = "merged.txt"
 TIMELINE_FILE = "timeline.png"
 
+#: Added to the training loop thread's line in ``rank{N}.txt``.
+LOOP_MARK = "[training loop]"
+
 _RANK_FILE = re.compile(r"^rank(\d+)\.txt$")
+_THREAD_LINE = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 
 
-def write_stacks(directory: str | Path, rank: int, header: str) -> Path:
-    """Writes ``header`` and every thread's Python stack to ``rank{rank}.txt``."""
+def _mark_thread(stacks: str, thread: int) -> str:
+    """Marks the line that opens ``thread``'s stack in a faulthandler dump with LOOP_MARK."""
+    lines = stacks.split("\n")
+    for i, line in enumerate(lines):
+        match = _THREAD_LINE.match(line)
+        if match and int(match.group(2), 16) == thread:
+            lines[i] = f"{match.group(0)} {LOOP_MARK}{line[match.end() :]}"
+    return "\n".join(lines)
+
+
+def write_stacks(
+    directory: str | Path, rank: int, header: str, loop_thread: int | None = None
+) -> Path:
+    """Writes ``header`` and every thread's Python stack to ``rank{rank}.txt``.
+
+    Args:
+        directory: The report directory (created if needed).
+        rank: This rank.
+        header: The first line.
+        loop_thread: Ident of the training loop's thread, marked with
+            :data:`LOOP_MARK`; ``None`` if unknown.
+    """
     path = Path(directory) / f"rank{rank}.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(header.rstrip("\n") + "\n")
-        file.write("(The training loop is the main thread; the watchdog is the current one.)\n\n")
-        file.flush()  # faulthandler writes to the descriptor, past Python's buffer
-        faulthandler.dump_traceback(file, all_threads=True)
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as dump:
+        faulthandler.dump_traceback(dump, all_threads=True)  # writes to the descriptor
+        dump.seek(0)
+        stacks = dump.read()
+    if loop_thread is not None:
+        stacks = _mark_thread(stacks, loop_thread)
+    note = f"(The training loop's thread is marked {LOOP_MARK}; the watchdog is the current one.)"
+    path.write_text(f"{header.rstrip()}\n{note}\n\n{stacks}", encoding="utf-8")
     return path
 
 
@@ -76,7 +111,12 @@ def write_heartbeats(directory: str | Path, rank: int, beats: Iterable[dict]) ->
 
 
 def write_incident(
-    directory: str | Path, rank: int, header: str, beats: Iterable[dict], summary: str | None
+    directory: str | Path,
+    rank: int,
+    header: str,
+    beats: Iterable[dict],
+    summary: str | None,
+    loop_thread: int | None = None,
 ) -> None:
     """Writes one rank's part of an incident report.
 
@@ -86,8 +126,9 @@ def write_incident(
         header: First line of ``rank{rank}.txt``: rank, host, pid, phase.
         beats: Recent heartbeats for ``rank{rank}.jsonl``.
         summary: The verdict for ``summary.txt``, on the one rank that writes it.
+        loop_thread: Ident of the training loop's thread, marked in the stacks.
     """
-    write_stacks(directory, rank, header)
+    write_stacks(directory, rank, header, loop_thread)
     write_heartbeats(directory, rank, beats)
     if summary is not None:
         stacks = f"Stacks: {Path(directory)}/rank<N>.txt per rank (merge: rankguard report DIR)."
@@ -98,6 +139,15 @@ def _stack_body(text: str) -> str:
     """The stack part of a rank file, with thread ids removed so equal stacks compare equal."""
     body = text.split("\n\n", 1)[-1]
     return re.sub(r"(Thread|Current thread) 0x[0-9a-f]+", r"\1", body).strip()
+
+
+def loop_stack(text: str) -> str | None:
+    """The training loop's stack (its frames) from a ``rank{N}.txt``, or ``None`` if unmarked."""
+    for block in _stack_body(text).split("\n\n"):
+        first, _, frames = block.partition("\n")
+        if LOOP_MARK in first:
+            return frames.rstrip()
+    return None
 
 
 def merge_stacks(stacks: dict[int, str]) -> str:
@@ -182,6 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     summary = directory / SUMMARY_FILE
     head = summary.read_text(encoding="utf-8") + "\n" if summary.exists() else ""
+    unmarked = "  (training loop not marked: see the rank file)"
+    loops = {rank: loop_stack(text) or unmarked for rank, text in stacks.items()}
+    sys.stdout.write(head + "Training loop stacks, ranks grouped where identical:\n")
+    for ranks, frames in group_ranks(loops):
+        sys.stdout.write(f"== {rank_label(ranks)} ==\n{frames}\n")
     (directory / MERGED_FILE).write_text(head + merge_stacks(stacks), encoding="utf-8")
     sys.stdout.write(f"wrote {directory / MERGED_FILE}\n")
     beats = {rank: rows for rank, rows in _read_heartbeats(directory).items() if rows}

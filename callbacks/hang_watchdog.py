@@ -5,8 +5,12 @@ append per event, no lock, no I/O). A daemon thread per rank exchanges each
 rank's status on the side channel every ``exchange_period_s``; rank 0 applies
 :func:`~rankguard.callbacks.hang_diagnosis.diagnose`, and every rank gets the
 same verdict. A rank blocked in a C++ collective releases the GIL, so its
-thread keeps answering: it is named by phase. A rank whose process is frozen
-or dead stops answering: it is named as such. See
+thread keeps answering: it is named by phase. With its status the thread
+sends where the training loop is blocked, read from that thread's Python
+frames (by the watchdog thread, never on the main thread): a rank blocked in
+``torch.distributed`` waits for a peer, which tells it apart from the rank
+it waits for even when both sent their last heartbeat at the same point. A
+rank whose process is frozen or dead stops answering: it is named as such. See
 :mod:`rankguard.callbacks.hang_report` for the files written.
 """
 
@@ -16,8 +20,10 @@ import collections
 import logging
 import os
 import socket
+import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +33,7 @@ from rankguard.callbacks.guard import Guard, check_choice, check_positive
 from rankguard.callbacks.hang_diagnosis import (
     RankStatus,
     Verdict,
+    blocked_in,
     describe_frozen,
     diagnose,
     flight_recorder_note,
@@ -47,16 +54,25 @@ HANG_EXIT_CODE = 75
 
 STATUS_EXCHANGE = "hang_watchdog/status"
 ABORT_BARRIER = "hang_watchdog/abort"
-HISTORY = 256
+HISTORY = 256  # heartbeats kept per rank for rank{N}.jsonl
+MAX_FRAMES = 64  # frames of the training loop read at each exchange
+#: Events that end a phase after eval: back in the train loop, or a checkpoint save.
+_LEAVE_OR_END_EVAL = (
+    "eval_end",
+    "checkpoint_save_start",
+    "data_fetch_start",
+    "data_fetch_end",
+    "train_batch_start",
+)
 
 #: Deadlines used when an argument is left at ``None``; under NCCL they are
-#: lowered to fit inside the process-group timeout (see ``fit_deadlines``).
+#: lowered to fit inside the process-group timeout (see ``_fit_defaults_under``).
 DEFAULT_DEADLINES = {
     "timeout_s": 600.0,
     "eval_timeout_s": 600.0,
     "post_eval_timeout_s": 600.0,
     "checkpoint_timeout_s": 1800.0,
-}  # heartbeats kept per rank for rank{N}.jsonl
+}
 
 
 def process_group_timeout() -> tuple[str | None, float | None]:
@@ -107,9 +123,13 @@ class HangWatchdog(Guard):
 
     Deadlines bound the time without any heartbeat in a phase: train steps
     (``timeout_s``), eval batches (``eval_timeout_s``), from eval end until
-    the next train batch starts (``post_eval_timeout_s``), checkpoint saves
-    (``checkpoint_timeout_s``); until the first train batch ends only
-    ``first_step_timeout_s`` applies (compile, warm-up); after fit end none.
+    the rank fetches its next train batch (``post_eval_timeout_s``),
+    checkpoint saves (``checkpoint_timeout_s``); until the first train batch
+    ends only ``first_step_timeout_s`` applies (compile, warm-up); after fit
+    end none. A rank back in its train loop is training: when it waits there
+    for a rank still busy after eval (Composer all-reduces in every data
+    fetch), ``timeout_s`` applies to it, so it is reported as waiting, not
+    as stuck after eval.
 
     Under NCCL, a deadline left at its default (``None``) is lowered to fit
     inside the process group's timeout, so the watchdog reports before NCCL
@@ -119,7 +139,7 @@ class HangWatchdog(Guard):
     Args:
         timeout_s: Deadline of train phases (seconds; default 600).
         eval_timeout_s: Deadline of eval phases (default 600).
-        post_eval_timeout_s: Deadline from eval end back to a train batch (default 600).
+        post_eval_timeout_s: Deadline from eval end back to the train loop (default 600).
         checkpoint_timeout_s: Deadline of a checkpoint save (default 1800).
         first_step_timeout_s: Deadline of everything before the first train batch ends.
         action: ``"abort"`` (exit with :data:`HANG_EXIT_CODE`) or ``"report"``
@@ -204,6 +224,7 @@ class HangWatchdog(Guard):
         self._nccl_note = ""
         self._host = socket.gethostname()
         self._beat: tuple | None = None  # (event, step, batch_index, loader, monotonic, kind)
+        self._loop_thread: int | None = None  # ident of the thread that sends the events
         self._reset()
 
     @property
@@ -250,7 +271,7 @@ class HangWatchdog(Guard):
         if event in ("eval_start", "eval_batch_start", "eval_batch_end"):
             self._after_eval = False
             return "eval"
-        if event in ("eval_end", "checkpoint_save_start", "train_batch_start"):
+        if event in _LEAVE_OR_END_EVAL:
             self._after_eval = event == "eval_end"
             return {"eval_end": "post_eval", "checkpoint_save_start": "checkpoint"}.get(
                 event, "train"
@@ -297,7 +318,7 @@ class HangWatchdog(Guard):
         self._heartbeat("eval_batch_end", facts)
 
     def on_eval_end(self, facts: EventFacts) -> None:
-        """Records a heartbeat; ``post_eval_timeout_s`` applies until the next train batch."""
+        """Records a heartbeat; ``post_eval_timeout_s`` applies until the next data fetch."""
         self._heartbeat("eval_end", facts)
 
     def on_checkpoint_save_start(self, facts: EventFacts) -> None:
@@ -332,6 +353,7 @@ class HangWatchdog(Guard):
     # -- watchdog thread ----------------------------------------------------------------
 
     def _start(self) -> None:
+        self._loop_thread = threading.get_ident()
         backend, pg_timeout = process_group_timeout()
         if backend == "nccl":
             self._fit_defaults_under(pg_timeout)
@@ -387,7 +409,17 @@ class HangWatchdog(Guard):
             deadline_s=deadline,
             host=self._host,
             pid=os.getpid(),
+            blocked_in=blocked_in(self._loop_stack()),
         )
+
+    def _loop_stack(self) -> list[tuple[str, int, str]]:
+        """The training loop thread's frames (innermost first), read from the watchdog thread."""
+        frame = sys._current_frames().get(self._loop_thread)
+        stack = []
+        while frame is not None and len(stack) < MAX_FRAMES:
+            stack.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+            frame = frame.f_back
+        return stack
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -445,8 +477,9 @@ class HangWatchdog(Guard):
         ]
         writer = min(r for r in range(self.channel.world_size) if r not in frozen)
         text = "\n".join([summary, "", *details, "", self._nccl_note]) if rank == writer else None
+        first_line = f"{header}, idle {status.idle_s:.1f} s"
         try:
-            write_incident(report, rank, f"{header}, idle {status.idle_s:.1f} s", beats, text)
+            write_incident(report, rank, first_line, beats, text, loop_thread=self._loop_thread)
         except OSError as exc:
             logger.error("rankguard %s: could not write the report: %s", self.name, exc)
         then = f"aborting with exit code {HANG_EXIT_CODE}" if self.action == "abort" else "waiting"
@@ -466,10 +499,28 @@ class HangWatchdog(Guard):
             self._abort()
 
     def _abort(self) -> None:
-        try:  # let every rank read the verdict before rank 0 (which may host the store) exits
-            self.channel.barrier(ABORT_BARRIER, timeout_s=self.exchange_timeout_s)
-        except Exception:
-            logger.debug("rankguard %s: abort barrier incomplete", self.name)
         for handler in logging.getLogger().handlers:
             handler.flush()
+        try:  # every rank has read the verdict before any exits
+            self.channel.barrier(ABORT_BARRIER, timeout_s=self.exchange_timeout_s)
+            self._leave_store_last()
+        except Exception:
+            logger.debug("rankguard %s: abort barrier incomplete", self.name)
         os._exit(HANG_EXIT_CODE)
+
+    def _leave_store_last(self) -> None:
+        """Rank 0 exits last, once every other rank has made its last store request.
+
+        Rank 0's process hosts the store under Composer's launcher, Lightning
+        and ``env://`` init: a rank still reading the barrier's verdict when it
+        dies logs a connection-reset trace under the hang report.
+        """
+        channel = self.channel
+        if not channel.is_distributed:
+            return
+        left = f"{channel.prefix}/{ABORT_BARRIER}/left"
+        if channel.is_leader:
+            others = [f"{left}/r{rank}" for rank in range(1, channel.world_size)]
+            channel.store.wait(others, timedelta(seconds=self.exchange_timeout_s))
+        else:
+            channel.store.set(f"{left}/r{channel.rank}", b"1")

@@ -138,7 +138,9 @@ def event_facts(event: CoreEvent, state: State) -> EventFacts:
             is_train=False,
             num_batches=_as_int(state.dataloader_len),
         )
-        facts.batch_index = int(state.eval_timestamp.batch)
+        # Composer counts the batch as done before EVAL_BATCH_END: it ran the one before.
+        done = int(state.eval_timestamp.batch)
+        facts.batch_index = done - 1 if event is CoreEvent.EVAL_BATCH_END else done
     return facts
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from rankguard.callbacks.events import EventFacts, LoaderFacts
 from rankguard.callbacks.hang_diagnosis import (
     RankStatus,
+    blocked_in,
     diagnose,
     flight_recorder_note,
     frozen_ranks,
@@ -238,7 +240,7 @@ def test_single_process_stall_is_reported_without_a_process_group(tmp_path, capl
     assert watchdog.last_incident is not None
 
 
-def test_post_eval_deadline_runs_from_eval_end_until_the_next_train_batch(tmp_path):
+def test_post_eval_deadline_runs_from_eval_end_until_the_next_data_fetch(tmp_path):
     watchdog = HangWatchdog(
         timeout_s=100,
         eval_timeout_s=200,
@@ -273,7 +275,7 @@ def test_post_eval_deadline_runs_from_eval_end_until_the_next_train_batch(tmp_pa
         ("after train batch 0", 100),
         ("eval batch 0 of 'eval'", 200),
         ("after eval of 'eval'", 300),
-        ("data fetch for train batch 1", 300),
+        ("data fetch for train batch 1", 100),  # back in the train loop
         ("train batch 1", 100),
         ("checkpoint save at step 1", 400),
         ("after checkpoint save at step 1", 100),
@@ -361,12 +363,19 @@ def test_flight_recorder_is_named_when_set_and_recommended_when_not():
     assert "set TORCH_NCCL_TRACE_BUFFER_SIZE=2000" in flight_recorder_note({}, 3)
 
 
-def test_report_cli_groups_identical_stacks_and_draws_a_timeline(tmp_path):
+def test_report_cli_groups_identical_stacks_and_draws_a_timeline(tmp_path, capsys):
+    loop = threading.get_ident()
     for rank in range(3):
-        write_stacks(tmp_path, rank, f"rank {rank}, host h, pid {rank}: train batch 5")
+        write_stacks(tmp_path, rank, f"rank {rank}, host h, pid {rank}: train batch 5", loop)
         beats = [{"t": 100.0, "event": "train_batch_start", "phase": "train batch 5", "step": 5}]
         write_heartbeats(tmp_path, rank, beats)
+    assert f"thread 0x{loop:016x} [training loop]" in (tmp_path / "rank2.txt").read_text()
     assert report_main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(
+        "Training loop stacks, ranks grouped where identical:\n== ranks 0-2 =="
+    )
+    assert "in test_report_cli_groups_identical_stacks_and_draws_a_timeline" in printed
     merged = (tmp_path / "merged.txt").read_text()
     assert merged.startswith("== ranks 0-2 (3 ranks) ==")
     assert (tmp_path / "timeline.png").stat().st_size > 0
@@ -385,3 +394,95 @@ def test_default_deadlines_fit_under_the_nccl_timeout_and_set_ones_are_kept(tmp_
     deadlines = {k: v for k, v in watchdog.deadlines.items() if k != "startup"}
     advice = nccl_timeout_advice(300.0, {f"{k}_timeout_s": v for k, v in deadlines.items()}, detect)
     assert advice is not None and "`eval_timeout_s`=900" in advice
+
+
+def test_rank_past_its_deadline_but_blocked_in_a_collective_is_waiting_not_stuck():
+    collective = "broadcast, called from training_epoch_loop.py:265 (_broadcast_sigterm_tensor)"
+    after_eval = "after eval of 'val'"
+    blocked = RankStatus(after_eval, 2, 4.5, 4.0, "node", 1, blocked_in=collective)
+    verdict = diagnose({0: blocked, 1: _status(after_eval, 4.5, 4.0)})
+    assert verdict.summary == (
+        "rank 1 stuck 4 s in after eval of 'val' (deadline 4 s); "
+        f"rank 0 waiting 4 s in after eval of 'val' (blocked in {collective})"
+    )
+    assert verdict.stuck == ((1, 1),) and verdict.first == 1
+    # Every rank past its deadline is blocked in a collective: none can be told apart.
+    verdict = diagnose({0: blocked, 1: blocked})
+    assert verdict.stuck == ((0, 1),)
+    assert verdict.summary.startswith(
+        f"ranks 0,1 stuck 4 s in after eval of 'val' (deadline 4 s; blocked in {collective})"
+    )
+
+
+def test_blocked_in_names_the_collective_and_its_caller_past_same_name_wrappers():
+    c10d = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+    stack = [
+        (c10d, 2815, "all_reduce"),
+        ("/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", 81, "wrapper"),
+        ("/venv/lib/python3.11/site-packages/composer/utils/dist.py", 338, "all_reduce"),
+        (
+            "/venv/lib/python3.11/site-packages/composer/trainer/trainer.py",
+            3634,
+            "_iter_dataloader",
+        ),
+    ]
+    assert blocked_in(stack) == "all_reduce, called from trainer.py:3634 (_iter_dataloader)"
+    assert blocked_in(stack[:2]) == "all_reduce"
+    assert blocked_in(stack[2:]) is None  # not inside torch.distributed
+    assert blocked_in([]) is None
+
+
+def sleep_after_eval(watchdog: HangWatchdog) -> float:
+    return _wait_for_incident(watchdog, 15)
+
+
+def _rank0_waits_in_a_collective_for_rank1(rank, world_size, report_dir):
+    import torch
+    import torch.distributed as dist
+
+    watchdog = _bound(
+        timeout_s=30,
+        post_eval_timeout_s=2,
+        report_dir=report_dir,
+        action="report",
+        exchange_period_s=0.5,
+    )
+    watchdog.on_fit_start(EventFacts())
+    _train(watchdog, range(2))
+    watchdog.on_eval_end(EventFacts(step=2, loader=EVAL))
+    if rank == 1:
+        sleep_after_eval(watchdog)  # stuck in a hook; then it joins the collective
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1, in the same phase
+    waited = _wait_for_incident(watchdog, 15)
+    watchdog.close()
+    return waited, watchdog.incidents
+
+
+def test_rank_waiting_in_a_collective_is_told_apart_from_the_stuck_rank_in_the_same_phase(
+    tmp_path,
+):
+    outcomes = run_ranks(_rank0_waits_in_a_collective_for_rank1, 2, str(tmp_path), timeout_s=40)
+    for o in outcomes:
+        assert o.error is None, o.error
+        assert o.value[1] == 1
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith(
+        "rank 1 stuck 2 s in after eval of 'eval' (deadline 2 s); rank 0 waiting 2 s in after "
+        "eval of 'eval' (blocked in all_reduce, called from test_hang_watchdog.py:"
+    ), summary
+    assert "in sleep_after_eval" in (tmp_path / "rank1.txt").read_text()
+
+
+def _leave(rank, world_size, delay_s):
+    watchdog = _bound(report_dir=".")
+    time.sleep(delay_s if rank else 0.0)
+    start = time.monotonic()
+    watchdog._leave_store_last()
+    return time.monotonic() - start
+
+
+def test_on_abort_rank_0_which_may_host_the_store_leaves_after_every_other_rank():
+    outcomes = run_ranks(_leave, 2, 1.0, timeout_s=30)
+    assert [o.error for o in outcomes] == [None, None]
+    left = [o.value for o in outcomes]
+    assert left[0] >= 0.9 and left[1] < 0.5, left  # rank 0 waited for rank 1's last request

@@ -1,0 +1,162 @@
+"""A real 2-rank Composer job that hangs on purpose, watched by rankguard's HangWatchdog.
+
+Run: ``composer -n 2 composer_hang_job.py OUT SCENARIO...``.
+
+Scenarios run in order, each a fresh Trainer in the same processes. Healthy
+ones record their outcome per rank in ``OUT/rank{N}.json`` (see
+tests/e2e/common.py); a hang scenario never returns: the watchdog reports
+into ``OUT/reports_<scenario>/`` and ends every rank with exit code 75, so it
+must come last. The moment rank 1 starts to stall is written (Unix time) to
+``OUT/stall_<scenario>.json`` just before it stalls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+import torch
+from composer import Callback, Evaluator, Trainer
+from composer.models import ComposerClassifier
+from composer.utils import dist
+from torch.utils.data import DataLoader
+
+from rankguard.integrations.composer import HangWatchdog
+from tests.e2e.common import Points, Recorder
+from tests.e2e.hang_settings import EVAL_BATCH_S, HANG, HEALTHY, TRAIN_STEP_S
+
+OUT = ""
+COUNTERS: dict[str, float] = {}
+
+
+class Pace(Callback):
+    """Makes train and eval batches take a known time; records the longest train-to-train gap."""
+
+    def __init__(self, train_s: float, eval_s: float) -> None:
+        self.train_s, self.eval_s = train_s, eval_s
+        self.last_end: float | None = None
+
+    def before_forward(self, state, logger):
+        time.sleep(self.train_s)
+
+    def eval_before_forward(self, state, logger):
+        time.sleep(self.eval_s)
+
+    def batch_end(self, state, logger):
+        now = time.monotonic()
+        if self.last_end is not None:
+            gap = now - self.last_end
+            COUNTERS["longest_train_gap_s"] = max(COUNTERS.get("longest_train_gap_s", 0.0), gap)
+        self.last_end = now
+        COUNTERS["train_batches"] = COUNTERS.get("train_batches", 0) + 1
+
+    def eval_batch_end(self, state, logger):
+        COUNTERS["eval_batches"] = COUNTERS.get("eval_batches", 0) + 1
+
+
+def mark_stall(scenario: str) -> None:
+    """Records when this rank starts to stall (Unix time), for the detection-latency check."""
+    path = os.path.join(OUT, f"stall_{scenario}.json")
+    with open(path, "w") as file:
+        json.dump({"rank": dist.get_global_rank(), "t": time.time()}, file)
+
+
+def stall_after_eval() -> None:
+    """The bug: rank 1 never comes back from eval (a hook that blocks, here a sleep)."""
+    mark_stall("post_eval_stall")
+    time.sleep(3600)
+
+
+class StallAfterEval(Callback):
+    """On rank 1 only, blocks at the first EVAL_END (after rankguard saw it)."""
+
+    def eval_end(self, state, logger):
+        if dist.get_global_rank() == 1:
+            stall_after_eval()
+
+
+def reduce_on_side_group(group) -> None:
+    """The bug: a collective only rank 1 calls (on a group rank 0 never uses after eval)."""
+    mark_stall("unmatched_collective")
+    torch.distributed.all_reduce(torch.ones(1), group=group)
+
+
+class UnmatchedCollective(Callback):
+    """Both ranks make an extra gloo group at fit start; after eval only rank 1 reduces on it."""
+
+    def __init__(self) -> None:
+        self.group = None
+
+    def fit_start(self, state, logger):
+        self.group = torch.distributed.new_group(backend="gloo")
+
+    def eval_end(self, state, logger):
+        if dist.get_global_rank() == 1:
+            reduce_on_side_group(self.group)
+
+
+def sharded(n: int) -> DataLoader:
+    data = Points(n)
+    return DataLoader(data, batch_size=4, sampler=dist.get_sampler(data))
+
+
+def fit(callbacks: list[Callback], **trainer_kwargs) -> None:
+    COUNTERS.clear()
+    torch.manual_seed(0)
+    trainer = Trainer(
+        model=ComposerClassifier(torch.nn.Linear(4, 2), num_classes=2),
+        train_dataloader=sharded(64),  # 8 batches per rank
+        eval_dataloader=Evaluator(label="eval", dataloader=sharded(32)),  # 4 batches per rank
+        device="cpu",
+        progress_bar=False,
+        log_to_console=False,
+        loggers=[],
+        callbacks=callbacks,
+        **trainer_kwargs,
+    )
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+
+
+def reports(scenario: str) -> str:
+    return os.path.join(OUT, f"reports_{scenario}")
+
+
+def healthy_slow_eval() -> None:
+    watchdog = HangWatchdog(report_dir=reports("healthy_slow_eval"), **HEALTHY)
+    pace = Pace(TRAIN_STEP_S, EVAL_BATCH_S)
+    fit([watchdog, pace], max_duration="1ep", eval_interval="4ba")
+    # The slowest interval seen per phase kind: the watchdog was live, and calibrated.
+    COUNTERS["slowest"] = dict(watchdog.runner.guards[0]._slowest)
+
+
+def hang(scenario: str, culprit: Callback) -> None:
+    # rankguard first: it sees EVAL_END before the culprit blocks in it.
+    watchdog = HangWatchdog(report_dir=reports(scenario), **HANG)
+    fit([watchdog, culprit], max_duration="2ep", eval_interval="2ba")
+    raise AssertionError(f"{scenario}: the fit ended; the watchdog should have ended the process")
+
+
+SCENARIOS = {
+    "healthy_slow_eval": healthy_slow_eval,
+    "post_eval_stall": lambda: hang("post_eval_stall", StallAfterEval()),
+    "unmatched_collective": lambda: hang("unmatched_collective", UnmatchedCollective()),
+}
+
+
+def main() -> None:
+    global OUT
+    OUT, *names = sys.argv[1:]
+    logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")  # the verdict in the output
+    recorder = Recorder(OUT)
+    for name in names:
+        recorder.run(name, SCENARIOS[name], COUNTERS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""Timings and watchdog settings shared by the hang jobs and their tests (no framework import)."""
+
+from __future__ import annotations
+
+#: The healthy runs: eval batches 5x slower than train steps. One eval (4 batches) takes
+#: longer than `timeout_s` between two train steps, and longer than the calibrated train
+#: deadline, so a watchdog timing train steps alone would fire.
+HEALTHY = {
+    "timeout_s": 2.0,
+    "eval_timeout_s": 2.0,
+    "post_eval_timeout_s": 2.0,
+    "auto_calibrate": True,
+    "warmup_steps": 2,
+    "calibration_factor": 10.0,
+    "floor_s": 1.0,
+    "exchange_period_s": 0.5,
+}
+TRAIN_STEP_S = 0.12
+EVAL_BATCH_S = 0.6
+
+#: The hang runs: only the way back from eval is short.
+HANG = {
+    "timeout_s": 20.0,
+    "eval_timeout_s": 20.0,
+    "post_eval_timeout_s": 4.0,
+    "exchange_period_s": 0.5,
+}

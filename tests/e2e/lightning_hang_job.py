@@ -1,0 +1,157 @@
+"""A real 2-rank Lightning job (CPU, gloo) that hangs on purpose, watched by the HangWatchdog.
+
+Usage::
+
+    python tests/e2e/lightning_hang_job.py OUT_DIR SCENARIO [SCENARIO ...]
+
+Lightning's DDP launcher re-executes this script for rank 1 with the same
+arguments, so both ranks run the same scenarios in order, each a fresh
+``Trainer`` in the same two processes. Each rank writes its pid to
+``OUT_DIR/pid{rank}`` at start and, after every scenario that returns,
+``OUT_DIR/rank{rank}.json`` (outcome, rankguard warnings, counters). A hang
+scenario never returns: the watchdog reports into ``OUT_DIR/reports_<scenario>/``
+and ends every rank with exit code 75, so it must come last. Rank 1 writes
+the moment it starts to stall (Unix time) to ``OUT_DIR/stall_<scenario>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from rankguard.integrations.lightning import HangWatchdog
+from tests.e2e.common import WarningCollector
+from tests.e2e.hang_settings import EVAL_BATCH_S, HANG, HEALTHY, TRAIN_STEP_S
+
+OUT = ""
+
+
+class PacedModule(L.LightningModule):
+    """Linear(4, 1) whose train and val steps take a known time; records train-to-train gaps."""
+
+    def __init__(self, train_s: float = 0.0, val_s: float = 0.0) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.train_s, self.val_s = train_s, val_s
+        self.counters: dict[str, float] = {"train_steps": 0, "val_steps": 0}
+        self._last_end: float | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        time.sleep(self.train_s)
+        self.counters["train_steps"] += 1
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.monotonic()
+        if self._last_end is not None:
+            gap = now - self._last_end
+            longest = self.counters.get("longest_train_gap_s", 0.0)
+            self.counters["longest_train_gap_s"] = max(longest, gap)
+        self._last_end = now
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        time.sleep(self.val_s)
+        if not self.trainer.sanity_checking:
+            self.counters["val_steps"] += 1
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def loader(n: int) -> DataLoader:
+    g = torch.Generator().manual_seed(n)
+    data = TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g))
+    return DataLoader(data, batch_size=4)
+
+
+def stall_after_validation() -> None:
+    """The bug: rank 1 never comes back from validation (a hook that blocks, here a sleep)."""
+    path = os.path.join(OUT, "stall_stall_after_validation.json")
+    with open(path, "w") as file:
+        json.dump({"rank": 1, "t": time.time()}, file)
+    time.sleep(3600)
+
+
+class StallAfterValidation(L.Callback):
+    """On rank 1 only, blocks in the first ``on_validation_end`` after the sanity check."""
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank == 1 and not trainer.sanity_checking:
+            stall_after_validation()
+
+
+def reports(scenario: str) -> str:
+    return os.path.join(OUT, f"reports_{scenario}")
+
+
+def trainer(callbacks: list[L.Callback], **settings: Any) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        use_distributed_sampler=False,  # every rank gets the same 8 train, 4 val batches
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **settings,
+    )
+
+
+def healthy_slow_eval() -> dict[str, Any]:
+    watchdog = HangWatchdog(report_dir=reports("healthy_slow_eval"), **HEALTHY)
+    module = PacedModule(TRAIN_STEP_S, EVAL_BATCH_S)
+    # The sanity check (2 val batches) runs before the first train step.
+    trainer([watchdog], max_epochs=1, val_check_interval=4).fit(module, loader(32), loader(16))
+    # The slowest interval seen per phase kind: the watchdog was live, and calibrated.
+    return {**module.counters, "slowest": dict(watchdog.runner.guards[0]._slowest)}
+
+
+def stall_after_validation_end() -> dict[str, Any]:
+    # rankguard first: it sees the end of validation before the culprit blocks in it.
+    watchdog = HangWatchdog(report_dir=reports("stall_after_validation"), **HANG)
+    job = trainer([watchdog, StallAfterValidation()], max_epochs=2, val_check_interval=2)
+    job.fit(PacedModule(), loader(32), loader(16))
+    raise AssertionError("the fit ended; the watchdog should have ended the process")
+
+
+SCENARIOS = {
+    "healthy_slow_eval": healthy_slow_eval,
+    "stall_after_validation": stall_after_validation_end,
+}
+
+
+def main(argv: list[str]) -> None:
+    global OUT
+    OUT, *names = argv
+    logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")
+    rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by Lightning's launcher for rank 1
+    with open(os.path.join(OUT, f"pid{rank}"), "w") as file:
+        file.write(str(os.getpid()))
+    collector = WarningCollector()
+    logging.getLogger("rankguard").addHandler(collector)
+    results: dict[str, Any] = {}
+    for name in names:
+        collector.messages.clear()
+        counters = SCENARIOS[name]()
+        results[name] = {"outcome": "ok", "warnings": list(collector.messages), **counters}
+        path = os.path.join(OUT, f"rank{rank}.json")
+        with open(path + ".tmp", "w") as file:
+            json.dump(results, file, indent=1)
+        os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
