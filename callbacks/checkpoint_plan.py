@@ -178,7 +178,9 @@ def plan_save(
     factor = copy + overhead
     streamed = 0 if lead.state_sharded else lead.largest_bytes  # one storage at a time
     per_copy = int(lead.state_bytes * factor) + streamed
-    per_shard = int(-(-lead.state_bytes // world) * factor)
+    # A sharded save gathers each rank's shard as a sharded model does, whether or not
+    # the model is sharded yet: the estimate says what switching would need.
+    per_shard = int(-(-lead.state_bytes // world) * (1.0 + overhead))
     groups: dict[str, list[int]] = {}
     for rank in sorted(per_rank):
         groups.setdefault(per_rank[rank].node, []).append(rank)

@@ -25,7 +25,8 @@ with no warning. Before the first save the planner estimates, per node:
 
 It compares that with the host memory available to the process
 (:mod:`~rankguard.callbacks.host_memory`, or ``host_memory_bytes``) and with a
-sharded save (each rank writes ``1 / world_size`` of the state), then logs a
+sharded save (each rank gathers and writes its ``1 / world_size`` of the
+state, with the same serialisation overhead, as it would once sharded), then logs a
 per-node table. Modes: ``"warn"`` logs a warning, ``"raise"`` raises
 :class:`CheckpointMemoryError`, ``"auto"`` switches the job to sharded saves
 when a sharded save fits and the job can save sharded (a sharded model whose

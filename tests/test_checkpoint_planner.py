@@ -143,11 +143,13 @@ def test_auto_raises_naming_the_setting_when_the_job_cannot_switch():
     assert "`FSDPStrategy(state_dict_type='sharded')`" in plan.reason
     assert "Composer" not in plan.reason  # the job's own framework only
     unsharded = {
-        r: RankMemory(f"host{r}", 0, 8 * GiB, False, 6 * GiB, "MemAvailable", 2 * GiB)
+        r: RankMemory(f"host{r}", 0, 8 * GiB, False, 9 * GiB, "MemAvailable", 2 * GiB)
         for r in range(2)
     }
     plan = plan_save(unsharded, overhead=1.0, mode="auto")
     assert plan.action == "raise"
+    # once sharded, each node would gather and buffer its 4 GiB shard: 8 GiB
+    assert "A sharded save would fit (at most 8.0 GiB per node)" in plan.reason
     assert "the model is not sharded (a sharded save needs FSDP)" in plan.reason
     assert "Composer: `parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}`" in (
         plan.reason
@@ -203,9 +205,15 @@ class _FakeTwoNodes(SideChannel):
 
 
 def _planned_on_two_nodes(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     os.environ["NODE_RANK"], os.environ["LOCAL_RANK"] = str(rank), "0"
-    model = _meta_model(100)  # 400 MiB of fp32 parameters, serialised on rank 0 only
-    planner = CheckpointPlanner(mode="auto", writer="buffer", host_memory_bytes=300 * MiB)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))  # FSDP2: DTensors
+    # 16 MiB of fp32 state, gathered and buffered on rank 0 (32 MiB); 16 MiB per node sharded
+    planner = CheckpointPlanner(mode="auto", writer="buffer", host_memory_bytes=24 * MiB)
     planner.bind(SideChannel.from_environment(timeout_s=30))
     calls: list = []
     plan = planner.check(model, None, EventFacts(switch_to_sharded=_switch_recorder(calls)))
