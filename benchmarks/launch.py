@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,10 +19,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children...), from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def launch_nodes(
     script: Path, args: list[str], nodes: int, per_node: int, timeout: float
 ) -> list[subprocess.CompletedProcess]:
-    """Runs ``script`` on ``nodes`` x ``per_node`` ranks; each node is its own torchrun."""
+    """Runs ``script`` on ``nodes`` x ``per_node`` ranks; each node is its own torchrun.
+
+    After ``timeout`` seconds (for all nodes together) every node's torchrun and
+    every process below it are killed.
+    """
     port = free_port()
     torchrun = str(Path(sys.executable).parent / "torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -43,13 +68,19 @@ def launch_nodes(
         )
         for node in range(nodes)
     ]
+    deadline = time.monotonic() + timeout
     results = []
     for proc in procs:
         try:
-            out, err = proc.communicate(timeout=timeout)
+            out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
+            # torchrun starts each rank in a session of its own: killing torchrun (or its
+            # process group) would leave the ranks running, holding the pipes open.
+            for pid in [q for p in procs for q in (p.pid, *descendants(p.pid))]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             out, err = proc.communicate()
         results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     return results

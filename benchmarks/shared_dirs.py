@@ -1,6 +1,6 @@
 """Overhead of the shared-directory barrier at 2 ranks on a local filesystem.
 
-Measures, per rank (gloo, file store, CPU), the median and worst wall time of:
+Measures, per rank (gloo, CPU), the median and worst wall time of:
 
 * ``channel.barrier``: one side-channel exchange, the floor;
 * ``ensure_shared_dirs`` when every rank already sees the directories (the
@@ -11,16 +11,23 @@ Measures, per rank (gloo, file store, CPU), the median and worst wall time of:
   the directories are node-local and every rank waits ``probe_wait_s``
   (0.2 s here) for a marker it will never see.
 
-Run: ``.venv/bin/python benchmarks/shared_dirs.py`` (about 30 s).
+Twice: with the ranks launched by torchrun, whose rendezvous store (a
+``TCPStore``, as under every launcher) carries the side channel, and with
+``tests/mp.py``'s file store, which polls every 10 ms and so shows each
+exchange's cost as a multiple of 10 ms.
+
+Run: ``.venv/bin/python benchmarks/shared_dirs.py`` (about 20 s).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -64,20 +71,47 @@ def _bench(rank, world_size, base):
     return results
 
 
-def main() -> None:
+def _torchrun_worker(base: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = _bench(rank, dist.get_world_size(), base)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _measure(store: str) -> list[dict]:
+    from benchmarks.launch import launch_nodes
     from tests.mp import run_ranks
 
-    with tempfile.TemporaryDirectory() as base:
-        outcomes = run_ranks(_bench, 2, base, timeout_s=120)
-    for o in outcomes:
-        if o.error:
-            raise SystemExit(o.error)
-    print(f"{'case (2 ranks, local ext4)':<28} {'rank':>4} {'median ms':>10} {'max ms':>8}")
-    for case in outcomes[0].value:
-        for o in outcomes:
-            median, worst = o.value[case]
-            print(f"{case:<28} {o.rank:>4} {median * 1e3:10.2f} {worst * 1e3:8.2f}")
+    with tempfile.TemporaryDirectory() as base, tempfile.TemporaryDirectory() as out:
+        if store == "file":
+            outcomes = run_ranks(_bench, 2, base, timeout_s=120)
+            for o in outcomes:
+                if o.error:
+                    raise SystemExit(o.error)
+            return [o.value for o in outcomes]
+        args = ["--worker", base, out]
+        results = launch_nodes(Path(__file__), args, nodes=1, per_node=2, timeout=120)
+        if any(r.returncode for r in results):
+            raise SystemExit(results[0].stderr[-3000:])
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def main() -> None:
+    header = ("case (2 ranks, local ext4)", "store", "rank", "median ms", "max ms")
+    print("{:<28} {:>5} {:>4} {:>10} {:>8}".format(*header))
+    for store in ("tcp", "file"):
+        per_rank = _measure(store)
+        for case in per_rank[0]:
+            for rank, values in enumerate(per_rank):
+                median, worst = values[case]
+                print(f"{case:<28} {store:>5} {rank:>4} {median * 1e3:10.2f} {worst * 1e3:8.2f}")
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        _torchrun_worker(sys.argv[2], sys.argv[3])
+    else:
+        main()

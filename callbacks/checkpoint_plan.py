@@ -35,11 +35,15 @@ MATERIALIZE = ("rank0", "every_rank")
 #: as large as the file, which ``getvalue()`` shares rather than copies.
 WRITER_OVERHEAD: dict[str, float] = {"file": 0.0, "buffer": 1.0}
 
+#: The frameworks' settings for sharded checkpoints, named when the adapter names none.
+SETTINGS = {
+    "composer": "parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}",
+    "lightning": "FSDPStrategy(state_dict_type='sharded')",
+}
 FIX_SHARDED = (
-    "Fix: save sharded checkpoints, where each rank writes only its shard (Composer: "
-    "`parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}`; Lightning: "
-    "`FSDPStrategy(state_dict_type='sharded')`; both need FSDP), or give each node more host "
-    "memory; if the memory read is wrong, set `host_memory_bytes`."
+    "Fix: save sharded checkpoints, where each rank writes only its shard ({setting}; "
+    "this needs a sharded model, FSDP), or give each node more host memory; if the memory "
+    "read is wrong, set `host_memory_bytes`."
 )
 FIX_MORE_MEMORY = (
     "Fix: even a sharded save does not fit: give each node more host memory, spread the job "
@@ -105,17 +109,15 @@ class CheckpointPlan:
     """The decision: ``action`` is ``"ok"``, ``"warn"``, ``"switch_to_sharded"`` or ``"raise"``.
 
     Attributes:
-        action: What to do; an adapter applies ``"switch_to_sharded"`` by
-            setting the ``settings`` of its framework.
+        action: What to do. ``"switch_to_sharded"`` is only decided for a job
+            that can be switched (the adapter's ``switch_to_sharded`` fact).
         reason: One paragraph with the numbers and the fix.
         nodes: The per-node budget.
-        settings: For ``"switch_to_sharded"``, the setting per framework.
     """
 
     action: str
     reason: str
     nodes: list[NodeBudget]
-    settings: dict[str, str]
 
     def node_of(self, rank: int) -> NodeBudget | None:
         """The budget of the node ``rank`` runs on."""
@@ -140,10 +142,8 @@ class CheckpointPlan:
         )
 
 
-SETTINGS = {
-    "composer": "parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}",
-    "lightning": "FSDPStrategy(state_dict_type='sharded')",
-}
+def _both_settings() -> str:
+    return f"Composer: `{SETTINGS['composer']}`; Lightning: `{SETTINGS['lightning']}`"
 
 
 def plan_save(
@@ -153,6 +153,8 @@ def plan_save(
     overhead: float = WRITER_OVERHEAD["file"],
     mode: str = "warn",
     state_dict_type: str = "full",
+    switchable: bool = False,
+    setting: str | None = None,
 ) -> CheckpointPlan:
     """Decides whether a checkpoint save fits in host memory on every node.
 
@@ -162,6 +164,10 @@ def plan_save(
         overhead: Serialisation overhead, a multiple of the state bytes.
         mode: ``"warn"``, ``"raise"`` or ``"auto"``.
         state_dict_type: What the job saves now, ``"full"`` or ``"sharded"``.
+        switchable: Whether the job can be switched to sharded saves
+            (``mode="auto"`` raises instead where it cannot).
+        setting: The job's framework setting for sharded checkpoints, named in
+            the fix (both frameworks' settings when ``None``).
 
     Returns:
         The plan (the same on every rank).
@@ -172,7 +178,9 @@ def plan_save(
     factor = copy + overhead
     streamed = 0 if lead.state_sharded else lead.largest_bytes  # one storage at a time
     per_copy = int(lead.state_bytes * factor) + streamed
-    per_shard = int(-(-lead.state_bytes // world) * factor)
+    # A sharded save gathers each rank's shard as a sharded model does, whether or not
+    # the model is sharded yet: the estimate says what switching would need.
+    per_shard = int(-(-lead.state_bytes // world) * (1.0 + overhead))
     groups: dict[str, list[int]] = {}
     for rank in sorted(per_rank):
         groups.setdefault(per_rank[rank].node, []).append(rank)
@@ -193,28 +201,49 @@ def plan_save(
                 needed_bytes=sharded if state_dict_type == "sharded" else full,
             )
         )
-    worst = max(nodes, key=lambda n: n.needed_bytes - (n.available_bytes or n.needed_bytes))
+    worst = max(nodes, key=lambda n: n.needed_bytes - _available_or(n, n.needed_bytes))
     kind = "sharded" if state_dict_type == "sharded" else "full"
+    largest = (
+        f" + largest tensor {format_bytes(lead.largest_bytes)} (copied one at a time)"
+        if streamed and kind == "full"
+        else ""
+    )
     summary = (
         f"a {kind} checkpoint save needs {format_bytes(worst.needed_bytes)} of host memory on node "
         f"{worst.node} ({rank_label(worst.ranks)}; state "
         f"{format_bytes(lead.state_bytes)} x ({copy:g} consolidated copy + {overhead:g} "
-        "serialisation), "
+        f"serialisation){largest}, "
         f"materialised on {'every local rank' if materialize == 'every_rank' else 'rank 0'}) "
         f"and {format_bytes(worst.available_bytes)} is available ({worst.source})"
     )
     if all(n.fits(n.needed_bytes) for n in nodes):
-        return CheckpointPlan("ok", f"Checkpoint memory fits: {summary}.", nodes, {})
+        return CheckpointPlan("ok", f"Checkpoint memory fits: {summary}.", nodes)
     shard_fits = all(n.fits(n.sharded_bytes) for n in nodes)
-    if kind == "full" and shard_fits:
-        if mode == "auto":
+    fix = FIX_SHARDED.format(setting=f"`{setting}`" if setting else _both_settings())
+    sharded_need = format_bytes(max(n.sharded_bytes for n in nodes))
+    if kind == "full" and shard_fits and mode == "auto":
+        if switchable:
             reason = (
                 f"Switching to sharded checkpoints: {summary}; a sharded save needs at most "
-                f"{format_bytes(max(n.sharded_bytes for n in nodes))} per node."
+                f"{sharded_need} per node."
             )
-            return CheckpointPlan("switch_to_sharded", reason, nodes, dict(SETTINGS))
-        fix = FIX_SHARDED
-    else:
+            return CheckpointPlan("switch_to_sharded", reason, nodes)
+        why = (
+            "the model is not sharded (a sharded save needs FSDP)"
+            if not lead.state_sharded
+            else "the trainer's set-up has no sharded-checkpoint setting rankguard can change"
+        )
+        reason = (
+            f"Checkpoint save will not fit: {summary}. A sharded save would fit (at most "
+            f"{sharded_need} per node), but `mode='auto'` cannot switch this job to it: {why}. "
+            f"{fix}"
+        )
+        return CheckpointPlan("raise", reason, nodes)
+    if not (kind == "full" and shard_fits):
         fix = FIX_MORE_MEMORY
     action = "warn" if mode == "warn" else "raise"
-    return CheckpointPlan(action, f"Checkpoint save will not fit: {summary}. {fix}", nodes, {})
+    return CheckpointPlan(action, f"Checkpoint save will not fit: {summary}. {fix}", nodes)
+
+
+def _available_or(node: NodeBudget, default: int) -> int:
+    return default if node.available_bytes is None else node.available_bytes

@@ -25,13 +25,15 @@ with no warning. Before the first save the planner estimates, per node:
 
 It compares that with the host memory available to the process
 (:mod:`~rankguard.callbacks.host_memory`, or ``host_memory_bytes``) and with a
-sharded save (each rank writes ``1 / world_size`` of the state), then logs a
+sharded save (each rank gathers and writes its ``1 / world_size`` of the
+state, with the same serialisation overhead, as it would once sharded), then logs a
 per-node table. Modes: ``"warn"`` logs a warning, ``"raise"`` raises
-:class:`CheckpointMemoryError`, ``"auto"`` decides ``"switch_to_sharded"``
-when a sharded save fits, which the adapter applies (Composer
-``parallelism_config={"fsdp": {"state_dict_type": "sharded"}}``, Lightning
-``FSDPStrategy(state_dict_type="sharded")``), and raises otherwise. The
-decision is :attr:`CheckpointPlanner.plan`.
+:class:`CheckpointMemoryError`, ``"auto"`` switches the job to sharded saves
+when a sharded save fits and the job can save sharded (a sharded model whose
+framework setting the adapter can change: Composer's FSDP
+``state_dict_type``, Lightning's ``FSDPStrategy`` or ``ModelParallelStrategy``),
+through the adapter's ``facts.switch_to_sharded``, and raises naming the
+setting otherwise. The decision is :attr:`CheckpointPlanner.plan`.
 
 Metrics: ``rankguard/checkpoint_needed_bytes``, ``rankguard/checkpoint_available_bytes``
 (the node of this rank). Errors: :class:`CheckpointMemoryError`.
@@ -74,8 +76,9 @@ class CheckpointPlanner(Guard):
 
     Args:
         mode: ``"warn"`` (default) logs a warning, ``"raise"`` raises
-            :class:`CheckpointMemoryError`, ``"auto"`` decides to switch to a
-            sharded save when that fits (see :attr:`plan`), else raises.
+            :class:`CheckpointMemoryError`, ``"auto"`` switches the job to
+            sharded saves when that fits and the adapter can switch it
+            (``facts.switch_to_sharded``), else raises.
         materialize: ``"rank0"`` (default): only global rank 0 holds the full
             state; ``"every_rank"``: every local rank does.
         writer: ``"file"`` (default): ``torch.save`` to a file (Composer);
@@ -87,12 +90,13 @@ class CheckpointPlanner(Guard):
 
     Attributes:
         plan: The last :class:`CheckpointPlan`, or ``None`` before it is made.
-            An adapter applies ``plan.action == "switch_to_sharded"``.
+        switched: What the adapter changed to make saves sharded, if it did.
 
     Example::
 
         planner = CheckpointPlanner(mode="auto", materialize="rank0")
-        # at fit start: planner.plan.action in {"ok", "warn", "switch_to_sharded"}
+        # at fit start: planner.plan.action in {"ok", "warn", "switch_to_sharded"};
+        # "switch_to_sharded" has been applied through facts.switch_to_sharded
     """
 
     name = "checkpoint_planner"
@@ -121,16 +125,17 @@ class CheckpointPlanner(Guard):
         self.host_memory_bytes = host_memory_bytes
         self.state_dict_type = check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
         self.plan: CheckpointPlan | None = None
+        self.switched: str | None = None
 
     def on_fit_start(self, facts: EventFacts) -> None:
         """Plans from the model (and optimizer) known at fit start."""
         if facts.model is not None:
-            self.check(facts.model, getattr(facts, "optimizer", None), facts)
+            self.check(facts.model, facts.optimizer, facts)
 
     def on_checkpoint_save_start(self, facts: EventFacts) -> None:
         """Plans at the first save if fit start had no model."""
         if self.plan is None and facts.model is not None:
-            self.check(facts.model, getattr(facts, "optimizer", None), facts)
+            self.check(facts.model, facts.optimizer, facts)
 
     def check(
         self, model: Any, optimizer: Any = None, facts: EventFacts | None = None
@@ -140,14 +145,16 @@ class CheckpointPlanner(Guard):
         Args:
             model: The model (a ``torch.nn.Module``).
             optimizer: Its optimizer, if known.
-            facts: The event facts (for ``state_dict_type``), if any.
+            facts: The event facts (``state_dict_type``, ``switch_to_sharded``,
+                ``sharded_setting``), if any.
 
         Returns:
             The plan, also stored in :attr:`plan`.
 
         Raises:
             CheckpointMemoryError: ``mode="raise"`` and a full save does not
-                fit, or ``mode="auto"`` and a sharded save does not fit either.
+                fit, or ``mode="auto"`` and a sharded save does not fit either
+                or the job cannot be switched to it.
         """
         channel = self.channel
         try:
@@ -165,7 +172,8 @@ class CheckpointPlanner(Guard):
             source="host_memory_bytes" if self.host_memory_bytes else memory.source,
             largest_bytes=size.largest,
         )
-        sdt = getattr(facts, "state_dict_type", None) or self.state_dict_type
+        facts = facts or EventFacts()
+        sdt = facts.state_dict_type or self.state_dict_type
         plan = channel.exchange(
             f"{self.name}/plan",
             mine,
@@ -175,25 +183,41 @@ class CheckpointPlanner(Guard):
                 overhead=WRITER_OVERHEAD[self.writer],
                 mode=self.mode,
                 state_dict_type=sdt,
+                switchable=facts.switch_to_sharded is not None,
+                setting=facts.sharded_setting,
             ),
         )
         self.plan = plan
         node = plan.node_of(channel.rank)
         if node is not None:
+            sharded = plan.action == "switch_to_sharded"
             self.log_metrics(
                 {
-                    "rankguard/checkpoint_needed_bytes": float(node.needed_bytes),
+                    "rankguard/checkpoint_needed_bytes": float(
+                        node.sharded_bytes if sharded else node.needed_bytes
+                    ),
                     "rankguard/checkpoint_available_bytes": float(node.available_bytes or 0),
                 }
             )
-        self._act(plan)
+        self._act(plan, facts)
         return plan
 
-    def _act(self, plan: CheckpointPlan) -> None:
+    def _act(self, plan: CheckpointPlan, facts: EventFacts) -> None:
         text = f"{plan.reason}\n{plan.table()}"
         if plan.action == "ok":
             logger.info("rankguard %s: %s", self.name, text)
         elif plan.action == "raise":
             raise CheckpointMemoryError(text)
-        else:  # "warn" or "switch_to_sharded": the adapter applies the switch
+        elif plan.action == "switch_to_sharded" and facts.switch_to_sharded is not None:
+            self.switched = facts.switch_to_sharded()
+            logger.warning(
+                "rankguard %s: %s Done: %s. Later saves write one shard per rank (a directory); "
+                "to resume from them, set %s in the job's configuration.\n%s",
+                self.name,
+                plan.reason,
+                self.switched,
+                f"`{facts.sharded_setting}`" if facts.sharded_setting else "sharded checkpoints",
+                plan.table(),
+            )
+        else:
             logger.warning("rankguard %s: %s", self.name, text)

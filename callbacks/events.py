@@ -52,7 +52,7 @@ FIT_END                 ``FIT_END``                  ``on_fit_end``
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -115,6 +115,14 @@ class EventFacts:
         optimizer: Its (first) optimizer, if the framework has built it (FIT_START).
         directories: Local directories checkpoints are saved to (FIT_START,
             CHECKPOINT_SAVE_START); the same number on every rank.
+        state_dict_type: What the job's checkpoint saves are now, ``"full"``
+            (one consolidated file) or ``"sharded"`` (a shard per rank), if known
+            (FIT_START).
+        switch_to_sharded: Makes the job's later saves sharded and returns what
+            it changed; ``None`` where the job's set-up cannot save sharded
+            checkpoints (FIT_START).
+        sharded_setting: The framework's setting for sharded checkpoints, named
+            in messages (FIT_START).
     """
 
     step: int = 0
@@ -125,6 +133,9 @@ class EventFacts:
     model: Any = None
     optimizer: Any = None
     directories: list[str] = field(default_factory=list)
+    state_dict_type: str | None = None
+    switch_to_sharded: Callable[[], str] | None = None
+    sharded_setting: str | None = None
 
     @staticmethod
     def for_loaders(loaders: Iterable[LoaderFacts], **kwargs: Any) -> EventFacts:

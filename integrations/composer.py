@@ -17,6 +17,7 @@ Requires ``pip install 'rankguard[composer]'``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from rankguard.callbacks.events import Event as CoreEvent
@@ -112,6 +113,27 @@ def save_due(state: State, event: Event) -> bool:
     return any(saver.save_interval(state, event) for saver in _savers(state))
 
 
+#: Composer's setting for sharded checkpoints (FSDP), named in rankguard's messages.
+SHARDED_SETTING = "parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}"
+
+
+def sharded_switch(state: State) -> Callable[[], str] | None:
+    """How to make this job's later saves sharded, or ``None`` without FSDP.
+
+    Composer reads ``fsdp_config.state_dict_type`` at every save, so changing it
+    at FIT_START changes every save of this fit.
+    """
+    config = state.fsdp_config
+    if config is None or not state.fsdp_enabled:
+        return None
+
+    def switch() -> str:
+        config.state_dict_type = "sharded"
+        return f"set Composer's {type(config).__name__}.state_dict_type to 'sharded'"
+
+    return switch
+
+
 def _as_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
@@ -126,6 +148,9 @@ def event_facts(event: CoreEvent, state: State) -> EventFacts:
         facts.model = state.model
         facts.optimizer = state.optimizers[0] if state.optimizers else None
         facts.directories = save_directories(state)
+        facts.state_dict_type = state.fsdp_state_dict_type or "full"
+        facts.switch_to_sharded = sharded_switch(state)
+        facts.sharded_setting = SHARDED_SETTING
     elif event is CoreEvent.CHECKPOINT_SAVE_START:
         facts.model = state.model
         facts.directories = save_directories(state)

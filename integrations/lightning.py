@@ -22,7 +22,7 @@ Requires ``pip install 'rankguard[lightning]'``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
@@ -32,6 +32,7 @@ from rankguard.integrations._common import bundle_guards, expose_signatures, sin
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "rankguard.integrations.lightning needs Lightning: pip install 'rankguard[lightning]'"
@@ -97,6 +98,39 @@ ENFORCE_UNSUPPORTED = (
 LIGHTNING_DEFAULTS = {"checkpoint_planner": {"writer": "buffer"}}
 
 
+#: Lightning's settings for sharded checkpoints, named in rankguard's messages.
+FSDP_SHARDED_SETTING = "FSDPStrategy(state_dict_type='sharded')"
+MODEL_PARALLEL_SHARDED_SETTING = "ModelParallelStrategy(save_distributed_checkpoint=True)"
+
+
+def checkpoint_format(strategy: Any) -> tuple[str, Callable[[], str] | None, str]:
+    """What the strategy saves, how to make it save sharded, and the user's setting for that.
+
+    Returns:
+        ``"full"`` or ``"sharded"``; a function that switches later saves to
+        sharded (``None`` where the strategy cannot save sharded, e.g. DDP);
+        the constructor setting that does the same.
+
+    The two strategies that save sharded keep the choice in a private attribute
+    their ``save_checkpoint`` reads at every save; this is the one place
+    rankguard touches them (a test fails if Lightning renames them).
+    """
+    if isinstance(strategy, FSDPStrategy):
+        attribute, sharded, setting = "_state_dict_type", "sharded", FSDP_SHARDED_SETTING
+    elif isinstance(strategy, ModelParallelStrategy):
+        attribute, sharded = "_save_distributed_checkpoint", True
+        setting = MODEL_PARALLEL_SHARDED_SETTING
+    else:
+        return "full", None, FSDP_SHARDED_SETTING
+    now = "sharded" if getattr(strategy, attribute) == sharded else "full"
+
+    def switch() -> str:
+        setattr(strategy, attribute, sharded)
+        return f"set {type(strategy).__name__}.{attribute} to {sharded!r}"
+
+    return now, switch, setting
+
+
 def save_directories(trainer: pl.Trainer) -> list[str]:
     """The local directories of the trainer's ``ModelCheckpoint`` callbacks."""
     return [str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
@@ -134,6 +168,7 @@ class _LightningAdapter(Callback):
         # first epoch (or the sanity check ran); else EVAL_START checks them later.
         if trainer.val_dataloaders is not None:
             loaders += val_loaders(trainer)
+        state_dict_type, switch, setting = checkpoint_format(trainer.strategy)
         self._fire(
             trainer,
             Event.FIT_START,
@@ -141,6 +176,9 @@ class _LightningAdapter(Callback):
             model=pl_module,
             optimizer=trainer.optimizers[0] if trainer.optimizers else None,
             directories=save_directories(trainer),
+            state_dict_type=state_dict_type,
+            switch_to_sharded=switch,
+            sharded_setting=setting,
         )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -19,6 +20,7 @@ from rankguard.callbacks.host_memory import (
     parse_inactive_file,
     parse_meminfo,
 )
+from rankguard.callbacks.side_channel import SideChannel
 from rankguard.callbacks.state_size import estimate_state_size, optimizer_state_copies
 from tests.mp import run_ranks
 
@@ -106,12 +108,12 @@ def test_fitting_save_logs_info_and_plans_ok(caplog):
     assert "Checkpoint memory fits" in caplog.text
 
 
-def _four_ranks(available: int, materialize: str = "rank0", mode: str = "auto"):
+def _four_ranks(available: int, materialize: str = "rank0", mode: str = "auto", **kwargs):
     per_rank = {
         r: RankMemory(f"host{r // 2}", r % 2, 8 * GiB, True, available, "MemAvailable")
         for r in range(4)
     }
-    return plan_save(per_rank, materialize=materialize, overhead=0.0, mode=mode)
+    return plan_save(per_rank, materialize=materialize, overhead=0.0, mode=mode, **kwargs)
 
 
 def test_plan_counts_the_ranks_that_materialise_the_full_state():
@@ -123,33 +125,109 @@ def test_plan_counts_the_ranks_that_materialise_the_full_state():
     assert rank0.action == every.action == "ok"
 
 
-def test_auto_decides_to_switch_to_sharded_when_that_fits():
-    plan = _four_ranks(6 * GiB)
+def test_auto_decides_to_switch_to_sharded_when_that_fits_and_the_job_can_switch():
+    plan = _four_ranks(6 * GiB, switchable=True)
     assert plan.action == "switch_to_sharded"
-    assert plan.settings["lightning"] == "FSDPStrategy(state_dict_type='sharded')"
-    assert "state_dict_type" in plan.settings["composer"]
+    assert "Switching to sharded checkpoints" in plan.reason
+    assert "a sharded save needs at most 4.0 GiB per node" in plan.reason
     assert "host0" in plan.table() and "8.0 GiB !" in plan.table()
-    assert _four_ranks(6 * GiB, mode="raise").action == "raise"
+    assert _four_ranks(6 * GiB, mode="raise", switchable=True).action == "raise"
+    assert _four_ranks(6 * GiB, mode="warn", switchable=True).action == "warn"
+
+
+def test_auto_raises_naming_the_setting_when_the_job_cannot_switch():
+    plan = _four_ranks(6 * GiB, setting="FSDPStrategy(state_dict_type='sharded')")
+    assert plan.action == "raise"
+    assert "A sharded save would fit (at most 4.0 GiB per node)" in plan.reason
+    assert "cannot switch this job to it" in plan.reason
+    assert "`FSDPStrategy(state_dict_type='sharded')`" in plan.reason
+    assert "Composer" not in plan.reason  # the job's own framework only
+    unsharded = {
+        r: RankMemory(f"host{r}", 0, 8 * GiB, False, 9 * GiB, "MemAvailable", 2 * GiB)
+        for r in range(2)
+    }
+    plan = plan_save(unsharded, overhead=1.0, mode="auto")
+    assert plan.action == "raise"
+    # once sharded, each node would gather and buffer its 4 GiB shard: 8 GiB
+    assert "A sharded save would fit (at most 8.0 GiB per node)" in plan.reason
+    assert "the model is not sharded (a sharded save needs FSDP)" in plan.reason
+    assert "Composer: `parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}`" in (
+        plan.reason
+    )
+    assert "Lightning: `FSDPStrategy(state_dict_type='sharded')`" in plan.reason
+    # 8 GiB through a buffer plus the largest tensor copied to the host: 10 GiB
+    assert "needs 10.0 GiB" in plan.reason and "+ largest tensor 2.0 GiB" in plan.reason
+
+
+def test_node_with_no_memory_left_is_the_one_named():
+    per_rank = {
+        0: RankMemory("host0", 0, 8 * GiB, True, 4 * GiB, "MemAvailable"),
+        1: RankMemory("host1", 0, 8 * GiB, True, 0, "cgroup v2 memory.max minus usage"),
+    }
+    plan = plan_save(per_rank, materialize="every_rank", mode="raise")
+    assert plan.action == "raise"
+    assert "on node host1" in plan.reason and "0 B is available" in plan.reason
+
+
+def _switch_recorder(calls: list):
+    def switch() -> str:
+        calls.append("switched")
+        return "set the test's state_dict_type to 'sharded'"
+
+    return switch
+
+
+def test_auto_switch_is_applied_through_the_adapters_fact_and_said(caplog):
+    model = _meta_model(100)  # ~400 MiB of fp32 parameters on the meta device
+    calls: list = []
+    facts = EventFacts(model=model, switch_to_sharded=_switch_recorder(calls))
+    facts.sharded_setting = "the test setting"
+    planner = CheckpointPlanner(mode="auto", host_memory_bytes=300 * MiB)
+    planner.bind(_FakeTwoNodes())
+    with caplog.at_level(logging.WARNING):
+        planner.on_fit_start(facts)
+    assert calls == ["switched"]
+    assert planner.plan.action == "switch_to_sharded"
+    assert planner.switched == "set the test's state_dict_type to 'sharded'"
+    assert "Done: set the test's state_dict_type to 'sharded'" in caplog.text
+    assert "set `the test setting` in the job's configuration" in caplog.text
+
+
+class _FakeTwoNodes(SideChannel):
+    """This rank's report, and a copy of it from a second node (a sharded model's shards)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def exchange(self, name, payload, decide, **kwargs):
+        other = dataclasses.replace(payload, node="other-node")
+        return decide({0: dataclasses.replace(payload, state_sharded=True), 1: other})
 
 
 def _planned_on_two_nodes(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     os.environ["NODE_RANK"], os.environ["LOCAL_RANK"] = str(rank), "0"
-    model = _meta_model(100)  # 400 MiB of fp32 parameters, serialised on rank 0 only
-    planner = CheckpointPlanner(mode="auto", writer="buffer", host_memory_bytes=300 * MiB)
-    from rankguard.callbacks.side_channel import SideChannel
-
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+    fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))  # FSDP2: DTensors
+    # 16 MiB of fp32 state, gathered and buffered on rank 0 (32 MiB); 16 MiB per node sharded
+    planner = CheckpointPlanner(mode="auto", writer="buffer", host_memory_bytes=24 * MiB)
     planner.bind(SideChannel.from_environment(timeout_s=30))
-    plan = planner.check(model, None, EventFacts(model=model))
-    return plan.action, [n.node.split("/")[-1] for n in plan.nodes], plan.table()
+    calls: list = []
+    plan = planner.check(model, None, EventFacts(switch_to_sharded=_switch_recorder(calls)))
+    return plan.action, [n.node.split("/")[-1] for n in plan.nodes], plan.table(), calls
 
 
-def test_two_nodes_agree_to_switch_to_sharded():
+def test_two_nodes_agree_to_switch_to_sharded_and_each_rank_switches():
     outcomes = run_ranks(_planned_on_two_nodes, 2, timeout_s=60)
     for o in outcomes:
         assert o.error is None, o.error
     assert outcomes[0].value == outcomes[1].value
-    action, nodes, _ = outcomes[0].value
+    action, nodes, _, calls = outcomes[0].value
     assert action == "switch_to_sharded" and nodes == ["node0", "node1"]
+    assert calls == ["switched"]
 
 
 MEMINFO = "MemTotal:       32000000 kB\nMemFree:  1000 kB\nMemAvailable:   20971520 kB\n"

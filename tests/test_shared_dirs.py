@@ -1,32 +1,38 @@
 """SharedDirBarrier: ranks on other nodes see checkpoint directories before anyone writes.
 
-Two nodes are simulated on one machine: ranks 0,1 are node 0 and ranks 2,3
-node 1 (``NODE_RANK``/``LOCAL_RANK`` set in each worker). A lagging shared
-filesystem is a pair of directories, node 0's view and node 1's view, kept
-in step by a mirror thread in the test process: marker files (fresh names,
-which a real NFS client looks up on the server at once) are copied at once,
-directories only after a lag, as NFS shows a directory that a polling client
-has already cached as missing.
+Two nodes of 2 ranks are simulated on one machine with two launcher
+invocations, one torchrun per node (``benchmarks/launch.py``), so each rank's
+node and local rank come from torchrun. Each node has its own local directory.
+A lagging shared filesystem is a pair of directories, node 0's view and node
+1's view, kept in step by a mirror thread in the test process: marker files
+(fresh names, which a real NFS client looks up on the server at once) are
+copied at once, directories only after a lag, as NFS shows a directory that a
+polling client has already cached as missing.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from benchmarks.launch import launch_nodes
 from rankguard.callbacks.dir_probe import MARKER_PREFIX, filesystem_type, node_identity
 from rankguard.callbacks.errors import SharedDirCreateError
 from rankguard.callbacks.events import EventFacts
 from rankguard.callbacks.shared_dirs import SharedDirBarrier, ensure_shared_dirs
 from rankguard.callbacks.side_channel import SideChannel
-from tests.mp import run_ranks
+from tests.e2e.ckpt_dirs_worker import LAG_BAD_TIMEOUT_S, TIMEOUT_S
 
-LAG_OK_S, LAG_BAD_S, TIMEOUT_S = 1.0, 60.0, 3.0
+WORKER = Path(__file__).parent / "e2e" / "ckpt_dirs_worker.py"
+LAG_OK_S, LAG_BAD_S = 1.0, 60.0
 
 
 class Mirror(threading.Thread):
@@ -62,35 +68,10 @@ class Mirror(threading.Thread):
                     os.remove(os.path.join(here, f))
 
 
-def _two_nodes(rank, world_size, base):
-    os.environ["NODE_RANK"], os.environ["LOCAL_RANK"] = str(rank // 2), str(rank % 2)
-    node = rank // 2
-    channel = SideChannel.from_environment(timeout_s=30)
-    out = {}
-
-    def attempt(key, paths, **kwargs):
-        kwargs.setdefault("timeout_s", TIMEOUT_S)
-        try:
-            out[key] = ensure_shared_dirs(paths, channel, probe_wait_s=0.5, **kwargs)
-        except Exception as exc:
-            out[key] = (type(exc).__name__, str(exc))
-
-    os.chdir(os.path.join(base, "local", f"n{node}"))  # node-local disks, relative path
-    attempt("node_local", ["ckpt/model", "ckpt/optim"])
-    attempt("shared", [os.path.join(base, "shared", "ckpt", "train")])
-    attempt("lag_within_timeout", [os.path.join(base, "lag_ok", f"view{node}", "ckpt", "model")])
-    attempt(
-        "lag_beyond_timeout",
-        [os.path.join(base, "lag_bad", f"view{node}", "ckpt", "model")],
-        timeout_s=1.5,
-    )
-    attempt("file_in_the_way", [os.path.join(base, "shared", "blocker", "model")])
-    return out
-
-
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("nodes"))
+    out = tmp_path_factory.mktemp("ranks")
     for d in ("local/n0", "local/n1", "shared", "lag_ok/view0", "lag_ok/view1"):
         os.makedirs(os.path.join(base, d))
     for d in ("lag_bad/view0", "lag_bad/view1"):
@@ -105,54 +86,58 @@ def two_nodes(tmp_path_factory):
     )
     mirror.start()
     try:
-        outcomes = run_ranks(_two_nodes, 4, base, timeout_s=90)
+        results = launch_nodes(WORKER, [base, str(out)], nodes=2, per_node=2, timeout=120)
     finally:
         mirror.stop.set()
         mirror.join()
-    for o in outcomes:
-        assert o.error is None, o.error
-    return base, [o.value for o in outcomes]
+    for node, result in enumerate(results):
+        assert result.returncode == 0, f"node {node}:\n{result.stderr[-4000:]}"
+    values = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [(v["node"], v["local_rank"]) for v in values] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    return base, values
 
 
 def test_node_local_dirs_are_detected_and_created_by_each_nodes_local_rank_0(two_nodes):
     base, values = two_nodes
     for rank, value in enumerate(values):
         report = value["node_local"]
-        own = os.path.join(base, "local", f"n{rank // 2}", "ckpt", "model")
-        assert report.paths[0] == own  # relative path resolved per rank, reported absolute
-        assert report.shared[own] is False
-        assert report.created_by[own] == [0, 2]
-        assert os.path.isdir(own)
+        for name in ("model", "optim"):
+            own = os.path.join(base, "local", f"n{rank // 2}", "ckpt", name)
+            assert own in report["paths"]  # relative path resolved per rank, reported absolute
+            assert report["shared"][own] is False
+            assert report["created_by"][own] == [0, 2]
+            assert os.path.isdir(own)
 
 
 def test_shared_dir_is_created_once_by_rank_0(two_nodes):
     base, values = two_nodes
     path = os.path.join(base, "shared", "ckpt", "train")
     for value in values:
-        assert value["shared"].shared[path] is True
-        assert value["shared"].created_by[path] == [0]
+        assert value["shared"]["shared"][path] is True
+        assert value["shared"]["created_by"][path] == [0]
 
 
 def test_shared_dir_shown_late_on_node_1_passes_within_timeout(two_nodes):
     _, values = two_nodes
     for rank, value in enumerate(values):
         report = value["lag_within_timeout"]
-        assert not isinstance(report, tuple), report
-        assert report.created_by[report.paths[0]] == [0]
-        assert report.shared[report.paths[0]] is True
-        if rank >= 2:
-            assert LAG_OK_S * 0.8 <= report.waited_s < TIMEOUT_S
-        assert report.max_waited_s >= LAG_OK_S * 0.8
+        assert "error" not in report, report
+        [path] = report["paths"]
+        assert report["created_by"][path] == [0]
+        assert report["shared"][path] is True
+        if rank >= 2:  # node 1 sees the directory only after the lag
+            assert LAG_OK_S * 0.8 <= report["waited_s"] < TIMEOUT_S
+        assert report["max_waited_s"] >= LAG_OK_S * 0.8
 
 
 def test_shared_dir_shown_too_late_names_path_lagging_ranks_and_fix(two_nodes):
     base, values = two_nodes
     for value in values:
-        kind, message = value["lag_beyond_timeout"]
+        kind, message = value["lag_beyond_timeout"]["error"], value["lag_beyond_timeout"]["message"]
         assert kind == "SharedDirTimeoutError"
         assert os.path.join(base, "lag_bad", "view1", "ckpt", "model") in message
         assert "was not visible to ranks 2,3" in message
-        assert "/node1" in message and "waited 1.5 s" in message
+        assert "/node1" in message and f"waited {LAG_BAD_TIMEOUT_S:g} s" in message
         assert "Filesystem: ranks 2,3:" in message
         assert "actimeo" in message and "`timeout_s`" in message and "node-local" in message
 
@@ -160,7 +145,7 @@ def test_shared_dir_shown_too_late_names_path_lagging_ranks_and_fix(two_nodes):
 def test_file_in_the_way_is_a_clear_error_on_every_rank(two_nodes):
     base, values = two_nodes
     for value in values:
-        kind, message = value["file_in_the_way"]
+        kind, message = value["file_in_the_way"]["error"], value["file_in_the_way"]["message"]
         assert kind == "SharedDirCreateError"
         assert os.path.join(base, "shared", "blocker") in message
         assert "not a directory" in message and "Fix:" in message
@@ -172,6 +157,24 @@ def test_markers_are_removed(two_nodes):
     base, _ = two_nodes
     leftovers = [f for _, _, files in os.walk(base) for f in files if f.startswith(MARKER_PREFIX)]
     assert leftovers == []
+
+
+def test_node_launcher_timeout_kills_every_rank(tmp_path):
+    # torchrun starts each rank in a session of its own; a rank left behind would
+    # hold the launcher's pipes open and stall the suite for as long as it runs.
+    stuck = tmp_path / "stuck_rank.py"
+    stuck.write_text(
+        "import os, pathlib, time\n"
+        "pathlib.Path(__file__).with_name('started' + os.environ['RANK']).touch()\n"
+        "time.sleep(120)\n"
+    )
+    started = time.monotonic()
+    [result] = launch_nodes(stuck, [], nodes=1, per_node=1, timeout=8)
+    assert time.monotonic() - started < 30
+    assert (tmp_path / "started0").exists()  # the rank ran, and was killed
+    assert result.returncode == -9
+    left = subprocess.run(["pgrep", "-f", str(stuck)], capture_output=True, text=True)
+    assert left.stdout == ""
 
 
 def test_single_rank_creates_relative_dirs_and_reports_them_absolute(tmp_path, monkeypatch):

@@ -1,0 +1,140 @@
+"""A real Lightning job on two simulated nodes of one rank each, saving checkpoints.
+
+Run by ``benchmarks/launch.py::launch_nodes`` (one torchrun per node, so each
+rank is a node of its own and Lightning reads the cluster from torchrun)::
+
+    torchrun ... lightning_ckpt_job.py OUT_DIR SCENARIO [SCENARIO ...]
+
+Each scenario is a fresh ``Trainer(num_nodes=2, devices=1)`` on CPU (gloo)
+with a real ``ModelCheckpoint`` saving into ``ckpt/<scenario>`` (relative)
+under ``OUT_DIR``. Per rank, ``OUT_DIR/rank<r>.json`` records each scenario's
+outcome, rankguard's warnings and counters (train steps, rankguard metrics);
+see tests/e2e/common.py.
+
+Model and budgets (hand count in tests/test_checkpoint_e2e.py): the module is
+``Linear(4, 512), Linear(512, 1)`` with Adam.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers.logger import Logger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.utils.data import DataLoader
+
+from rankguard.integrations.lightning import CheckpointPlanner, RankGuard
+from tests.e2e.common import Points, Recorder
+
+COUNTERS: dict[str, Any] = {}
+KiB = 1024
+#: Host memory per node: below a full save of the module with Adam (DDP or FSDP2),
+#: above a sharded one.
+BUDGET = 40 * KiB
+
+
+class Module(L.LightningModule):
+    """``Linear(4, 512), Linear(512, 1)`` with Adam; FSDP2-shards itself under ModelParallel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 512), torch.nn.Linear(512, 1))
+
+    def configure_model(self) -> None:
+        if isinstance(self.trainer.strategy, ModelParallelStrategy):
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        COUNTERS["train_steps"] = COUNTERS.get("train_steps", 0) + 1
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x).squeeze(1), y.float())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class MetricCounter(Logger):
+    """Counts rankguard's metrics as Lightning loggers receive them (on every rank)."""
+
+    name, version = "counter", 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        del params, args, kwargs
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        for key, value in metrics.items():
+            if key.startswith("rankguard/"):
+                COUNTERS[f"{key} count"] = COUNTERS.get(f"{key} count", 0) + 1
+                COUNTERS[key] = value
+
+
+def fit(name: str, guard: L.Callback, strategy: Any = "ddp", every_n_train_steps: int = 2) -> None:
+    COUNTERS.clear()
+    L.seed_everything(0, verbose=False)  # every generator, the same on every rank
+    data = Points(64)  # 8 batches of 4 per rank
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=2,
+        strategy=strategy,
+        max_epochs=1,
+        logger=MetricCounter(),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            guard,
+            ModelCheckpoint(
+                dirpath=f"ckpt/{name}",  # relative: resolved against each rank's cwd
+                every_n_train_steps=every_n_train_steps,
+                save_top_k=-1,
+            ),
+        ],
+    )
+    trainer.fit(Module(), DataLoader(data, batch_size=4))
+
+
+SCENARIOS = {
+    # Every guard with defaults, the planner raising: a small model fits, nothing is said.
+    "checkpointing": lambda: fit("checkpointing", RankGuard(checkpoint_planner={"mode": "raise"})),
+    "planner_warn": lambda: fit(
+        "planner_warn", CheckpointPlanner(mode="warn", host_memory_bytes=BUDGET), "ddp", 4
+    ),
+    "planner_raise": lambda: fit(
+        "planner_raise", CheckpointPlanner(mode="raise", host_memory_bytes=BUDGET)
+    ),
+    # DDP keeps a full replica on every rank: nothing to switch, the setting is named.
+    "planner_auto_ddp": lambda: fit(
+        "planner_auto_ddp", CheckpointPlanner(mode="auto", host_memory_bytes=BUDGET)
+    ),
+    # FSDP2 through ModelParallelStrategy, full saves on rank 0: switched to sharded.
+    "planner_auto_fsdp": lambda: fit(
+        "planner_auto_fsdp",
+        RankGuard(checkpoint_planner={"mode": "auto", "host_memory_bytes": BUDGET}),
+        ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False
+        ),
+        4,
+    ),
+}
+
+
+def main() -> None:
+    out_dir, *names = sys.argv[1:]
+    os.chdir(out_dir)  # checkpoints go to OUT_DIR/ckpt/<scenario>
+    recorder = Recorder(out_dir)
+    for name in names:
+        recorder.run(name, SCENARIOS[name], COUNTERS)
+
+
+if __name__ == "__main__":
+    main()

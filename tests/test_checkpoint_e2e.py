@@ -1,0 +1,210 @@
+"""Real Composer and Lightning jobs saving checkpoints: SharedDirBarrier and CheckpointPlanner.
+
+Each framework's job (``tests/e2e/*_ckpt_job.py``) runs all its scenarios in
+one launch: two simulated nodes of one rank each, one torchrun per node, on CPU
+(gloo), so the planner's per-node budget is that of a real two-node job.
+
+Hand count of the state the planner estimates at fit start (fp32; Adam's state
+predicted before its first step: two copies of every parameter plus a 4-byte
+``step`` per parameter tensor):
+
+* Lightning ``Linear(4, 512), Linear(512, 1)``: 3073 parameters, 12292 B;
+  state 12292 + 2 x 12292 + 4 x 4 = 36892 B (36.0 KiB); largest tensor
+  2048 x 4 = 8192 B. Lightning writes through a buffer (+1 copy). DDP full
+  save on rank 0: 36892 + 8192 = 45084 B (44.0 KiB); FSDP2 full save (gathered
+  on rank 0): 2 x 36892 = 73784 B (72.1 KiB); sharded save per node:
+  2 x 18446 = 36892 B (36.0 KiB). Budget 40 KiB per node.
+* Composer ``Linear(4, 512), Linear(512, 2)``: 3586 parameters, 14344 B;
+  state 14344 + 2 x 14344 + 16 = 43048 B (42.0 KiB). Composer writes to a file
+  (+0). FSDP2 full save: 43048 B (42.0 KiB); sharded per node: 21524 B
+  (21.0 KiB); budget 32 KiB. DDP full save: the largest tensor, 8192 B
+  (8.0 KiB); budget 4 KiB, so a sharded save (21.0 KiB) would not fit either.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.launch import launch_nodes
+from rankguard.callbacks.dir_probe import MARKER_PREFIX
+
+pytestmark = pytest.mark.framework
+
+E2E = Path(__file__).parent / "e2e"
+SCENARIOS = [
+    "checkpointing",
+    "planner_warn",
+    "planner_raise",
+    "planner_auto_ddp",
+    "planner_auto_fsdp",
+]
+FRAMEWORKS = {
+    "lightning": {
+        "job": E2E / "lightning_ckpt_job.py",
+        "every_2": [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)],
+        "every_4": ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"],
+        "over_budget": "needs 44.0 KiB of host memory on node",
+        "budget": "40.0 KiB is available (host_memory_bytes)",
+        "setting": "`FSDPStrategy(state_dict_type='sharded')`",
+        "needed": {"checkpointing": 45084, "planner_warn": 45084, "planner_raise": 45084},
+        "fsdp_full": "needs 72.1 KiB",
+        "sharded": "a sharded save needs at most 36.0 KiB per node",
+        "switched": "Done: set ModelParallelStrategy._save_distributed_checkpoint to True",
+        "resume": "`ModelParallelStrategy(save_distributed_checkpoint=True)`",
+    },
+    "composer": {
+        "job": E2E / "composer_ckpt_job.py",
+        "every_2": [f"ep0-ba{b}-rank0.pt" for b in (2, 4, 6, 8)],
+        "every_4": ["ep0-ba4-rank0.pt", "ep0-ba8-rank0.pt"],
+        "over_budget": "needs 42.0 KiB of host memory on node",
+        "budget": "32.0 KiB is available (host_memory_bytes)",
+        "setting": "`parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}`",
+        "needed": {"checkpointing": 8192, "planner_warn": 43048, "planner_raise": 43048},
+        "fsdp_full": "needs 42.0 KiB",
+        "sharded": "a sharded save needs at most 21.0 KiB per node",
+        "switched": "Done: set Composer's FSDP2Config.state_dict_type to 'sharded'",
+        "resume": "`parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}`",
+    },
+}
+
+
+@pytest.fixture(scope="module", params=list(FRAMEWORKS))
+def job(request, tmp_path_factory) -> dict[str, Any]:
+    """Runs one framework's job once (2 nodes x 1 rank); returns both ranks' records."""
+    framework = request.param
+    if find_spec(framework) is None:
+        pytest.skip(f"needs rankguard[{framework}]")
+    spec = FRAMEWORKS[framework]
+    out = tmp_path_factory.mktemp(framework)
+    results = launch_nodes(spec["job"], [str(out), *SCENARIOS], nodes=2, per_node=1, timeout=240)
+    for node, result in enumerate(results):
+        assert result.returncode == 0, f"node {node}:\n{result.stderr[-4000:]}"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return {**spec, "framework": framework, "out": out, "ranks": ranks}
+
+
+def _both(job: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
+    return [rank[scenario] for rank in job["ranks"]]
+
+
+def _saved(job: dict[str, Any], scenario: str) -> list[str]:
+    folder = job["out"] / "ckpt" / scenario
+    return sorted(p.name for p in folder.iterdir() if not p.is_symlink()) if folder.exists() else []
+
+
+def test_checkpointing_run_goes_through_the_dir_barrier_at_fit_start_and_every_save(job):
+    for rank, result in enumerate(_both(job, "checkpointing")):
+        assert result["outcome"] == "ok", result.get("traceback")
+        assert result["warnings"] == []  # every guard on; the planner in raise mode
+        counters = result["counters"]
+        assert counters.get("train_steps", counters.get("train_batches")) == 8
+        # one barrier at fit start, one before each of the 4 saves
+        assert counters["rankguard/shared_dir_wait_s count"] == 5
+        assert counters["rankguard/checkpoint_needed_bytes count"] == 1
+        if rank == 0:
+            assert 0 < counters["rankguard/checkpoint_needed_bytes"]
+            assert (
+                counters["rankguard/checkpoint_needed_bytes"]
+                < (counters["rankguard/checkpoint_available_bytes"])
+            )
+    assert _saved(job, "checkpointing") == sorted(job["every_2"])
+    markers = [p for p in job["out"].rglob(f"{MARKER_PREFIX}*")]
+    assert markers == []
+
+
+def test_full_save_over_budget_warns_with_the_table_and_training_completes(job):
+    for result in _both(job, "planner_warn"):
+        assert result["outcome"] == "ok", result.get("traceback")
+        [warning] = result["warnings"]
+        assert warning.startswith("rankguard checkpoint_planner: Checkpoint save will not fit")
+        assert job["over_budget"] in warning and job["budget"] in warning
+        assert job["setting"] in warning
+        assert "\nnode " in warning and "full save" in warning and "sharded save" in warning
+        assert "/node0  0 " in warning and "/node1  1 " in warning  # a row per node
+        counters = result["counters"]
+        assert counters.get("train_steps", counters.get("train_batches")) == 8
+    assert _saved(job, "planner_warn") == sorted(job["every_4"])
+
+
+def test_full_save_over_budget_raises_before_the_first_save(job):
+    messages = []
+    for result in _both(job, "planner_raise"):
+        assert result["outcome"] == "CheckpointMemoryError"
+        messages.append(result["message"])
+        assert job["over_budget"] in result["message"] and job["budget"] in result["message"]
+        assert "Fix: save sharded checkpoints" in result["message"]
+        assert job["setting"] in result["message"]
+        assert "train_steps" not in result["counters"]  # at fit start, before any batch
+        assert "train_batches" not in result["counters"]
+    assert messages[0] == messages[1]
+    assert _saved(job, "planner_raise") == []
+
+
+def test_auto_switches_an_fsdp_job_to_sharded_saves_and_says_so(job):
+    for result in _both(job, "planner_auto_fsdp"):
+        assert result["outcome"] == "ok", result.get("traceback")
+        [warning] = result["warnings"]
+        assert "Switching to sharded checkpoints" in warning
+        assert job["fsdp_full"] in warning and job["sharded"] in warning
+        assert job["switched"] in warning and job["resume"] in warning
+        assert result["counters"]["rankguard/shared_dir_wait_s count"] == 3
+    folder = job["out"] / "ckpt" / "planner_auto_fsdp"
+    saves = _saved(job, "planner_auto_fsdp")
+    assert len(saves) == 2  # both saves, every one sharded: a directory of per-rank shards
+    for save in saves:
+        files = sorted(p.name for p in (folder / save).iterdir())
+        assert "__0_0.distcp" in files and "__1_0.distcp" in files
+
+
+def test_auto_on_plain_ddp_raises(job):
+    for result in _both(job, "planner_auto_ddp"):
+        assert result["outcome"] == "CheckpointMemoryError"
+        message = result["message"]
+        assert "train_steps" not in result["counters"]
+        assert "train_batches" not in result["counters"]
+        if job["framework"] == "lightning":
+            # a sharded save would fit, but DDP cannot save one: the setting is named
+            assert "A sharded save would fit (at most 36.0 KiB per node)" in message
+            assert "cannot switch this job to it: the model is not sharded" in message
+            assert job["setting"] in message
+        else:
+            # a full save to a file copies one tensor at a time: sharding would not help
+            assert "needs 8.0 KiB" in message and "4.0 KiB is available" in message
+            assert "even a sharded save does not fit" in message
+    assert _saved(job, "planner_auto_ddp") == []
+
+
+def test_planner_estimate_matches_the_hand_count(job):
+    for name, expected in job["needed"].items():
+        rank0, rank1 = (rank[name]["counters"] for rank in job["ranks"])
+        assert rank0["rankguard/checkpoint_needed_bytes"] == expected
+        assert rank1["rankguard/checkpoint_needed_bytes"] == 0  # node 1 holds no full copy
+
+
+@pytest.mark.skipif(find_spec("lightning") is None, reason="needs rankguard[lightning]")
+def test_lightning_strategies_still_read_the_attributes_the_switch_sets():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from rankguard.integrations.lightning import checkpoint_format
+
+    fsdp = FSDPStrategy(state_dict_type="full")
+    assert checkpoint_format(fsdp)[0] == "full"
+    assert checkpoint_format(fsdp)[1]() == "set FSDPStrategy._state_dict_type to 'sharded'"
+    assert checkpoint_format(fsdp)[0] == "sharded"
+    assert "self._state_dict_type" in inspect.getsource(FSDPStrategy.save_checkpoint)
+
+    parallel = ModelParallelStrategy(save_distributed_checkpoint=False)
+    assert checkpoint_format(parallel)[0] == "full"
+    checkpoint_format(parallel)[1]()
+    assert checkpoint_format(parallel)[0] == "sharded"
+    assert "self._save_distributed_checkpoint" in inspect.getsource(
+        ModelParallelStrategy.save_checkpoint
+    )
+
+    assert checkpoint_format(DDPStrategy())[:2] == ("full", None)
