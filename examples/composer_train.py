@@ -1,99 +1,125 @@
 """A 2-rank CPU Composer training with rankguard, and an optional injected fault.
 
-Run with Composer's launcher::
+Run with Composer's launcher (it shows local rank 0's output; add
+``--stdout 'rank{rank}.out' --stderr 'rank{rank}.err'`` before the script to keep
+the other rank's)::
 
+    composer -n 2 examples/composer_train.py                      # healthy
     composer -n 2 examples/composer_train.py --fault uneven_eval
     composer -n 2 examples/composer_train.py --fault uneven_eval --no-rankguard
-    composer -n 2 examples/composer_train.py            # healthy
 
-Faults:
-    uneven_eval: ranks build eval sets of different sizes (remote/streaming data
-        that split unevenly): 2 eval batches on rank 0, 4 on rank 1.
-    uneven_train: ranks build train sets of different sizes.
-    drop_last: rank 0 builds its train loader with drop_last=True, rank 1 without.
+Faults (``examples/faults.py``; where a deadline must pass, the example sets it
+to 5 s for the demo):
+
+    uneven_eval       ranks build eval sets of different sizes (16 and 32 samples)
+    uneven_train      ranks build train sets of different sizes
+    drop_last         rank 0 builds its train loader with drop_last=True, rank 1 without
+    unseeded_split    every rank splits train/eval with an unseeded shuffle
+    slow_data         rank 1's dataset sleeps in __getitem__: DataStallMonitor names rank 1
+    post_eval_hang    rank 1 sleeps forever after the first eval: HangWatchdog, exit code 75
+    node_local_ckpt   each rank saves to its own directory, as on a node-local disk
+    ckpt_over_memory  CheckpointPlanner told the node has 1 MiB for a full save
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 import torch
-from composer import Callback, Evaluator, Trainer
+from composer import Callback, Evaluator, State, Trainer
+from composer.loggers import Logger
 from composer.models import ComposerClassifier
 from composer.utils import dist
-from torch.utils.data import DataLoader, TensorDataset
+from faults import BATCH_SIZE, FAULTS, log_with_rank, setup
+from torch.utils.data import DataLoader, Dataset
 
 log = logging.getLogger("example")
 
 
-def points(n: int) -> TensorDataset:
-    gen = torch.Generator().manual_seed(n)
-    x = torch.randn(n, 8, generator=gen)
-    return TensorDataset(x, (x.sum(dim=1) > 0).long())
+def loader(data: Dataset, drop_last: bool = False) -> DataLoader:
+    return DataLoader(
+        data, batch_size=BATCH_SIZE, sampler=dist.get_sampler(data), drop_last=drop_last
+    )
 
 
-def loader(n: int, drop_last: bool = False) -> DataLoader:
-    data = points(n)
-    return DataLoader(data, batch_size=4, sampler=dist.get_sampler(data), drop_last=drop_last)
+class Progress(Callback):
+    """Logs, per rank, the train batches and eval samples that actually ran, and the time."""
 
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self.started = time.perf_counter()
 
-class EvalSamples(Callback):
-    """Logs how many eval samples each rank actually evaluated."""
+    def fit_end(self, state: State, logger: Logger) -> None:
+        took = time.perf_counter() - self.started
+        log.info("rank %d trained for %.1f s", dist.get_global_rank(), took)
 
-    def eval_start(self, state, logger):
+    def epoch_start(self, state: State, logger: Logger) -> None:
+        self.batches = 0
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        self.batches += 1
+
+    def epoch_end(self, state: State, logger: Logger) -> None:
+        rank, planned = dist.get_global_rank(), len(state.dataloader)
+        log.info("rank %d trained %d of its %d train batches", rank, self.batches, planned)
+
+    def eval_start(self, state: State, logger: Logger) -> None:
         self.seen = 0
 
-    def eval_batch_end(self, state, logger):
+    def eval_batch_end(self, state: State, logger: Logger) -> None:
         self.seen += len(state.batch[0])
 
-    def eval_end(self, state, logger):
-        planned = len(state.dataloader.sampler)
-        log.info(
-            "rank %d evaluated %d of its %d eval samples",
-            dist.get_global_rank(),
-            self.seen,
-            planned,
-        )
+    def eval_end(self, state: State, logger: Logger) -> None:
+        rank, planned = dist.get_global_rank(), len(state.dataloader.sampler)
+        log.info("rank %d evaluated %d of its %d eval samples", rank, self.seen, planned)
+
+
+class HangAfterEval(Callback):
+    """The ``post_eval_hang`` fault: this rank never comes back from its first eval."""
+
+    def eval_end(self, state: State, logger: Logger) -> None:
+        log.info("rank %d: sleeping forever after eval (injected fault)", dist.get_global_rank())
+        while True:
+            time.sleep(3600)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fault", choices=["none", "uneven_eval", "uneven_train", "drop_last"])
-    parser.add_argument("--no-rankguard", action="store_true")
-    args = parser.parse_args()
-    logging.basicConfig(
-        level=logging.INFO, format="[rank %(rank)s] %(levelname)s %(name)s: %(message)s"
+    parser.add_argument("--fault", choices=list(FAULTS), default="none")
+    parser.add_argument("--no-rankguard", action="store_true", help="show the symptom")
+    parser.add_argument(
+        "--workdir",
+        default="rankguard_example",
+        help="where checkpoints and hang reports go (cleared of the example's own files)",
     )
-    rank = dist.get_global_rank()
-    old_factory = logging.getLogRecordFactory()
-
-    def factory(*a, **kw):
-        record = old_factory(*a, **kw)
-        record.rank = rank
-        return record
-
-    logging.setLogRecordFactory(factory)
+    args = parser.parse_args()
+    log_with_rank()
     for noisy in ("composer", "rankguard.callbacks.drop_last"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    fault = args.fault or "none"
-    # drop_last: 33 samples per rank, 8 full batches and a partial one.
-    sizes = {"uneven_train": 32 if rank == 0 else 48, "drop_last": 66}
-    train = loader(sizes.get(fault, 64), drop_last=fault == "drop_last" and rank == 0)
-    eval_size = (16 if rank == 0 else 32) if fault == "uneven_eval" else 32
-    callbacks: list[Callback] = [EvalSamples()]
+    rank = dist.get_global_rank()
+    fault = setup(args.fault, args.workdir)
+    fault.clear_checkpoints(rank)
+    data = fault.data(rank)
+    data.describe(rank)
+    callbacks: list[Callback] = [Progress()]
+    if fault.hangs_after_eval(rank):
+        callbacks.append(HangAfterEval())
     if not args.no_rankguard:
         from rankguard.integrations.composer import RankGuard
 
-        callbacks.insert(0, RankGuard())
-    torch.manual_seed(0)
+        callbacks.insert(0, RankGuard(**fault.rankguard))
+    model = fault.model()
     trainer = Trainer(
-        model=ComposerClassifier(torch.nn.Linear(8, 2), num_classes=2),
-        train_dataloader=train,
-        eval_dataloader=Evaluator(label="eval", dataloader=loader(eval_size)),
-        max_duration="1ep",
+        model=ComposerClassifier(model, num_classes=2),
+        optimizers=torch.optim.Adam(model.parameters(), lr=0.01),
+        train_dataloader=loader(data.train, drop_last=data.train_drop_last),
+        eval_dataloader=Evaluator(label="eval", dataloader=loader(data.eval)),
+        max_duration=f"{fault.epochs}ep",
         eval_interval="1ep",
+        save_folder=fault.save_dir,
+        save_interval="1ep",
         device="cpu",
         progress_bar=False,
         log_to_console=False,
@@ -101,6 +127,7 @@ def main() -> None:
         callbacks=callbacks,
     )
     trainer.fit()
+    fault.report(rank)
     log.info("training finished")
     trainer.close()
 

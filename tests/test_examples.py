@@ -1,35 +1,153 @@
-"""Every example script runs: healthy passes clean, an injected fault is caught."""
+"""Every example runs: healthy runs pass clean, injected faults are caught, every YAML builds.
+
+Each launch is a real 2-rank CPU training (``composer -n 2`` or Lightning's ``ddp``
+launcher). Faults are a focused set, one per mechanism: a fit-start check
+(``drop_last``), a watchdog abort (``post_eval_hang``), a cross-rank statistic
+(``slow_data``) and a plan table (``ckpt_over_memory``).
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from importlib import import_module
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+import yaml
 
-pytestmark = pytest.mark.framework
+from rankguard.callbacks import HANG_EXIT_CODE
 
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
 LAUNCHER = Path(sys.executable).parent / "composer"
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+SEVEN_FAILURES = [
+    "uneven_eval",
+    "drop_last",
+    "unseeded_split",
+    "slow_data",
+    "post_eval_hang",
+    "node_local_ckpt",
+    "ckpt_over_memory",
+]
 
 
 def composer_example(tmp_path, *args):
-    cmd = [str(LAUNCHER), "-n", "2", str(ROOT / "examples" / "composer_train.py"), *args]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    cmd = [str(LAUNCHER), "-n", "2", str(EXAMPLES / "composer_train.py"), *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180)
 
 
+def lightning_example(tmp_path, *args):
+    cmd = [sys.executable, str(EXAMPLES / "lightning_train.py"), *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180)
+
+
+def rankguard_warnings(output):
+    return [line for line in output.splitlines() if "WARNING rankguard" in line]
+
+
+@pytest.mark.framework
 def test_composer_example_healthy_run_is_clean(tmp_path):
     proc = composer_example(tmp_path)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
+    assert "rank 0 trained 8 of its 8 train batches" in output
     assert "training finished" in output
-    assert [line for line in output.splitlines() if "WARNING rankguard" in line] == []
+    assert rankguard_warnings(output) == []
 
 
+@pytest.mark.framework
+def test_lightning_example_healthy_run_is_clean_on_both_ranks(tmp_path):
+    proc = lightning_example(tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} trained 8 of its 8 train batches" in output
+        assert f"rank {rank} evaluated 16 of its 16 eval samples" in output
+    assert rankguard_warnings(output) == []
+
+
+@pytest.mark.framework
 def test_composer_example_drop_last_fault_is_caught(tmp_path):
     proc = composer_example(tmp_path, "--fault", "drop_last")
+    output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "DropLastMismatchError" in proc.stdout + proc.stderr
+    assert "DropLastMismatchError" in output
+    assert "loader 'train': drop_last: rank 0: True, rank 1: False" in output
+    assert "trained" not in output  # stopped at fit start, before any batch
+
+
+@pytest.mark.framework
+def test_composer_example_post_eval_hang_aborts_with_75_and_rank_1_stack(tmp_path):
+    proc = composer_example(tmp_path, "--fault", "post_eval_hang")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == HANG_EXIT_CODE, output[-3000:]
+    assert "rankguard hang_watchdog: Hang:" in output
+    assert "after eval of 'eval'" in output and "(deadline 5 s)" in output
+    reports = tmp_path / "rankguard_example" / "rankguard_reports"
+    assert "deadline 5 s" in (reports / "summary.txt").read_text()
+    # Rank 1's stack file shows where it stopped: the example's injected sleep.
+    stacks = (reports / "rank1.txt").read_text()
+    assert "composer_train.py" in stacks and "in eval_end" in stacks
+
+
+@pytest.mark.framework
+def test_lightning_example_slow_data_names_rank_1_and_finishes(tmp_path):
+    proc = lightning_example(tmp_path, "--fault", "slow_data")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    warnings = rankguard_warnings(output)
+    assert len(warnings) == 2, warnings  # every rank logs the same verdict
+    for line in warnings:
+        assert "Data loading cannot keep up on rank 1: " in line
+    assert "training finished" in output
+
+
+@pytest.mark.framework
+def test_lightning_example_ckpt_over_memory_stops_before_training_with_the_table(tmp_path):
+    proc = lightning_example(tmp_path, "--fault", "ckpt_over_memory")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "CheckpointMemoryError: Checkpoint save will not fit" in output
+    assert "and 1.0 MiB is available (host_memory_bytes)" in output
+    assert "1.0 MiB (host_memory_bytes)  10.3 MiB !" in output  # the table's row
+    assert "trained" not in output
+    assert not list((tmp_path / "rankguard_example" / "checkpoints").glob("*.ckpt"))
+
+
+def test_both_examples_and_the_readme_cover_the_seven_failures():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        faults = import_module("faults")
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    assert set(SEVEN_FAILURES) < set(faults.FAULTS)
+    readme = (ROOT / "README.md").read_text()
+    for name in faults.FAULTS:
+        for script in ("composer_train.py", "lightning_train.py"):
+            assert f"    {name} " in (EXAMPLES / script).read_text() or name == "none"
+    for name in SEVEN_FAILURES:
+        assert f"--fault {name}" in readme
+
+
+def build_yaml(path):
+    """Builds the callbacks of an example YAML the way its tool does."""
+    config = yaml.safe_load(path.read_text())
+    if "callbacks" in config:  # llm-foundry: entry-point name -> class, YAML kwargs
+        registry = {ep.name: ep for ep in entry_points(group="llmfoundry_callbacks")}
+        return [registry[name].load()(**kw) for name, kw in config["callbacks"].items()]
+    built = []  # LightningCLI: class_path + init_args
+    for spec in config["trainer"]["callbacks"]:
+        module, _, name = spec["class_path"].rpartition(".")
+        built.append(getattr(import_module(module), name)(**spec.get("init_args", {})))
+    return built
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_yaml_builds_its_rankguard_callbacks(path):
+    callbacks = build_yaml(path)
+    assert callbacks
+    assert all(type(c).__module__.startswith("rankguard.integrations.") for c in callbacks)
