@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from rankguard.callbacks import side_channel
 from rankguard.callbacks.ranks import group_ranks, rank_label
 
 __all__ = [
@@ -43,10 +44,12 @@ Runs = tuple[tuple[int, int], ...]
 #: A stack as ``(file, line, function)`` frames, innermost first.
 Frames = Sequence[tuple[str, int, str]]
 
-#: Code in which a thread waits for other ranks (collectives, barriers, DDP's buffer sync).
+#: Code in which a thread waits for other ranks (collectives, barriers, DDP's buffer
+#: sync, and rankguard's own checks, which wait on the store).
 PEER_WAIT_CODE = (
     os.path.join("torch", "distributed", ""),
     os.path.join("torch", "nn", "parallel", "distributed.py"),
+    side_channel.__file__,
 )
 
 
@@ -140,14 +143,15 @@ def blocked_in(stack: Frames) -> str | None:
 
     Returns:
         ``None`` unless the innermost frame is ``torch.distributed`` code (a
-        collective, barrier or store wait: the thread waits for other ranks),
+        collective, barrier or store wait) or a rankguard check's exchange:
+        the thread waits for other ranks;
         else the call and its call site, past wrappers of the same name (a
         framework's ``all_reduce``), e.g.
         ``"all_reduce, called from trainer.py:3634 (_iter_dataloader)"``.
     """
     if not stack or not _waits_for_peers(stack[0][0]):
         return None
-    call = stack[0][2]
+    call = "rankguard exchange" if stack[0][0] == side_channel.__file__ else stack[0][2]
     callers = (f for f in stack if not _waits_for_peers(f[0]) and f[2] != call)
     caller = next(callers, None)
     if caller is None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from rankguard.callbacks.errors import RanksMissingError
 from rankguard.callbacks.events import EventFacts, LoaderFacts
 from rankguard.callbacks.hang_diagnosis import (
     RankStatus,
@@ -24,6 +26,7 @@ from rankguard.callbacks.hang_diagnosis import (
 from rankguard.callbacks.hang_report import main as report_main
 from rankguard.callbacks.hang_report import write_heartbeats, write_stacks
 from rankguard.callbacks.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
+from rankguard.callbacks.side_channel import SideChannel
 from tests.mp import run_ranks
 
 EVAL = LoaderFacts("eval", None, is_train=False)
@@ -486,3 +489,36 @@ def test_on_abort_rank_0_which_may_host_the_store_leaves_after_every_other_rank(
     assert [o.error for o in outcomes] == [None, None]
     left = [o.value for o in outcomes]
     assert left[0] >= 0.9 and left[1] < 0.5, left  # rank 0 waited for rank 1's last request
+
+
+def check_that_waits_for_rank_1(channel: SideChannel) -> None:
+    try:
+        channel.barrier("rank 1 never comes")
+    except RanksMissingError:
+        pass
+
+
+def test_a_rank_waiting_in_a_rankguard_check_is_blocked_on_its_peers():
+    # Rank 0 waits in another guard's exchange (e.g. the epoch-start batch check)
+    # for a rank that hangs: it is waiting, not stuck, and the caller is named.
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    server = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    channel = SideChannel(server, rank=0, world_size=2, timeout_s=3)
+    thread = threading.Thread(target=check_that_waits_for_rank_1, args=(channel,))
+    thread.start()
+    time.sleep(1.0)
+    frame = sys._current_frames()[thread.ident]
+    stack = []
+    while frame is not None:
+        stack.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    where = blocked_in(stack)
+    thread.join()
+    assert where is not None
+    assert where.startswith("rankguard exchange, called from test_hang_watchdog.py:")
+    assert where.endswith("(check_that_waits_for_rank_1)")
