@@ -10,7 +10,13 @@ Per step the monitor takes two timestamps and adds two numbers:
 * data wait: DATA_FETCH_START to DATA_FETCH_END (Composer's
   ``BEFORE_DATALOADER``/``AFTER_DATALOADER``; Lightning only exposes the gap
   from one train batch's end to the next one's start, mapped to the same
-  events, so it also counts per-batch callback and logging time);
+  events, so it also counts per-batch callback and logging time). When
+  DATA_FETCH_START comes with the train loader (Composer's adapter passes it),
+  the wait ends when that DataLoader's iterator returns the batch
+  (:class:`~rankguard.callbacks.data_fetch.LoaderReturnClock`): Composer's
+  window also holds an ``all_reduce`` over every rank, in which a rank with
+  its batch ready waits for the slowest rank's fetch, so measured to
+  AFTER_DATALOADER every rank would look starved;
 * step time: one TRAIN_BATCH_START to the next.
 
 A step is *slow* when its wait exceeds ``threshold`` of its step time. Each
@@ -42,6 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
+from rankguard.callbacks.data_fetch import LoaderReturnClock
 from rankguard.callbacks.data_worker import worker_failure
 from rankguard.callbacks.errors import DataStallError, RanksMissingError
 from rankguard.callbacks.events import EventFacts
@@ -185,6 +192,7 @@ class DataStallMonitor(Guard):
         self.window = _check_int("window", window)
         self.interval = _check_int("interval", interval)
         self.batch_size: int | None = None
+        self._clock = LoaderReturnClock()
         self._reset_interval(run=0)
         self._discard()
         self._batches = 0
@@ -198,6 +206,7 @@ class DataStallMonitor(Guard):
         self._longest = run
 
     def _discard(self) -> None:
+        self._clock.disarm()
         self._fetch_start: float | None = None
         self._wait = 0.0
         self._last_start: float | None = None
@@ -212,13 +221,17 @@ class DataStallMonitor(Guard):
         self._discard()
 
     def on_data_fetch_start(self, facts: EventFacts) -> None:
-        """Starts the wait clock."""
+        """Starts the wait clock; with the train loader, also watches for its batch."""
         self._fetch_start = time.perf_counter()
+        if facts.loader is not None:
+            self._clock.arm(facts.loader.loader)
 
     def on_data_fetch_end(self, facts: EventFacts) -> None:
-        """Stops the wait clock."""
+        """Stops the wait clock (at the loader's return, if it was watched and seen)."""
+        returned_at = self._clock.disarm()
         if self._fetch_start is not None:
-            self._wait += time.perf_counter() - self._fetch_start
+            end = time.perf_counter() if returned_at is None else returned_at
+            self._wait += max(0.0, end - self._fetch_start)
             self._fetch_start = None
 
     def on_train_batch_start(self, facts: EventFacts) -> None:
@@ -268,6 +281,10 @@ class DataStallMonitor(Guard):
             "rankguard %s: rank %d, step %d: %s", self.name, self.channel.rank, step, reason
         )
         return True
+
+    def close(self) -> None:
+        """Stops watching the loader; safe to call twice and after an error."""
+        self._clock.disarm()
 
     def _exchange(self) -> None:
         stats = IntervalStats(

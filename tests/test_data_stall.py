@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from rankguard.callbacks.data_fetch import LoaderReturnClock
 from rankguard.callbacks.data_stall import DataStallMonitor, IntervalStats, stall_verdict
 from rankguard.callbacks.data_worker import worker_failure
 from rankguard.callbacks.errors import DataStallError
@@ -190,3 +192,99 @@ def test_worker_failures_are_recognised_through_the_cause_chain():
         exited
     )
     assert worker_failure(RuntimeError("CUDA out of memory")) is None
+
+
+class _SlowItems(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.02)
+        return torch.zeros(1)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_loader_return_clock_stops_when_the_loader_returns_and_removes_itself(num_workers):
+    loader = DataLoader(_SlowItems(), batch_size=2, num_workers=num_workers)
+    iterator = iter(loader)
+    clock = LoaderReturnClock()
+    start = time.perf_counter()
+    assert clock.arm(loader)
+    next(iterator)
+    returned = time.perf_counter()
+    assert sys.getprofile() is None  # removed itself at the return
+    time.sleep(0.05)  # what a framework does after next(): Composer's all_reduce
+    returned_at = clock.disarm()
+    assert start + 0.04 <= returned_at <= returned
+    next(iterator)
+    assert clock.arm(loader)
+    with pytest.raises(StopIteration):
+        next(iterator)
+    assert clock.disarm() is not None and sys.getprofile() is None
+
+
+def test_loader_return_clock_leaves_other_profilers_and_other_iterables_alone():
+    clock = LoaderReturnClock()
+    assert not clock.arm(iter([1, 2]))  # not a DataLoader: the event's time is used
+    assert sys.getprofile() is None and clock.disarm() is None
+
+    def other(frame, event, arg):
+        return None
+
+    sys.setprofile(other)
+    try:
+        assert not clock.arm(DataLoader([1, 2]))
+        assert sys.getprofile() is other
+        assert clock.disarm() is None and sys.getprofile() is other
+    finally:
+        sys.setprofile(None)
+
+
+def test_wait_ends_when_the_loader_returns_not_after_a_collective_in_the_window():
+    """Composer's fetch window also holds an all_reduce: waiting there is not data wait."""
+    metrics: list[dict] = []
+    monitor = DataStallMonitor(window=1, interval=2)
+    monitor.bind(SideChannel(None), log_metrics=metrics.append)
+    loader = DataLoader(list(range(8)), batch_size=2)
+    train = LoaderFacts("train", loader, is_train=True)
+    iterator = iter(loader)
+    for facts in (EventFacts(loader=train), EventFacts(loader=train)):
+        monitor.on_data_fetch_start(facts)
+        next(iterator)  # ready at once
+        time.sleep(0.03)  # the all_reduce, waiting for a slower rank
+        monitor.on_data_fetch_end(facts)
+        monitor.on_train_batch_start(facts)
+        time.sleep(0.005)
+    [logged] = metrics
+    assert logged["rankguard/data_wait_fraction"] < 0.2
+    assert logged["rankguard/data_wait_s"] < 0.01
+
+
+class _BrokenQueue:
+    """A worker result queue whose sender died mid-batch (the fd transfer fails)."""
+
+    def get(self, timeout=None):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+class _RemoteReads(Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def test_a_connection_lost_while_receiving_a_batch_is_a_dead_worker():
+    iterator = iter(DataLoader(list(range(8)), batch_size=2, num_workers=1))
+    iterator._data_queue = _BrokenQueue()  # torch re-raises it while the worker looks alive
+    with pytest.raises(ConnectionResetError) as info:
+        next(iterator)
+    del iterator
+    reason = worker_failure(info.value)
+    assert "connection to a DataLoader worker broke" in reason
+    assert "(ConnectionResetError: [Errno 104] Connection reset by peer)" in reason
+    # The same error from the dataset's own code in the main process is not a worker's death.
+    with pytest.raises(ConnectionResetError) as info:
+        next(iter(DataLoader(_RemoteReads())))
+    assert worker_failure(info.value) is None
