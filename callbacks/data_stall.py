@@ -273,7 +273,10 @@ class DataStallMonitor(Guard):
         Returns:
             Whether ``exc`` was recognised as a data-loader failure.
         """
-        reason = worker_failure(exc)
+        try:
+            reason = worker_failure(exc)
+        except Exception as late:  # torch's SIGCHLD handler raises wherever this thread is
+            reason = worker_failure(late)
         if reason is None:
             return False
         step = facts.step if facts is not None else self._batches

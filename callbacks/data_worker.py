@@ -66,8 +66,8 @@ def _lost_worker(exc: BaseException) -> bool:
     if not isinstance(exc, ConnectionError | EOFError):
         return False
     path, function = _RECEIVE
-    frames = traceback.extract_tb(exc.__traceback__)
-    return any(f.name == function and PurePath(f.filename).parts[-4:] == path for f in frames)
+    codes = (frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__))
+    return any(c.co_name == function and PurePath(c.co_filename).parts[-4:] == path for c in codes)
 
 
 def worker_failure(exc: BaseException) -> str | None:
