@@ -11,12 +11,15 @@ two events every rank looks starved and the one that is cannot be named.
 the batch. Armed at the start of the fetch, a profile function
 (``sys.setprofile``, this thread only) waits for the outermost ``__next__``
 of a ``torch.utils.data.DataLoader`` iterator to return, records the time and
-removes itself. It costs one Python call per function call and return made
-while the loader produces the batch (a handful with worker processes, one per
-call into the dataset's code with ``num_workers=0``) and nothing after. It is
-never armed over another profiler (cProfile, ...), and is disarmed at the end
-of the window whatever happened; a fetch it did not see return (a loader that
-is not a DataLoader) falls back to the event's time.
+removes itself. While armed, the interpreter calls it at every function call
+and return the main process makes to produce the batch (receiving and
+unpickling with workers; the dataset's and collate's code with
+``num_workers=0``): 0.2-0.5 ms per batch of 32 in
+``benchmarks/data_stall_overhead.py``, which is why the data-stall monitor
+arms it only after a fetch window that looked slow. It is never armed over
+another profiler (cProfile, ...), and is disarmed at the end of the window
+whatever happened; a fetch it did not see return (a loader that is not a
+DataLoader) falls back to the event's time.
 """
 
 from __future__ import annotations
@@ -61,17 +64,25 @@ class LoaderReturnClock:
         self._returned_at: float | None = None
         self._armed = False
 
+    @staticmethod
+    def watchable(loader: Any) -> bool:
+        """Whether :meth:`arm` can watch ``loader``: a DataLoader, and no other profiler runs."""
+        return (
+            isinstance(loader, DataLoader)
+            and loader_next_code() is not None
+            and sys.getprofile() is None
+        )
+
     def arm(self, loader: Any) -> bool:
-        """Starts watching if ``loader`` is a DataLoader and no other profiler runs.
+        """Starts watching if :meth:`watchable`.
 
         Returns:
             Whether the clock is armed.
         """
         self.disarm()
-        code = loader_next_code()
-        if code is None or not isinstance(loader, DataLoader) or sys.getprofile() is not None:
+        if not self.watchable(loader):
             return False
-        self._code = code
+        self._code = loader_next_code()
         self._armed = True
         sys.setprofile(self._hook)
         return True

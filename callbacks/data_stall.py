@@ -10,14 +10,20 @@ Per step the monitor takes two timestamps and adds two numbers:
 * data wait: DATA_FETCH_START to DATA_FETCH_END (Composer's
   ``BEFORE_DATALOADER``/``AFTER_DATALOADER``; Lightning only exposes the gap
   from one train batch's end to the next one's start, mapped to the same
-  events, so it also counts per-batch callback and logging time). When
-  DATA_FETCH_START comes with the train loader (Composer's adapter passes it),
-  the wait ends when that DataLoader's iterator returns the batch
-  (:class:`~rankguard.callbacks.data_fetch.LoaderReturnClock`): Composer's
-  window also holds an ``all_reduce`` over every rank, in which a rank with
-  its batch ready waits for the slowest rank's fetch, so measured to
-  AFTER_DATALOADER every rank would look starved;
+  events, so it also counts per-batch callback and logging time);
 * step time: one TRAIN_BATCH_START to the next.
+
+When DATA_FETCH_START comes with the train loader (Composer's adapter passes
+it), the window also holds a collective: Composer runs an ``all_reduce`` over
+every rank after ``next()``, in which a rank with its batch ready waits for
+the slowest rank's fetch, so every rank's window looks starved. A step whose
+window looks slow is then not measured, and the next fetches are timed to
+the moment the DataLoader's iterator returns the batch
+(:class:`~rankguard.callbacks.data_fetch.LoaderReturnClock`, a profile hook
+live during ``next()``) for as long as they stay slow; a stall is counted
+from the first such fetch. A healthy run never arms the hook; a starved rank
+pays it, 0.2-0.5 ms per ``next()`` of a batch of 32 in
+``benchmarks/data_stall_overhead.py``.
 
 A step is *slow* when its wait exceeds ``threshold`` of its step time. Each
 rank counts its consecutive slow steps. Every ``interval`` train batches all
@@ -193,6 +199,7 @@ class DataStallMonitor(Guard):
         self.interval = _check_int("interval", interval)
         self.batch_size: int | None = None
         self._clock = LoaderReturnClock()
+        self._watch = False
         self._reset_interval(run=0)
         self._discard()
         self._batches = 0
@@ -209,6 +216,8 @@ class DataStallMonitor(Guard):
         self._clock.disarm()
         self._fetch_start: float | None = None
         self._wait = 0.0
+        self._exact = True
+        self._armed = False
         self._last_start: float | None = None
 
     def on_fit_start(self, facts: EventFacts) -> None:
@@ -217,14 +226,17 @@ class DataStallMonitor(Guard):
         self.batch_size = loader_settings(train.loader).batch_size if train else None
         self._batches = 0
         self._reported = frozenset()
+        self._watch = False
         self._reset_interval(run=0)
         self._discard()
 
     def on_data_fetch_start(self, facts: EventFacts) -> None:
-        """Starts the wait clock; with the train loader, also watches for its batch."""
+        """Starts the wait clock; after a slow window, also watches the train loader's return."""
         self._fetch_start = time.perf_counter()
-        if facts.loader is not None:
-            self._clock.arm(facts.loader.loader)
+        loader = None if facts.loader is None else facts.loader.loader
+        # With the loader, the window also holds a collective: only its return is our own.
+        self._exact = loader is None or not self._clock.watchable(loader)
+        self._armed = self._watch and not self._exact and self._clock.arm(loader)
 
     def on_data_fetch_end(self, facts: EventFacts) -> None:
         """Stops the wait clock (at the loader's return, if it was watched and seen)."""
@@ -233,25 +245,35 @@ class DataStallMonitor(Guard):
             end = time.perf_counter() if returned_at is None else returned_at
             self._wait += max(0.0, end - self._fetch_start)
             self._fetch_start = None
+        if self._armed:  # the loader's return, or all there is to time if it was not seen
+            self._exact = True
+            self._armed = False
 
     def on_train_batch_start(self, facts: EventFacts) -> None:
         """Closes the previous step; every ``interval`` batches, exchanges and logs."""
         now = time.perf_counter()
         if self._last_start is not None:
-            step = now - self._last_start
-            self._sum_step += step
-            self._sum_wait += self._wait
-            self._steps += 1
-            if self._wait > self.threshold * step:
-                self._run += 1
-                self._longest = max(self._longest, self._run)
-            else:
-                self._run = 0
+            self._close_step(now - self._last_start)
         self._wait = 0.0
         self._batches += 1
         if self._batches % self.interval == 0:
             self._exchange()
         self._last_start = time.perf_counter()
+
+    def _close_step(self, step: float) -> None:
+        slow = self._wait > self.threshold * step
+        if slow and not self._exact:
+            self._watch = True  # maybe another rank's fetch: time the next one exactly
+            return
+        self._watch = slow
+        self._sum_step += step
+        self._sum_wait += self._wait
+        self._steps += 1
+        if slow:
+            self._run += 1
+            self._longest = max(self._longest, self._run)
+        else:
+            self._run = 0
 
     def on_epoch_start(self, facts: EventFacts) -> None:
         """Does not measure across the epoch boundary."""

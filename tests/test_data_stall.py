@@ -240,24 +240,64 @@ def test_loader_return_clock_leaves_other_profilers_and_other_iterables_alone():
         sys.setprofile(None)
 
 
-def test_wait_ends_when_the_loader_returns_not_after_a_collective_in_the_window():
-    """Composer's fetch window also holds an all_reduce: waiting there is not data wait."""
-    metrics: list[dict] = []
-    monitor = DataStallMonitor(window=1, interval=2)
-    monitor.bind(SideChannel(None), log_metrics=metrics.append)
-    loader = DataLoader(list(range(8)), batch_size=2)
-    train = LoaderFacts("train", loader, is_train=True)
+class _Profiled(Dataset):
+    """Items read after ``delay_s``; records whether a profile hook was live while reading."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.hooked: list[bool] = []
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> int:
+        self.hooked.append(sys.getprofile() is not None)
+        time.sleep(self.delay_s)
+        return i
+
+
+def _composer_like_steps(monitor, dataset, collective_s, steps):
+    """Fetch windows as Composer's: next(), then an all_reduce waiting ``collective_s``."""
+    loader = DataLoader(dataset, batch_size=1)
+    facts = EventFacts(loader=LoaderFacts("train", loader, is_train=True))
     iterator = iter(loader)
-    for facts in (EventFacts(loader=train), EventFacts(loader=train)):
+    for _ in range(steps):
         monitor.on_data_fetch_start(facts)
-        next(iterator)  # ready at once
-        time.sleep(0.03)  # the all_reduce, waiting for a slower rank
+        next(iterator)
+        time.sleep(collective_s)
         monitor.on_data_fetch_end(facts)
         monitor.on_train_batch_start(facts)
-        time.sleep(0.005)
-    [logged] = metrics
+        time.sleep(0.005)  # compute
+
+
+def test_a_collective_in_the_fetch_window_is_not_counted_as_data_wait():
+    """Composer's window also holds an all_reduce: waiting there for a slower rank is not ours."""
+    metrics: list[dict] = []
+    monitor = DataStallMonitor(window=1, interval=6, on_violation="raise")
+    monitor.bind(SideChannel(None), log_metrics=metrics.append)
+    data = _Profiled(delay_s=0.0)
+    _composer_like_steps(monitor, data, collective_s=0.03, steps=6)
+    [logged] = metrics  # no DataStallError although every window was 85% waiting
     assert logged["rankguard/data_wait_fraction"] < 0.2
     assert logged["rankguard/data_wait_s"] < 0.01
+    # A window that looks slow is not measured; the next fetch is timed to the loader's return.
+    assert data.hooked == [False, False, True, False, True, False]
+
+
+def test_a_slow_loader_is_timed_to_its_return_and_reported():
+    monitor = DataStallMonitor(window=2, interval=5, on_violation="raise")
+    monitor.bind(SideChannel(None))
+    data = _Profiled(delay_s=0.03)
+    with pytest.raises(DataStallError, match=r"on rank 0: .* 3 slow steps in a row"):
+        _composer_like_steps(monitor, data, collective_s=0.0, steps=5)
+    assert data.hooked == [False, False, True, True, True]
+
+
+def test_a_healthy_fetch_window_never_arms_the_profile_hook():
+    monitor = DataStallMonitor(window=1, interval=50)
+    data = _Profiled(delay_s=0.0)
+    _composer_like_steps(monitor, data, collective_s=0.0, steps=20)
+    assert not any(data.hooked)
 
 
 class _BrokenQueue:
