@@ -134,7 +134,7 @@ def streaming(shuffle_seed: int, scenario: str) -> None:
     class PointsStream(StreamingDataset):
         def __getitem__(self, i: int):
             sample = super().__getitem__(i)
-            return torch.from_numpy(sample["x"]), torch.tensor(sample["y"])
+            return torch.tensor(sample["x"]), torch.tensor(sample["y"])
 
     root = os.path.join(os.environ["MDS_ROOT"], scenario)
 
