@@ -13,6 +13,18 @@ Per step the monitor takes two timestamps and adds two numbers:
   events, so it also counts per-batch callback and logging time);
 * step time: one TRAIN_BATCH_START to the next.
 
+When DATA_FETCH_START comes with the train loader (Composer's adapter passes
+it), the window also holds a collective: Composer runs an ``all_reduce`` over
+every rank after ``next()``, in which a rank with its batch ready waits for
+the slowest rank's fetch, so every rank's window looks starved. A step whose
+window looks slow is then not measured, and the next fetches are timed to
+the moment the DataLoader's iterator returns the batch
+(:class:`~rankguard.callbacks.data_fetch.LoaderReturnClock`, a profile hook
+live during ``next()``) for as long as they stay slow; a stall is counted
+from the first such fetch. A healthy run never arms the hook; a starved rank
+pays it, 0.2-0.5 ms per ``next()`` of a batch of 32 in
+``benchmarks/data_stall_overhead.py``.
+
 A step is *slow* when its wait exceeds ``threshold`` of its step time. Each
 rank counts its consecutive slow steps. Every ``interval`` train batches all
 ranks exchange their totals once through the side channel (never per step):
@@ -42,6 +54,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
+from rankguard.callbacks.data_fetch import LoaderReturnClock
 from rankguard.callbacks.data_worker import worker_failure
 from rankguard.callbacks.errors import DataStallError, RanksMissingError
 from rankguard.callbacks.events import EventFacts
@@ -185,6 +198,8 @@ class DataStallMonitor(Guard):
         self.window = _check_int("window", window)
         self.interval = _check_int("interval", interval)
         self.batch_size: int | None = None
+        self._clock = LoaderReturnClock()
+        self._watch = False
         self._reset_interval(run=0)
         self._discard()
         self._batches = 0
@@ -198,8 +213,11 @@ class DataStallMonitor(Guard):
         self._longest = run
 
     def _discard(self) -> None:
+        self._clock.disarm()
         self._fetch_start: float | None = None
         self._wait = 0.0
+        self._exact = True
+        self._armed = False
         self._last_start: float | None = None
 
     def on_fit_start(self, facts: EventFacts) -> None:
@@ -208,37 +226,54 @@ class DataStallMonitor(Guard):
         self.batch_size = loader_settings(train.loader).batch_size if train else None
         self._batches = 0
         self._reported = frozenset()
+        self._watch = False
         self._reset_interval(run=0)
         self._discard()
 
     def on_data_fetch_start(self, facts: EventFacts) -> None:
-        """Starts the wait clock."""
+        """Starts the wait clock; after a slow window, also watches the train loader's return."""
         self._fetch_start = time.perf_counter()
+        loader = None if facts.loader is None else facts.loader.loader
+        # With the loader, the window also holds a collective: only its return is our own.
+        self._exact = loader is None or not self._clock.watchable(loader)
+        self._armed = self._watch and not self._exact and self._clock.arm(loader)
 
     def on_data_fetch_end(self, facts: EventFacts) -> None:
-        """Stops the wait clock."""
+        """Stops the wait clock (at the loader's return, if it was watched and seen)."""
+        returned_at = self._clock.disarm()
         if self._fetch_start is not None:
-            self._wait += time.perf_counter() - self._fetch_start
+            end = time.perf_counter() if returned_at is None else returned_at
+            self._wait += max(0.0, end - self._fetch_start)
             self._fetch_start = None
+        if self._armed:  # the loader's return, or all there is to time if it was not seen
+            self._exact = True
+            self._armed = False
 
     def on_train_batch_start(self, facts: EventFacts) -> None:
         """Closes the previous step; every ``interval`` batches, exchanges and logs."""
         now = time.perf_counter()
         if self._last_start is not None:
-            step = now - self._last_start
-            self._sum_step += step
-            self._sum_wait += self._wait
-            self._steps += 1
-            if self._wait > self.threshold * step:
-                self._run += 1
-                self._longest = max(self._longest, self._run)
-            else:
-                self._run = 0
+            self._close_step(now - self._last_start)
         self._wait = 0.0
         self._batches += 1
         if self._batches % self.interval == 0:
             self._exchange()
         self._last_start = time.perf_counter()
+
+    def _close_step(self, step: float) -> None:
+        slow = self._wait > self.threshold * step
+        if slow and not self._exact:
+            self._watch = True  # maybe another rank's fetch: time the next one exactly
+            return
+        self._watch = slow
+        self._sum_step += step
+        self._sum_wait += self._wait
+        self._steps += 1
+        if slow:
+            self._run += 1
+            self._longest = max(self._longest, self._run)
+        else:
+            self._run = 0
 
     def on_epoch_start(self, facts: EventFacts) -> None:
         """Does not measure across the epoch boundary."""
@@ -260,7 +295,10 @@ class DataStallMonitor(Guard):
         Returns:
             Whether ``exc`` was recognised as a data-loader failure.
         """
-        reason = worker_failure(exc)
+        try:
+            reason = worker_failure(exc)
+        except Exception as late:  # torch's SIGCHLD handler raises wherever this thread is
+            reason = worker_failure(late)
         if reason is None:
             return False
         step = facts.step if facts is not None else self._batches
@@ -268,6 +306,10 @@ class DataStallMonitor(Guard):
             "rankguard %s: rank %d, step %d: %s", self.name, self.channel.rank, step, reason
         )
         return True
+
+    def close(self) -> None:
+        """Stops watching the loader; safe to call twice and after an error."""
+        self._clock.disarm()
 
     def _exchange(self) -> None:
         stats = IntervalStats(

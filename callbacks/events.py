@@ -108,7 +108,8 @@ class EventFacts:
         step: Global index of the current train batch (0 before the first).
         epoch: Current epoch, from 0.
         loader: The loader the event is about (EPOCH_START: train; EVAL_*:
-            the eval loader).
+            the eval loader; DATA_FETCH_START: train, from adapters whose fetch
+            window also holds a collective, so the batch's own arrival is timed).
         batch_index: Index of the batch within ``loader`` for batch events.
         loaders: Every loader known at FIT_START, train first.
         model: The model being trained (FIT_START).

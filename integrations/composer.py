@@ -17,6 +17,7 @@ Requires ``pip install 'rankguard[composer]'``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -154,7 +155,9 @@ def event_facts(event: CoreEvent, state: State) -> EventFacts:
     elif event is CoreEvent.CHECKPOINT_SAVE_START:
         facts.model = state.model
         facts.directories = save_directories(state)
-    elif event is CoreEvent.EPOCH_START:
+    elif event in (CoreEvent.EPOCH_START, CoreEvent.DATA_FETCH_START):
+        # DATA_FETCH_START: Composer's window also holds an all_reduce over the ranks, so
+        # the data-stall monitor times the loader's own return (see callbacks/data_fetch.py).
         facts.loader = _train_loader(state)
     elif event in _EVAL_EVENTS:
         facts.loader = LoaderFacts(
@@ -169,14 +172,32 @@ def event_facts(event: CoreEvent, state: State) -> EventFacts:
     return facts
 
 
+def escaping_exception() -> BaseException | None:
+    """The exception that is ending the run, seen from ``Callback.close``.
+
+    Composer has no exception event: an error raised in ``fit`` propagates, and
+    callbacks are closed from the caller's ``finally: trainer.close()`` (the
+    exception is then being handled: ``sys.exc_info``) or at interpreter exit
+    (``Engine`` registers its close with ``atexit``, after Python printed the
+    traceback and kept the exception in ``sys.last_exc``/``sys.last_value``).
+    """
+    current = sys.exc_info()[1]
+    if current is not None:
+        return current
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+
+
 class _ComposerAdapter(Callback):
     """Drives a :class:`GuardRunner` from Composer events."""
 
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
         self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
+        self._fitting = False
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Translates a Composer event and dispatches it to the guards."""
+        if event in (Event.FIT_START, Event.FIT_END):
+            self._fitting = event is Event.FIT_START
         core_event = _EVENTS.get(event)
         if core_event is None or not self.runner.handles(core_event):
             return
@@ -185,8 +206,18 @@ class _ComposerAdapter(Callback):
         self.runner.fire(core_event, event_facts(core_event, state), logger.log_metrics)
 
     def close(self, state: State, logger: Logger) -> None:
-        """Stops every guard; safe to call twice and after an exception."""
-        del state, logger
+        """Lets guards explain an error that ended fit (a dead data worker), then stops them.
+
+        Safe to call twice and after an exception.
+        """
+        del logger
+        if self._fitting:  # fit started and did not end: an exception is ending the run
+            self._fitting = False
+            exc = escaping_exception()
+            if exc is not None:
+                timestamp = state.timestamp
+                facts = EventFacts(step=int(timestamp.batch), epoch=int(timestamp.epoch))
+                self.runner.error(exc, facts)
         self.runner.close()
 
 

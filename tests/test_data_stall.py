@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from rankguard.callbacks.data_fetch import LoaderReturnClock
 from rankguard.callbacks.data_stall import DataStallMonitor, IntervalStats, stall_verdict
 from rankguard.callbacks.data_worker import worker_failure
 from rankguard.callbacks.errors import DataStallError
@@ -190,3 +192,139 @@ def test_worker_failures_are_recognised_through_the_cause_chain():
         exited
     )
     assert worker_failure(RuntimeError("CUDA out of memory")) is None
+
+
+class _SlowItems(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.02)
+        return torch.zeros(1)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_loader_return_clock_stops_when_the_loader_returns_and_removes_itself(num_workers):
+    loader = DataLoader(_SlowItems(), batch_size=2, num_workers=num_workers)
+    iterator = iter(loader)
+    clock = LoaderReturnClock()
+    start = time.perf_counter()
+    assert clock.arm(loader)
+    next(iterator)
+    returned = time.perf_counter()
+    assert sys.getprofile() is None  # removed itself at the return
+    time.sleep(0.05)  # what a framework does after next(): Composer's all_reduce
+    returned_at = clock.disarm()
+    assert start + 0.04 <= returned_at <= returned
+    next(iterator)
+    assert clock.arm(loader)
+    with pytest.raises(StopIteration):
+        next(iterator)
+    assert clock.disarm() is not None and sys.getprofile() is None
+
+
+def test_loader_return_clock_leaves_other_profilers_and_other_iterables_alone():
+    clock = LoaderReturnClock()
+    assert not clock.arm(iter([1, 2]))  # not a DataLoader: the event's time is used
+    assert sys.getprofile() is None and clock.disarm() is None
+
+    def other(frame, event, arg):
+        return None
+
+    sys.setprofile(other)
+    try:
+        assert not clock.arm(DataLoader([1, 2]))
+        assert sys.getprofile() is other
+        assert clock.disarm() is None and sys.getprofile() is other
+    finally:
+        sys.setprofile(None)
+
+
+class _Profiled(Dataset):
+    """Items read after ``delay_s``; records whether a profile hook was live while reading."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.hooked: list[bool] = []
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> int:
+        self.hooked.append(sys.getprofile() is not None)
+        time.sleep(self.delay_s)
+        return i
+
+
+def _composer_like_steps(monitor, dataset, collective_s, steps):
+    """Fetch windows as Composer's: next(), then an all_reduce waiting ``collective_s``."""
+    loader = DataLoader(dataset, batch_size=1)
+    facts = EventFacts(loader=LoaderFacts("train", loader, is_train=True))
+    iterator = iter(loader)
+    for _ in range(steps):
+        monitor.on_data_fetch_start(facts)
+        next(iterator)
+        time.sleep(collective_s)
+        monitor.on_data_fetch_end(facts)
+        monitor.on_train_batch_start(facts)
+        time.sleep(0.005)  # compute
+
+
+def test_a_collective_in_the_fetch_window_is_not_counted_as_data_wait():
+    """Composer's window also holds an all_reduce: waiting there for a slower rank is not ours."""
+    metrics: list[dict] = []
+    monitor = DataStallMonitor(window=1, interval=6, on_violation="raise")
+    monitor.bind(SideChannel(None), log_metrics=metrics.append)
+    data = _Profiled(delay_s=0.0)
+    _composer_like_steps(monitor, data, collective_s=0.03, steps=6)
+    [logged] = metrics  # no DataStallError although every window was 85% waiting
+    assert logged["rankguard/data_wait_fraction"] < 0.2
+    assert logged["rankguard/data_wait_s"] < 0.01
+    # A window that looks slow is not measured; the next fetch is timed to the loader's return.
+    assert data.hooked == [False, False, True, False, True, False]
+
+
+def test_a_slow_loader_is_timed_to_its_return_and_reported():
+    monitor = DataStallMonitor(window=2, interval=5, on_violation="raise")
+    monitor.bind(SideChannel(None))
+    data = _Profiled(delay_s=0.03)
+    with pytest.raises(DataStallError, match=r"on rank 0: .* 3 slow steps in a row"):
+        _composer_like_steps(monitor, data, collective_s=0.0, steps=5)
+    assert data.hooked == [False, False, True, True, True]
+
+
+def test_a_healthy_fetch_window_never_arms_the_profile_hook():
+    monitor = DataStallMonitor(window=1, interval=50)
+    data = _Profiled(delay_s=0.0)
+    _composer_like_steps(monitor, data, collective_s=0.0, steps=20)
+    assert not any(data.hooked)
+
+
+class _BrokenQueue:
+    """A worker result queue whose sender died mid-batch (the fd transfer fails)."""
+
+    def get(self, timeout=None):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+class _RemoteReads(Dataset):
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+def test_a_connection_lost_while_receiving_a_batch_is_a_dead_worker():
+    iterator = iter(DataLoader(list(range(8)), batch_size=2, num_workers=1))
+    iterator._data_queue = _BrokenQueue()  # torch re-raises it while the worker looks alive
+    with pytest.raises(ConnectionResetError) as info:
+        next(iterator)
+    del iterator
+    reason = worker_failure(info.value)
+    assert "connection to a DataLoader worker broke" in reason
+    assert "(ConnectionResetError: [Errno 104] Connection reset by peer)" in reason
+    # The same error from the dataset's own code in the main process is not a worker's death.
+    with pytest.raises(ConnectionResetError) as info:
+        next(iter(DataLoader(_RemoteReads())))
+    assert worker_failure(info.value) is None

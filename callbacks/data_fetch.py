@@ -1,0 +1,108 @@
+"""When a DataLoader handed over its batch, for fetch windows that also hold a collective.
+
+Composer fires BEFORE_DATALOADER, calls ``next()`` on the train loader, then
+runs an ``all_reduce`` in which every rank says whether it ran out of data,
+and only then fires AFTER_DATALOADER. That window holds the slowest rank's
+fetch on every rank: a rank whose own batch was ready in 1 ms still "waits"
+150 ms while another rank reads from slow storage, so measured between the
+two events every rank looks starved and the one that is cannot be named.
+
+:class:`LoaderReturnClock` ends the wait when the loader's iterator returns
+the batch. Armed at the start of the fetch, a profile function
+(``sys.setprofile``, this thread only) waits for the outermost ``__next__``
+of a ``torch.utils.data.DataLoader`` iterator to return, records the time and
+removes itself. While armed, the interpreter calls it at every function call
+and return the main process makes to produce the batch (receiving and
+unpickling with workers; the dataset's and collate's code with
+``num_workers=0``): 0.2-0.5 ms per batch of 32 in
+``benchmarks/data_stall_overhead.py``, which is why the data-stall monitor
+arms it only after a fetch window that looked slow. It is never armed over
+another profiler (cProfile, ...), and is disarmed at the end of the window
+whatever happened; a fetch it did not see return (a loader that is not a
+DataLoader) falls back to the event's time.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from functools import cache
+from types import CodeType, FrameType
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+__all__ = ["LoaderReturnClock", "loader_next_code"]
+
+
+@cache
+def loader_next_code() -> CodeType | None:
+    """The code of ``__next__`` shared by every DataLoader iterator, or ``None``.
+
+    Found through an iterator of an empty loader rather than by torch's private
+    base class name; ``None`` (no clock) if torch ever makes it a C method.
+    """
+    next_method = getattr(type(iter(DataLoader([]))), "__next__", None)
+    return getattr(next_method, "__code__", None)
+
+
+class LoaderReturnClock:
+    """Records when a DataLoader iterator's ``__next__`` returns on this thread.
+
+    Example::
+
+        clock = LoaderReturnClock()
+        clock.arm(loader)
+        batch = next(iterator)  # plus whatever else the framework does
+        returned_at = clock.disarm()  # time.perf_counter() at the return, or None
+    """
+
+    def __init__(self) -> None:
+        self._hook = self._profile  # one bound method: identity checks below
+        self._code: CodeType | None = None
+        self._depth = 0
+        self._returned_at: float | None = None
+        self._armed = False
+
+    @staticmethod
+    def watchable(loader: Any) -> bool:
+        """Whether :meth:`arm` can watch ``loader``: a DataLoader, and no other profiler runs."""
+        return (
+            isinstance(loader, DataLoader)
+            and loader_next_code() is not None
+            and sys.getprofile() is None
+        )
+
+    def arm(self, loader: Any) -> bool:
+        """Starts watching if :meth:`watchable`.
+
+        Returns:
+            Whether the clock is armed.
+        """
+        self.disarm()
+        if not self.watchable(loader):
+            return False
+        self._code = loader_next_code()
+        self._armed = True
+        sys.setprofile(self._hook)
+        return True
+
+    def disarm(self) -> float | None:
+        """Stops watching; returns when ``__next__`` returned since :meth:`arm`, or ``None``."""
+        if self._armed and sys.getprofile() is self._hook:
+            sys.setprofile(None)
+        returned_at, self._returned_at = self._returned_at, None
+        self._armed = False
+        self._depth = 0
+        return returned_at
+
+    def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if frame.f_code is not self._code:
+            return
+        if event == "call":
+            self._depth += 1
+        elif event == "return":
+            self._depth -= 1
+            if self._depth <= 0:  # the outermost loader returned (a batch or StopIteration)
+                self._returned_at = time.perf_counter()
+                sys.setprofile(None)
