@@ -280,7 +280,7 @@ class SideChannel:
             self._seq[name] = seq + 1
         if self._root is None:
             return decide({self.rank: payload})
-        timeout = scaled_timeout(timeout, self.world_size)
+        configured, timeout = timeout, scaled_timeout(timeout, self.world_size)
         base = f"{self.prefix}/{name}/{seq}"
         verdict_key = f"{base}/verdict"
         self._set(f"{base}/r{self.rank}", payload)
@@ -298,7 +298,7 @@ class SideChannel:
         else:  # payloads stay: the others tell the missing ranks by their absence
             verdict = self._missing_without_verdict(base)
         if isinstance(verdict, _Missing):
-            raise self._missing_error(name, verdict.ranks, timeout)
+            raise self._missing_error(name, verdict.ranks, configured)
         if isinstance(verdict, _Failed):
             raise RuntimeError(f"rankguard exchange {name!r} failed on rank 0: {verdict.message}")
         return verdict
@@ -373,9 +373,12 @@ class SideChannel:
                 logger.debug("rankguard: could not delete store key %s", key)
 
     def _missing_error(self, name: str, missing: list[int], timeout: float) -> RanksMissingError:
+        """The error naming ``missing``; ``timeout`` is the configured one (before scaling)."""
         who = rank_label(missing)
+        allowance = scaled_timeout(timeout, self.world_size) - timeout
+        extra = f" + {allowance:.0f} s for {self.world_size} ranks" if allowance >= 1 else ""
         return RanksMissingError(
-            f"{who} did not reach rankguard exchange {name!r} within {timeout:g} s "
+            f"{who} did not reach rankguard exchange {name!r} within {timeout:g} s{extra} "
             f"(world size {self.world_size}); {'it is' if len(missing) == 1 else 'they are'} "
             "still busy in an earlier phase, stuck, or dead.",
             name=name,

@@ -214,6 +214,11 @@ def test_timeouts_grow_with_the_world_size():
     assert scaled_timeout(300.0, 4096) - scaled_timeout(300.0, 8) == pytest.approx(
         4088 * PER_RANK_WAIT_S
     )
+    # Errors show the timeout the user set, and the allowance once it is worth saying.
+    big = SideChannel(None, rank=0, world_size=4096)._missing_error("x", [7], 300.0)
+    assert "within 300 s + 20 s for 4096 ranks" in str(big) and big.timeout_s == 300.0
+    small = SideChannel(None, rank=0, world_size=2)._missing_error("x", [1], 0.5)
+    assert "within 0.5 s (world size 2)" in str(small) and small.timeout_s == 0.5
 
 
 COLLECTIVES = (
