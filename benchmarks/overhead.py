@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def run_framework(framework: str, rounds: int, steps: int) -> dict:
+def run_framework(framework: str, rounds: int, steps: int, config: str = "{}") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         job = [str(HERE / "overhead_job.py"), framework, str(rounds), str(steps), str(out)]
@@ -35,7 +35,7 @@ def run_framework(framework: str, rounds: int, steps: int) -> dict:
             cmd = [str(Path(sys.executable).parent / "composer"), "-n", "2", *job]
         else:
             cmd = [sys.executable, *job]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANKGUARD_BENCH_CONFIG": config}
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=1200)
         if proc.returncode != 0 or not out.exists():
             raise SystemExit(
@@ -73,11 +73,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--frameworks", default="composer,lightning")
+    parser.add_argument(
+        "--config",
+        default="{}",
+        help="RankGuard settings as JSON, e.g. '{\"hang_watchdog\": false}'",
+    )
     args = parser.parse_args()
     header = ("framework", "steps", "ms/step", "without s", "with s", "ratio")
     print("{:<10} {:>5} {:>8} {:>10} {:>8} {:>7}".format(*header))
     for framework in args.frameworks.split(","):
-        t = run_framework(framework, args.rounds, args.steps)
+        t = run_framework(framework, args.rounds, args.steps, args.config)
         without, with_ = statistics.median(t["without"]), statistics.median(t["with"])
         print(
             f"{framework:<10} {t['steps']:>5} {1000 * without / t['steps']:>8.1f} "

@@ -8,6 +8,7 @@ Rank 0 writes the wall time of every fit to OUT as JSON.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -48,7 +49,7 @@ def composer_fit(guarded: bool, steps: int) -> float:
         progress_bar=False,
         log_to_console=False,
         loggers=[],
-        callbacks=[RankGuard()] if guarded else [],
+        callbacks=[RankGuard(**CONFIG)] if guarded else [],
     )
     start = time.perf_counter()
     trainer.fit()
@@ -83,7 +84,7 @@ def lightning_fit(guarded: bool, steps: int) -> float:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[RankGuard()] if guarded else [],
+        callbacks=[RankGuard(**CONFIG)] if guarded else [],
     )
     loader = DataLoader(data(steps), batch_size=BATCH)
     start = time.perf_counter()
@@ -92,6 +93,8 @@ def lightning_fit(guarded: bool, steps: int) -> float:
 
 
 RANKGUARD_S = [0.0]
+#: RankGuard's settings (``overhead.py --config``); all guards with defaults if unset.
+CONFIG = json.loads(os.environ.get("RANKGUARD_BENCH_CONFIG") or "{}")
 
 
 def time_rankguard() -> None:
