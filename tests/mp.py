@@ -1,22 +1,34 @@
-"""A multi-process harness that cannot hang the suite.
+"""Multi-process harnesses that cannot hang the suite.
 
 ``run_ranks(fn, world_size)`` starts one process per rank, joins a gloo
 process group through a file store (no ports), runs ``fn(rank, world_size,
-*args)`` and returns each rank's outcome. Every run has a hard timeout after
-which the remaining processes are killed.
+*args)`` and returns each rank's outcome. ``run_job(cmd, ...)`` runs a
+launcher command (``composer -n 2``, a Lightning ``ddp`` script) in its own
+session. Every run has a hard timeout after which the remaining processes are
+killed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
+import subprocess
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Set by a launcher or a cluster: a launched job must pick its own rendezvous.
+LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
 
 
 @dataclass
@@ -85,3 +97,56 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 60.0) -> 
                 p.kill()
                 p.join()
     return [outcomes.get(r, Outcome(r, procs[r].exitcode)) for r in range(world_size)]
+
+
+@dataclass
+class Job:
+    returncode: int
+    output: str  # stdout and stderr together
+    ended_at: float  # Unix time the launched process ended
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_job(
+    cmd: list[str],
+    *,
+    timeout_s: float,
+    cwd: Path | None = None,
+    after_exit: Callable[[], None] | None = None,
+) -> Job:
+    """Runs a launcher command whose ranks all join its session; fails the test on timeout.
+
+    Args:
+        cmd: The command (its ranks inherit the session, so one kill ends them all).
+        timeout_s: Hard limit for the command; then the session is killed.
+        cwd: Working directory (default: this process's).
+        after_exit: Called once the command ended, before what is left of the
+            session is killed (e.g. to wait for a rank that outlives rank 0).
+    """
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        ended_at = time.time()
+        if after_exit is not None:
+            after_exit()
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        output, _ = proc.communicate()
+        pytest.fail(f"{Path(cmd[0]).name} did not end within {timeout_s} s:\n{output[-6000:]}")
+    finally:
+        _kill_session(proc)  # whatever is left of any rank
+    return Job(proc.returncode, output, ended_at)

@@ -15,7 +15,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from importlib.util import find_spec
@@ -24,6 +23,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.mp import run_job
 
 pytestmark = pytest.mark.framework
 
@@ -34,7 +35,6 @@ LAUNCHER = Path(sys.executable).parent / "composer"
 JOB_TIMEOUT_S = 240
 WINDOW, INTERVAL = 3, 5  # the stall scenarios' DataStallMonitor settings
 # Set by a launcher or a cluster: a job must pick its own rendezvous.
-LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
 
 COMPOSER_SCENARIOS = [
     "unseeded_numpy_split",
@@ -64,29 +64,8 @@ DEAD_WORKER = (
 
 
 def _run(cmd: list[str], out_dir: Path) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=out_dir,
-        start_new_session=True,  # every rank joins this session: one kill ends them all
-    )
-    try:
-        output, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the 2-rank job hung for {JOB_TIMEOUT_S} s:\n{output[-6000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of any rank
-        except ProcessLookupError:
-            pass
-    return {"returncode": proc.returncode, "output": output}
+    job = run_job(cmd, timeout_s=JOB_TIMEOUT_S, cwd=out_dir)
+    return {"returncode": job.returncode, "output": job.output}
 
 
 @pytest.fixture(scope="module")

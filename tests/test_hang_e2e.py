@@ -19,7 +19,6 @@ import ctypes
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import pytest
 from rankguard.callbacks.hang_diagnosis import phase_deadline
 from rankguard.callbacks.hang_watchdog import HANG_EXIT_CODE
 from tests.e2e.hang_settings import EVAL_BATCH_S, HANG, HEALTHY, TRAIN_STEP_S
+from tests.mp import run_job
 
 pytestmark = pytest.mark.framework
 
@@ -41,7 +41,6 @@ COMPOSER_JOB = ROOT / "tests" / "e2e" / "composer_hang_job.py"
 LIGHTNING_JOB = ROOT / "tests" / "e2e" / "lightning_hang_job.py"
 LAUNCH_TIMEOUT_S = 180
 # Set by a launcher or a cluster: each job picks its own rendezvous.
-LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
 POST_EVAL_DEADLINE_S = HANG["post_eval_timeout_s"]
 REPORT_MARGIN_S = 3.0  # report within the deadline + this, from the stall's start
 PR_SET_CHILD_SUBREAPER = 36
@@ -55,39 +54,10 @@ class Launch:
     ended_at: float  # Unix time the launch's first process ended
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    return {**env, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
 def _launch(cmd: list[str], out: Path, after_exit=None) -> Launch:
-    """Runs ``cmd`` in its own process group; kills the group after LAUNCH_TIMEOUT_S."""
-    proc = subprocess.Popen(
-        cmd,
-        cwd=out,
-        env=_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # every rank in one group: one kill ends them all
-    )
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-        ended_at = time.time()
-        if after_exit is not None:
-            after_exit()
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        output, _ = proc.communicate()
-        pytest.fail(f"{cmd[0]} did not end within {LAUNCH_TIMEOUT_S} s:\n{output[-6000:]}")
-    finally:
-        _kill_group(proc)  # whatever is left
-    return Launch(out, proc.returncode, output, ended_at)
+    """Runs ``cmd`` in its own session; kills the session after LAUNCH_TIMEOUT_S."""
+    job = run_job(cmd, timeout_s=LAUNCH_TIMEOUT_S, cwd=out, after_exit=after_exit)
+    return Launch(out, job.returncode, job.output, job.ended_at)
 
 
 def _composer(out: Path, *scenarios: str) -> Launch:

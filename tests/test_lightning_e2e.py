@@ -16,9 +16,6 @@ aborts on a size mismatch, or hangs when training goes on after eval.)
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from importlib.util import find_spec
@@ -26,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.mp import run_job
 
 pytestmark = [
     pytest.mark.framework,
@@ -54,8 +53,6 @@ SCENARIOS = [
     "lying_len_slow_rank",
     "lying_len",
 ]
-# Set by Lightning's launcher or a cluster: a job must pick its own rendezvous.
-LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
 
 
 def _wait_for_report(path: Path, timeout_s: float) -> dict[str, Any] | None:
@@ -73,33 +70,21 @@ def _wait_for_report(path: Path, timeout_s: float) -> dict[str, Any] | None:
 def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Runs the job once; returns rank 0's exit code, output and both ranks' reports."""
     out = tmp_path_factory.mktemp("lightning_job")
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen(
-        [sys.executable, str(JOB), str(out), *SCENARIOS],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,  # rank 1 joins this session: one kill ends both
-    )
-    try:
-        output, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
-        exited_at = time.time()
+    reports: dict[int, dict[str, Any] | None] = {}
+
+    def wait_for_reports() -> None:
         # Rank 0 does not wait for rank 1; give rank 1 a moment to write its report.
-        reports = {r: _wait_for_report(out / f"rank{r}.json", 30) for r in (0, 1)}
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the 2-rank Lightning job hung for {JOB_TIMEOUT_S} s:\n{output[-6000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of either rank
-        except ProcessLookupError:
-            pass
+        reports.update({r: _wait_for_report(out / f"rank{r}.json", 30) for r in (0, 1)})
+
+    job = run_job(
+        [sys.executable, str(JOB), str(out), *SCENARIOS],
+        timeout_s=JOB_TIMEOUT_S,
+        after_exit=wait_for_reports,
+    )
+    output = job.output
     for rank, report in reports.items():
         assert report is not None, f"rank {rank} wrote no report:\n{output[-6000:]}"
-    return {"returncode": proc.returncode, "output": output, "exited_at": exited_at, **reports}
+    return {"returncode": job.returncode, "output": output, "exited_at": job.ended_at, **reports}
 
 
 def _outcomes(job: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
