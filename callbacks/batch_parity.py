@@ -195,7 +195,8 @@ class BatchParityGuard(Guard):
                     "runs more eval batches than the others waits in an eval collective that "
                     f"never completes. {FIX_ACTUAL} If eval is just slow on those ranks, raise "
                     "`eval_end_timeout_s`."
-                )
+                ),
+                every_rank=False,
             )
             return
         if mismatch:
@@ -217,7 +218,8 @@ class BatchParityGuard(Guard):
             mismatches = self.channel.exchange(f"{self.name}/{where}", counts, count_mismatches)
         except RanksMissingError as missing:  # honour on_violation="warn" here too
             self.violation(
-                BatchCountMismatchError(f"Batch counts not compared ({when}): {missing}")
+                BatchCountMismatchError(f"Batch counts not compared ({when}): {missing}"),
+                every_rank=False,
             )
             return
         if mismatches:
