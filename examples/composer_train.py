@@ -32,7 +32,7 @@ from composer import Callback, Evaluator, State, Trainer
 from composer.loggers import Logger
 from composer.models import ComposerClassifier
 from composer.utils import dist
-from faults import BATCH_SIZE, FAULTS, log_with_rank, setup
+from faults import BATCH_SIZE, FAULTS, WORKDIR, log_with_rank, setup
 from torch.utils.data import DataLoader, Dataset
 
 log = logging.getLogger("example")
@@ -90,8 +90,9 @@ def main() -> None:
     parser.add_argument("--no-rankguard", action="store_true", help="show the symptom")
     parser.add_argument(
         "--workdir",
-        default="rankguard_example",
-        help="where checkpoints and hang reports go (cleared of the example's own files)",
+        default=str(WORKDIR),
+        help="where checkpoints and hang reports go (default: out/examples in the repository, "
+        "git-ignored; cleared of the example's own files)",
     )
     args = parser.parse_args()
     log_with_rank()

@@ -41,6 +41,9 @@ FAULTS: dict[str, str] = {
     "ckpt_over_memory": "a 720k-parameter model with Adam on a node given 1 MiB for the save",
 }
 
+#: Where the examples write checkpoints and hang reports unless ``--workdir`` says
+#: otherwise: ``out/examples`` in the repository (``out/`` is git-ignored).
+WORKDIR = Path(__file__).resolve().parents[1] / "out" / "examples"
 #: Samples per batch, in every loader.
 BATCH_SIZE = 4
 #: Demo deadline (seconds) where a fault must outlast one.

@@ -30,7 +30,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from faults import BATCH_SIZE, FAULTS, FaultSetup, RankData, log_with_rank, setup
+from faults import BATCH_SIZE, FAULTS, WORKDIR, FaultSetup, RankData, log_with_rank, setup
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -139,8 +139,9 @@ def main() -> None:
     parser.add_argument("--no-rankguard", action="store_true", help="show the symptom")
     parser.add_argument(
         "--workdir",
-        default="rankguard_example",
-        help="where checkpoints and hang reports go (cleared of the example's own files)",
+        default=str(WORKDIR),
+        help="where checkpoints and hang reports go (default: out/examples in the repository, "
+        "git-ignored; cleared of the example's own files)",
     )
     args = parser.parse_args()
     log_with_rank()

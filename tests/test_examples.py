@@ -36,12 +36,14 @@ SEVEN_FAILURES = [
 
 
 def composer_example(tmp_path, *args):
-    cmd = [str(LAUNCHER), "-n", "2", str(EXAMPLES / "composer_train.py"), *args]
+    script = [str(EXAMPLES / "composer_train.py"), "--workdir", str(tmp_path / "work")]
+    cmd = [str(LAUNCHER), "-n", "2", *script, *args]
     return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180)
 
 
 def lightning_example(tmp_path, *args):
-    cmd = [sys.executable, str(EXAMPLES / "lightning_train.py"), *args]
+    script = [str(EXAMPLES / "lightning_train.py"), "--workdir", str(tmp_path / "work")]
+    cmd = [sys.executable, *script, *args]
     return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180)
 
 
@@ -87,7 +89,7 @@ def test_composer_example_post_eval_hang_aborts_with_75_and_rank_1_stack(tmp_pat
     assert proc.returncode == HANG_EXIT_CODE, output[-3000:]
     assert "rankguard hang_watchdog: Hang:" in output
     assert "after eval of 'eval'" in output and "(deadline 5 s)" in output
-    reports = tmp_path / "rankguard_example" / "rankguard_reports"
+    reports = tmp_path / "work" / "rankguard_reports"
     assert "deadline 5 s" in (reports / "summary.txt").read_text()
     # Rank 1's stack file shows where it stopped: the example's injected sleep.
     stacks = (reports / "rank1.txt").read_text()
@@ -115,7 +117,7 @@ def test_lightning_example_ckpt_over_memory_stops_before_training_with_the_table
     assert "and 1.0 MiB is available (host_memory_bytes)" in output
     assert "1.0 MiB (host_memory_bytes)  10.3 MiB !" in output  # the table's row
     assert "trained" not in output
-    assert not list((tmp_path / "rankguard_example" / "checkpoints").glob("*.ckpt"))
+    assert not list((tmp_path / "work" / "checkpoints").glob("*.ckpt"))
 
 
 def test_both_examples_and_the_readme_cover_the_seven_failures():
