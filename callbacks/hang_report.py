@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOOP_MARK",
+    "REPORT_EVENT",
     "add_arguments",
     "loop_stack",
     "main",
@@ -63,6 +64,8 @@ SUMMARY_FILE = "summary.txt"
 MERGED_FILE = "merged.txt"
 TIMELINE_FILE = "timeline.png"
 
+#: The ``event`` of the record that ends ``rank{N}.jsonl``: the rank's status when it reported.
+REPORT_EVENT = "report"
 #: Added to the training loop thread's line in ``rank{N}.txt``.
 LOOP_MARK = "[training loop]"
 
@@ -148,7 +151,7 @@ def write_incident(
         records.append(
             {
                 "t": time.time(),
-                "event": "report",
+                "event": REPORT_EVENT,
                 "phase": status.phase,
                 "step": status.step,
                 "idle_s": status.idle_s,

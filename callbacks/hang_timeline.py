@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rankguard.callbacks.hang_report import REPORT_EVENT
+
 __all__ = [
     "PHASE_COLORS",
     "RankRow",
@@ -34,8 +36,6 @@ __all__ = [
     "title",
 ]
 
-#: The record a rank appends to its heartbeats when it reports an incident.
-REPORT_EVENT = "report"
 #: Rows drawn at most; stuck ranks first, then the others by rank.
 MAX_ROWS = 32
 
