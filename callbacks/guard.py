@@ -26,7 +26,7 @@ from rankguard.callbacks.errors import RankGuardError
 from rankguard.callbacks.events import Event, EventFacts
 from rankguard.callbacks.side_channel import SideChannel
 
-__all__ = ["Guard", "GuardRunner", "MetricSink", "check_choice", "check_positive"]
+__all__ = ["RAISED", "Guard", "GuardRunner", "MetricSink", "check_choice", "check_positive"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ MetricSink = Callable[[Mapping[str, float]], None]
 ON_VIOLATION = ("raise", "warn")
 #: How long a rank that raises waits for the others to have logged the same error.
 RAISE_WAIT_S = 10.0
+#: Set on the log record of an error that is then raised (a handler may leave it out).
+RAISED = "rankguard_raised"
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
@@ -108,7 +110,7 @@ class Guard:
             error: The error, the same on every rank.
             every_rank: ``False`` when some ranks will not raise it: then no wait.
         """
-        logger.error("rankguard %s: %s", self.name, error)
+        logger.error("rankguard %s: %s", self.name, error, extra={RAISED: True})
         if every_rank and self.channel.is_distributed:
             for handler in logging.getLogger().handlers:
                 handler.flush()
