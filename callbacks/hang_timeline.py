@@ -269,7 +269,8 @@ def plot_timeline(records: Mapping[int, Iterable[dict]], path: str | Path) -> Ti
     labels = [row_label(timeline.rows[r], timeline.first) for r in ranks]
     ax.set_yticks(range(len(ranks)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(timeline.start, timeline.end)
+    pad = 0.5 if timeline.end - timeline.start < 1e-3 else 0.0  # a single instant
+    ax.set_xlim(timeline.start - pad, timeline.end + pad)
     ax.set_title(title(timeline), fontsize=10, loc="left")
     ax.set_xlabel(
         f"seconds from rank {timeline.first}'s last progress"
