@@ -10,14 +10,11 @@ import logging
 import os
 
 import pytest
-import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub
 pytest.importorskip("transformers", reason="needs rankguard[transformers]")
 
 from transformers import (
-    BertConfig,
-    BertForSequenceClassification,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -25,20 +22,7 @@ from transformers import (
 
 from rankguard.integrations import transformers as rg_hf
 from rankguard.integrations.transformers import RankGuard, calling_trainer
-from tests.e2e.common import VOCAB, EventLog, token_dataset
-
-
-def bert() -> BertForSequenceClassification:
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=8,
-    )
-    return BertForSequenceClassification(config)
+from tests.e2e.common import EventLog, tiny_bert, token_dataset
 
 
 def trainer(tmp_path, callback, eval_dataset=None, **args) -> Trainer:
@@ -58,7 +42,7 @@ def trainer(tmp_path, callback, eval_dataset=None, **args) -> Trainer:
         **args,
     }
     return Trainer(
-        model=bert(),
+        model=tiny_bert(),
         args=TrainingArguments(**settings),
         train_dataset=token_dataset(16),
         eval_dataset=token_dataset(8) if eval_dataset is None else eval_dataset,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,6 +85,19 @@ class Recorder:
             raise SystemExit(f"{result['outcome']}: {result['message']}")
 
 
+def run_scenarios(scenarios: dict, counters: dict) -> None:
+    """A job's main: ``job.py OUT_DIR SCENARIO...`` runs each scenario, recording its outcome.
+
+    Log lines carry the rank (``[rank N]``).
+    """
+    out_dir, *names = sys.argv[1:]
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    recorder = Recorder(out_dir)
+    for name in names:
+        recorder.run(name, scenarios[name], counters)
+
+
 class Stream(IterableDataset):
     """An iterable (streaming-style) dataset without ``__len__``: ``n`` points."""
 
@@ -119,6 +133,28 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def seeded_split(n: int = 64, test_size: float = 0.25):
+    """``token_dataset(n)`` split as it should be: ``train_test_split(..., seed=42)``."""
+    split = token_dataset(n).train_test_split(test_size=test_size, seed=42)
+    return split["train"], split["test"]
+
+
+def tiny_bert():
+    """A 2-layer BERT classifier over :data:`VOCAB` tokens, built from a config (no hub)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=8,
+    )
+    return BertForSequenceClassification(config)
 
 
 def unseeded_split(n: int, test_size: float):

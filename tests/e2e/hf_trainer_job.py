@@ -15,27 +15,20 @@ outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
 from __future__ import annotations
 
 import json
-import logging
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from transformers import (
-    BertConfig,
-    BertForSequenceClassification,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from rankguard.integrations.transformers import RankGuard
 from tests.e2e.common import (
-    VOCAB,
-    Recorder,
+    run_scenarios,
     seed_everything,
+    seeded_split,
+    tiny_bert,
     token_dataset,
     unseeded_split,
 )
@@ -69,18 +62,6 @@ class StallAfterEval(TrainerCallback):
                 time.sleep(3600)
 
 
-def bert() -> BertForSequenceClassification:
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=8,
-    )
-    return BertForSequenceClassification(config)
-
-
 def train(name: str, guard: RankGuard, train_set, eval_set, *extra: TrainerCallback) -> None:
     """Evaluates every 3 steps and saves every 4, for 8 steps (one epoch of 48 samples)."""
     COUNTERS.clear()
@@ -101,7 +82,7 @@ def train(name: str, guard: RankGuard, train_set, eval_set, *extra: TrainerCallb
         seed=0,
     )
     trainer = Trainer(
-        model=bert(),
+        model=tiny_bert(),
         args=args,
         train_dataset=train_set,
         eval_dataset=eval_set,
@@ -113,11 +94,6 @@ def train(name: str, guard: RankGuard, train_set, eval_set, *extra: TrainerCallb
         guard.close()  # the Trainer calls no hook when train() raises
     logged = [key for entry in trainer.state.log_history for key in entry]
     COUNTERS["rankguard_keys_logged"] = sorted({k for k in logged if k.startswith("rankguard/")})
-
-
-def seeded_split(n: int = 64):
-    split = token_dataset(n).train_test_split(test_size=0.25, seed=42)
-    return split["train"], split["test"]
 
 
 def healthy() -> None:
@@ -152,13 +128,8 @@ SCENARIOS = {
 
 def main() -> None:
     global OUT
-    out_dir, *names = sys.argv[1:]
-    OUT = Path(out_dir)
-    rank = os.environ.get("RANK", "0")
-    logging.basicConfig(format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
-    recorder = Recorder(out_dir)
-    for name in names:
-        recorder.run(name, SCENARIOS[name], COUNTERS)
+    OUT = Path(sys.argv[1])
+    run_scenarios(SCENARIOS, COUNTERS)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ moment its stall starts to ``OUT_DIR/stall.json``.
 from __future__ import annotations
 
 import json
-import logging
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -27,7 +25,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from rankguard.integrations.torch import RankGuard
-from tests.e2e.common import VOCAB, Recorder, seed_everything, token_dataset, unseeded_split
+from tests.e2e.common import (
+    VOCAB,
+    run_scenarios,
+    seed_everything,
+    seeded_split,
+    token_dataset,
+    unseeded_split,
+)
 from tests.e2e.hang_settings import HANG
 
 COUNTERS: dict[str, int] = {}
@@ -51,11 +56,6 @@ class BagOfTokens(torch.nn.Module):
 def loader(dataset) -> DataLoader:
     data = dataset.with_format("torch")
     return DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
-
-
-def seeded_split(n: int = 64):
-    split = token_dataset(n).train_test_split(test_size=0.25, seed=42)
-    return split["train"], split["test"]
 
 
 def count(name: str) -> None:
@@ -148,14 +148,9 @@ SCENARIOS = {
 
 def main() -> None:
     global OUT
-    out_dir, *names = sys.argv[1:]
-    OUT = Path(out_dir)
+    OUT = Path(sys.argv[1])
     dist.init_process_group("gloo")
-    os.environ.setdefault("RANK", str(dist.get_rank()))
-    logging.basicConfig(format=f"[rank {dist.get_rank()}] %(levelname)s %(name)s: %(message)s")
-    recorder = Recorder(out_dir)
-    for name in names:
-        recorder.run(name, SCENARIOS[name], COUNTERS)
+    run_scenarios(SCENARIOS, COUNTERS)
     dist.destroy_process_group()
 
 
