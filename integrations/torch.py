@@ -73,10 +73,6 @@ STATE_DICT_TYPES = ("full", "sharded")
 MetricsFn = Callable[[dict[str, float]], Any]
 
 
-def _loader_name(loader: Any) -> str:
-    return type(loader).__name__
-
-
 def _check_iterable(name: str, loader: Any) -> Any:
     if not isinstance(loader, Iterable):
         raise ValueError(f"`{name}` must be an iterable of batches (a DataLoader); got {loader!r}.")
@@ -88,7 +84,9 @@ def _check_dirs(save_dirs: Any) -> list[str]:
         return []
     if isinstance(save_dirs, str | os.PathLike):
         save_dirs = [save_dirs]
-    if not isinstance(save_dirs, Iterable) or not all(
+    if isinstance(save_dirs, Iterable):
+        save_dirs = list(save_dirs)
+    if not isinstance(save_dirs, list) or not all(
         isinstance(d, str | os.PathLike) and str(d) for d in save_dirs
     ):
         raise ValueError(
@@ -298,13 +296,13 @@ class Run:
             when = (
                 "before its `with guard.fit(...)` block"
                 if self._state == "new"
-                else ("after its `with guard.fit(...)` block ended")
+                else "after its `with guard.fit(...)` block ended"
             )
             raise RuntimeError(f"`{call}` used {when}. {ORDER}")
         if self._save is not None:
             raise RuntimeError(
-                f"`{call}` used inside `with run.checkpoint(...)`: end the save first, so "
-                f"every rank's save is bounded by the same events. {ORDER}"
+                f"`{call}` used inside `with run.checkpoint(...)`: a save ends before the next "
+                f"train batch or eval starts. {ORDER}"
             )
 
     # -- train -----------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Two launches (``torchrun --standalone``, so concurrent launches never share a
 port), each running in one pair of processes, in order:
 
-- a healthy run, which must log no rankguard warning;
+- a healthy run, which must log no rankguard warning (the loop also with FSDP2
+  and sharded saves through ``torch.distributed.checkpoint``);
 - the real "seed 003" failure: ``datasets``' ``train_test_split`` without a seed,
   in processes whose numpy is not seeded, so each rank trains on its own split;
   it must stop at fit start on every rank, before any batch;
@@ -33,13 +34,14 @@ pytestmark = pytest.mark.framework
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 SCENARIOS = ["healthy", "unseeded_split", "uneven_eval", "post_eval_stall"]
+LOOP_SCENARIOS = [*SCENARIOS[:-1], "fsdp2", SCENARIOS[-1]]
 LAUNCH_TIMEOUT_S = 240
 REPORT_MARGIN_S = 3.0  # the report comes within the deadline + this, from the stall's start
 
 
-def launch(job: str, out: Path) -> tuple[str, list[dict]]:
+def launch(job: str, out: Path, scenarios: list[str]) -> tuple[str, list[dict]]:
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(ROOT / "tests" / "e2e" / job), str(out), *SCENARIOS]
+    cmd += [str(ROOT / "tests" / "e2e" / job), str(out), *scenarios]
     result = run_job(cmd, timeout_s=LAUNCH_TIMEOUT_S, cwd=out)
     # torchrun's error names the exit code of each rank that ended before it stopped the
     # others: one or both, 75 (every rank logs that it aborts, see below).
@@ -51,14 +53,14 @@ def launch(job: str, out: Path) -> tuple[str, list[dict]]:
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
     out = tmp_path_factory.mktemp("torch_loop")
-    return (out, *launch("torch_loop_job.py", out))
+    return (out, *launch("torch_loop_job.py", out, LOOP_SCENARIOS))
 
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
     pytest.importorskip("transformers", reason="needs rankguard[transformers]")
     out = tmp_path_factory.mktemp("hf_trainer")
-    return (out, *launch("hf_trainer_job.py", out))
+    return (out, *launch("hf_trainer_job.py", out, SCENARIOS))
 
 
 def test_loop_healthy_run_is_clean_on_both_ranks(loop):
@@ -75,6 +77,18 @@ def test_loop_healthy_run_is_clean_on_both_ranks(loop):
             "epochs": 2,
             "checkpoint_files": 3,
         }
+
+
+def test_loop_with_fsdp2_and_sharded_dcp_saves_is_clean_and_planned_sharded(loop):
+    for rank in loop[2]:
+        result = rank["fsdp2"]
+        assert result["outcome"] == "ok" and result["warnings"] == [], result
+        counters = result["counters"]
+        assert counters["steps"] == 6 and counters["plan"] == "ok"
+        # The plan reads the FSDP2 model as sharded and the loop's saves as sharded.
+        assert counters["reason"].startswith("Checkpoint memory fits: a sharded checkpoint save")
+        assert "(1 consolidated copy" in counters["reason"]
+        assert counters["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
 def test_hf_healthy_run_is_clean_and_logs_through_the_trainer(hf):

@@ -4,7 +4,8 @@ Usage::
 
     torchrun --standalone --nproc-per-node 2 tests/e2e/torch_loop_job.py OUT_DIR SCENARIO...
 
-Each scenario is a fresh model, loaders and ``guard.fit`` in the same two
+Each scenario is a fresh model (DDP; ``fsdp2``: FSDP2 with sharded saves through
+``torch.distributed.checkpoint``), loaders and ``guard.fit`` in the same two
 processes; outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see
 ``tests/e2e/common.py``). ``post_eval_stall`` never returns (the watchdog
 ends every rank with exit code 75), so it must come last; rank 1 writes the
@@ -125,6 +126,38 @@ def uneven_eval() -> None:
     fit(guard, seeded_split()[0], eval_set, eval_at_fit=False)
 
 
+def fsdp2() -> None:
+    """FSDP2 (``fully_shard``) with sharded saves through torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    COUNTERS.clear()
+    seed_everything(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = BagOfTokens()
+    for module in (model.embed, model.head, model):
+        fully_shard(module, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    train_set, _ = seeded_split()
+    train_loader, ckpt = loader(train_set), OUT / "dcp"
+    guard = RankGuard(checkpoint_planner={"mode": "auto"}, **QUICK)
+    saves = {"save_dirs": ckpt, "state_dict_type": "sharded"}
+    with guard.fit(model, optimizer, train_loader, **saves) as run:
+        for batch in run.train(train_loader):
+            loss = torch.nn.functional.cross_entropy(model(batch["input_ids"]), batch["labels"])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with run.checkpoint(ckpt):
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt / "last")
+    planner = next(g for g in guard.runner.guards if g.name == "checkpoint_planner")
+    COUNTERS.update(steps=run.step, plan=planner.plan.action, reason=planner.plan.reason)
+    COUNTERS["files"] = sorted(p.name for p in (ckpt / "last").iterdir())
+
+
 def stall_after_eval() -> None:
     """The bug: rank 1 never comes back from its first eval (here a sleep)."""
     if dist.get_rank() == 1:
@@ -142,6 +175,7 @@ SCENARIOS = {
     "healthy": healthy,
     "unseeded_split": unseeded,
     "uneven_eval": uneven_eval,
+    "fsdp2": fsdp2,
     "post_eval_stall": post_eval_stall,
 }
 
