@@ -115,8 +115,10 @@ def main() -> None:
         from rankguard.integrations.transformers import RankGuard
 
         callbacks.insert(0, RankGuard(**fault.rankguard))
+    output_dir = fault.checkpoint_dir(rank) or str(fault.workdir / "hf_output")
+    os.makedirs(output_dir, exist_ok=True)  # each rank its folder (node_local_ckpt: its own)
     training = TrainingArguments(
-        output_dir=fault.checkpoint_dir(rank) or str(fault.workdir / "hf_output"),
+        output_dir=output_dir,
         use_cpu=True,
         ddp_backend="gloo",
         ddp_find_unused_parameters=False,

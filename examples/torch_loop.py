@@ -28,6 +28,7 @@ the batches through).
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from typing import Any
@@ -76,6 +77,7 @@ def train(fault: FaultSetup, rankguard: dict[str, Any]) -> None:
     train_loader = loader(data.train, drop_last=data.train_drop_last)
     eval_loader = loader(data.eval)
     ckpt_dir = fault.checkpoint_dir(rank) or str(fault.workdir / "checkpoints")
+    os.makedirs(ckpt_dir, exist_ok=True)  # each rank its folder (node_local_ckpt: its own)
     started, trained = time.perf_counter(), 0
 
     guard = RankGuard(**rankguard)  # rankguard
