@@ -225,14 +225,16 @@ def setup(fault: str, workdir: str | os.PathLike) -> FaultSetup:
     return FaultSetup(fault, root)
 
 
-def parse_args(doc: str) -> argparse.Namespace:
+def parse_args(doc: str, without: tuple[str, ...] = ()) -> argparse.Namespace:
     """The examples' command line: ``--fault``, ``--no-rankguard``, ``--workdir``.
 
     Args:
         doc: The example's docstring; its first line describes the command.
+        without: Faults the example does not offer.
     """
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--fault", choices=list(FAULTS), default="none")
+    faults = [name for name in FAULTS if name not in without]
+    parser.add_argument("--fault", choices=faults, default="none")
     parser.add_argument("--no-rankguard", action="store_true", help="show the symptom")
     parser.add_argument(
         "--workdir",

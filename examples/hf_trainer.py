@@ -15,8 +15,12 @@ to 5 s for the demo):
     unseeded_split    every rank splits with `datasets`' train_test_split and no seed
     slow_data         rank 1's dataset sleeps in __getitem__: DataStallMonitor names rank 1
     post_eval_hang    rank 1 sleeps forever after the first eval: HangWatchdog, exit code 75
-    node_local_ckpt   each rank saves to its own directory, as on a node-local disk
     ckpt_over_memory  CheckpointPlanner told the node has 1 MiB for a full save
+
+Not offered: ``node_local_ckpt``. The Trainer writes each checkpoint into one
+``output_dir/checkpoint-<step>`` that all ranks share (with
+``save_on_each_node`` on node-local disks: the same path on every node); a
+different ``output_dir`` per rank on one host stands for no set-up it supports.
 
 rankguard is one callback: ``Trainer(..., callbacks=[RankGuard()])``. The
 model is the examples' MLP as a plain ``torch.nn.Module`` that returns its
@@ -98,7 +102,7 @@ class HangAfterEval(TrainerCallback):
 
 
 def main() -> None:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, without=("node_local_ckpt",))
     log_with_rank()
     for noisy in ("transformers", "rankguard.callbacks.drop_last"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -115,10 +119,8 @@ def main() -> None:
         from rankguard.integrations.transformers import RankGuard
 
         callbacks.insert(0, RankGuard(**fault.rankguard))
-    output_dir = fault.checkpoint_dir(rank) or str(fault.workdir / "hf_output")
-    os.makedirs(output_dir, exist_ok=True)  # each rank its folder (node_local_ckpt: its own)
     training = TrainingArguments(
-        output_dir=output_dir,
+        output_dir=fault.save_dir or str(fault.workdir / "hf_output"),
         use_cpu=True,
         ddp_backend="gloo",
         ddp_find_unused_parameters=False,
@@ -127,7 +129,7 @@ def main() -> None:
         num_train_epochs=fault.epochs,
         learning_rate=0.01,
         eval_strategy="epoch",
-        save_strategy="epoch",
+        save_strategy="epoch" if fault.save_dir else "no",  # as the other examples
         logging_strategy="no",
         dataloader_drop_last=data.train_drop_last,
         report_to=[],
