@@ -5,9 +5,10 @@ launch per framework (``torch``: a hand-written DDP loop with
 ``rankguard.integrations.torch``; ``transformers``: the Hugging Face
 ``Trainer``) and prints the median wall-time ratio; the time spent inside
 rankguard's event dispatch during the guarded fits (a direct, noise-free
-measure of its share); the per-step time inside the adapter (its per-step
+measure of its share); the per-step CPU time inside the adapter (its per-step
 entry points: dispatch plus the adapter's own translation, fit start and end
-left out), the figure to compare between adapters; and the per-step cost of
+left out; the training thread's CPU time, which other processes on the cores
+do not inflate), the figure to compare between adapters; and the per-step cost of
 the guards' hooks measured in-process. Targets: ratio <= 1.01 with steps of
 >= 10 ms; every adapter's per-step time within 10% of Composer's. On a
 2-core machine running 2 ranks, fit-to-fit noise is several percent: read
@@ -104,7 +105,7 @@ def main() -> None:
             f"fit = {100 * inside / with_:.3f}% of the fit, {1e6 * inside / t['steps']:.0f} us/step"
         )
         per_step = statistics.median(t["inside_adapter"]) / t["steps"]
-        print(f"  per-step time inside the adapter on rank 0: {1e6 * per_step:.1f} us/step")
+        print(f"  per-step CPU time inside the adapter on rank 0: {1e6 * per_step:.1f} us/step")
     print(f"per-step hook cost (4 events, all guards): {hook_cost_us():.1f} us")
 
 

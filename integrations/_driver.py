@@ -85,7 +85,6 @@ class EventDriver:
         self._batch_open = False
         self._eval_batch_open = False
         self._fetching = False
-        self.last = EventFacts()
 
     @property
     def batch_open(self) -> bool:
@@ -94,9 +93,8 @@ class EventDriver:
 
     def fire(self, event: Event, **facts: Any) -> None:
         """Fires ``event`` with the current step and epoch and ``facts``."""
-        event_facts = EventFacts(step=self.step, epoch=max(self.epoch, 0), **facts)
-        self.last = event_facts
         if self.runner.handles(event):
+            event_facts = EventFacts(step=self.step, epoch=max(self.epoch, 0), **facts)
             self.runner.fire(event, event_facts, self.log_metrics)
 
     def note_limits(self, loaders: Iterable[LoaderFacts]) -> None:
@@ -137,7 +135,7 @@ class EventDriver:
         self.fitting = False
         try:
             if exc is not None:
-                self.runner.error(exc, self.last)
+                self.runner.error(exc, EventFacts(step=self.step, epoch=max(self.epoch, 0)))
         finally:
             self.runner.close()
 
