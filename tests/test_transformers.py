@@ -132,3 +132,20 @@ def test_single_process_training_is_silent_and_logs_rankguard_metrics(tmp_path, 
     assert (tmp_path / "out" / "checkpoint-4" / "trainer_state.json").exists()
     guard.close()
     guard.close()
+
+
+def test_accelerate_sharded_loaders_are_distributed_for_the_content_check():
+    # The Trainer's loaders split batches between ranks with Accelerate's BatchSamplerShard
+    # (num_processes), not a DistributedSampler: their content must still be compared.
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    from rankguard.callbacks.fingerprint import fingerprint_loader
+
+    data = token_dataset(16)
+    batches = BatchSampler(SequentialSampler(data), batch_size=4, drop_last=False)
+    shard = BatchSamplerShard(batches, num_processes=2, process_index=0)
+    loader = DataLoader(data, batch_sampler=shard)
+    fingerprint = fingerprint_loader(loader, sample_items=4)
+    assert fingerprint.sharded and fingerprint.content_kind == "items"
+    assert not fingerprint_loader(DataLoader(data, batch_size=4), sample_items=4).sharded
