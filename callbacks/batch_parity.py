@@ -175,11 +175,19 @@ class BatchParityGuard(Guard):
             self._eval_batches_run[name] = self._eval_batches_run.get(name, 0) + 1
 
     def on_eval_end(self, facts: EventFacts) -> None:
-        """Compares the eval batches that actually ran; names ranks still in eval."""
+        """Compares the eval batches that actually ran; names ranks still in eval.
+
+        A plan that comes with the loader here (``facts.loader.num_batches``)
+        caps what ``__len__`` promised: a hand-written loop that left the eval
+        early on purpose says how many batches it meant to run only now.
+        """
         if facts.loader is None or not self.check_eval:
             return
         name = facts.loader.name
-        ran = EvalRun(self._eval_batches_run.pop(name, 0), self._eval_promised.pop(name, None))
+        promised = self._eval_promised.pop(name, None)
+        if promised is not None and facts.loader.num_batches is not None:
+            promised = min(promised, int(facts.loader.num_batches))  # a cap, never a promise
+        ran = EvalRun(self._eval_batches_run.pop(name, 0), promised)
         try:
             mismatch = self.channel.exchange(
                 f"{self.name}/eval_end/{name}",

@@ -23,7 +23,6 @@ to 5 s for the demo):
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 
@@ -32,7 +31,7 @@ from composer import Callback, Evaluator, State, Trainer
 from composer.loggers import Logger
 from composer.models import ComposerClassifier
 from composer.utils import dist
-from faults import BATCH_SIZE, FAULTS, log_with_rank, setup
+from faults import BATCH_SIZE, log_with_rank, parse_args, setup
 from torch.utils.data import DataLoader, Dataset
 
 log = logging.getLogger("example")
@@ -85,15 +84,7 @@ class HangAfterEval(Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fault", choices=list(FAULTS), default="none")
-    parser.add_argument("--no-rankguard", action="store_true", help="show the symptom")
-    parser.add_argument(
-        "--workdir",
-        default="rankguard_example",
-        help="where checkpoints and hang reports go (cleared of the example's own files)",
-    )
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     log_with_rank()
     for noisy in ("composer", "rankguard.callbacks.drop_last"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

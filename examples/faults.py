@@ -1,12 +1,14 @@
 """The failures rankguard exists for, as faults the 2-rank examples can inject.
 
-``composer_train.py`` and ``lightning_train.py`` take everything that depends
-on ``--fault`` from here, so a fault means the same in both frameworks:
+``composer_train.py``, ``lightning_train.py``, ``torch_loop.py`` and
+``hf_trainer.py`` take everything that depends on ``--fault`` from here, so a
+fault means the same in every integration:
 
 * :func:`setup` (the same on every rank): rankguard's settings for the
   fault, the model's width, the number of epochs, the checkpoint folder;
 * :meth:`FaultSetup.data` (per rank): the train and eval sets and the train
-  loader's ``drop_last``;
+  loader's ``drop_last`` (``unseeded_split`` through ``datasets``'
+  ``train_test_split`` for the loop and Hugging Face examples);
 * :meth:`FaultSetup.checkpoint_dir`, :meth:`FaultSetup.clear_checkpoints` and
   :meth:`FaultSetup.hangs_after_eval`: what a rank does differently.
 
@@ -16,6 +18,7 @@ Where a fault needs a deadline to pass, the settings shorten it for the demo
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import random
@@ -79,6 +82,20 @@ def unseeded_split(n: int, n_eval: int) -> tuple[Subset, Subset]:
     return Subset(data, order[n_eval:]), Subset(data, order[:n_eval])
 
 
+def unseeded_train_test_split(n: int, n_eval: int) -> tuple[Any, Any]:
+    """The same fault as llama-recipes met it: ``datasets``' ``train_test_split`` without a seed.
+
+    ``points(n)`` as a Hugging Face dataset (columns ``idx``, ``x``, ``labels``); with no
+    seed the split draws from numpy's global generator, seeded differently in every process.
+    """
+    from datasets import Dataset
+
+    x, labels = points(n).tensors
+    data = Dataset.from_dict({"idx": list(range(n)), "x": x.tolist(), "labels": labels.tolist()})
+    split = data.train_test_split(test_size=n_eval)  # no seed=
+    return split["train"], split["test"]
+
+
 @dataclass(frozen=True)
 class RankData:
     """One rank's data."""
@@ -89,8 +106,12 @@ class RankData:
 
     def describe(self, rank: int) -> None:
         """Logs which samples this rank holds out, where the split is the rank's own."""
+        held_out = None
         if isinstance(self.eval, Subset):
             held_out = sorted(self.eval.indices)
+        elif "idx" in getattr(self.eval, "column_names", ()):  # a Hugging Face dataset
+            held_out = sorted(self.eval["idx"])
+        if held_out is not None:
             log.info("rank %d holds out samples %s ... (%d)", rank, held_out[:8], len(held_out))
 
 
@@ -115,10 +136,17 @@ class FaultSetup:
     epochs: int = 1
     save_dir: str | None = None
 
-    def data(self, rank: int) -> RankData:
-        """Builds rank ``rank``'s train and eval sets (64 and 32 samples unless the fault says)."""
+    def data(self, rank: int, hf_datasets: bool = False) -> RankData:
+        """Builds rank ``rank``'s train and eval sets (64 and 32 samples unless the fault says).
+
+        Args:
+            rank: The global rank.
+            hf_datasets: Split ``unseeded_split`` with Hugging Face ``datasets``' own
+                ``train_test_split`` (rows are dicts) rather than a shuffle of indices.
+        """
         if self.fault == "unseeded_split":
-            train, evals = unseeded_split(96, 32)
+            split = unseeded_train_test_split if hf_datasets else unseeded_split
+            train, evals = split(96, 32)
             return RankData(train, evals)
         train_size = {"uneven_train": 32 if rank == 0 else 48, "drop_last": 66}.get(self.fault, 64)
         eval_size = (16 if rank == 0 else 32) if self.fault == "uneven_eval" else 32
@@ -195,6 +223,25 @@ def setup(fault: str, workdir: str | os.PathLike) -> FaultSetup:
             save_dir=str(root / "checkpoints"),
         )
     return FaultSetup(fault, root)
+
+
+def parse_args(doc: str, without: tuple[str, ...] = ()) -> argparse.Namespace:
+    """The examples' command line: ``--fault``, ``--no-rankguard``, ``--workdir``.
+
+    Args:
+        doc: The example's docstring; its first line describes the command.
+        without: Faults the example does not offer.
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    faults = [name for name in FAULTS if name not in without]
+    parser.add_argument("--fault", choices=faults, default="none")
+    parser.add_argument("--no-rankguard", action="store_true", help="show the symptom")
+    parser.add_argument(
+        "--workdir",
+        default="rankguard_example",
+        help="where checkpoints and hang reports go (cleared of the example's own files)",
+    )
+    return parser.parse_args()
 
 
 def log_with_rank() -> None:

@@ -22,7 +22,6 @@ to 5 s for the demo):
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
@@ -30,7 +29,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from faults import BATCH_SIZE, FAULTS, FaultSetup, RankData, log_with_rank, setup
+from faults import BATCH_SIZE, FaultSetup, RankData, log_with_rank, parse_args, setup
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -134,15 +133,7 @@ class InjectFault(L.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fault", choices=list(FAULTS), default="none")
-    parser.add_argument("--no-rankguard", action="store_true", help="show the symptom")
-    parser.add_argument(
-        "--workdir",
-        default="rankguard_example",
-        help="where checkpoints and hang reports go (cleared of the example's own files)",
-    )
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     log_with_rank()
     for noisy in ("lightning.pytorch", "lightning.fabric", "rankguard.callbacks.drop_last"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

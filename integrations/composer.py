@@ -24,7 +24,7 @@ from typing import Any
 from rankguard.callbacks.events import Event as CoreEvent
 from rankguard.callbacks.events import EventFacts, LoaderFacts
 from rankguard.callbacks.guard import Guard, GuardRunner
-from rankguard.integrations._common import bundle_guards, expose_signatures, single_guard
+from rankguard.integrations._common import define_callbacks
 
 try:
     from composer.callbacks import CheckpointSaver
@@ -35,17 +35,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(
         "rankguard.integrations.composer needs Composer: pip install 'rankguard[composer]'"
     ) from exc
-
-__all__ = [
-    "BatchParityGuard",
-    "CheckpointPlanner",
-    "DataConsistencyGuard",
-    "DataStallMonitor",
-    "DropLastGuard",
-    "HangWatchdog",
-    "RankGuard",
-    "SharedDirBarrier",
-]
 
 _EVENTS: dict[Event, CoreEvent] = {
     Event.FIT_START: CoreEvent.FIT_START,
@@ -221,72 +210,4 @@ class _ComposerAdapter(Callback):
         self.runner.close()
 
 
-class RankGuard(_ComposerAdapter):
-    """Every rankguard guard with sound defaults, as one Composer callback.
-
-    Args:
-        exchange_timeout_s: How long a cross-rank check waits for every rank
-            before naming the ones that did not arrive (seconds; grows by 5 ms
-            per rank with the world size, see ``docs/scale.md``). The hang
-            watchdog's own exchanges use its settings.
-        **per_guard_config: Per guard, by snake-case name, a dict of its
-            settings or ``False`` to leave it out, e.g.
-            ``RankGuard(batch_parity_guard={"on_violation": "warn"}, drop_last_guard=False)``.
-    """
-
-    def __init__(
-        self, exchange_timeout_s: float = 300.0, **per_guard_config: dict[str, Any] | bool
-    ) -> None:
-        super().__init__(bundle_guards(per_guard_config), exchange_timeout_s)
-
-
-class BatchParityGuard(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.BatchParityGuard` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("batch_parity_guard", settings))
-
-
-class DropLastGuard(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.DropLastGuard` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("drop_last_guard", settings))
-
-
-class SharedDirBarrier(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.SharedDirBarrier` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("shared_dir_barrier", settings))
-
-
-class CheckpointPlanner(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.CheckpointPlanner` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("checkpoint_planner", settings))
-
-
-class HangWatchdog(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.HangWatchdog` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("hang_watchdog", settings))
-
-
-class DataConsistencyGuard(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.DataConsistencyGuard` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("data_consistency_guard", settings))
-
-
-class DataStallMonitor(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.DataStallMonitor` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("data_stall_monitor", settings))
-
-
-expose_signatures(globals())
+__all__ = define_callbacks(globals(), _ComposerAdapter, "a Composer callback")

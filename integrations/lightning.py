@@ -27,7 +27,7 @@ from typing import Any
 
 from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.guard import Guard, GuardRunner
-from rankguard.integrations._common import bundle_guards, expose_signatures, single_guard
+from rankguard.integrations._common import define_callbacks
 
 try:
     import lightning.pytorch as pl
@@ -37,17 +37,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(
         "rankguard.integrations.lightning needs Lightning: pip install 'rankguard[lightning]'"
     ) from exc
-
-__all__ = [
-    "BatchParityGuard",
-    "CheckpointPlanner",
-    "DataConsistencyGuard",
-    "DataStallMonitor",
-    "DropLastGuard",
-    "HangWatchdog",
-    "RankGuard",
-    "SharedDirBarrier",
-]
 
 
 def _planned(value: float | int | None) -> int | None:
@@ -271,72 +260,4 @@ class _LightningAdapter(Callback):
         self.runner.close()
 
 
-class RankGuard(_LightningAdapter):
-    """Every rankguard guard with sound defaults, as one Lightning callback.
-
-    Args:
-        exchange_timeout_s: How long a cross-rank check waits for every rank
-            before naming the ones that did not arrive (seconds; grows by 5 ms
-            per rank with the world size, see ``docs/scale.md``). The hang
-            watchdog's own exchanges use its settings.
-        **per_guard_config: Per guard, by snake-case name, a dict of its
-            settings or ``False`` to leave it out, e.g.
-            ``RankGuard(batch_parity_guard={"on_violation": "warn"}, drop_last_guard=False)``.
-    """
-
-    def __init__(
-        self, exchange_timeout_s: float = 300.0, **per_guard_config: dict[str, Any] | bool
-    ) -> None:
-        super().__init__(bundle_guards(per_guard_config, LIGHTNING_DEFAULTS), exchange_timeout_s)
-
-
-class BatchParityGuard(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.BatchParityGuard` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("batch_parity_guard", settings))
-
-
-class DropLastGuard(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.DropLastGuard` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("drop_last_guard", settings))
-
-
-class SharedDirBarrier(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.SharedDirBarrier` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("shared_dir_barrier", settings))
-
-
-class CheckpointPlanner(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.CheckpointPlanner` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("checkpoint_planner", settings, LIGHTNING_DEFAULTS))
-
-
-class HangWatchdog(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.HangWatchdog` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("hang_watchdog", settings))
-
-
-class DataConsistencyGuard(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.DataConsistencyGuard` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("data_consistency_guard", settings))
-
-
-class DataStallMonitor(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.DataStallMonitor` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("data_stall_monitor", settings))
-
-
-expose_signatures(globals())
+__all__ = define_callbacks(globals(), _LightningAdapter, "a Lightning callback", LIGHTNING_DEFAULTS)

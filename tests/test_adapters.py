@@ -12,20 +12,34 @@ from rankguard.callbacks import GUARDS, Event
 from rankguard.callbacks import events as events_module
 from rankguard.integrations import composer as rg_composer
 from rankguard.integrations import lightning as rg_lightning
+from rankguard.integrations import torch as rg_torch
+from rankguard.integrations import transformers as rg_transformers
 from rankguard.integrations._common import class_name
 from tests.e2e.common import Points
 
-ADAPTERS = [rg_composer, rg_lightning]
+ADAPTERS = [rg_composer, rg_lightning, rg_torch, rg_transformers]
 
 
 def callback_classes(module):
-    return [getattr(module, name) for name in module.__all__]
+    return [getattr(module, name) for name in [*GUARD_CLASSES, "RankGuard"]]
+
+
+GUARD_CLASSES = [class_name(name) for name in GUARDS]
+#: What an adapter exports besides the callbacks.
+EXTRAS = {
+    rg_torch: {"EvalLoader", "Run", "TrainLoader"},
+    rg_transformers: {"calling_trainer"},
+}
 
 
 @pytest.mark.parametrize("module", ADAPTERS, ids=lambda m: m.__name__)
 def test_each_adapter_exports_rank_guard_and_every_guard(module):
-    camel = {class_name(name) for name in GUARDS}
-    assert set(module.__all__) == camel | {"RankGuard"}
+    exported = set(module.__all__) - EXTRAS.get(module, set())
+    assert exported == {*GUARD_CLASSES, "RankGuard"}
+    for name in exported:
+        cls = getattr(module, name)
+        assert cls.__module__ == module.__name__ and cls.__name__ == name
+        assert cls.__doc__ and "__init__" in vars(cls)
 
 
 @pytest.mark.parametrize("module", ADAPTERS, ids=lambda m: m.__name__)
@@ -35,6 +49,9 @@ def test_every_callback_closes_twice_safely(module):
         if module is rg_composer:
             callback.close(None, None)
             callback.close(None, None)
+        elif module in (rg_torch, rg_transformers):
+            callback.close()
+            callback.close()
         else:
             callback.on_exception(None, None, RuntimeError("boom"))
             callback.teardown(None, None, "fit")
