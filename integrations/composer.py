@@ -17,6 +17,7 @@ Requires ``pip install 'rankguard[composer]'``.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -27,9 +28,10 @@ from rankguard.callbacks.guard import Guard, GuardRunner
 from rankguard.integrations._common import bundle_guards, expose_signatures, single_guard
 
 try:
+    from composer import Trainer
     from composer.callbacks import CheckpointSaver
     from composer.core import Callback, Event, State
-    from composer.loggers import Logger
+    from composer.loggers import Logger, RemoteUploaderDownloader
     from composer.utils import format_name_with_dist
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -48,6 +50,7 @@ __all__ = [
 ]
 
 _EVENTS: dict[Event, CoreEvent] = {
+    Event.BEFORE_LOAD: CoreEvent.CHECKPOINT_LOAD_START,
     Event.FIT_START: CoreEvent.FIT_START,
     Event.EPOCH_START: CoreEvent.EPOCH_START,
     Event.BEFORE_DATALOADER: CoreEvent.DATA_FETCH_START,
@@ -60,6 +63,7 @@ _EVENTS: dict[Event, CoreEvent] = {
     Event.EVAL_END: CoreEvent.EVAL_END,
     Event.BATCH_CHECKPOINT: CoreEvent.CHECKPOINT_SAVE_START,
     Event.EPOCH_CHECKPOINT: CoreEvent.CHECKPOINT_SAVE_START,
+    Event.EPOCH_END: CoreEvent.EPOCH_END,
     Event.FIT_END: CoreEvent.FIT_END,
 }
 
@@ -114,6 +118,55 @@ def save_due(state: State, event: Event) -> bool:
     return any(saver.save_interval(state, event) for saver in _savers(state))
 
 
+def checkpoint_uploads(state: State, logger: Logger) -> dict[str, str]:
+    """The save folders whose checkpoints Composer also uploads, and where to.
+
+    A remote ``save_folder`` (``s3://bucket/run``) makes the saver stage each
+    checkpoint in a local temporary folder and upload it; a
+    ``RemoteUploaderDownloader`` logger uploads what a saver with a
+    ``remote_file_name`` saves.
+    """
+    remote = [d for d in logger.destinations if isinstance(d, RemoteUploaderDownloader)]
+    uploads = {}
+    for saver in _savers(state):
+        folder = format_name_with_dist(saver.folder, state.run_name)
+        if saver.remote_uploader is not None:
+            uploads[folder] = str(saver.remote_uploader.remote_folder)
+        elif saver.remote_file_name is not None and remote:
+            uploads[folder] = f"{remote[0].remote_backend_name}://{remote[0].remote_bucket_name}"
+    return uploads
+
+
+#: Composer's remote checkpoint storage, named in rankguard's messages as the fix for
+#: node-local checkpoint folders.
+UPLOAD_SETTING = (
+    "save to and resume from remote storage: Composer uploads every checkpoint with a remote "
+    "`save_folder` (e.g. `save_folder='s3://bucket/run/checkpoints'`) and downloads on every "
+    "node with a remote `load_path`"
+)
+
+
+def trainer_load_path() -> str | None:
+    """The ``load_path`` the ``Trainer`` being constructed will load, read at ``BEFORE_LOAD``.
+
+    Composer loads the checkpoint inside ``Trainer.__init__`` and records the
+    path (``State.load_path``) only after loading, so before loading it is a
+    local variable of ``Trainer.__init__`` on the call stack. This is the one
+    place rankguard reads a framework's local variable;
+    ``tests/test_adapters.py`` fails if Composer renames it or moves the load.
+
+    Returns:
+        The path, or ``None`` (no checkpoint to load, or not called from a
+        ``Trainer`` under construction).
+    """
+    frame = inspect.currentframe()
+    init = Trainer.__init__.__code__
+    while frame is not None and frame.f_code is not init:
+        frame = frame.f_back
+    load_path = frame.f_locals.get("load_path") if frame is not None else None
+    return str(load_path) if load_path else None
+
+
 #: Composer's setting for sharded checkpoints (FSDP), named in rankguard's messages.
 SHARDED_SETTING = "parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}"
 
@@ -139,11 +192,14 @@ def _as_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def event_facts(event: CoreEvent, state: State) -> EventFacts:
+def event_facts(event: CoreEvent, state: State, logger: Logger) -> EventFacts:
     """Reads the facts a core event needs from Composer's ``State``."""
     timestamp = state.timestamp
     facts = EventFacts(step=int(timestamp.batch), epoch=int(timestamp.epoch))
-    if event is CoreEvent.FIT_START:
+    if event is CoreEvent.CHECKPOINT_LOAD_START:
+        facts.load_path = trainer_load_path()
+        facts.upload_setting = UPLOAD_SETTING
+    elif event is CoreEvent.FIT_START:
         train = _train_loader(state)
         facts.loaders = ([train] if train else []) + _evaluator_loaders(state)
         facts.model = state.model
@@ -152,10 +208,12 @@ def event_facts(event: CoreEvent, state: State) -> EventFacts:
         facts.state_dict_type = state.fsdp_state_dict_type or "full"
         facts.switch_to_sharded = sharded_switch(state)
         facts.sharded_setting = SHARDED_SETTING
+        facts.uploads = checkpoint_uploads(state, logger)
+        facts.upload_setting = UPLOAD_SETTING
     elif event is CoreEvent.CHECKPOINT_SAVE_START:
         facts.model = state.model
         facts.directories = save_directories(state)
-    elif event in (CoreEvent.EPOCH_START, CoreEvent.DATA_FETCH_START):
+    elif event in (CoreEvent.EPOCH_START, CoreEvent.EPOCH_END, CoreEvent.DATA_FETCH_START):
         # DATA_FETCH_START: Composer's window also holds an all_reduce over the ranks, so
         # the data-stall monitor times the loader's own return (see callbacks/data_fetch.py).
         facts.loader = _train_loader(state)
@@ -203,7 +261,10 @@ class _ComposerAdapter(Callback):
             return
         if core_event is CoreEvent.CHECKPOINT_SAVE_START and not save_due(state, event):
             return
-        self.runner.fire(core_event, event_facts(core_event, state), logger.log_metrics)
+        facts = event_facts(core_event, state, logger)
+        if core_event is CoreEvent.CHECKPOINT_LOAD_START and facts.load_path is None:
+            return
+        self.runner.fire(core_event, facts, logger.log_metrics)
 
     def close(self, state: State, logger: Logger) -> None:
         """Lets guards explain an error that ended fit (a dead data worker), then stops them.
