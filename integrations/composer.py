@@ -25,6 +25,7 @@ from typing import Any
 from rankguard.callbacks.events import Event as CoreEvent
 from rankguard.callbacks.events import EventFacts, LoaderFacts
 from rankguard.callbacks.guard import Guard, GuardRunner
+from rankguard.callbacks.loader_passes import PassCounter
 from rankguard.integrations._common import bundle_guards, expose_signatures, single_guard
 
 try:
@@ -33,6 +34,7 @@ try:
     from composer.core import Callback, Event, State
     from composer.loggers import Logger, RemoteUploaderDownloader
     from composer.utils import format_name_with_dist
+    from torch.utils.data import DistributedSampler
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "rankguard.integrations.composer needs Composer: pip install 'rankguard[composer]'"
@@ -66,6 +68,10 @@ _EVENTS: dict[Event, CoreEvent] = {
     Event.EPOCH_END: CoreEvent.EPOCH_END,
     Event.FIT_END: CoreEvent.FIT_END,
 }
+
+#: The event that starts a pass over a loader, by the event that ends it.
+_PASS_ENDS = {CoreEvent.EVAL_END: CoreEvent.EVAL_START, CoreEvent.EPOCH_END: CoreEvent.EPOCH_START}
+_PASS_END = {start: end for end, start in _PASS_ENDS.items()}
 
 _EVAL_EVENTS = (
     CoreEvent.EVAL_START,
@@ -188,6 +194,32 @@ def sharded_switch(state: State) -> Callable[[], str] | None:
     return switch
 
 
+def observe_pass(state: State) -> PassCounter | None:
+    """Hands Composer a :class:`PassCounter` for the loader it iterates next, if it may.
+
+    Called at ``EPOCH_START`` and ``EVAL_START``, after which Composer iterates
+    ``state.dataloader`` (public: ``State.set_dataloader`` replaces it, with
+    the same label and batch count). Composer stops every rank as soon as one
+    runs out of data, so only the loader's own iterator tells a rank that ran
+    out from one that still had data. A loader with a ``DistributedSampler``
+    is left as it is: Composer looks for that sampler on a ``DataLoader`` (to
+    set its epoch), and its batches are counted before the first batch anyway.
+
+    Returns:
+        The counter now in ``state.dataloader``, or ``None``.
+    """
+    loader = state.dataloader
+    if loader is None or isinstance(loader, PassCounter):
+        return None
+    samplers = (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None))
+    if any(isinstance(s, DistributedSampler) for s in samplers):
+        return None
+    counter = PassCounter(loader)
+    length = state.dataloader_len
+    state.set_dataloader(counter, state.dataloader_label, -1 if length is None else int(length))
+    return counter
+
+
 def _as_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
@@ -213,14 +245,18 @@ def event_facts(event: CoreEvent, state: State, logger: Logger) -> EventFacts:
     elif event is CoreEvent.CHECKPOINT_SAVE_START:
         facts.model = state.model
         facts.directories = save_directories(state)
-    elif event in (CoreEvent.EPOCH_START, CoreEvent.EPOCH_END, CoreEvent.DATA_FETCH_START):
+    elif event is CoreEvent.EPOCH_END:
+        facts.epoch -= 1  # Composer counts the epoch as done before EPOCH_END
+        facts.loader = _train_loader(state)
+    elif event in (CoreEvent.EPOCH_START, CoreEvent.DATA_FETCH_START):
         # DATA_FETCH_START: Composer's window also holds an all_reduce over the ranks, so
         # the data-stall monitor times the loader's own return (see callbacks/data_fetch.py).
         facts.loader = _train_loader(state)
     elif event in _EVAL_EVENTS:
+        loader = state.dataloader
         facts.loader = LoaderFacts(
             str(state.dataloader_label),
-            state.dataloader,
+            loader.loader if isinstance(loader, PassCounter) else loader,
             is_train=False,
             num_batches=_as_int(state.dataloader_len),
         )
@@ -251,11 +287,13 @@ class _ComposerAdapter(Callback):
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
         self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
         self._fitting = False
+        self._passes: dict[str, tuple[PassCounter, Any]] = {}
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Translates a Composer event and dispatches it to the guards."""
         if event in (Event.FIT_START, Event.FIT_END):
             self._fitting = event is Event.FIT_START
+            self._passes.clear()
         core_event = _EVENTS.get(event)
         if core_event is None or not self.runner.handles(core_event):
             return
@@ -264,7 +302,25 @@ class _ComposerAdapter(Callback):
         facts = event_facts(core_event, state, logger)
         if core_event is CoreEvent.CHECKPOINT_LOAD_START and facts.load_path is None:
             return
+        if core_event in _PASS_ENDS:
+            facts.loader_pass = self._pass_end(state, core_event)
         self.runner.fire(core_event, facts, logger.log_metrics)
+        if core_event in _PASS_ENDS.values() and self.runner.handles(_PASS_END[core_event]):
+            original = state.dataloader
+            counter = observe_pass(state)
+            if counter is not None:
+                self._passes[str(state.dataloader_label)] = (counter, original)
+
+    def _pass_end(self, state: State, event: CoreEvent) -> Any:
+        """What the pass that ends now did; puts the train loader back at its epoch end."""
+        counter, original = self._passes.pop(str(state.dataloader_label), (None, None))
+        if counter is None:
+            return None
+        if event is CoreEvent.EPOCH_END and state.dataloader is counter:
+            length = state.dataloader_len
+            label = state.dataloader_label
+            state.set_dataloader(original, label, -1 if length is None else int(length))
+        return counter.result()
 
     def close(self, state: State, logger: Logger) -> None:
         """Lets guards explain an error that ended fit (a dead data worker), then stops them.

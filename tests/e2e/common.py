@@ -90,3 +90,14 @@ class Stream(IterableDataset):
 
     def __iter__(self):
         return (self.points[i] for i in range(len(self.points)))
+
+
+class ClaimedStream(Stream):
+    """An iterable dataset whose ``__len__`` says ``claimed`` samples; it yields ``n``."""
+
+    def __init__(self, n: int, claimed: int) -> None:
+        super().__init__(n)
+        self.claimed = claimed
+
+    def __len__(self) -> int:
+        return self.claimed
