@@ -240,23 +240,15 @@ def test_lightning_strategies_still_read_the_attributes_the_switch_sets():
     assert checkpoint_format(DDPStrategy())[:2] == ("full", None)
 
 
-@pytest.fixture
-def lightning_job(job):
-    if job["framework"] != "lightning":
-        pytest.skip("Lightning only")
-    return job
-
-
-def test_weights_only_saves_go_through_the_dir_barrier_before_every_save(lightning_job):
+@pytest.mark.parametrize("job", ["lightning"], indirect=True)
+def test_weights_only_saves_go_through_the_dir_barrier_before_every_save(job):
     # on_save_checkpoint never fires for save_weights_only=True: the barrier wraps the save.
-    for result in _both(lightning_job, "weights_only"):
+    for result in _both(job, "weights_only"):
         assert result["outcome"] == "ok", result.get("traceback")
         assert result["warnings"] == []
         # one barrier at fit start, one before each of the 4 saves
         assert result["counters"]["rankguard/shared_dir_wait_s count"] == 5
-    assert _saved(lightning_job, "weights_only") == sorted(
-        f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)
-    )
+    assert _saved(job, "weights_only") == sorted(f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8))
 
 
 def _node_disks(job: dict[str, Any]) -> tuple[list[str], list[str]]:

@@ -95,19 +95,6 @@ def test_composer_example_post_eval_hang_aborts_with_75_and_rank_1_stack(tmp_pat
 
 
 @pytest.mark.framework
-def test_composer_example_node_local_ckpt_warns_on_every_rank_and_finishes(tmp_path):
-    # Each rank plays a node of its own (NODE_RANK = rank) with its own "local disk".
-    proc = composer_example(tmp_path, "--fault", "node_local_ckpt")
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, output[-3000:]
-    [warning] = rankguard_warnings(output)  # the launcher shows rank 0's output
-    folder = tmp_path / "rankguard_example" / "node0" / "checkpoints"
-    assert f"Checkpoint folder {folder} is node-local: node " in warning
-    assert "/node1 (rank 1) does not see what rank 0 (" in warning
-    assert "training finished" in output
-
-
-@pytest.mark.framework
 def test_lightning_example_slow_data_names_rank_1_and_finishes(tmp_path):
     proc = lightning_example(tmp_path, "--fault", "slow_data")
     output = proc.stdout + proc.stderr
