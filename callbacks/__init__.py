@@ -18,12 +18,13 @@ from rankguard.callbacks.errors import (
     DataStallError,
     DropLastMismatchError,
     HangDetectedError,
+    NodeLocalDirError,
     RankGuardError,
     RanksMissingError,
     SharedDirCreateError,
     SharedDirTimeoutError,
 )
-from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
+from rankguard.callbacks.events import Event, EventFacts, LoaderFacts, LoaderPass
 from rankguard.callbacks.guard import Guard, GuardRunner
 from rankguard.callbacks.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
 from rankguard.callbacks.registry import GUARDS, build_guards
@@ -52,6 +53,8 @@ __all__ = [
     "HangDetectedError",
     "HangWatchdog",
     "LoaderFacts",
+    "LoaderPass",
+    "NodeLocalDirError",
     "RankGuardError",
     "RanksMissingError",
     "SharedDirBarrier",

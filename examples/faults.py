@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset, Subset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, Subset, TensorDataset
 
 #: Every ``--fault``, with what it does.
 FAULTS: dict[str, str] = {
@@ -40,7 +40,8 @@ FAULTS: dict[str, str] = {
     "unseeded_split": "every rank splits train/eval with an unseeded shuffle",
     "slow_data": "rank 1's dataset sleeps 25 ms per sample",
     "post_eval_hang": "rank 1 sleeps forever after the first evaluation",
-    "node_local_ckpt": "each rank saves to its own directory, as on a node-local disk",
+    "node_local_ckpt": "each rank is a node of its own, saving to its own directory (a local disk)",
+    "short_stream": "rank 0's eval stream ends 4 samples short of the 16 its __len__ says",
     "ckpt_over_memory": "a 720k-parameter model with Adam on a node given 1 MiB for the save",
 }
 
@@ -72,6 +73,27 @@ class SlowDataset(Dataset):
         if self.delay_s:
             time.sleep(self.delay_s)
         return self.data[i]
+
+
+class ShortStream(IterableDataset):
+    """A rank's own stream of the first ``n`` of ``data``, whose ``__len__`` says ``claimed``."""
+
+    def __init__(self, data: Dataset, n: int, claimed: int) -> None:
+        self.data, self.n, self.claimed = data, n, claimed
+
+    def __len__(self) -> int:
+        return self.claimed
+
+    def __iter__(self) -> Any:
+        return (self.data[i] for i in range(self.n))
+
+
+def planned_samples(loader: Any) -> int:
+    """The samples a rank's loader should give in one pass: its sampler's share, or its length."""
+    try:
+        return len(loader.sampler)
+    except TypeError:  # an iterable dataset: no sampler
+        return len(loader.dataset)
 
 
 def unseeded_split(n: int, n_eval: int) -> tuple[Subset, Subset]:
@@ -153,6 +175,8 @@ class FaultSetup:
         train: Dataset = points(train_size)
         if self.fault == "slow_data":  # the same dataset everywhere; rank 1's storage is slow
             train = SlowDataset(train, delay_s=0.025 if rank == 1 else 0.0)
+        if self.fault == "short_stream":  # each rank streams its own half of the eval set
+            return RankData(train, ShortStream(points(32), 12 if rank == 0 else 16, 16))
         # drop_last: 33 samples per rank, 8 full batches and a partial one.
         return RankData(train, points(eval_size), self.fault == "drop_last" and rank == 0)
 
@@ -165,6 +189,14 @@ class FaultSetup:
         folder = self.checkpoint_dir(rank)
         if folder is not None and (rank == 0 or "{rank}" in str(self.save_dir)):
             shutil.rmtree(folder, ignore_errors=True)
+
+    def node_of(self, rank: int) -> str | None:
+        """The node rank ``rank`` stands for, where the fault makes each rank a node of its own.
+
+        rankguard tells nodes apart by ``NODE_RANK``: set to the rank, one host
+        plays two nodes whose local disks are ``node0`` and ``node1``.
+        """
+        return str(rank) if self.fault == "node_local_ckpt" else None
 
     def hangs_after_eval(self, rank: int) -> bool:
         """Whether rank ``rank`` sleeps forever after its first evaluation."""
@@ -210,8 +242,8 @@ def setup(fault: str, workdir: str | os.PathLike) -> FaultSetup:
         }
         return FaultSetup(fault, root, {"hang_watchdog": hang}, epochs=2)
     if fault == "node_local_ckpt":
-        # `node<rank>` stands for each node's local disk: the same folder name on every
-        # node, a different directory on each.
+        # Each rank is a node (`node_of`); `node<rank>` stands for its local disk: the same
+        # folder name on every node, a different directory on each.
         return FaultSetup(fault, root, save_dir=str(root / "node{rank}" / "checkpoints"))
     if fault == "ckpt_over_memory":
         planner = {"host_memory_bytes": 1 << 20, "mode": "raise"}  # default: read, "warn"

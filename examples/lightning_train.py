@@ -16,7 +16,8 @@ to 5 s for the demo):
     unseeded_split    every rank splits train/val with an unseeded shuffle
     slow_data         rank 1's dataset sleeps in __getitem__: DataStallMonitor names rank 1
     post_eval_hang    rank 1 sleeps forever after the first validation: HangWatchdog, exit 75
-    node_local_ckpt   each rank saves to its own directory, as on a node-local disk
+    node_local_ckpt   each rank saves to its own directory (Lightning then uses rank 0's)
+    short_stream      rank 0's val stream ends 4 samples short of the 16 its __len__ says
     ckpt_over_memory  CheckpointPlanner told the node has 1 MiB for a full save
 """
 
@@ -29,7 +30,15 @@ from typing import Any
 
 import lightning as L
 import torch
-from faults import BATCH_SIZE, FaultSetup, RankData, log_with_rank, parse_args, setup
+from faults import (
+    BATCH_SIZE,
+    FaultSetup,
+    RankData,
+    log_with_rank,
+    parse_args,
+    planned_samples,
+    setup,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -106,7 +115,7 @@ class Progress(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        rank, planned = trainer.global_rank, len(trainer.val_dataloaders.sampler)
+        rank, planned = trainer.global_rank, planned_samples(trainer.val_dataloaders)
         log.info("rank %d evaluated %d of its %d eval samples", rank, self.seen, planned)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

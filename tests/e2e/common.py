@@ -185,3 +185,14 @@ class EventLog(Guard):
             self.events.append((event.value, facts.step, loader))
 
         return record
+
+
+class ClaimedStream(Stream):
+    """An iterable dataset whose ``__len__`` says ``claimed`` samples; it yields ``n``."""
+
+    def __init__(self, n: int, claimed: int) -> None:
+        super().__init__(n)
+        self.claimed = claimed
+
+    def __len__(self) -> int:
+        return self.claimed
