@@ -28,10 +28,17 @@ What the loop cannot announce, the wrappers infer (see
 eval or save starts; an eval ends when its loader is exhausted, or, if the
 loop left it early (``break``), when the loop moves on, with the batches that
 ran as its plan. The time from an eval's end to the next train fetch is the
-hang watchdog's "after eval" phase.
+hang watchdog's "after eval" phase. An epoch ends at the next epoch's start or
+the fit's end (a point every rank reaches, even when one rank's loader ran
+out first). Each end says how many batches the wrapped iterator gave and
+whether it ran out, so a rank that still had data when another ran out is
+named.
 
-Every rank must make the same calls: ``guard.fit``, each ``run.eval`` and
-each ``run.checkpoint`` (also on ranks that do not write). It works under
+A resume is checked before it is read: ``with guard.load(path):`` around the
+load, before ``guard.fit`` or inside it, on every rank.
+
+Every rank must make the same calls: ``guard.load``, ``guard.fit``, each
+``run.eval`` and each ``run.checkpoint`` (also on ranks that do not write). It works under
 plain ``torchrun`` (the process group's store carries rankguard's
 exchanges) and at world size 1 without ``torch.distributed``.
 
