@@ -18,7 +18,10 @@ share the filesystem at all. :func:`ensure_shared_dirs` does instead:
    filesystem with rank 0; other nodes are node-local. Markers are removed.
 3. **create**: global rank 0 creates a shared path; the lowest local rank
    of each node-local node creates its own copy (``exist_ok``, so a shared
-   filesystem that was slow to show the marker is harmless). A creation
+   filesystem that was slow to show the marker is harmless). Ranks may name
+   folders of their own (``ckpt/rank{r}``, a per-rank ``output_dir``): ranks
+   that see the marker and name the same path below it name one folder, and
+   each folder is created by the lowest rank that names it. A creation
    failure on any rank is reported to every rank, not waited out.
 4. **wait and release**: every rank polls, with backoff, until it sees
    every path or ``timeout_s`` passes; then every rank is released together
@@ -70,14 +73,16 @@ class DirReport:
 
     Attributes:
         paths: This rank's absolute paths, in the order given.
-        shared: Per path: ``True`` shared by every node, ``False`` node-local
-            on some node, ``None`` not probed (every rank saw it already) or
-            unknown (rank 0 could not write a marker).
+        shared: Per path: ``True`` its filesystem is shared by every node,
+            ``False`` node-local on some node, ``None`` not probed (every rank
+            saw it already) or unknown (rank 0 could not write a marker).
         created_by: Per path, the ranks that created it (empty if none had to).
         waited_s: How long this rank polled for paths to appear.
         max_waited_s: The longest any rank polled.
-        node_local: Per path some nodes do not share with rank 0: which nodes
-            and ranks, and the filesystem (the same text on every rank).
+        node_local: Per path whose folder (rank 0's) some nodes do not see,
+            though their ranks name it: which nodes and ranks, and the
+            filesystem (the same text on every rank). Folders of a rank's own
+            are never listed.
     """
 
     paths: list[str]
@@ -148,8 +153,11 @@ def ensure_shared_dirs(
 ) -> DirReport:
     """Creates ``paths`` where needed and returns once every rank sees every one.
 
-    Every rank must call it with the same number of paths (relative paths
-    may resolve differently per rank).
+    Every rank must call it with the same number of paths. A path may differ
+    between ranks: resolved against each rank's cwd, or a folder per rank
+    (``ckpt/rank3``), which its rank's side creates. The node-local verdict
+    concerns the ranks that name rank 0's folder (the same path, as seen from
+    each node): a folder of a rank's own is not meant to be seen by others.
 
     Args:
         paths: Directories, absolute or relative to each rank's cwd; remote
@@ -193,7 +201,10 @@ def ensure_shared_dirs(
         markers = channel.broadcast(f"{name}/markers", markers)
         seen = _probe(absolute, markers, probe_wait_s)
         missing = {i: states[i].state != "dir" for i in look.probe}
-        plan = channel.exchange(f"{name}/seen", (seen, missing), planner.creators)
+        levels = {i: None if m is None else m.levels for i, m in markers.items()}
+        plan = channel.exchange(
+            f"{name}/seen", (seen, missing), lambda per_rank: planner.creators(per_rank, levels)
+        )
     finally:
         for file in written:
             try:

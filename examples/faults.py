@@ -198,6 +198,15 @@ class FaultSetup:
         """
         return str(rank) if self.fault == "node_local_ckpt" else None
 
+    def make_node_disk(self, rank: int) -> None:
+        """Creates ``node<rank>``, rank ``rank``'s node-local disk, where the fault has one.
+
+        A node's disk is mounted before the job starts; the checkpoint folder in it
+        is the job's to create.
+        """
+        if self.node_of(rank) is not None:
+            os.makedirs(self.workdir / f"node{rank}", exist_ok=True)
+
     def hangs_after_eval(self, rank: int) -> bool:
         """Whether rank ``rank`` sleeps forever after its first evaluation."""
         return self.fault == "post_eval_hang" and rank == 1
@@ -217,7 +226,11 @@ class FaultSetup:
         if not os.path.isdir(folder):
             log.info("rank %d: no checkpoint folder %s here", rank, folder)
             return
-        files = sorted(os.listdir(folder))
+        files = sorted(
+            os.path.relpath(os.path.join(here, name), folder)
+            for here, _, names in os.walk(folder)
+            for name in names
+        )
         log.info("rank %d sees %d checkpoint file(s) in %s: %s", rank, len(files), folder, files)
 
 

@@ -15,12 +15,12 @@ to 5 s for the demo):
     unseeded_split    every rank splits with `datasets`' train_test_split and no seed
     slow_data         rank 1's dataset sleeps in __getitem__: DataStallMonitor names rank 1
     post_eval_hang    rank 1 sleeps forever after the first eval: HangWatchdog, exit code 75
+    node_local_ckpt   each rank is a node of its own, saving to its own directory (a local disk)
     ckpt_over_memory  CheckpointPlanner told the node has 1 MiB for a full save
 
-Not offered: ``node_local_ckpt``. The Trainer writes each checkpoint into one
-``output_dir/checkpoint-<step>`` that all ranks share (with
-``save_on_each_node`` on node-local disks: the same path on every node); a
-different ``output_dir`` per rank on one host stands for no set-up it supports.
+Not offered: ``short_stream``. The Trainer (through Accelerate) reads an
+``IterableDataset`` on rank 0 only and hands its batches out to every rank
+(``dispatch_batches``), so there is no stream of a rank's own to run short.
 
 rankguard is one callback: ``Trainer(..., callbacks=[RankGuard()])``. The
 model is the examples' MLP as a plain ``torch.nn.Module`` that returns its
@@ -102,14 +102,17 @@ class HangAfterEval(TrainerCallback):
 
 
 def main() -> None:
-    args = parse_args(__doc__, without=("node_local_ckpt",))
+    args = parse_args(__doc__, without=("short_stream",))
     log_with_rank()
     for noisy in ("transformers", "rankguard.callbacks.drop_last"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
     rank = int(os.environ.get("RANK", "0"))
     fault: FaultSetup = setup(args.fault, args.workdir)
+    if fault.node_of(rank) is not None:  # this rank plays a node of its own
+        os.environ["NODE_RANK"] = fault.node_of(rank)
     fault.clear_checkpoints(rank)
+    fault.make_node_disk(rank)
     data = fault.data(rank, hf_datasets=True)  # before the Trainer seeds anything
     data.describe(rank)
     callbacks: list[TrainerCallback] = [Progress(rank)]
@@ -120,7 +123,7 @@ def main() -> None:
 
         callbacks.insert(0, RankGuard(**fault.rankguard))
     training = TrainingArguments(
-        output_dir=fault.save_dir or str(fault.workdir / "hf_output"),
+        output_dir=fault.checkpoint_dir(rank) or str(fault.workdir / "hf_output"),
         use_cpu=True,
         ddp_backend="gloo",
         ddp_find_unused_parameters=False,

@@ -15,10 +15,11 @@ to 5 s for the demo):
     unseeded_split    every rank splits with `datasets`' train_test_split and no seed
     slow_data         rank 1's dataset sleeps in __getitem__: DataStallMonitor names rank 1
     post_eval_hang    rank 1 sleeps forever after the first eval: HangWatchdog, exit code 75
-    node_local_ckpt   each rank saves to its own directory, as on a node-local disk
+    node_local_ckpt   each rank is a node of its own, saving to its own directory (a local disk)
+    short_stream      rank 0's eval stream ends 4 samples short of the 16 its __len__ says
     ckpt_over_memory  CheckpointPlanner told the node has 1 MiB for a full save
 
-rankguard takes 6 lines of the loop, each marked ``# rankguard``: the import,
+rankguard takes 6 statements of the loop, each marked ``# rankguard``: the import,
 the guard, ``with guard.fit(...)`` around the loop, ``run.train(...)`` and
 ``run.eval(...)`` around the loaders, ``with run.checkpoint(...)`` around the
 save. ``--no-rankguard`` turns every guard off (the wrappers then only pass
@@ -36,9 +37,15 @@ from typing import Any
 import numpy
 import torch
 import torch.distributed as dist
-from faults import BATCH_SIZE, FaultSetup, log_with_rank, parse_args, setup
+from faults import BATCH_SIZE, FaultSetup, log_with_rank, parse_args, planned_samples, setup
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    default_collate,
+)
 
 from rankguard.callbacks import GUARDS  # for --no-rankguard only
 from rankguard.integrations.torch import RankGuard  # rankguard
@@ -61,7 +68,8 @@ def collate(rows: list[Any]) -> dict[str, torch.Tensor]:
 
 
 def loader(data: Dataset, drop_last: bool = False) -> DataLoader:
-    sampler = DistributedSampler(data, shuffle=False)
+    # A stream is already this rank's own; a dataset is split between the ranks.
+    sampler = None if isinstance(data, IterableDataset) else DistributedSampler(data, shuffle=False)
     return DataLoader(
         data, batch_size=BATCH_SIZE, sampler=sampler, drop_last=drop_last, collate_fn=collate
     )
@@ -77,11 +85,12 @@ def train(fault: FaultSetup, rankguard: dict[str, Any]) -> None:
     train_loader = loader(data.train, drop_last=data.train_drop_last)
     eval_loader = loader(data.eval)
     ckpt_dir = fault.checkpoint_dir(rank) or str(fault.workdir / "checkpoints")
-    os.makedirs(ckpt_dir, exist_ok=True)  # each rank its folder (node_local_ckpt: its own)
     started, trained = time.perf_counter(), 0
 
     guard = RankGuard(**rankguard)  # rankguard
-    with guard.fit(model, optimizer, train_loader, eval_loaders=eval_loader) as run:  # rankguard
+    with guard.fit(  # rankguard: checks the data and the save folder before any batch
+        model, optimizer, train_loader, eval_loaders=eval_loader, save_dirs=ckpt_dir
+    ) as run:
         for epoch in range(fault.epochs):
             train_loader.sampler.set_epoch(epoch)
             model.train()
@@ -101,14 +110,14 @@ def train(fault: FaultSetup, rankguard: dict[str, Any]) -> None:
                     eval_loss += torch.nn.functional.cross_entropy(logits, batch["labels"])
                     seen += len(batch["labels"])
             dist.all_reduce(eval_loss)  # the eval loss, summed over ranks
-            planned = len(eval_loader.sampler)
+            planned = planned_samples(eval_loader)
             log.info("rank %d evaluated %d of its %d eval samples", rank, seen, planned)
             if fault.hangs_after_eval(rank):
                 log.info("rank %d: sleeping forever after eval (injected fault)", rank)
                 while True:
                     time.sleep(3600)
 
-            with run.checkpoint(ckpt_dir):  # rankguard
+            with run.checkpoint(ckpt_dir):  # rankguard: every rank sees the folder first
                 if rank == 0:
                     state = {"model": model.module.state_dict(), "optim": optimizer.state_dict()}
                     torch.save(state, f"{ckpt_dir}/epoch{epoch}.pt")
@@ -123,10 +132,14 @@ def main() -> None:
     logging.getLogger("rankguard.callbacks.drop_last").setLevel(logging.WARNING)
 
     fault = setup(args.fault, args.workdir)
-    fault.clear_checkpoints(dist.get_rank())
+    rank = dist.get_rank()
+    if fault.node_of(rank) is not None:  # this rank plays a node of its own
+        os.environ["NODE_RANK"] = fault.node_of(rank)
+    fault.clear_checkpoints(rank)
+    fault.make_node_disk(rank)
     off = dict.fromkeys(GUARDS, False)  # every guard off: the wrappers pass batches through
     train(fault, off if args.no_rankguard else fault.rankguard)
-    fault.report(dist.get_rank())
+    fault.report(rank)
     log.info("training finished")
     dist.destroy_process_group()
 

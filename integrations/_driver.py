@@ -8,10 +8,10 @@ starts fetching. :class:`EventDriver` takes what the adapter knows, fills in the
 ends the loop cannot announce, and fires each core event with the step and
 epoch, in the order :mod:`rankguard.callbacks.events` documents:
 
-* a train batch ends (TRAIN_BATCH_END) at the next fetch, epoch start, eval
-  start, save start or fit end, whichever comes first;
+* a train batch ends (TRAIN_BATCH_END) at the next fetch, epoch start or end,
+  eval start, save start or fit end, whichever comes first;
 * a fetch window (DATA_FETCH_START) opens once, however many times the adapter
-  says so, and an eval or epoch start abandons a window that was open;
+  says so, and an eval, epoch start or epoch end abandons a window that was open;
 * evaluations may announce several loaders at once (Lightning and the Trainer
   start every eval loader together), and end one at a time.
 
@@ -25,7 +25,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
+from rankguard.callbacks.events import Event, EventFacts, LoaderFacts, LoaderPass
 from rankguard.callbacks.guard import GuardRunner, MetricSink
 
 __all__ = ["EventDriver", "inspection_limits"]
@@ -148,6 +148,12 @@ class EventDriver:
         self.epoch += 1
         self.fire(Event.EPOCH_START, loader=loader)
 
+    def epoch_end(self, loader: LoaderFacts | None, loader_pass: LoaderPass | None = None) -> None:
+        """EPOCH_END of the current epoch (its last train batch ends; a fetch window is dropped)."""
+        self.end_train_batch()
+        self._fetching = False
+        self.fire(Event.EPOCH_END, loader=loader, loader_pass=loader_pass)
+
     def fetch_start(self) -> None:
         """DATA_FETCH_START, once per fetch (ends the train batch before it)."""
         self.end_train_batch()
@@ -201,18 +207,24 @@ class EventDriver:
         self.fire(Event.EVAL_BATCH_END, loader=self.evals[0], batch_index=self.eval_batches)
         self.eval_batches += 1
 
-    def eval_end(self) -> LoaderFacts:
-        """EVAL_END of the current eval loader; returns it."""
+    def eval_end(self, loader_pass: LoaderPass | None = None) -> LoaderFacts:
+        """EVAL_END of the current eval loader, with what its pass did if seen; returns it."""
         if not self.evals:
             raise RuntimeError("rankguard: EVAL_END without EVAL_START")
         if self._eval_batch_open:
             self.eval_batch_end()
         facts = self.evals.pop(0)
         self.eval_batches = 0
-        self.fire(Event.EVAL_END, loader=facts)
+        self.fire(Event.EVAL_END, loader=facts, loader_pass=loader_pass)
         return facts
 
     # -- checkpoint --------------------------------------------------------------------
+
+    def load_start(self, load_path: str, upload_setting: str | None = None) -> None:
+        """CHECKPOINT_LOAD_START before ``load_path`` is read (before the fit, or during it)."""
+        if not self.fitting:  # a resume: no step of an earlier fit applies
+            self._reset()
+        self.fire(Event.CHECKPOINT_LOAD_START, load_path=load_path, upload_setting=upload_setting)
 
     def save_start(self, directories: list[str], model: Any = None) -> None:
         """CHECKPOINT_SAVE_START before a save into ``directories``."""

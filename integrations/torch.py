@@ -28,10 +28,17 @@ What the loop cannot announce, the wrappers infer (see
 eval or save starts; an eval ends when its loader is exhausted, or, if the
 loop left it early (``break``), when the loop moves on, with the batches that
 ran as its plan. The time from an eval's end to the next train fetch is the
-hang watchdog's "after eval" phase.
+hang watchdog's "after eval" phase. An epoch ends at the next epoch's start or
+the fit's end (a point every rank reaches, even when one rank's loader ran
+out first). Each end says how many batches the wrapped iterator gave and
+whether it ran out, so a rank that still had data when another ran out is
+named.
 
-Every rank must make the same calls: ``guard.fit``, each ``run.eval`` and
-each ``run.checkpoint`` (also on ranks that do not write). It works under
+A resume is checked before it is read: ``with guard.load(path):`` around the
+load, before ``guard.fit`` or inside it, on every rank.
+
+Every rank must make the same calls: ``guard.load``, ``guard.fit``, each
+``run.eval`` and each ``run.checkpoint`` (also on ranks that do not write). It works under
 plain ``torchrun`` (the process group's store carries rankguard's
 exchanges) and at world size 1 without ``torch.distributed``.
 
@@ -49,7 +56,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
-from rankguard.callbacks.events import LoaderFacts
+from rankguard.callbacks.events import LoaderFacts, LoaderPass
 from rankguard.callbacks.guard import Guard, GuardRunner
 from rankguard.integrations._common import define_callbacks
 from rankguard.integrations._driver import EventDriver
@@ -179,9 +186,67 @@ class _LoopGuard:
             log_metrics=log_metrics,
         )
 
+    def load(self, path: str | os.PathLike) -> _Load:
+        """A context manager around loading a checkpoint, entered on every rank.
+
+        On entry every rank checks that every node sees ``path`` (the file or
+        folder the loop is about to read) before any rank reads it: a
+        checkpoint that exists on some nodes only (a node-local disk) is a
+        ``NodeLocalDirError`` on every rank naming the nodes without it, instead
+        of a load error on those ranks while the others wait in the next
+        collective. Use it for a resume, before ``guard.fit(...)`` (where the
+        model is often built from the checkpoint), or inside the fit::
+
+            with guard.load(ckpt_path):
+                state = torch.load(ckpt_path)
+
+        Args:
+            path: The checkpoint file or folder (the same on every rank); a
+                remote URI (``s3://...``) is not checked.
+
+        Raises:
+            ValueError: ``path`` is not a path.
+        """
+        if not isinstance(path, str | os.PathLike) or not str(path):
+            raise ValueError(f"`path` must be a checkpoint file or folder path; got {path!r}.")
+        return _Load(self, os.fspath(path))
+
     def close(self) -> None:
         """Stops every guard; safe to call twice and after an error."""
         self.runner.close()
+
+
+class _Load:
+    """The context manager of :meth:`_LoopGuard.load`."""
+
+    def __init__(self, guard: _LoopGuard, path: str) -> None:
+        self._guard = guard
+        self.path = path
+        self._outside_fit = False
+
+    def __enter__(self) -> _Load:
+        run = self._guard._running
+        if run is not None:
+            run._require("guard.load(...)")
+            run._driver.load_start(self.path)
+            return self
+        self._outside_fit = True
+        try:
+            EventDriver(self._guard.runner).load_start(self.path)
+        except BaseException:
+            self._guard.runner.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._outside_fit:  # the fit that follows starts the guards afresh
+            self._outside_fit = False
+            self._guard.runner.close()
 
 
 class Run:
@@ -215,6 +280,7 @@ class Run:
         self._driver = EventDriver(guard.runner, self._log_metrics)
         self._state = "new"  # new -> active -> ended
         self._eval: _EvalIterator | None = None
+        self._pass: _TrainIterator | None = None
         self._save: _Save | None = None
         self._left_early: set[str] = set()
 
@@ -276,6 +342,7 @@ class Run:
             return
         try:
             self._close_eval()
+            self._close_epoch()
             self._driver.fit_end()
         except BaseException as error:
             self._end(error)
@@ -286,6 +353,7 @@ class Run:
         self._state = "ended"
         self._guard._running = None
         self._save = None
+        self._pass = None
         if exc is None:
             self._guard.runner.close()
         else:
@@ -323,6 +391,17 @@ class Run:
                 )
             loader = self._train.loader
         return TrainLoader(self, _check_iterable("loader", loader))
+
+    def _close_epoch(self) -> None:
+        """EPOCH_END of the last train pass, with what its iterator did (next epoch, fit end).
+
+        Not at ``StopIteration``: a rank whose loader ran out first would wait in
+        the check while the others still run batches (and a loop that stops every
+        rank when one runs out, or DDP's ``join``, still needs it in collectives).
+        """
+        it, self._pass = self._pass, None
+        if it is not None:
+            self._driver.epoch_end(it.facts, LoaderPass(it.yielded, it.exhausted))
 
     # -- eval ------------------------------------------------------------------------
 
@@ -401,16 +480,24 @@ class TrainLoader:
         run = self._run
         run._require("run.train(...)")
         run._close_eval()
+        run._close_epoch()
         driver = run._driver
-        driver.epoch_start(LoaderFacts("train", self.loader, is_train=True))
-        return _TrainIterator(run, iter(self.loader), driver.epoch)
+        facts = LoaderFacts("train", self.loader, is_train=True)
+        driver.epoch_start(facts)
+        run._pass = _TrainIterator(run, facts, driver.epoch)
+        return run._pass
 
 
 class _TrainIterator:
-    def __init__(self, run: Run, iterator: Iterator[Any], epoch: int) -> None:
+    """One epoch's pass over the train loader: what it returned, and whether it ran out."""
+
+    def __init__(self, run: Run, facts: LoaderFacts, epoch: int) -> None:
         self._run = run
-        self._iterator = iterator
+        self.facts = facts
+        self._iterator = iter(facts.loader)
         self._epoch = epoch
+        self.yielded = 0
+        self.exhausted = False
 
     def __iter__(self) -> _TrainIterator:
         return self
@@ -425,7 +512,12 @@ class _TrainIterator:
             )
         run._close_eval()
         driver.fetch_start()
-        batch = next(self._iterator)  # StopIteration ends the epoch
+        try:
+            batch = next(self._iterator)
+        except StopIteration:  # the epoch ends at the next epoch start or the fit's end
+            self.exhausted = True
+            raise
+        self.yielded += 1
         driver.fetch_end()
         driver.train_batch_start()
         return batch
@@ -461,6 +553,7 @@ class _EvalIterator:
         self.started = 0
         self._ended = False
         self._exhausted = False
+        self._ran_out = False  # the loader's own iterator raised StopIteration
 
     def __iter__(self) -> _EvalIterator:
         return self
@@ -485,6 +578,7 @@ class _EvalIterator:
         try:
             batch = next(self._iterator)
         except StopIteration:
+            self._ran_out = True
             self.finish(early=False)
             raise
         driver.eval_batch_start()
@@ -492,7 +586,11 @@ class _EvalIterator:
         return batch
 
     def finish(self, early: bool) -> None:
-        """EVAL_END; ``early``: the loop left it, so the batches that ran are its plan."""
+        """EVAL_END; ``early``: the loop left it, so the batches that ran are its plan.
+
+        The pass is exhausted only where the loader's iterator ran out; one that
+        ``max_batches`` or the loop stopped is not (it may have had more).
+        """
         self._ended = True
         self._exhausted = not early
         run = self._run
@@ -500,7 +598,7 @@ class _EvalIterator:
         if early:
             facts = self.facts
             run._driver.evals[0] = LoaderFacts(facts.name, facts.loader, False, self.started)
-        run._driver.eval_end()
+        run._driver.eval_end(LoaderPass(self.started, self._ran_out))
 
 
 class _Save:

@@ -8,6 +8,9 @@ hooks do not announce. Where each event comes from (transformers 4.57):
 =====================  ================================================================
 core event             ``TrainerCallback`` hook
 =====================  ================================================================
+CHECKPOINT_LOAD_START  ``Trainer.train(resume_from_checkpoint=...)``, wrapped at
+                       ``on_init_end``: before the Trainer loads the checkpoint (no hook
+                       comes earlier than ``on_train_begin``, after the load)
 FIT_START              ``on_train_begin`` (train loader, eval loaders, model, optimizer)
 EPOCH_START            ``on_epoch_begin``
 DATA_FETCH_START       ``on_step_end`` (no eval or save due), ``on_log`` after it (the
@@ -24,6 +27,8 @@ EVAL_END               ``on_evaluate`` (per eval dataset, in the Trainer's order
 CHECKPOINT_SAVE_START  ``on_step_end`` / ``on_epoch_end`` when ``control.should_save``
                        (after the eval, if one is due first: its ``on_evaluate``)
 CHECKPOINT_SAVE_END    ``on_save``
+EPOCH_END              ``on_epoch_end`` (no pass fact: the Trainer iterates its train loader
+                       in a local variable, out of the callbacks' reach)
 FIT_END                ``on_train_end``
 =====================  ================================================================
 
@@ -32,7 +37,9 @@ the next ``on_step_begin``: the Trainer has no hook where it starts fetching
 again, so it includes that fetch. Facts come from the hooks' keyword
 arguments and the public ``Trainer`` API (``get_eval_dataloader``,
 ``eval_dataset``, ``log``); the Trainer itself is found by
-:func:`calling_trainer`, the one place this adapter reads something private.
+:func:`calling_trainer`, the one place this adapter reads something private,
+and its ``train`` method is wrapped on that instance (:func:`hook_resume`),
+the one place it wraps one.
 Metrics go through ``Trainer.log`` (every reporting integration sees the
 ``rankguard/...`` keys), at the next step begin.
 
@@ -52,10 +59,12 @@ Requires ``pip install 'rankguard[transformers]'``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rankguard.callbacks.events import LoaderFacts
@@ -71,7 +80,8 @@ try:
         TrainerState,
         TrainingArguments,
     )
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "rankguard.integrations.transformers needs transformers and accelerate: "
@@ -139,6 +149,60 @@ def state_dict_type(trainer: Trainer | None) -> str:
     return "sharded" if "SHARDED" in str(plugin.state_dict_type).upper() else "full"
 
 
+def resume_checkpoint(args: TrainingArguments, resume: str | bool) -> str:
+    """What ``Trainer.train(resume_from_checkpoint=resume)`` reads first on this rank.
+
+    The checkpoint's ``trainer_state.json``, which ``train`` reads right after
+    the model, so a folder that holds only this rank's RNG state (what a rank
+    saves on a node other than rank 0's, without ``save_on_each_node``) counts
+    as missing. ``True`` means the latest ``checkpoint-<step>`` in ``output_dir``
+    on this node, as the Trainer finds it; where there is none, a
+    ``checkpoint-*`` that does not exist.
+    """
+    if resume is True:
+        output_dir = str(args.output_dir)
+        found = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        folder = found or os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-*")
+    else:
+        folder = str(resume)
+    return os.path.join(folder, TRAINER_STATE_NAME)
+
+
+def hook_resume(trainer: Trainer, before_load: Callable[[str], None]) -> Callable[[], None]:
+    """Calls ``before_load(path)`` before ``trainer.train`` loads its resume checkpoint.
+
+    ``Trainer.train(resume_from_checkpoint=...)`` loads the model, optimizer and
+    scheduler before calling any callback hook. Its ``train`` is wrapped on this
+    instance (the public method, its public argument; the path as
+    :func:`resume_checkpoint` reads it); ``tests/test_transformers.py`` fails if
+    ``train`` stops taking ``resume_from_checkpoint``.
+
+    Returns:
+        A function that removes the wrapper (safe to call twice).
+    """
+    train = trainer.train
+    signature = inspect.signature(train)
+
+    @functools.wraps(train)
+    def train_resuming(*args: Any, **kwargs: Any) -> Any:
+        try:
+            called = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:  # train itself will say what is wrong with the call
+            called = {}
+        resume = called.get("resume_from_checkpoint")
+        if resume:  # None or False: a fresh start
+            before_load(resume_checkpoint(trainer.args, resume))
+        return train(*args, **kwargs)
+
+    trainer.train = train_resuming  # type: ignore[method-assign]
+
+    def unhook() -> None:
+        if vars(trainer).get("train") is train_resuming:
+            del trainer.train
+
+    return unhook
+
+
 class _TrainerAdapter(TrainerCallback):
     """Drives a :class:`GuardRunner` from ``TrainerCallback`` hooks."""
 
@@ -151,6 +215,7 @@ class _TrainerAdapter(TrainerCallback):
         self._eval_source: Any = None
         self._fetch_after_log = False
         self._metrics: dict[str, float] = {}
+        self._unhook: Callable[[], None] | None = None
 
     # -- facts -----------------------------------------------------------------------
 
@@ -181,6 +246,14 @@ class _TrainerAdapter(TrainerCallback):
             self._trainer.log(metrics)
 
     # -- hooks -----------------------------------------------------------------------
+
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Wraps the Trainer's ``train`` so a resume checkpoint is checked before it is loaded."""
+        trainer = calling_trainer()
+        if trainer is not None and self._unhook is None:
+            self._unhook = hook_resume(trainer, self.driver.load_start)
 
     def on_train_begin(
         self,
@@ -251,8 +324,9 @@ class _TrainerAdapter(TrainerCallback):
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """EVAL_START or CHECKPOINT_SAVE_START when the epoch's end brings one."""
+        """EPOCH_END; then EVAL_START or CHECKPOINT_SAVE_START when the epoch's end brings one."""
         if self.driver.fitting:
+            self.driver.epoch_end(self._train)
             self._next(args, state, control, kwargs.get("eval_dataloader"), after_step=False)
 
     def _next(

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from rankguard.callbacks.errors import CheckpointMemoryError
+from rankguard.callbacks.events import LoaderPass
+from rankguard.callbacks.guard import Guard
 from rankguard.integrations import torch as rg_torch
 from rankguard.integrations.torch import RankGuard
 from tests.e2e.common import EventLog, Points
@@ -57,6 +59,9 @@ def test_loop_events_follow_the_documented_order(tmp_path):
     guard, log = recording_guard()
     model, optimizer = model_and_optimizer()
     train, evals = loaders(n_train=4, n_eval=4)
+    torch.save(model.state_dict(), tmp_path / "resume.pt")
+    with guard.load(tmp_path / "resume.pt"):  # a resume, before the fit
+        model.load_state_dict(torch.load(tmp_path / "resume.pt"))
     with guard.fit(model, optimizer, train, eval_loaders={"val": evals}) as run:
         for batch in run.train(train):
             step(model, optimizer, batch)
@@ -67,6 +72,7 @@ def test_loop_events_follow_the_documented_order(tmp_path):
                 with run.checkpoint(tmp_path):
                     torch.save(model.state_dict(), tmp_path / "m.pt")
     assert log.events == [
+        ("checkpoint_load_start", 0, None),
         ("fit_start", 0, None),
         ("epoch_start", 0, "train"),
         ("data_fetch_start", 0, None),
@@ -87,10 +93,53 @@ def test_loop_events_follow_the_documented_order(tmp_path):
         ("train_batch_end", 1, None),
         ("checkpoint_save_start", 2, None),
         ("checkpoint_save_end", 2, None),
-        ("data_fetch_start", 2, None),  # the fetch that ended the epoch
+        ("data_fetch_start", 2, None),  # the fetch that found the loader exhausted
+        # The epoch ends where every rank is sure to be: the next epoch or the fit's end.
+        ("epoch_end", 2, "train"),
         ("fit_end", 2, None),
     ]
     assert (run.step, run.epoch) == (2, 0)
+
+
+class PassLog(Guard):
+    """Records what each EVAL_END and EPOCH_END says the loader's iterator did."""
+
+    name = "pass_log"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.passes: list[tuple] = []
+
+    def on_eval_end(self, facts) -> None:
+        self.passes.append(("eval_end", facts.step, facts.loader_pass))
+
+    def on_epoch_end(self, facts) -> None:
+        self.passes.append(("epoch_end", facts.epoch, facts.loader_pass))
+
+
+def test_eval_and_epoch_ends_say_how_many_batches_the_iterator_gave_and_if_it_ran_out():
+    log = PassLog()
+    guard = rg_torch._LoopGuard([log])
+    model, optimizer = model_and_optimizer()
+    train, evals = loaders(n_train=8, n_eval=4)  # 4 train and 2 eval batches
+    with guard.fit(model, optimizer, train) as run:
+        for epoch in range(2):
+            for batch in run.train(train):
+                step(model, optimizer, batch)
+                if epoch == 1 and run.step == 6:
+                    break  # the loop cuts the epoch: not run out
+            for _ in run.eval(evals):
+                pass
+            for _ in run.eval(evals, max_batches=1):  # stopped at the cap: not run out
+                pass
+    assert log.passes == [
+        ("eval_end", 4, LoaderPass(2, True)),
+        ("eval_end", 4, LoaderPass(1, False)),
+        ("epoch_end", 0, LoaderPass(4, True)),  # at the next epoch's start
+        ("eval_end", 6, LoaderPass(2, True)),
+        ("eval_end", 6, LoaderPass(1, False)),
+        ("epoch_end", 1, LoaderPass(2, False)),  # at the fit's end
+    ]
 
 
 def test_leaving_eval_early_compares_the_batches_that_ran(caplog):

@@ -9,6 +9,14 @@ port), each running in one pair of processes, in order:
   in processes whose numpy is not seeded, so each rank trains on its own split;
   it must stop at fit start on every rank, before any batch;
 - eval sets of different sizes per rank: caught before the first eval batch;
+- data left behind in the loop: a rank whose eval or train stream ran out while
+  another's still had data (their ``__len__`` agree), named after the eval and
+  at the epoch's end;
+- save folders of each rank's own, created and silent (the loop);
+- each rank playing a node of its own (``NODE_RANK``) with a local disk: the
+  save folder is reported node-local, and a resume from a checkpoint on one
+  node's disk stops every rank before any rank loads it (the loop's
+  ``guard.load``; the Trainer's ``train(resume_from_checkpoint=True)``);
 - rank 1 stalls after its first eval: the watchdog names rank 1 with its stack
   and ends every rank with exit code 75 (so this scenario comes last).
 
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -34,7 +43,15 @@ pytestmark = pytest.mark.framework
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 SCENARIOS = ["healthy", "unseeded_split", "uneven_eval", "post_eval_stall"]
-LOOP_SCENARIOS = [*SCENARIOS[:-1], "fsdp2", SCENARIOS[-1]]
+LOOP_ONLY = [
+    "fsdp2",
+    "short_eval_stream",
+    "short_train_stream",
+    "per_rank_ckpt",
+    "resume_node_local",
+]
+LOOP_SCENARIOS = [*SCENARIOS[:-1], *LOOP_ONLY, SCENARIOS[-1]]
+HF_SCENARIOS = [*SCENARIOS[:-1], "node_local_resume", SCENARIOS[-1]]
 LAUNCH_TIMEOUT_S = 240
 REPORT_MARGIN_S = 3.0  # the report comes within the deadline + this, from the stall's start
 
@@ -60,7 +77,7 @@ def loop(tmp_path_factory):
 def hf(tmp_path_factory):
     pytest.importorskip("transformers", reason="needs rankguard[transformers]")
     out = tmp_path_factory.mktemp("hf_trainer")
-    return (out, *launch("hf_trainer_job.py", out, SCENARIOS))
+    return (out, *launch("hf_trainer_job.py", out, HF_SCENARIOS))
 
 
 def test_loop_healthy_run_is_clean_on_both_ranks(loop):
@@ -91,6 +108,66 @@ def test_loop_with_fsdp2_and_sharded_dcp_saves_is_clean_and_planned_sharded(loop
         assert counters["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
+FIX_LEFT = "Fix: give every rank the same number of batches: split iterable or streaming data"
+
+
+def test_loop_rank_whose_eval_stream_ran_out_first_is_named_with_what_the_other_left(loop):
+    for rank in loop[2]:
+        result = rank["short_eval_stream"]
+        assert result["outcome"] == "BatchCountMismatchError", result
+        assert result["message"].startswith(
+            "Eval loader 'eval' left data behind: rank 0: ran out after 3 batches; still had "
+            "data: rank 1: ran 4 batches, more left; those batches never ran. Batches run: "
+            "rank 0: ran 3 of 4 batches its __len__ promised; rank 1: ran 4 batches. " + FIX_LEFT
+        )
+    assert [r["short_eval_stream"]["counters"]["eval_batches"] for r in loop[2]] == [3, 4]
+
+
+def test_loop_train_epoch_with_data_left_on_a_rank_is_named_at_the_epoch_end(loop):
+    # DDP's join let rank 0 finish its epoch early: without rankguard, nothing is said.
+    for rank in loop[2]:
+        result = rank["short_train_stream"]
+        assert result["outcome"] == "BatchCountMismatchError", result
+        assert result["message"].startswith(
+            "Train loader 'train' in epoch 0 left data behind: rank 0: ran out after 3 "
+            "batches; still had data: rank 1: ran 4 batches, more left; those batches never "
+            "ran. Batches run: rank 0: 3 batches; rank 1: 4 batches. " + FIX_LEFT
+        )
+        assert result["counters"]["evals"] == 1  # checked at the fit's end, after the eval
+    assert [r["short_train_stream"]["counters"]["train_batches"] for r in loop[2]] == [3, 4]
+
+
+def test_loop_folders_of_each_rank_own_are_created_and_clean(loop):
+    for rank in loop[2]:
+        result = rank["per_rank_ckpt"]
+        assert result["outcome"] == "ok" and result["warnings"] == [], result
+        assert result["counters"]["files"] == [
+            "per_rank/ckpt_rank0/model.pt",
+            "per_rank/ckpt_rank1/model.pt",
+        ]
+
+
+def test_loop_resume_from_one_nodes_disk_fails_before_any_rank_loads(loop):
+    out, _, ranks = loop
+    host = socket.gethostname()
+    for r, rank in enumerate(ranks):
+        result = rank["resume_node_local"]
+        # At fit start: the save folder is each node's own.
+        [warning] = result["warnings"]
+        assert (
+            f"Checkpoint folder {out}/node{r}/ckpt is node-local: node {host}/node1 (rank 1) "
+            in (warning)
+        )
+        assert result["outcome"] == "NodeLocalDirError", result
+        assert result["message"].startswith(
+            f"Checkpoint to resume from rank 0: {out}/node0/ckpt/last.pt; rank 1: "
+            f"{out}/node1/ckpt/last.pt is not there on node {host}/node1 (rank 1); node "
+            f"{host}/node0 (rank 0) sees it."
+        )
+        assert "loaded" not in result["counters"]  # no rank read it
+    assert [rank["resume_node_local"]["counters"]["saved"] for rank in ranks] == [1, 0]
+
+
 def test_hf_healthy_run_is_clean_and_logs_through_the_trainer(hf):
     _, _, ranks = hf
     for rank in ranks:
@@ -99,6 +176,31 @@ def test_hf_healthy_run_is_clean_and_logs_through_the_trainer(hf):
         counters = result["counters"]
         assert (counters["steps"], counters["eval_batches"], counters["saves"]) == (6, 4, 2)
         assert "rankguard/shared_dir_wait_s" in counters["rankguard_keys_logged"]
+
+
+def test_hf_resume_from_a_checkpoint_one_node_lacks_fails_before_the_trainer_loads(hf):
+    out, _, ranks = hf
+    host = socket.gethostname()
+    # Rank 1's node got only its own RNG state from each save: no resumable checkpoint.
+    assert [r["node_local_resume"]["counters"]["saved"][-1] for r in ranks] == [
+        "training_args.bin",
+        "rng_state_1.pth",
+    ]
+    for r, rank in enumerate(ranks):
+        result = rank["node_local_resume"]
+        [warning] = result["warnings"]  # the first run's save folder, at its fit start
+        assert warning.startswith(
+            f"rankguard shared_dir_barrier: Checkpoint folder {out}/hf_node{r}/out is node-local: "
+            f"node {host}/node1 (rank 1) does not see what rank 0 ({host}/node0) writes there"
+        )
+        assert result["outcome"] == "NodeLocalDirError", result
+        state = "checkpoint-6/trainer_state.json"
+        assert result["message"].startswith(
+            f"Checkpoint to resume from rank 0: {out}/hf_node0/out/{state}; rank 1: "
+            f"{out}/hf_node1/out/{state} is not there on node {host}/node1 (rank 1); node "
+            f"{host}/node0 (rank 0) sees it."
+        )
+        assert "steps" not in result["counters"]  # stopped before any step of the resume
 
 
 def assert_unseeded_split_stopped_at_fit_start(result: dict, batches: str) -> None:

@@ -20,6 +20,7 @@ from transformers import (
     TrainingArguments,
 )
 
+from rankguard.callbacks.guard import Guard
 from rankguard.integrations import transformers as rg_hf
 from rankguard.integrations.transformers import RankGuard, calling_trainer
 from tests.e2e.common import EventLog, tiny_bert, token_dataset
@@ -72,8 +73,9 @@ def test_the_trainer_calling_a_hook_is_found(tmp_path):
 
 def test_trainer_hooks_fire_core_events_in_order(tmp_path):
     log = EventLog()
+    loads = LoadLog()
     evals = {"a": token_dataset(8), "b": token_dataset(4)}  # 2 and 1 eval batches
-    hf = trainer(tmp_path, rg_hf._TrainerAdapter([log]), eval_dataset=evals)
+    hf = trainer(tmp_path, rg_hf._TrainerAdapter([log, loads]), eval_dataset=evals)
     hf.train()
     train_step = [
         ("data_fetch_start", 0, None),
@@ -111,8 +113,27 @@ def test_trainer_hooks_fire_core_events_in_order(tmp_path):
         ("checkpoint_save_start", 4, None),
         ("checkpoint_save_end", 4, None),
         ("data_fetch_start", 4, None),
+        ("epoch_end", 4, "train"),
         ("fit_end", 4, None),
     ]
+    # A resume is checked before the Trainer loads it, by the file train() needs first.
+    log.events.clear()
+    hf.train(resume_from_checkpoint=True)
+    assert log.events[:2] == [("checkpoint_load_start", 0, None), ("fit_start", 0, None)]
+    assert loads.paths == [str(tmp_path / "out" / "checkpoint-4" / "trainer_state.json")]
+
+
+class LoadLog(Guard):
+    """Records the load path of every CHECKPOINT_LOAD_START."""
+
+    name = "load_log"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str | None] = []
+
+    def on_checkpoint_load_start(self, facts) -> None:
+        self.paths.append(facts.load_path)
 
 
 def test_single_process_training_is_silent_and_logs_rankguard_metrics(tmp_path, caplog):

@@ -15,6 +15,7 @@ outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -62,11 +63,19 @@ class StallAfterEval(TrainerCallback):
                 time.sleep(3600)
 
 
-def train(name: str, guard: RankGuard, train_set, eval_set, *extra: TrainerCallback) -> None:
-    """Evaluates every 3 steps and saves every 4, for 8 steps (one epoch of 48 samples)."""
+def train(
+    name: str,
+    guard: RankGuard,
+    train_set,
+    eval_set,
+    *extra: TrainerCallback,
+    output_dir: Path | None = None,
+    resume: bool | None = None,
+) -> None:
+    """Evaluates every 3 steps and saves every 4, for 6 steps (one epoch of 48 samples)."""
     COUNTERS.clear()
     args = TrainingArguments(
-        output_dir=str(OUT / name),
+        output_dir=str(output_dir or OUT / name),
         use_cpu=True,
         ddp_backend="gloo",
         per_device_train_batch_size=4,
@@ -89,7 +98,7 @@ def train(name: str, guard: RankGuard, train_set, eval_set, *extra: TrainerCallb
         callbacks=[guard, Count(), *extra],
     )
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume)
     finally:
         guard.close()  # the Trainer calls no hook when train() raises
     logged = [key for entry in trainer.state.log_history for key in entry]
@@ -113,6 +122,31 @@ def uneven_eval() -> None:
     train("uneven_eval", guard, seeded_split()[0], eval_set)
 
 
+def node_local_resume() -> None:
+    """Each rank plays a node whose local disk is ``hf_node<r>/``: a save, then a resume."""
+    rank = dist.get_rank()
+    previous = os.environ.get("NODE_RANK")
+    os.environ["NODE_RANK"] = str(rank)  # rankguard tells nodes apart by NODE_RANK
+    try:
+        disk = OUT / f"hf_node{rank}"
+        disk.mkdir()  # a disk is there before the job
+        seed_everything(0)
+        output_dir = disk / "out"  # the same folder name on every node, each node's own
+        train("node_local_resume", RankGuard(**QUICK), *seeded_split(), output_dir=output_dir)
+        saved = sorted(p.name for p in (output_dir / "checkpoint-4").iterdir())
+        seed_everything(0)
+        try:  # the next run resumes: checked before the Trainer loads anything
+            guard = RankGuard(**QUICK)
+            train("resume", guard, *seeded_split(), output_dir=output_dir, resume=True)
+        finally:
+            COUNTERS["saved"] = saved
+    finally:
+        if previous is None:
+            del os.environ["NODE_RANK"]
+        else:
+            os.environ["NODE_RANK"] = previous
+
+
 def post_eval_stall() -> None:
     settings = {**HANG, "report_dir": str(OUT / "reports")}
     train("post_eval_stall", RankGuard(hang_watchdog=settings), *seeded_split(), StallAfterEval())
@@ -122,6 +156,7 @@ SCENARIOS = {
     "healthy": healthy,
     "unseeded_split": unseeded,
     "uneven_eval": uneven_eval,
+    "node_local_resume": node_local_resume,
     "post_eval_stall": post_eval_stall,
 }
 

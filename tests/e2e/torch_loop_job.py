@@ -5,16 +5,18 @@ Usage::
     torchrun --standalone --nproc-per-node 2 tests/e2e/torch_loop_job.py OUT_DIR SCENARIO...
 
 Each scenario is a fresh model (DDP; ``fsdp2``: FSDP2 with sharded saves through
-``torch.distributed.checkpoint``), loaders and ``guard.fit`` in the same two
-processes; outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see
-``tests/e2e/common.py``). ``post_eval_stall`` never returns (the watchdog
-ends every rank with exit code 75), so it must come last; rank 1 writes the
-moment its stall starts to ``OUT_DIR/stall.json``.
+``torch.distributed.checkpoint``; ``short_*_stream``: DDP with ``join`` over
+per-rank streams), loaders and ``guard.fit`` in the same two processes;
+outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
+``post_eval_stall`` never returns (the watchdog ends every rank with exit code
+75), so it must come last; rank 1 writes the moment its stall starts to
+``OUT_DIR/stall.json``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from rankguard.integrations.torch import RankGuard
 from tests.e2e.common import (
     VOCAB,
+    ClaimedStream,
     run_scenarios,
     seed_everything,
     seeded_split,
@@ -158,6 +161,87 @@ def fsdp2() -> None:
     COUNTERS["files"] = sorted(p.name for p in (ckpt / "last").iterdir())
 
 
+def streams(train_n: int, eval_n: int) -> None:
+    """Each rank streams its own samples (``__len__``: 16 on every rank); DDP with ``join``.
+
+    The loop runs the planned number of train steps (``len(train_loader)``) and at
+    most ``len(eval_loader)`` eval batches, as llama-recipes' ``max_train_step`` and
+    ``max_eval_step`` do; DDP's ``join`` lets a rank whose stream ran out first
+    finish the epoch, so nothing hangs and, without rankguard, nothing is said.
+    """
+    COUNTERS.clear()
+    seed_everything(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_loader = DataLoader(ClaimedStream(train_n, claimed=16), batch_size=4)
+    eval_loader = DataLoader(ClaimedStream(eval_n, claimed=16), batch_size=4)
+    with RankGuard(**QUICK).fit(model, optimizer, train_loader, eval_loaders=eval_loader) as run:
+        with model.join():
+            for x, y in run.train(train_loader):
+                count("train_batches")
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if run.step == len(train_loader):
+                    break
+        eval_loss = torch.zeros(())
+        with torch.no_grad():
+            for x, y in run.eval(eval_loader, max_batches=len(eval_loader)):
+                count("eval_batches")
+                # The module itself: after a join block DDP's forward still all-reduces.
+                eval_loss += torch.nn.functional.cross_entropy(model.module(x), y)
+        dist.all_reduce(eval_loss)  # after the eval: no collective per batch
+        count("evals")
+
+
+def short_eval_stream() -> None:
+    """Rank 0's eval stream ends a batch short (3 of 4), rank 1's holds 5."""
+    streams(16, 12 if dist.get_rank() == 0 else 20)
+
+
+def short_train_stream() -> None:
+    """Rank 0's train stream ends a batch short (3 of 4), rank 1's holds 6."""
+    streams(12 if dist.get_rank() == 0 else 24, 16)
+
+
+def per_rank_ckpt() -> None:
+    """Each rank saves into a folder of its own that does not exist yet (``ckpt_rank<r>/``)."""
+    COUNTERS.clear()
+    seed_everything(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    ckpt = OUT / "per_rank" / f"ckpt_rank{dist.get_rank()}"
+    with RankGuard(**QUICK).fit(model, save_dirs=ckpt) as run, run.checkpoint():
+        torch.save(model.module.state_dict(), ckpt / "model.pt")
+    COUNTERS["files"] = sorted(str(p.relative_to(OUT)) for p in OUT.glob("per_rank/*/*"))
+
+
+def resume_node_local() -> None:
+    """Each rank plays a node whose local disk is ``node<r>/``; the loop saves, then resumes."""
+    rank = dist.get_rank()
+    previous = os.environ.get("NODE_RANK")
+    os.environ["NODE_RANK"] = str(rank)  # rankguard tells nodes apart by NODE_RANK
+    try:
+        COUNTERS.clear()
+        seed_everything(0)
+        disk = OUT / f"node{rank}"
+        disk.mkdir()  # a disk is there before the job
+        ckpt = disk / "ckpt"  # the same folder name on every node, each node's own
+        model = DistributedDataParallel(torch.nn.Linear(4, 2))
+        guard = RankGuard(**QUICK)
+        with guard.fit(model, save_dirs=ckpt) as run, run.checkpoint():
+            if rank == 0:
+                torch.save(model.module.state_dict(), ckpt / "last.pt")
+        COUNTERS["saved"] = len(list(ckpt.iterdir()))
+        with guard.load(ckpt / "last.pt"):  # the resume, as the next run would do it
+            model.module.load_state_dict(torch.load(ckpt / "last.pt"))
+            count("loaded")
+    finally:
+        if previous is None:
+            del os.environ["NODE_RANK"]
+        else:
+            os.environ["NODE_RANK"] = previous
+
+
 def stall_after_eval() -> None:
     """The bug: rank 1 never comes back from its first eval (here a sleep)."""
     if dist.get_rank() == 1:
@@ -176,6 +260,10 @@ SCENARIOS = {
     "unseeded_split": unseeded,
     "uneven_eval": uneven_eval,
     "fsdp2": fsdp2,
+    "short_eval_stream": short_eval_stream,
+    "short_train_stream": short_train_stream,
+    "per_rank_ckpt": per_rank_ckpt,
+    "resume_node_local": resume_node_local,
     "post_eval_stall": post_eval_stall,
 }
 
