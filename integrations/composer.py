@@ -45,6 +45,7 @@ __all__ = [
     "HangWatchdog",
     "RankGuard",
     "SharedDirBarrier",
+    "StragglerMonitor",
 ]
 
 _EVENTS: dict[Event, CoreEvent] = {
@@ -287,6 +288,13 @@ class DataStallMonitor(_ComposerAdapter):
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(single_guard("data_stall_monitor", settings))
+
+
+class StragglerMonitor(_ComposerAdapter):
+    """Composer callback for :class:`rankguard.callbacks.StragglerMonitor` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("straggler_monitor", settings))
 
 
 expose_signatures(globals())

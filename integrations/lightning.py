@@ -47,6 +47,7 @@ __all__ = [
     "HangWatchdog",
     "RankGuard",
     "SharedDirBarrier",
+    "StragglerMonitor",
 ]
 
 
@@ -337,6 +338,13 @@ class DataStallMonitor(_LightningAdapter):
 
     def __init__(self, **settings: Any) -> None:
         super().__init__(single_guard("data_stall_monitor", settings))
+
+
+class StragglerMonitor(_LightningAdapter):
+    """Lightning callback for :class:`rankguard.callbacks.StragglerMonitor` (same arguments)."""
+
+    def __init__(self, **settings: Any) -> None:
+        super().__init__(single_guard("straggler_monitor", settings))
 
 
 expose_signatures(globals())
