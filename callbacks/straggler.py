@@ -282,16 +282,18 @@ class StragglerMonitor(Guard):
         except Exception as exc:
             self.warn_once("failed", "a straggler exchange failed (%s); skipping it", exc)
             return
+        if not verdict.steps:  # every batch of the interval was warm-up
+            return
         self._verdicts += 1
         if verdict.reference is None and self._verdicts == 1:
-            # No rank's hooked modules ran a forward in a whole interval: every rank got
-            # this verdict and turns off together.
+            # Batches were measured, but no rank's hooked modules ran a forward in them:
+            # every rank got this verdict and turns off together.
             logger.info(
-                "rankguard %s: no forward pass of the hooked modules ran in the first %d "
-                "train batches (a model compiled in place, or a loop that calls none of "
+                "rankguard %s: no forward pass of the hooked modules ran in the %d train "
+                "batches measured (a model compiled in place, or a loop that calls none of "
                 "them); the monitor is off for this fit",
                 self.name,
-                self._batches,
+                verdict.steps,
             )
             self._stop()
             self._on = False

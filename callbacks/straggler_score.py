@@ -125,6 +125,7 @@ class StragglerVerdict:
     """One interval's cross-rank summary, the same on every rank.
 
     Attributes:
+        steps: The most train batches any rank measured in the interval.
         scored: Whether scores were computed (some rank measured a step and the
             median forward time reached the minimum).
         reference: The median rank's times (forward: the lower median).
@@ -137,6 +138,7 @@ class StragglerVerdict:
             :data:`MAX_LISTED`); a slow node's own slow ranks are not listed again.
     """
 
+    steps: int = 0
     scored: bool = False
     reference: RankTimes | None = None
     score_min: float = 1.0
@@ -166,9 +168,10 @@ def straggler_verdict(
     Returns:
         The verdict.
     """
+    steps = max((t.steps for t in per_rank.values()), default=0)
     measured = {r: t for r, t in sorted(per_rank.items()) if t.steps > 0 and t.forward_s > 0}
     if not measured:
-        return StragglerVerdict()
+        return StragglerVerdict(steps=steps)
     forward = statistics.median_low(t.forward_s for t in measured.values())
     reference = RankTimes(
         node="",
@@ -179,7 +182,7 @@ def straggler_verdict(
         baseline_s=None,
     )
     if forward < min_forward_s:
-        return StragglerVerdict(reference=reference)
+        return StragglerVerdict(steps=steps, reference=reference)
     scores = {r: forward / t.forward_s for r, t in measured.items()}
     slowest = min(scores, key=lambda r: (scores[r], r))
     own = {r: s for r, t in measured.items() if (s := t.own_score) is not None}
@@ -223,6 +226,7 @@ def straggler_verdict(
             slow.append(Slow("rank", str(rank), (rank,), score, own_score, times))
     slow.sort(key=lambda s: (min(s.score, s.own_score or math.inf), s.ranks[0]))
     return StragglerVerdict(
+        steps=steps,
         scored=True,
         reference=reference,
         score_min=scores[slowest],
