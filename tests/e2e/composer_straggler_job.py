@@ -4,8 +4,8 @@ Run: ``composer -n 2 composer_straggler_job.py OUT SCENARIO...``.
 
 Each scenario is a fresh Trainer in the same two processes; per rank,
 ``OUT/rank{N}.json`` records its outcome, rankguard's warnings and counters:
-the train batches that ran, each rankguard record with the batch it was
-logged at, and the ``rankguard/*`` metrics with their batch (see
+the train batches done, each rankguard record with the batches done when it
+was logged, and the ``rankguard/straggler*`` metrics likewise (see
 tests/e2e/common.py and tests/e2e/straggler_common.py).
 """
 
@@ -38,9 +38,9 @@ COUNTERS: dict[str, Any] = {}
 
 
 class CountBatches(Callback):
-    """Counts the train batches that started on this rank."""
+    """Counts the train batches done on this rank."""
 
-    def batch_start(self, state: Any, logger: Any) -> None:
+    def batch_end(self, state: Any, logger: Any) -> None:
         COUNTERS["train_batches"] = COUNTERS.get("train_batches", 0) + 1
 
 
@@ -83,7 +83,7 @@ def fit(guard: RankGuard, *, slow_compute: bool = False, slow_data: bool = False
         progress_bar=False,
         log_to_console=False,
         loggers=[Metrics()],
-        callbacks=[CountBatches(), guard],  # counted before rankguard logs at a batch
+        callbacks=[guard, CountBatches()],
         **kw,
     )
     try:

@@ -9,7 +9,7 @@ run the same scenarios in order, each a fresh ``Trainer`` in the same two
 processes. The module's ``training_step`` calls its network directly (not
 its own ``forward``), as most LightningModules do. After every scenario each
 rank writes ``OUT_DIR/rank<r>.json``: per scenario the outcome, each
-rankguard record (warning and above) with the train batch it came at, and
+rankguard record (warning and above) with the train batches done when it came, and
 the ``rankguard/straggler*`` metrics a real Lightning logger received.
 """
 
@@ -42,7 +42,7 @@ from tests.e2e.straggler_common import (
 
 
 class Classifier(L.LightningModule):
-    """Trains ``SlowForward``; counts the train batches that started."""
+    """Trains ``SlowForward``; counts the train batches done."""
 
     def __init__(self, delay_s: float) -> None:
         super().__init__()
@@ -50,8 +50,8 @@ class Classifier(L.LightningModule):
         self.model = SlowForward(delay_s)
         self.batches = 0
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.batches += 1  # module hooks run before callbacks': counted before rankguard logs
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.batches += 1
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -66,7 +66,7 @@ class Classifier(L.LightningModule):
 
 
 class AtBatch(logging.Handler):
-    """Keeps each rankguard record (warning and above) with the batch it came at."""
+    """Keeps each rankguard record (warning and above) with the batches done when it came."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -109,7 +109,7 @@ def run(settings: dict[str, Any], slow_compute: bool, slow_data: bool, **kw: Any
         logging.getLogger("rankguard").removeHandler(records)
     result.update(
         rank=rank,
-        batches=module.batches,
+        train_batches=module.batches,
         logged=records.records,
         metrics=[
             [step, {k: v for k, v in m.items() if k.startswith("rankguard/straggler")}]
@@ -149,6 +149,7 @@ SCENARIOS: dict[str, Callable[[str], dict]] = {
 def main(argv: list[str]) -> int:
     out_dir, *names = argv
     torch.set_num_threads(1)  # two ranks on two shared cores
+    L.seed_everything(0, verbose=False)
     os.makedirs(out_dir, exist_ok=True)
     report: dict[str, Any] = {"finished": False, "scenarios": {}}
     for name in names:
