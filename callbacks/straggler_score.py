@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rankguard.callbacks.ranks import rank_label
@@ -128,7 +128,8 @@ class StragglerVerdict:
         steps: The most train batches any rank measured in the interval.
         scored: Whether scores were computed (some rank measured a step and the
             median forward time reached the minimum).
-        reference: The median rank's times (forward: the lower median).
+        reference: The times of the median rank: the rank whose forward time is the
+            median (the lower middle one, with an even number of ranks).
         score_min: The lowest rank score.
         slowest_rank: The rank with it (-1 when not scored).
         nodes: Nodes that measured a step.
@@ -149,9 +150,10 @@ class StragglerVerdict:
     slow: tuple[Slow, ...] = ()
 
 
-def _median_or_none(values: Iterable[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
+def _median_rank(measured: Mapping[int, RankTimes]) -> RankTimes:
+    """The times of the rank with the median forward time (the lower middle one)."""
+    ranks = sorted(measured, key=lambda r: (measured[r].forward_s, r))
+    return measured[ranks[(len(ranks) - 1) // 2]]
 
 
 def straggler_verdict(
@@ -172,15 +174,8 @@ def straggler_verdict(
     measured = {r: t for r, t in sorted(per_rank.items()) if t.steps > 0 and t.forward_s > 0}
     if not measured:
         return StragglerVerdict(steps=steps)
-    forward = statistics.median_low(t.forward_s for t in measured.values())
-    reference = RankTimes(
-        node="",
-        steps=int(statistics.median(t.steps for t in measured.values())),
-        forward_s=forward,
-        rest_s=statistics.median(t.rest_s for t in measured.values()),
-        between_s=_median_or_none(t.between_s for t in measured.values()),
-        baseline_s=None,
-    )
+    reference = _median_rank(measured)
+    forward = reference.forward_s
     if forward < min_forward_s:
         return StragglerVerdict(steps=steps, reference=reference)
     scores = {r: forward / t.forward_s for r, t in measured.items()}
@@ -197,11 +192,10 @@ def straggler_verdict(
     slowest_node: int | None = None
     absorbed: set[int] = set()
     if len(node_rows) >= 2:
-        node_times = {}
-        for name, ranks in node_rows:
-            by_forward = sorted(ranks, key=lambda r: (measured[r].forward_s, r))
-            node_times[name] = measured[by_forward[(len(by_forward) - 1) // 2]]  # lower median
-        node_forward = statistics.median_low(t.forward_s for t in node_times.values())
+        node_times = {
+            name: _median_rank({r: measured[r] for r in ranks}) for name, ranks in node_rows
+        }
+        node_forward = _median_rank(dict(enumerate(node_times.values()))).forward_s
         node_scores = {name: node_forward / t.forward_s for name, t in node_times.items()}
         slowest_node, (node_name, _) = min(
             enumerate(node_rows), key=lambda item: (node_scores[item[1][0]], item[0])
