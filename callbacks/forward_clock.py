@@ -44,7 +44,7 @@ machine (``benchmarks/overhead.py`` prints it).
 
 from __future__ import annotations
 
-import time
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -116,13 +116,15 @@ class ForwardClock:
         total_s: Seconds spent inside hooked forwards since :meth:`attach`.
         calls: Outermost hooked forward calls since :meth:`attach`.
         modules: How many modules are hooked.
+        depth: Hooked forwards open now (nested); set it to 0 to forget one that
+            raised before its hook could close it.
     """
 
     def __init__(self) -> None:
         self.total_s = 0.0
         self.calls = 0
         self.modules = 0
-        self._depth = 0
+        self.depth = 0
         self._started = 0.0
         self._handles: list[Any] = []
 
@@ -133,7 +135,7 @@ class ForwardClock:
             The number of modules hooked.
         """
         self.detach()
-        self.total_s, self.calls, self._depth = 0.0, 0, 0
+        self.total_s, self.calls, self.depth = 0.0, 0, 0
         for module in hook_targets(model):
             self._handles.append(module.register_forward_pre_hook(self._enter))
             self._handles.append(module.register_forward_hook(self._leave, always_call=True))
@@ -147,21 +149,17 @@ class ForwardClock:
         self._handles.clear()
         self.modules = 0
 
-    def reset_nesting(self) -> None:
-        """Forgets a forward left open (one that raised before its hook could close it)."""
-        self._depth = 0
-
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         if is_compiling():
             return
-        if self._depth == 0:
-            self._started = time.perf_counter()
-        self._depth += 1
+        if self.depth == 0:
+            self._started = perf_counter()
+        self.depth += 1
 
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._depth == 0 or is_compiling():
+        if self.depth == 0 or is_compiling():
             return
-        self._depth -= 1
-        if self._depth == 0:
-            self.total_s += time.perf_counter() - self._started
+        self.depth -= 1
+        if self.depth == 0:
+            self.total_s += perf_counter() - self._started
             self.calls += 1
