@@ -56,6 +56,7 @@ from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.straggler_score import (
     RankTimes,
     StragglerVerdict,
+    advance_streaks,
     describe_straggler,
     straggler_verdict,
 )
@@ -337,9 +338,7 @@ class StragglerMonitor(Guard):
                 self._baseline = statistics.median(self._baseline_samples)
 
     def _judge(self, verdict: StragglerVerdict) -> None:
-        slow = {(s.kind, s.key): s for s in verdict.slow}
-        self._streaks = {key: self._streaks.get(key, 0) + 1 for key in slow}
-        named = [slow[key] for key, count in self._streaks.items() if count == self.window]
+        self._streaks, named = advance_streaks(self._streaks, verdict.slow, self.window)
         if not named or verdict.reference is None:
             return
         reference = verdict.reference

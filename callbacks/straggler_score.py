@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from rankguard.callbacks.ranks import rank_label
@@ -38,6 +38,7 @@ __all__ = [
     "RankTimes",
     "Slow",
     "StragglerVerdict",
+    "advance_streaks",
     "describe_straggler",
     "straggler_verdict",
 ]
@@ -230,6 +231,26 @@ def straggler_verdict(
         slowest_node=slowest_node,
         slow=tuple(slow[:MAX_LISTED]),
     )
+
+
+def advance_streaks(
+    streaks: Mapping[tuple[str, str], int], slow: Iterable[Slow], window: int
+) -> tuple[dict[tuple[str, str], int], list[Slow]]:
+    """Counts each rank's and node's consecutive slow intervals after one more verdict.
+
+    Args:
+        streaks: Consecutive slow intervals so far, per ``(kind, key)``.
+        slow: The verdict's slow ranks and nodes.
+        window: Slow intervals in a row that get one named.
+
+    Returns:
+        The new counts (one that was not slow this interval starts again from
+        0) and the ranks and nodes that reached ``window`` with this verdict:
+        named once, and again only after they recovered.
+    """
+    now = {(s.kind, s.key): s for s in slow}
+    counts = {key: streaks.get(key, 0) + 1 for key in now}
+    return counts, [now[key] for key, count in counts.items() if count == window]
 
 
 def _ms(seconds: float | None) -> str:

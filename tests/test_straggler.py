@@ -22,6 +22,7 @@ from rankguard.callbacks.side_channel import SideChannel
 from rankguard.callbacks.straggler_score import (
     MAX_LISTED,
     RankTimes,
+    advance_streaks,
     describe_straggler,
     straggler_verdict,
 )
@@ -171,6 +172,16 @@ def test_message_says_what_it_was_slow_at_the_waits_and_what_to_check():
     assert "nvidia-smi -q -d PERFORMANCE,CLOCK" in message
 
 
+def test_a_rank_is_named_after_window_slow_intervals_in_a_row_and_again_after_recovering():
+    slow = verdict({0: times(10), 1: times(15)}).slow
+    streaks: dict = {}
+    named_at = []
+    for interval, now in enumerate([slow, slow, (), slow, slow, slow, slow, (), slow, slow, slow]):
+        streaks, named = advance_streaks(streaks, now, window=3)
+        named_at += [(interval, s.label) for s in named]
+    assert named_at == [(5, "rank 1 (node host)"), (10, "rank 1 (node host)")]
+
+
 # --- hooks ----------------------------------------------------------------------------------------
 
 
@@ -236,6 +247,25 @@ def test_monitor_whose_hooked_modules_never_run_turns_off_at_the_first_verdict(c
     infos = [r.getMessage() for r in caplog.records if r.name.startswith("rankguard")]
     assert len(infos) == 1 and "no forward pass of the hooked modules ran" in infos[0]
     assert metrics == [] and monitor._clock.modules == 0
+
+
+def test_warm_up_filling_the_first_interval_does_not_turn_the_monitor_off(caplog):
+    caplog.set_level(logging.INFO, logger="rankguard")
+    metrics: list[dict] = []
+    model = Sleeps(0.002)
+    monitor = StragglerMonitor(interval=2, warmup_steps=3)
+    monitor.bind(SideChannel(None), metrics.append)
+    monitor.on_fit_start(EventFacts(model=model))
+    for step in range(8):
+        monitor.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
+        model(torch.zeros(1, 4))
+        monitor.handle(Event.TRAIN_BATCH_END, EventFacts(step=step))
+    monitor.handle(Event.FIT_END, EventFacts(step=8))
+    assert [r for r in caplog.records if r.name.startswith("rankguard")] == []
+    # Posts at batches 2 and 4 hold only warm-up batches (1-3): not scored; those at 6 and
+    # 8 (collected at fit end) hold batches 4-5 and 6-7.
+    assert [round(m["rankguard/straggler_score"], 2) for m in metrics] == [1.0, 1.0]
+    monitor.close()
 
 
 def test_background_exchange_runs_in_order_and_hands_back_errors():
