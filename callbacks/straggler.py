@@ -47,6 +47,8 @@ from functools import partial
 from time import perf_counter
 from typing import Any
 
+import torch
+
 from rankguard.callbacks.background_exchange import BackgroundExchange, Pending
 from rankguard.callbacks.dir_probe import node_identity
 from rankguard.callbacks.errors import RanksMissingError, StragglerError
@@ -178,11 +180,15 @@ class StragglerMonitor(Guard):
         self._reset()
         model = facts.model
         try:
-            import torch
-
             hooked = self._clock.attach(model) if isinstance(model, torch.nn.Module) else 0
         except Exception as exc:  # never turn a healthy run into a failed one
-            logger.info("rankguard %s: cannot hook the model (%s); off", self.name, exc)
+            logger.info(
+                "rankguard %s: cannot hook the model's forward (%s: %s); the monitor is off "
+                "for this fit",
+                self.name,
+                type(exc).__name__,
+                exc,
+            )
             return
         if not hooked:
             logger.info(
