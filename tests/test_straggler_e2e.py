@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 import time
 from importlib.util import find_spec
@@ -98,7 +99,7 @@ def test_rank_1_computing_1_5x_longer_is_named_by_every_rank_with_its_score(job)
         assert "slow at compute: its forward pass takes" in message
         assert set(_metric(result, "rankguard/straggler_rank")) == {1.0}
         own = _metric(result, "rankguard/straggler_score")
-        assert max(own) < 0.8 if rank == 1 else min(own) > 0.95
+        assert statistics.median(own) < 0.75 if rank == 1 else min(own) > 0.95
         messages.append(message)
     assert messages[0] == messages[1]
 
