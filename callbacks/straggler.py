@@ -210,21 +210,20 @@ class StragglerMonitor(Guard):
         if not self._on:
             return
         now = perf_counter()
-        if self._ended is not None:
-            self._between.append(now - self._ended)
+        ended = self._ended
+        if ended is not None:
+            self._between.append(now - ended)
             self._ended = None
-        self._batches += 1
-        if self._batches >= self._collect_at and self._pending is not None:
+        self._batches = batches = self._batches + 1
+        if batches >= self._collect_at:
             self._collect()
             if not self._on:
                 return
             now = perf_counter()
-        if self._batches % self.interval == 0:
+        if batches % self.interval == 0:
             self._post()
             now = perf_counter()
-        clock = self._clock
-        clock.depth = 0  # a forward that raised in the last batch left it open
-        self._forward_at_start = clock.total_s
+        self._forward_at_start = self._clock.total_s
         self._started = now
 
     def on_train_batch_end(self, facts: EventFacts) -> None:
@@ -272,19 +271,24 @@ class StragglerMonitor(Guard):
     # --- exchange ----------------------------------------------------------------------------
 
     def _post(self) -> None:
-        forward = _median(self._forward)
-        times = RankTimes(
-            node=self._node,
-            steps=len(self._forward),
-            forward_s=forward or 0.0,
-            rest_s=_median(self._rest) or 0.0,
-            between_s=_median(self._between),
-            baseline_s=self._baseline,
-        )
+        """Hands this interval's samples to the exchange thread, which summarizes them."""
+        samples = self._forward, self._rest, self._between
         self._forward, self._rest, self._between = [], [], []
-        self._posted = times
+        node, baseline = self._node, self._baseline
+
+        def summarize() -> RankTimes:
+            forward, rest, between = samples
+            return RankTimes(
+                node=node,
+                steps=len(forward),
+                forward_s=_median(forward) or 0.0,
+                rest_s=_median(rest) or 0.0,
+                between_s=_median(between),
+                baseline_s=baseline,
+            )
+
         assert self._exchange is not None
-        self._pending = self._exchange.post(times)
+        self._pending = self._exchange.post(summarize)
         self._collect_at = self._batches + max(1, self.interval // 2)
 
     def _collect(self) -> None:
@@ -300,6 +304,7 @@ class StragglerMonitor(Guard):
         except Exception as exc:
             self.warn_once("failed", "a straggler exchange failed (%s); skipping it", exc)
             return
+        self._posted = pending.payload
         if not verdict.steps:  # every batch of the interval was warm-up
             return
         self._verdicts += 1

@@ -179,6 +179,9 @@ def straggler_verdict(
     forward = reference.forward_s
     if forward < min_forward_s:
         return StragglerVerdict(steps=steps, reference=reference)
+    if len(measured) == 1:  # nobody to compare with (world size 1)
+        [rank] = measured
+        return StragglerVerdict(steps, True, reference, 1.0, rank, nodes=1)
     scores = {r: forward / t.forward_s for r, t in measured.items()}
     slowest = min(scores, key=lambda r: (scores[r], r))
     own = {r: s for r, t in measured.items() if (s := t.own_score) is not None}

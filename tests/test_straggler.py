@@ -277,13 +277,14 @@ def test_background_exchange_runs_in_order_and_hands_back_errors():
         return values[0] * 2
 
     exchange = BackgroundExchange(channel, "t", decide)
-    assert exchange.post(21).result(1) == 42
+    first, second = exchange.post(lambda: 21), exchange.post(lambda: "bad")
+    assert first.result(5) == 42 and first.payload == 21
     with pytest.raises(ValueError, match="bad payload"):
-        exchange.post("bad").result(1)
+        second.result(5)
     exchange.close()
     exchange.close()
     with pytest.raises(RuntimeError, match="closed"):
-        exchange.post(1).result(1)
+        exchange.post(lambda: 1).result(1)
 
 
 # --- a real 2-rank DDP loop on gloo ---------------------------------------------------------------
