@@ -1,15 +1,22 @@
-"""Overhead of RankGuard() on healthy 2-rank training, Composer and Lightning.
+"""Overhead of RankGuard() on healthy 2-rank training: Composer, Lightning, a loop, the HF Trainer.
 
 Runs interleaved fits with and without ``RankGuard()`` (ABBA order) in one
-launch per framework and prints the median wall-time ratio, the time spent
-inside rankguard during the guarded fits (its event dispatch and the
-straggler monitor's forward hooks: a direct, noise-free measure of its
-share), and the per-step cost of its hooks measured in-process, with and
-without the straggler monitor. Target: ratio <= 1.01 with steps of >= 10 ms. On a 2-core
-machine running 2 ranks, fit-to-fit noise is several percent: read the
-ratio together with the measured share.
+launch per framework (``torch``: a hand-written DDP loop with
+``rankguard.integrations.torch``; ``transformers``: the Hugging Face
+``Trainer``) and prints the median wall-time ratio; the time spent inside
+rankguard's event dispatch during the guarded fits (a direct, noise-free
+measure of its share); the per-step CPU time inside the adapter (its per-step
+entry points: dispatch plus the adapter's own translation, fit start and end
+left out; the training thread's CPU time, which other processes on the cores
+do not inflate), the figure to compare between adapters; the per-step CPU time
+in the straggler monitor's forward hooks; and the per-step cost of the guards'
+hooks measured in-process, with and without the straggler monitor. Targets:
+ratio <= 1.01 with steps of >= 10 ms; every adapter's per-step time within
+10% of Composer's. On a
+2-core machine running 2 ranks, fit-to-fit noise is several percent: read
+the ratio together with the measured share.
 
-Usage: ``python benchmarks/overhead.py [--rounds 3] [--steps 200]``
+Usage: ``python benchmarks/overhead.py [--rounds 3] [--steps 200] [--frameworks composer,torch]``
 """
 
 from __future__ import annotations
@@ -32,8 +39,11 @@ def run_framework(framework: str, rounds: int, steps: int, config: str = "{}") -
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         job = [str(HERE / "overhead_job.py"), framework, str(rounds), str(steps), str(out)]
+        bin_dir = Path(sys.executable).parent
         if framework == "composer":
-            cmd = [str(Path(sys.executable).parent / "composer"), "-n", "2", *job]
+            cmd = [str(bin_dir / "composer"), "-n", "2", *job]
+        elif framework in ("torch", "transformers"):
+            cmd = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", "2", *job]
         else:
             cmd = [sys.executable, *job]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "RANKGUARD_BENCH_CONFIG": config}
@@ -113,7 +123,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--frameworks", default="composer,lightning")
+    parser.add_argument("--frameworks", default="composer,lightning,torch,transformers")
     parser.add_argument(
         "--config",
         default="{}",
@@ -129,13 +139,17 @@ def main() -> None:
             f"{framework:<10} {t['steps']:>5} {1000 * without / t['steps']:>8.1f} "
             f"{without:>10.2f} {with_:>8.2f} {with_ / without:>7.3f}"
         )
-        inside = statistics.median(t["inside_rankguard"])
         print(f"  runs without: {[round(x, 2) for x in t['without']]}")
         print(f"  runs with:    {[round(x, 2) for x in t['with']]}")
+        inside = statistics.median(t["inside_rankguard"])
         print(
-            f"  time inside rankguard on rank 0: {1000 * inside:.1f} ms per fit "
-            f"= {100 * inside / with_:.3f}% of the fit, {1e6 * inside / t['steps']:.0f} us/step"
+            f"  time inside rankguard's event dispatch on rank 0: {1000 * inside:.1f} ms per "
+            f"fit = {100 * inside / with_:.3f}% of the fit, {1e6 * inside / t['steps']:.0f} us/step"
         )
+        per_step = statistics.median(t["inside_adapter"]) / t["steps"]
+        print(f"  per-step CPU time inside the adapter on rank 0: {1e6 * per_step:.1f} us/step")
+        hooks = statistics.median(t["inside_hooks"]) / t["steps"]
+        print(f"  per-step CPU time in the straggler monitor's forward hooks: {1e6 * hooks:.1f} us")
     costs = hook_costs_us()
     print(f"per-step hook cost (4 events, all guards): {costs['events']:.1f} us")
     print(

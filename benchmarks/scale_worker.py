@@ -39,7 +39,7 @@ from tests.e2e.common import Points
 CHECKS: dict[str, tuple[str, ...]] = {
     "data_consistency_guard": ("fit_start", "eval_start"),
     "drop_last_guard": ("fit_start",),
-    "batch_parity_guard": ("fit_start", "eval_start", "eval_end"),
+    "batch_parity_guard": ("fit_start", "eval_start", "eval_end", "epoch_end"),
     "shared_dir_barrier": ("fit_start", "checkpoint_save_start"),
     "checkpoint_planner": ("fit_start",),
     "data_stall_monitor": ("interval",),
@@ -97,8 +97,9 @@ def measure_guard(name: str, facts: EventFacts, folder: str, repeats: int) -> di
     channel = SideChannel.from_environment(timeout_s=120, name=f"scale/{name}")
     guard.bind(channel)
     meter = Meter(channel)
-    _, evals = facts.loaders
+    train, evals = facts.loaders
     eval_facts = EventFacts(loader=evals, step=1)
+    train_facts = EventFacts(loader=train, step=1)
     save_facts = EventFacts(step=1, model=facts.model, directories=[folder])
     for _ in range(repeats):
         for event in CHECKS[name]:
@@ -110,6 +111,8 @@ def measure_guard(name: str, facts: EventFacts, folder: str, repeats: int) -> di
                 for _ in range(EVAL_BATCHES):
                     guard.handle(Event.EVAL_BATCH_END, eval_facts)
                 meter.time(event, lambda: guard.handle(Event.EVAL_END, eval_facts))
+            elif event == "epoch_end":
+                meter.time(event, lambda: guard.handle(Event.EPOCH_END, train_facts))
             elif event == "checkpoint_save_start":
                 meter.time(event, lambda: guard.handle(Event.CHECKPOINT_SAVE_START, save_facts))
             elif event == "interval":  # the 10th train batch start exchanges

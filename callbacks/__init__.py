@@ -18,13 +18,14 @@ from rankguard.callbacks.errors import (
     DataStallError,
     DropLastMismatchError,
     HangDetectedError,
+    NodeLocalDirError,
     RankGuardError,
     RanksMissingError,
     SharedDirCreateError,
     SharedDirTimeoutError,
     StragglerError,
 )
-from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
+from rankguard.callbacks.events import Event, EventFacts, LoaderFacts, LoaderPass
 from rankguard.callbacks.guard import Guard, GuardRunner
 from rankguard.callbacks.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
 from rankguard.callbacks.registry import GUARDS, build_guards
@@ -54,6 +55,8 @@ __all__ = [
     "HangDetectedError",
     "HangWatchdog",
     "LoaderFacts",
+    "LoaderPass",
+    "NodeLocalDirError",
     "RankGuardError",
     "RanksMissingError",
     "SharedDirBarrier",

@@ -14,6 +14,7 @@ __all__ = [
     "DataStallError",
     "DropLastMismatchError",
     "HangDetectedError",
+    "NodeLocalDirError",
     "RankGuardError",
     "RanksMissingError",
     "SharedDirCreateError",
@@ -56,6 +57,10 @@ class SharedDirTimeoutError(RankGuardError):
 
 class SharedDirCreateError(RankGuardError):
     """A directory could not be created (permission, a file in the way) on some rank."""
+
+
+class NodeLocalDirError(RankGuardError):
+    """A checkpoint folder or resume path is on storage some nodes do not share."""
 
 
 class CheckpointMemoryError(RankGuardError):

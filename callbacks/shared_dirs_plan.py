@@ -10,12 +10,19 @@ filesystems) to word later verdicts, so other ranks receive only a small
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rankguard.callbacks.dir_probe import NodeId, PathState
 from rankguard.callbacks.ranks import format_groups, rank_label
 
-__all__ = ["FIX_CREATE", "FIX_TIMEOUT", "BarrierPlanner", "Verdict"]
+__all__ = [
+    "FIX_CREATE",
+    "FIX_TIMEOUT",
+    "BarrierPlanner",
+    "Verdict",
+    "describe_nodes",
+    "load_path_problem",
+]
 
 FIX_TIMEOUT = (
     "Fix: if the filesystem is shared but shows new directories late (NFS attribute and "
@@ -37,17 +44,23 @@ class Verdict:
         error: A message to raise on every rank, or ``None``.
         timeout: Whether ``error`` is a timeout (else a creation failure).
         pending: Path indices some rank does not see yet (look).
-        creators: Per pending path, the ranks that create it (seen).
-        shared: Per pending path, whether every node shares it (seen).
+        probe: Path indices to probe with a marker: the pending ones and, in a
+            multi-node job asked to, every other one (look).
+        creators: Per probed path, the ranks that create it (seen).
+        shared: Per probed path, whether every node shares it (seen).
+        node_local: Per probed path some nodes do not share with rank 0, which
+            nodes and ranks those are and what they see, for messages (seen).
         max_waited_s: The longest any rank polled (visible).
-        summary: One line per path for the log (visible).
+        summary: One line per path for the log (seen, visible).
     """
 
     error: str | None = None
     timeout: bool = False
     pending: list[int] = field(default_factory=list)
+    probe: list[int] = field(default_factory=list)
     creators: dict[int, list[int]] = field(default_factory=dict)
     shared: dict[int, bool | None] = field(default_factory=dict)
+    node_local: dict[int, str] = field(default_factory=dict)
     max_waited_s: float = 0.0
     summary: str = ""
 
@@ -57,10 +70,13 @@ class BarrierPlanner:
 
     Args:
         timeout_s: The barrier's polling timeout, quoted in errors.
+        probe_existing: Also probe paths every rank already sees, when the
+            ranks run on more than one node (one node shares every path).
     """
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, probe_existing: bool = False) -> None:
         self.timeout_s = timeout_s
+        self.probe_existing = probe_existing
         self.nodes: dict[int, NodeId] = {}
         self.states: dict[int, list[PathState]] = {}
         self.made_by: dict[int, list[int]] = {}
@@ -94,12 +110,13 @@ class BarrierPlanner:
                 )
         if problems:
             return Verdict(error=f"{' '.join(problems)} {FIX_CREATE}")
+        n_paths = next(iter(counts.values()))
         pending = [
-            i
-            for i in range(next(iter(counts.values())))
-            if any(s[i].state != "dir" for s in self.states.values())
+            i for i in range(n_paths) if any(s[i].state != "dir" for s in self.states.values())
         ]
-        return Verdict(pending=pending)
+        several_nodes = len({node.key for node in self.nodes.values()}) > 1
+        probe = list(range(n_paths)) if self.probe_existing and several_nodes else pending
+        return Verdict(pending=pending, probe=probe)
 
     def creators_of(self, seen: Mapping[int, bool], missing: Mapping[int, bool]) -> tuple:
         """Chooses who creates one path: rank 0 for nodes sharing it, else each node's leader."""
@@ -125,8 +142,8 @@ class BarrierPlanner:
         return sorted(creators), shared, sorted(set(by_node) - sharing), len(by_node)
 
     def creators(self, per_rank: Mapping[int, tuple[dict, dict]]) -> Verdict:
-        """Decides, per pending path, whether it is shared and who creates it."""
-        verdict = Verdict(creators={}, shared={})
+        """Decides, per probed path, whether it is shared and who creates it (if missing)."""
+        verdict = Verdict(creators={}, shared={}, node_local={})
         for i in next(iter(per_rank.values()))[0]:
             seen = {r: p[0][i] for r, p in per_rank.items()}
             missing = {r: p[1][i] for r, p in per_rank.items()}
@@ -139,9 +156,20 @@ class BarrierPlanner:
                 False: f"not shared with rank 0 by {', '.join(local_nodes)} (node-local)",
                 None: "sharing unknown (rank 0 could not write a marker)",
             }[shared]
-            made = f"created by {rank_label(creators)}" if creators else "created by none"
+            if not any(missing.values()):
+                made = "there already"
+            else:
+                made = f"created by {rank_label(creators)}" if creators else "created by none"
             self.described[i] = f"{self._where(i)}: {kind}; {made}; filesystem {fs}"
-        return verdict
+            if shared is False:
+                leader = self.nodes[min(self.nodes)].key
+                outside = [r for r in self.nodes if self.nodes[r].key in local_nodes]
+                verdict.node_local[i] = (
+                    f"{describe_nodes({r: n.key for r, n in self.nodes.items()}, outside)} "
+                    f"{'does' if len(local_nodes) == 1 else 'do'} not see what rank "
+                    f"{min(self.nodes)} ({leader}) writes there (filesystem {fs})"
+                )
+        return replace(verdict, summary="; ".join(self.described.values()))
 
     def created(self, per_rank: Mapping[int, dict[int, str]]) -> Verdict:
         """Turns creation failures on any rank into one error for every rank."""
@@ -179,3 +207,46 @@ class BarrierPlanner:
         return Verdict(
             max_waited_s=longest, summary=f"{lines}; every rank saw it within {longest:.2f} s"
         )
+
+
+def describe_nodes(node_of: Mapping[int, str], ranks: list[int], most: int = 4) -> str:
+    """Names the nodes of ``ranks`` with their ranks, e.g. ``"node gpu-3 (ranks 8-15)"``.
+
+    Args:
+        node_of: Each rank's node name.
+        ranks: The ranks to describe.
+        most: Nodes named one by one; the rest are summed up.
+    """
+    by_node: dict[str, list[int]] = {}
+    for rank in sorted(ranks):
+        by_node.setdefault(node_of[rank], []).append(rank)
+    keys = sorted(by_node, key=lambda k: by_node[k][0])
+    shown = [f"{k} ({rank_label(by_node[k])})" for k in keys[:most]]
+    if len(keys) > most:
+        rest = [r for k in keys[most:] for r in by_node[k]]
+        shown.append(f"{len(keys) - most} more ({rank_label(rest)})")
+    return f"{'node' if len(keys) == 1 else 'nodes'} {', '.join(shown)}"
+
+
+def load_path_problem(per_rank: Mapping[int, tuple[NodeId, str, bool]]) -> str:
+    """Names the ranks that cannot see a checkpoint to resume from that others see.
+
+    Args:
+        per_rank: Each rank's node, absolute path and whether the path exists there.
+
+    Returns:
+        The problem, or ``""`` when every rank sees the checkpoint, or none does
+        (the framework then fails on every rank with its own error).
+    """
+    missing = sorted(r for r, (_, _, seen) in per_rank.items() if not seen)
+    if not missing or len(missing) == len(per_rank):
+        return ""
+    present = sorted(set(per_rank) - set(missing))
+    node_of = {r: node.key for r, (node, _, _) in per_rank.items()}
+    paths = {r: path for r, (_, path, _) in per_rank.items()}
+    where = paths[present[0]] if len(set(paths.values())) == 1 else format_groups(paths)
+    return (
+        f"Checkpoint to resume from {where} is not there on "
+        f"{describe_nodes(node_of, missing)}; {describe_nodes(node_of, present)} "
+        f"{'sees' if len(present) == 1 else 'see'} it."
+    )

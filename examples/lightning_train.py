@@ -17,13 +17,13 @@ to 5 s for the demo):
     slow_data         rank 1's dataset sleeps in __getitem__: DataStallMonitor names rank 1
     straggler         rank 1's forward takes 1.5x as long: StragglerMonitor names rank 1
     post_eval_hang    rank 1 sleeps forever after the first validation: HangWatchdog, exit 75
-    node_local_ckpt   each rank saves to its own directory, as on a node-local disk
+    node_local_ckpt   each rank saves to its own directory (Lightning then uses rank 0's)
+    short_stream      rank 0's val stream ends 4 samples short of the 16 its __len__ says
     ckpt_over_memory  CheckpointPlanner told the node has 1 MiB for a full save
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
@@ -31,7 +31,15 @@ from typing import Any
 
 import lightning as L
 import torch
-from faults import BATCH_SIZE, FAULTS, FaultSetup, RankData, log_with_rank, setup
+from faults import (
+    BATCH_SIZE,
+    FaultSetup,
+    RankData,
+    log_with_rank,
+    parse_args,
+    planned_samples,
+    setup,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -108,7 +116,7 @@ class Progress(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        rank, planned = trainer.global_rank, len(trainer.val_dataloaders.sampler)
+        rank, planned = trainer.global_rank, planned_samples(trainer.val_dataloaders)
         log.info("rank %d evaluated %d of its %d eval samples", rank, self.seen, planned)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -135,15 +143,7 @@ class InjectFault(L.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fault", choices=list(FAULTS), default="none")
-    parser.add_argument("--no-rankguard", action="store_true", help="show the symptom")
-    parser.add_argument(
-        "--workdir",
-        default="rankguard_example",
-        help="where checkpoints and hang reports go (cleared of the example's own files)",
-    )
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     log_with_rank()
     for noisy in ("lightning.pytorch", "lightning.fabric", "rankguard.callbacks.drop_last"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -32,6 +33,7 @@ from rankguard.callbacks.side_channel import SideChannel
 from tests.e2e.ckpt_dirs_worker import LAG_BAD_TIMEOUT_S, TIMEOUT_S
 
 WORKER = Path(__file__).parent / "e2e" / "ckpt_dirs_worker.py"
+HOST = socket.gethostname()
 LAG_OK_S, LAG_BAD_S = 1.0, 60.0
 
 
@@ -151,6 +153,54 @@ def test_file_in_the_way_is_a_clear_error_on_every_rank(two_nodes):
         assert "not a directory" in message and "Fix:" in message
     with open(os.path.join(base, "shared", "blocker")) as f:
         assert f.read() == "not a directory"  # never touched
+
+
+def test_existing_node_local_folder_is_probed_and_found_node_local(two_nodes):
+    base, values = two_nodes
+    for rank, value in enumerate(values):
+        report = value["existing_node_local"]
+        own = os.path.join(base, "local", f"n{rank // 2}", "ckpt", "model")
+        assert report["shared"][own] is False
+        assert report["created_by"][own] == []  # there already: nothing created
+        assert (
+            f"node {HOST}/node1 (ranks 2,3) does not see what rank 0 ({HOST}/node0)"
+            in (report["node_local"][own])
+        )
+
+
+def test_existing_shared_folder_is_probed_and_found_shared(two_nodes):
+    base, values = two_nodes
+    path = os.path.join(base, "shared", "ckpt", "train")
+    for value in values:
+        assert value["existing_shared"]["shared"][path] is True
+        assert value["existing_shared"]["node_local"] == {}
+
+
+def test_guard_warns_about_a_node_local_folder_on_every_rank_unless_uploaded(two_nodes):
+    base, values = two_nodes
+    for rank, value in enumerate(values):
+        guard = value["guard"]
+        # Uploaded: fine, said once at INFO (by rank 0), no warning.
+        levels = [level for level, _ in guard["uploaded"]]
+        assert "WARNING" not in levels
+        if rank == 0:
+            [info] = [m for level, m in guard["uploaded"] if "is node-local (" in m]
+            assert "also uploaded to s3://b/run" in info
+        [warning] = [m for level, m in guard["local"] if level == "WARNING"]
+        own = os.path.join(base, "local", f"n{rank // 2}", "ckpt", "model")
+        assert f"Checkpoint folder {own} is node-local: node {HOST}/node1 (ranks 2,3)" in warning
+        assert "Fix: save to a folder on a filesystem every node mounts" in warning
+
+
+def test_resume_checkpoint_on_one_node_only_names_the_nodes_that_cannot_see_it(two_nodes):
+    _, values = two_nodes
+    for value in values:
+        message = value["guard"]["load"]
+        assert message.startswith("Checkpoint to resume from ")
+        assert f"is not there on node {HOST}/node1 (ranks 2,3); node {HOST}/node0 (ranks 0,1)" in (
+            message
+        )
+        assert "Fix: put the checkpoint on a filesystem every node mounts" in message
 
 
 def test_markers_are_removed(two_nodes):
