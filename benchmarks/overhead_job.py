@@ -168,10 +168,11 @@ def transformers_fit(guarded: bool, steps: int) -> float:
         return time.perf_counter() - start
 
 
-#: Per fit, seconds inside rankguard: its event dispatch (everything, wall time), and the
+#: Per fit, seconds inside rankguard: its event dispatch (everything, wall time), the
 #: adapter's per-step entry points (dispatch and translation, without fit start and end;
-#: CPU time of the training thread).
-RANKGUARD_S = {"dispatch": 0.0, "adapter": 0.0}
+#: CPU time of the training thread), and the straggler monitor's forward hooks (CPU time
+#: of the training thread; they run inside the model's forward, not in a dispatch).
+RANKGUARD_S = {"dispatch": 0.0, "adapter": 0.0, "hooks": 0.0}
 #: RankGuard's settings (``overhead.py --config``); all guards with defaults if unset.
 CONFIG = json.loads(os.environ.get("RANKGUARD_BENCH_CONFIG") or "{}")
 #: Where the framework enters each adapter during the steps: (module, class, methods
@@ -223,9 +224,13 @@ def time_rankguard(framework: str) -> None:
     """Accumulates the time spent inside rankguard on this rank (see RANKGUARD_S)."""
     import importlib
 
+    from rankguard.callbacks.forward_clock import ForwardClock
     from rankguard.callbacks.guard import GuardRunner
 
     GuardRunner.fire = _timed(GuardRunner.fire, "dispatch", [0])
+    # Bound as hooks when a fit starts, so timing the methods here times the hooks.
+    ForwardClock._enter = _timed(ForwardClock._enter, "hooks", [0], clock=time.thread_time)
+    ForwardClock._leave = _timed(ForwardClock._leave, "hooks", [0], clock=time.thread_time)
     module, name, methods = ENTRY_POINTS[framework]
     cls = getattr(importlib.import_module(module), name)
     depth = [0]
@@ -253,14 +258,15 @@ def main() -> None:
     fit(False, 5)  # warm-up: imports, process group, allocator
     time_rankguard(framework)
     times: dict[str, list[float]] = {"without": [], "with": [], "inside_rankguard": []}
-    times["inside_adapter"] = []
+    times["inside_adapter"], times["inside_hooks"] = [], []
     for i in range(2 * rounds):
         guarded = i % 2 == (i // 2) % 2  # ABBA order cancels drift
-        RANKGUARD_S.update(dispatch=0.0, adapter=0.0)
+        RANKGUARD_S.update(dispatch=0.0, adapter=0.0, hooks=0.0)
         times["with" if guarded else "without"].append(fit(guarded, steps))
         if guarded:
             times["inside_rankguard"].append(RANKGUARD_S["dispatch"])
             times["inside_adapter"].append(RANKGUARD_S["adapter"])
+            times["inside_hooks"].append(RANKGUARD_S["hooks"])
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(out, "w") as f:

@@ -23,6 +23,7 @@ from rankguard.callbacks.errors import (
     RanksMissingError,
     SharedDirCreateError,
     SharedDirTimeoutError,
+    StragglerError,
 )
 from rankguard.callbacks.events import Event, EventFacts, LoaderFacts, LoaderPass
 from rankguard.callbacks.guard import Guard, GuardRunner
@@ -31,6 +32,7 @@ from rankguard.callbacks.registry import GUARDS, build_guards
 from rankguard.callbacks.shared_dirs import SharedDirBarrier, ensure_shared_dirs
 from rankguard.callbacks.side_channel import SideChannel
 from rankguard.callbacks.state_size import estimate_state_size
+from rankguard.callbacks.straggler import StragglerMonitor
 
 __all__ = [
     "GUARDS",
@@ -61,6 +63,8 @@ __all__ = [
     "SharedDirCreateError",
     "SharedDirTimeoutError",
     "SideChannel",
+    "StragglerError",
+    "StragglerMonitor",
     "build_guards",
     "ensure_shared_dirs",
     "estimate_state_size",

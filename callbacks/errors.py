@@ -19,6 +19,7 @@ __all__ = [
     "RanksMissingError",
     "SharedDirCreateError",
     "SharedDirTimeoutError",
+    "StragglerError",
 ]
 
 
@@ -76,3 +77,7 @@ class DataStallError(RankGuardError):
 
 class HangDetectedError(RankGuardError):
     """A rank made no progress within its deadline."""
+
+
+class StragglerError(RankGuardError):
+    """A rank or node has been computing slower than the others for several intervals."""

@@ -16,6 +16,7 @@ to 5 s for the demo):
     drop_last         rank 0 builds its train loader with drop_last=True, rank 1 without
     unseeded_split    every rank splits train/eval with an unseeded shuffle
     slow_data         rank 1's dataset sleeps in __getitem__: DataStallMonitor names rank 1
+    straggler         rank 1's forward takes 1.5x as long: StragglerMonitor names rank 1
     post_eval_hang    rank 1 sleeps forever after the first eval: HangWatchdog, exit code 75
     node_local_ckpt   each rank is a node of its own, saving to its own directory (a local disk)
     short_stream      rank 0's eval stream ends 4 samples short of the 16 its __len__ says
@@ -107,7 +108,7 @@ def main() -> None:
         from rankguard.integrations.composer import RankGuard
 
         callbacks.insert(0, RankGuard(**fault.rankguard))
-    model = fault.model()
+    model = fault.model(rank)
     trainer = Trainer(
         model=ComposerClassifier(model, num_classes=2),
         optimizers=torch.optim.Adam(model.parameters(), lr=0.01),

@@ -39,6 +39,7 @@ FAULTS: dict[str, str] = {
     "drop_last": "rank 0 builds its train loader with drop_last=True, rank 1 without",
     "unseeded_split": "every rank splits train/eval with an unseeded shuffle",
     "slow_data": "rank 1's dataset sleeps 25 ms per sample",
+    "straggler": "rank 1's forward pass takes 1.5x as long as rank 0's (a slower GPU)",
     "post_eval_hang": "rank 1 sleeps forever after the first evaluation",
     "node_local_ckpt": "each rank is a node of its own, saving to its own directory (a local disk)",
     "short_stream": "rank 0's eval stream ends 4 samples short of the 16 its __len__ says",
@@ -58,6 +59,22 @@ def points(n: int) -> TensorDataset:
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(n, 8, generator=gen)
     return TensorDataset(x, (x.sum(dim=1) > 0).long())
+
+
+class Timed(torch.nn.Module):
+    """Runs ``net`` after waiting ``delay_s``: a forward pass that takes that much longer.
+
+    Stands for a model big enough to take time on a device: the host waits for a
+    slower GPU as it waits here.
+    """
+
+    def __init__(self, net: torch.nn.Module, delay_s: float) -> None:
+        super().__init__()
+        self.net, self.delay_s = net, delay_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay_s)
+        return self.net(x)
 
 
 class SlowDataset(Dataset):
@@ -149,6 +166,8 @@ class FaultSetup:
         epochs: Epochs to train (one evaluation at the end of each).
         save_dir: Checkpoint folder (saved at each epoch end), or ``None``; ``{rank}``
             in it stands for the global rank (Composer's ``save_folder`` syntax).
+        forward_s: Extra time each forward pass takes (a bigger model's compute), or 0.
+        slow_rank: The rank whose forward takes 1.5x ``forward_s``, or ``None``.
     """
 
     fault: str
@@ -157,6 +176,8 @@ class FaultSetup:
     hidden: int = 16
     epochs: int = 1
     save_dir: str | None = None
+    forward_s: float = 0.0
+    slow_rank: int | None = None
 
     def data(self, rank: int, hf_datasets: bool = False) -> RankData:
         """Builds rank ``rank``'s train and eval sets (64 and 32 samples unless the fault says).
@@ -211,12 +232,15 @@ class FaultSetup:
         """Whether rank ``rank`` sleeps forever after its first evaluation."""
         return self.fault == "post_eval_hang" and rank == 1
 
-    def model(self) -> torch.nn.Module:
-        """An MLP classifier 8 -> ``hidden`` -> 2."""
+    def model(self, rank: int) -> torch.nn.Module:
+        """Rank ``rank``'s MLP classifier 8 -> ``hidden`` -> 2 (the same weights on every rank)."""
         torch.manual_seed(0)
-        return torch.nn.Sequential(
+        net = torch.nn.Sequential(
             torch.nn.Linear(8, self.hidden), torch.nn.ReLU(), torch.nn.Linear(self.hidden, 2)
         )
+        if not self.forward_s:
+            return net
+        return Timed(net, self.forward_s * (1.5 if rank == self.slow_rank else 1.0))
 
     def report(self, rank: int) -> None:
         """Logs what this rank sees in its checkpoint folder (where a resume would look)."""
@@ -247,6 +271,14 @@ def setup(fault: str, workdir: str | os.PathLike) -> FaultSetup:
     if fault == "slow_data":
         # Exchange every 4 batches; 3 slow steps in a row make a stall (defaults: 50 and 10).
         return FaultSetup(fault, root, {"data_stall_monitor": {"interval": 4, "window": 3}})
+    if fault == "straggler":
+        # Every 4 batches after 2 of warm-up, named after 3 slow intervals (defaults: 50, 20
+        # and 3); threshold 0.8 rather than 0.7 because on 2 shared CPU cores the layers' own
+        # time lifts a 1.5x forward's score from 0.67 towards 0.7. 3 epochs of 8 batches.
+        monitor = {"interval": 4, "window": 3, "warmup_steps": 2, "threshold": 0.8}
+        return FaultSetup(
+            fault, root, {"straggler_monitor": monitor}, epochs=3, forward_s=0.02, slow_rank=1
+        )
     if fault == "post_eval_hang":
         hang = {
             "post_eval_timeout_s": DEMO_TIMEOUT_S,  # default 600 s

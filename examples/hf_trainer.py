@@ -14,6 +14,7 @@ to 5 s for the demo):
     drop_last         rank 0 sets dataloader_drop_last=True, rank 1 does not
     unseeded_split    every rank splits with `datasets`' train_test_split and no seed
     slow_data         rank 1's dataset sleeps in __getitem__: DataStallMonitor names rank 1
+    straggler         rank 1's forward takes 1.5x as long: StragglerMonitor names rank 1
     post_eval_hang    rank 1 sleeps forever after the first eval: HangWatchdog, exit code 75
     node_local_ckpt   each rank is a node of its own, saving to its own directory (a local disk)
     ckpt_over_memory  CheckpointPlanner told the node has 1 MiB for a full save
@@ -140,7 +141,7 @@ def main() -> None:
         seed=0,
     )
     trainer = Trainer(
-        model=Classifier(fault.model()),
+        model=Classifier(fault.model(rank)),
         args=training,
         train_dataset=data.train,
         eval_dataset=data.eval,

@@ -15,6 +15,7 @@ to 5 s for the demo):
     drop_last         rank 0 builds its train loader with drop_last=True, rank 1 without
     unseeded_split    every rank splits train/val with an unseeded shuffle
     slow_data         rank 1's dataset sleeps in __getitem__: DataStallMonitor names rank 1
+    straggler         rank 1's forward takes 1.5x as long: StragglerMonitor names rank 1
     post_eval_hang    rank 1 sleeps forever after the first validation: HangWatchdog, exit 75
     node_local_ckpt   each rank saves to its own directory (Lightning then uses rank 0's)
     short_stream      rank 0's val stream ends 4 samples short of the 16 its __len__ says
@@ -149,6 +150,8 @@ def main() -> None:
     L.seed_everything(0, verbose=False)  # python random, numpy and torch, the same on every rank
 
     fault = setup(args.fault, args.workdir)
+    # Lightning's launcher starts rank 1 with LOCAL_RANK=1 (one node: local = global rank).
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
     callbacks: list[L.Callback] = [Progress(), InjectFault(fault)]
     if not args.no_rankguard:
         from rankguard.integrations.lightning import RankGuard
@@ -156,8 +159,6 @@ def main() -> None:
         callbacks.insert(0, RankGuard(**fault.rankguard))
     if fault.save_dir is not None:
         # Each rank names its own folder (Lightning then uses rank 0's path on every rank).
-        # Lightning's launcher starts rank 1 with LOCAL_RANK=1 (one node: local = global rank).
-        rank = int(os.environ.get("LOCAL_RANK", "0"))
         callbacks.append(ModelCheckpoint(dirpath=fault.checkpoint_dir(rank), save_top_k=-1))
     trainer = L.Trainer(
         accelerator="cpu",
@@ -170,7 +171,7 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(Classifier(fault.model()), datamodule=FaultData(fault))
+    trainer.fit(Classifier(fault.model(rank)), datamodule=FaultData(fault))
     fault.report(trainer.global_rank)
     log.info("training finished")
 

@@ -14,6 +14,7 @@ to 5 s for the demo):
     drop_last         rank 0 builds its train loader with drop_last=True, rank 1 without
     unseeded_split    every rank splits with `datasets`' train_test_split and no seed
     slow_data         rank 1's dataset sleeps in __getitem__: DataStallMonitor names rank 1
+    straggler         rank 1's forward takes 1.5x as long: StragglerMonitor names rank 1
     post_eval_hang    rank 1 sleeps forever after the first eval: HangWatchdog, exit code 75
     node_local_ckpt   each rank is a node of its own, saving to its own directory (a local disk)
     short_stream      rank 0's eval stream ends 4 samples short of the 16 its __len__ says
@@ -80,7 +81,7 @@ def train(fault: FaultSetup, rankguard: dict[str, Any]) -> None:
     data = fault.data(rank, hf_datasets=True)
     data.describe(rank)
     seed_everything(0)  # the same on every rank, once the data is built
-    model = DistributedDataParallel(fault.model())
+    model = DistributedDataParallel(fault.model(rank))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     train_loader = loader(data.train, drop_last=data.train_drop_last)
     eval_loader = loader(data.eval)

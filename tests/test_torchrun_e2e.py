@@ -42,7 +42,7 @@ pytestmark = pytest.mark.framework
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
-SCENARIOS = ["healthy", "unseeded_split", "uneven_eval", "post_eval_stall"]
+SCENARIOS = ["healthy", "unseeded_split", "uneven_eval", "straggler", "post_eval_stall"]
 LOOP_ONLY = [
     "fsdp2",
     "short_eval_stream",
@@ -264,6 +264,27 @@ def assert_rank_1_named_with_its_stack(out: Path, output: str, frame: str) -> No
     assert deadline - 0.5 < latency < deadline + REPORT_MARGIN_S
     assert frame in _loop_stack(reports / "rank1.txt")  # where rank 1's loop stopped
     assert output.count("Now aborting with exit code 75.") == 2
+
+
+def _straggler_warning(rank: dict) -> float:
+    """The one straggler warning of the ``straggler`` scenario: names rank 1; its score."""
+    result = rank["straggler"]
+    assert result["outcome"] == "ok", result
+    [warning] = result["warnings"]
+    assert warning.startswith("rankguard straggler_monitor: Straggler: rank 1 (node "), warning
+    return float(re.search(r"\(score (\d\.\d\d) < threshold 0\.8\)", warning).group(1))
+
+
+@pytest.mark.parametrize("job", ["loop", "hf"])
+def test_rank_1_computing_1_5x_longer_is_named_by_every_rank(job, request):
+    _, _, ranks = request.getfixturevalue(job)
+    for rank in ranks:
+        assert 0.55 <= _straggler_warning(rank) <= 0.75  # 20 ms against 30 ms: 0.67
+    if job == "loop":
+        assert [r["straggler"]["counters"]["straggler_rank"] for r in ranks] == [1.0, 1.0]
+    else:  # through the Trainer's own log
+        logged = ranks[0]["straggler"]["counters"]["rankguard_keys_logged"]
+        assert "rankguard/straggler_score_min" in logged
 
 
 def test_loop_rank_stalled_after_eval_is_named_with_its_stack_and_every_rank_exits_75(loop):

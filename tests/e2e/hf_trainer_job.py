@@ -147,6 +147,43 @@ def node_local_resume() -> None:
             os.environ["NODE_RANK"] = previous
 
 
+def straggler() -> None:
+    """Rank 1's forward takes 1.5x as long (tests/e2e/straggler_common.py), 20 steps."""
+    import torch
+
+    from tests.e2e.straggler_common import BATCHES, STRAGGLER, forward_delay
+
+    COUNTERS.clear()
+    seed_everything(0)
+    torch.set_num_threads(1)  # two ranks on two shared cores
+    model = tiny_bert()
+    delay = forward_delay(dist.get_rank(), slow=True)
+    # Inside the model's forward: its embeddings take the time a bigger model would.
+    model.bert.embeddings.register_forward_pre_hook(lambda module, args: time.sleep(delay))
+    args = TrainingArguments(
+        output_dir=str(OUT / "straggler"),
+        use_cpu=True,
+        ddp_backend="gloo",
+        per_device_train_batch_size=4,
+        max_steps=BATCHES,
+        eval_strategy="no",
+        save_strategy="no",
+        logging_steps=4,
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    guard = RankGuard(straggler_monitor=STRAGGLER, **QUICK)
+    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(4 * 2 * BATCHES))
+    trainer.add_callback(guard)
+    try:
+        trainer.train()
+    finally:
+        guard.close()
+    logged = [key for entry in trainer.state.log_history for key in entry]
+    COUNTERS["rankguard_keys_logged"] = sorted({k for k in logged if k.startswith("rankguard/")})
+
+
 def post_eval_stall() -> None:
     settings = {**HANG, "report_dir": str(OUT / "reports")}
     train("post_eval_stall", RankGuard(hang_watchdog=settings), *seeded_split(), StallAfterEval())
@@ -157,6 +194,7 @@ SCENARIOS = {
     "unseeded_split": unseeded,
     "uneven_eval": uneven_eval,
     "node_local_resume": node_local_resume,
+    "straggler": straggler,
     "post_eval_stall": post_eval_stall,
 }
 

@@ -242,6 +242,27 @@ def resume_node_local() -> None:
             os.environ["NODE_RANK"] = previous
 
 
+def straggler() -> None:
+    """Rank 1's forward takes 1.5x as long (tests/e2e/straggler_common.py), 20 batches."""
+    from tests.e2e.common import Points
+    from tests.e2e.straggler_common import BATCH, BATCHES, STRAGGLER, SlowForward, forward_delay
+
+    COUNTERS.clear()
+    seed_everything(0)
+    torch.set_num_threads(1)  # two ranks on two shared cores
+    model = DistributedDataParallel(SlowForward(forward_delay(dist.get_rank(), slow=True)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = Points(2 * BATCHES * BATCH)
+    train_loader = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data))
+    guard = RankGuard(straggler_monitor=STRAGGLER, **QUICK)
+    with guard.fit(model, optimizer, train_loader) as run:
+        for x, y in run.train(train_loader):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    COUNTERS["straggler_rank"] = run.metrics["rankguard/straggler_rank"]
+
+
 def stall_after_eval() -> None:
     """The bug: rank 1 never comes back from its first eval (here a sleep)."""
     if dist.get_rank() == 1:
@@ -264,6 +285,7 @@ SCENARIOS = {
     "short_train_stream": short_train_stream,
     "per_rank_ckpt": per_rank_ckpt,
     "resume_node_local": resume_node_local,
+    "straggler": straggler,
     "post_eval_stall": post_eval_stall,
 }
 
