@@ -8,12 +8,31 @@ import os
 import sys
 import traceback
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset
 
 from rankguard.callbacks.guard import Guard
+
+
+@contextmanager
+def own_node(rank: int, disk: Path) -> Iterator[Path]:
+    """This rank plays a node of its own whose local disk is ``disk`` (made here).
+
+    rankguard tells nodes apart by ``NODE_RANK``; it is restored on exit.
+    """
+    previous = os.environ.get("NODE_RANK")
+    os.environ["NODE_RANK"] = str(rank)
+    try:
+        disk.mkdir()  # a disk is there before the job
+        yield disk
+    finally:
+        if previous is None:
+            del os.environ["NODE_RANK"]
+        else:
+            os.environ["NODE_RANK"] = previous
 
 
 class Points(Dataset):

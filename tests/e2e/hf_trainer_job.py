@@ -15,7 +15,6 @@ outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from rankguard.integrations.transformers import RankGuard
 from tests.e2e.common import (
+    own_node,
     run_scenarios,
     seed_everything,
     seeded_split,
@@ -125,11 +125,7 @@ def uneven_eval() -> None:
 def node_local_resume() -> None:
     """Each rank plays a node whose local disk is ``hf_node<r>/``: a save, then a resume."""
     rank = dist.get_rank()
-    previous = os.environ.get("NODE_RANK")
-    os.environ["NODE_RANK"] = str(rank)  # rankguard tells nodes apart by NODE_RANK
-    try:
-        disk = OUT / f"hf_node{rank}"
-        disk.mkdir()  # a disk is there before the job
+    with own_node(rank, OUT / f"hf_node{rank}") as disk:
         seed_everything(0)
         output_dir = disk / "out"  # the same folder name on every node, each node's own
         train("node_local_resume", RankGuard(**QUICK), *seeded_split(), output_dir=output_dir)
@@ -140,11 +136,6 @@ def node_local_resume() -> None:
             train("resume", guard, *seeded_split(), output_dir=output_dir, resume=True)
         finally:
             COUNTERS["saved"] = saved
-    finally:
-        if previous is None:
-            del os.environ["NODE_RANK"]
-        else:
-            os.environ["NODE_RANK"] = previous
 
 
 def straggler() -> None:

@@ -16,7 +16,6 @@ outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from rankguard.integrations.torch import RankGuard
 from tests.e2e.common import (
     VOCAB,
     ClaimedStream,
+    own_node,
     run_scenarios,
     seed_everything,
     seeded_split,
@@ -218,13 +218,9 @@ def per_rank_ckpt() -> None:
 def resume_node_local() -> None:
     """Each rank plays a node whose local disk is ``node<r>/``; the loop saves, then resumes."""
     rank = dist.get_rank()
-    previous = os.environ.get("NODE_RANK")
-    os.environ["NODE_RANK"] = str(rank)  # rankguard tells nodes apart by NODE_RANK
-    try:
+    with own_node(rank, OUT / f"node{rank}") as disk:
         COUNTERS.clear()
         seed_everything(0)
-        disk = OUT / f"node{rank}"
-        disk.mkdir()  # a disk is there before the job
         ckpt = disk / "ckpt"  # the same folder name on every node, each node's own
         model = DistributedDataParallel(torch.nn.Linear(4, 2))
         guard = RankGuard(**QUICK)
@@ -235,11 +231,6 @@ def resume_node_local() -> None:
         with guard.load(ckpt / "last.pt"):  # the resume, as the next run would do it
             model.module.load_state_dict(torch.load(ckpt / "last.pt"))
             count("loaded")
-    finally:
-        if previous is None:
-            del os.environ["NODE_RANK"]
-        else:
-            os.environ["NODE_RANK"] = previous
 
 
 def straggler() -> None:
