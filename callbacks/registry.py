@@ -18,13 +18,17 @@ from rankguard.callbacks.drop_last import DropLastGuard
 from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.hang_watchdog import HangWatchdog
 from rankguard.callbacks.shared_dirs import SharedDirBarrier
+from rankguard.callbacks.straggler import StragglerMonitor
 
 __all__ = ["GUARDS", "build_guard", "build_guards", "unknown_name_error"]
 
 #: Core guard classes by snake-case name, in the order they run. Root causes
 #: first: a dataset or seed difference explains a settings or count
 #: difference, and a settings difference explains a count difference (and
-#: ``DropLastGuard(mode="enforce")`` changes counts).
+#: ``DropLastGuard(mode="enforce")`` changes counts). Of the monitors, a data stall
+#: explains slow steps, so ``DataStallMonitor`` comes before ``StragglerMonitor``,
+#: which then starts its batch clock after the data-stall exchange; the hang
+#: watchdog's heartbeat comes last, after every other guard's work.
 GUARDS: dict[str, type[Guard]] = {
     DataConsistencyGuard.name: DataConsistencyGuard,
     DropLastGuard.name: DropLastGuard,
@@ -32,6 +36,7 @@ GUARDS: dict[str, type[Guard]] = {
     SharedDirBarrier.name: SharedDirBarrier,
     CheckpointPlanner.name: CheckpointPlanner,
     DataStallMonitor.name: DataStallMonitor,
+    StragglerMonitor.name: StragglerMonitor,
     HangWatchdog.name: HangWatchdog,
 }
 

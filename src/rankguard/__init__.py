@@ -2,8 +2,10 @@
 
 Import the callbacks from the integration for your framework::
 
-    from rankguard.integrations.composer import RankGuard    # MosaicML Composer
-    from rankguard.integrations.lightning import RankGuard   # PyTorch Lightning
+    from rankguard.integrations.composer import RankGuard      # MosaicML Composer
+    from rankguard.integrations.lightning import RankGuard     # PyTorch Lightning
+    from rankguard.integrations.transformers import RankGuard  # Hugging Face Trainer
+    from rankguard.integrations.torch import RankGuard         # a hand-written loop
 
 The framework-free core (guards, errors, the side channel) is
 ``rankguard.callbacks``; ``rankguard --help`` lists the command-line tools.
