@@ -14,7 +14,8 @@ __all__ = ["build_parser", "main"]
 DESCRIPTION = """\
 rankguard: training callbacks that keep every rank of a distributed PyTorch job
 in step. The callbacks go into your trainer (from rankguard.integrations.composer
-import RankGuard, or .lightning); this command reads what they leave behind."""
+import RankGuard, or .lightning, .transformers, .torch for a hand-written loop);
+this command reads what they leave behind."""
 
 EPILOG = """\
 example:

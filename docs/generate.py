@@ -10,9 +10,10 @@
   the same prose files.
 
 Each recorded output starts with the command that produced it and a digest
-of what produced it (rankguard's and the examples' code, without comments
-or docstrings, and the framework versions). Only outputs whose digest no
-longer matches are run again, so a rerun without a code change runs nothing;
+of what produced it (the code it ran, without comments or docstrings, and the
+framework versions; see :func:`run_digest`). Only outputs whose digest no
+longer matches are run again, so a rerun without a code change runs nothing,
+and a change to one integration reruns that integration's example only;
 ``--force`` reruns everything. ``tests/test_docs.py`` checks, without running
 anything, that every digest matches and that the pages are what this script
 renders from the recorded outputs.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import hashlib
 import logging
 import os
@@ -49,16 +51,20 @@ PROSE = DOCS / "faults"
 EXAMPLES = ROOT / "examples"
 #: The recorded report of the ``post_eval_hang`` run, and the timeline drawn from it.
 HANG_REPORT = DOCS / "hang-report"
-#: The code whose behaviour the recorded outputs show (see :func:`code_digest`), with
-#: ``examples/faults.py`` and every example script that takes ``--fault``.
+#: rankguard's code (see :func:`run_digest`): an integration's module counts for the
+#: examples that import it only.
 CODE = ("callbacks", "integrations", "src")
 FRAMEWORKS = ("torch", "mosaicml", "lightning", "transformers")
-#: How long one example run may take before the generator stops it; a fault whose runs
-#: without rankguard hang says when to stop those (``stop_without_after_s`` in its prose).
+#: How long one example run with rankguard may take before the generator stops it.
 RUN_TIMEOUT_S = 600
+#: How long one without rankguard may take: the symptom of some faults is a hang (the
+#: examples train for about a second); a fault's prose may say otherwise
+#: (``stop_without_after_s``).
+STOP_WITHOUT_AFTER_S = 90
 #: Set by a launcher or a cluster: each run picks its own rendezvous.
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
-#: An example joins the catalogue with this line in its docstring: ``<command>  # healthy``.
+#: An example joins the catalogue with this line in its docstring: ``<command>  # healthy``;
+#: it offers the faults its docstring lists, one a line: ``    <fault>  <what it does>``.
 HEALTHY_MARK = "# healthy"
 
 log = logging.getLogger("docs")
@@ -90,21 +96,60 @@ def _version(package: str) -> str:
         return "-"
 
 
-def code_digest() -> str:
-    """A digest of the code every recorded output depends on.
+def _rankguard_files(script: Path) -> list[Path]:
+    """The rankguard Python files whose code a run of ``script`` may run.
 
-    Covers every Python file of rankguard and the examples (their code, not
-    their comments or docstrings: outputs quote no line numbers, see
-    :func:`normalise`) and the installed framework versions.
+    Everything under :data:`CODE`, except the integration modules (``composer``,
+    ``lightning``, ...) that ``script`` does not import.
     """
+    integrations = ROOT / "integrations"
+    source = script.read_text(encoding="utf-8")
+    files = []
+    for path in (p for d in CODE for p in sorted((ROOT / d).rglob("*.py"))):
+        adapter = path.parent == integrations and not path.stem.startswith("_")
+        if adapter and path.stem != "config":
+            if not re.search(rf"\brankguard\.integrations\.{path.stem}\b", source):
+                continue
+        files.append(path)
+    return files
+
+
+def imports_rankguard_always(script: Path) -> bool:
+    """Whether ``script`` imports rankguard at its top level (so ``--no-rankguard`` runs it)."""
+    for node in ast.parse(script.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Import) and any(a.name.startswith("rankguard") for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rankguard"):
+            return True
+    return False
+
+
+@functools.cache
+def _digest(script: str, with_rankguard: bool) -> str:
+    """See :func:`run_digest` (cached per example script and with or without rankguard)."""
+    path = EXAMPLES / script
+    files = [EXAMPLES / "faults.py", path]
+    if with_rankguard or imports_rankguard_always(path):
+        files = [*_rankguard_files(path), *files]
     digest = hashlib.sha256()
-    scripts = [EXAMPLES / "faults.py", *(EXAMPLES / e.script for e in examples())]
-    for path in [*(p for d in CODE for p in sorted((ROOT / d).rglob("*.py"))), *scripts]:
-        digest.update(str(path.relative_to(ROOT)).encode())
-        digest.update(_code_of(path).encode())
+    for file in files:
+        digest.update(str(file.relative_to(ROOT)).encode())
+        digest.update(_code_of(file).encode())
     for package in FRAMEWORKS:
         digest.update(f"{package}={_version(package)}".encode())
     return digest.hexdigest()[:16]
+
+
+def run_digest(run: Run) -> str:
+    """A digest of the code a recorded run depends on.
+
+    Covers the example script and ``examples/faults.py``, the installed framework
+    versions and, for a run with rankguard (or an example that imports it even
+    with ``--no-rankguard``), rankguard's code but the integrations the example
+    does not import: their code, not their comments or docstrings (outputs quote
+    no line numbers, see :func:`normalise`).
+    """
+    return _digest(run.example.script, run.rankguard)
 
 
 # -- the runs -------------------------------------------------------------------------------
@@ -127,6 +172,7 @@ class Example:
     script: str
     framework: str
     command: str
+    faults: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -155,23 +201,26 @@ class Run:
 
 
 def examples() -> list[Example]:
-    """Every example with a ``--fault`` option, launched as its docstring's healthy line says."""
+    """Every example whose docstring has a healthy line, launched as that line says."""
     found = []
+    known = faults()
     for path in sorted(EXAMPLES.glob("*.py")):
-        source = path.read_text(encoding="utf-8")
-        if not re.search(r"add_argument\(\s*[\"']--fault", source):
-            continue
-        doc = ast.get_docstring(ast.parse(source)) or ""
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
         healthy = (line.split(HEALTHY_MARK)[0] for line in doc.splitlines() if HEALTHY_MARK in line)
         command = next(healthy, "").strip()
         if not command:
-            raise SystemExit(f"{path.name} has --fault but no '<command>  {HEALTHY_MARK}' line")
+            continue
+        listed = {m.group(1) for m in re.finditer(r"^    (\w+)  ", doc, re.M)}
+        offered = tuple(name for name in known if name == "none" or name in listed)
+        if len(offered) < 2:
+            raise SystemExit(f"{path.name}: its docstring lists none of the faults of faults.py")
         framework = path.stem.split("_")[0]
         if command.startswith("composer "):  # keep every rank's log, not rank 0's alone
             launcher, script, args = command.partition(f"examples/{path.name}")
             command = f"{launcher}--stderr {RANK_LOGS} {script}{args}"
-        found.append(Example(path.name, framework, f".venv/bin/{command}"))
-    return found
+        found.append(Example(path.name, framework, f".venv/bin/{command}", offered))
+    order = list(FRAMEWORK_NAMES)
+    return sorted(found, key=lambda e: order.index(e.framework) if e.framework in order else 99)
 
 
 def faults() -> dict[str, str]:
@@ -191,7 +240,7 @@ def runs() -> list[Run]:
         for fault in faults()
         for example in examples()
         for with_rankguard in (True, False)
-        if with_rankguard or fault != "none"
+        if fault in example.faults and (with_rankguard or fault != "none")
     ]
 
 
@@ -203,8 +252,10 @@ def normalise(text: str) -> str:
     text = text.replace(str(ROOT) + "/", "").replace(str(ROOT), ".")
     rules = [
         (r"/tmp/(?!rankguard-rank)[^\s'\")]+", "/tmp/..."),
-        (r"\b(pid|PID) \d+", r"\1 N"),
-        (r"\b(localhost|\d+\.\d+\.\d+\.\d+):\d+", r"\1:PORT"),
+        (r"\b(pid|PID|process) \d+", r"\1 N"),
+        (r"\(pid: \d+\)", "(pid: N)"),
+        (r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ", r"\1 DATE TIME PID "),
+        (r"\b(localhost|\d+\.\d+\.\d+\.\d+)(\]?):\d+", r"\1\2:PORT"),
         (r"\.py:\d+", ".py:N"),
         (r", line \d+", ", line N"),
         (r"\b\d+\.\d+ s\b", "N.N s"),
@@ -213,10 +264,12 @@ def normalise(text: str) -> str:
         (r"\b\d+% of step time", "N% of step time"),
         (r"\b\d+ slow steps in a row", "N slow steps in a row"),
         (r"\b[\d.]+ samples/s", "N samples/s"),
+        (r"\b\d+(\.\d+)? ms\b", "N ms"),
+        (r"\bscore \d\.\d+ <", "score N <"),
         (r"\d{4}-\d\d-\d\d[_ T]\d\d:\d\d:\d\d", "DATE TIME"),
     ]
     for pattern, replacement in rules:
-        text = re.sub(pattern, replacement, text)
+        text = re.sub(pattern, replacement, text, flags=re.M)
     host = socket.gethostname()
     text = re.sub(rf"\b{re.escape(host)}\b", "HOST", text)
     return "\n".join(_realign(text.split("\n")))
@@ -256,6 +309,37 @@ def _rank_logs() -> list[Path]:
     return sorted(Path(folder).glob(pattern.replace("{rank}", "*")))
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (from ``/proc``; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """Kills ``pid``'s session and every process below it.
+
+    torchrun starts each rank in a session of its own, so killing the launcher's
+    session alone would leave the ranks running (and holding the output pipe).
+    """
+    for target in [*_descendants(pid), pid]:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def execute(run: Run, timeout_s: float) -> tuple[str, str]:
     """Runs ``run.command`` from the repository root; returns its output and how it ended."""
     started = time.monotonic()
@@ -274,14 +358,11 @@ def execute(run: Run, timeout_s: float) -> tuple[str, str]:
         output, _ = proc.communicate(timeout=timeout_s)
         ended = f"exit code {proc.returncode}"
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_tree(proc.pid)
         output, _ = proc.communicate()
         ended = f"still running after {timeout_s:g} s: stopped by the docs generator"
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of any rank
-        except ProcessLookupError:
-            pass
+        _kill_tree(proc.pid)  # whatever is left of any rank
     log.info("%s: %s (%.0f s)", run.name, ended, time.monotonic() - started)
     for path in _rank_logs():
         output += f"\n$ cat {path}\n{path.read_text(encoding='utf-8', errors='replace')}"
@@ -316,18 +397,26 @@ def read_recording(run: Run) -> Recording | None:
     return Recording(command[2:], digest.removeprefix("# code "), ended[2:], lines)
 
 
-def stale(run: Run, digest: str) -> bool:
+def stale(run: Run) -> bool:
     """Whether ``run`` has no recording from the current code and command."""
     recording = read_recording(run)
-    return recording is None or (recording.command, recording.digest) != (run.command, digest)
+    current = (run.command, run_digest(run))
+    return recording is None or (recording.command, recording.digest) != current
 
 
 def record_hang_report(report_dir: Path) -> None:
-    """Copies the ``post_eval_hang`` run's report into ``docs/hang-report`` and draws it."""
+    """Copies the ``post_eval_hang`` run's report into ``docs/hang-report`` and draws it.
+
+    The report is ``report_dir`` itself or, where the watchdog keeps one report per
+    restart attempt, its first subfolder that holds one.
+    """
+    folders = sorted({p.parent for p in report_dir.rglob("rank*.txt")})
+    if not folders:
+        raise SystemExit(f"the post_eval_hang run left no report in {report_dir}")
     if HANG_REPORT.exists():
         shutil.rmtree(HANG_REPORT)
     HANG_REPORT.mkdir(parents=True)
-    for path in sorted(report_dir.iterdir()):
+    for path in sorted(folders[0].iterdir()):
         if path.suffix in (".txt", ".jsonl"):
             (HANG_REPORT / path.name).write_text(normalise(path.read_text()), encoding="utf-8")
     command = [str(ROOT / ".venv" / "bin" / "rankguard"), "report", str(HANG_REPORT)]
@@ -337,9 +426,51 @@ def record_hang_report(report_dir: Path) -> None:
 # -- the prose of each fault ----------------------------------------------------------------
 
 
+def disagreement(run: Run) -> str | None:
+    """How ``run``'s recording contradicts its fault's prose, or ``None`` where it agrees.
+
+    A run with rankguard must log the prose's ``quote`` (``quote_<framework>``, e.g.
+    ``quote_lightning``, where one example says it differently); a healthy run and a run
+    without rankguard must log no rankguard warning or error. Checked by
+    ``tests/test_docs.py``; the generator says it at once, so a detection that a
+    busy machine delayed past the example's end can be rerun (``--only``).
+    """
+    recording = read_recording(run)
+    if recording is None:
+        return "not recorded"
+    if recording.ended == "exit code 2":
+        return "a usage error"
+    logged = "\n".join(line for line in recording.lines if " rankguard" in line)
+    if not run.rankguard or run.fault == "none":
+        if "WARNING rankguard" in logged or "ERROR rankguard" in logged:
+            return "a rankguard warning or error where none belongs"
+        return None
+    fields = read_prose(run.fault).fields
+    quote = fields.get(f"quote_{run.example.framework}", fields.get("quote"))
+    if quote and quote not in logged:
+        return f"no rankguard line says {quote!r}"
+    return None
+
+
 @dataclass(frozen=True)
 class Prose:
-    """``docs/faults/<fault>.md``: its front matter (``key: value`` lines) and its text."""
+    """``docs/faults/<fault>.md``: its front matter (``key: value`` lines) and its text.
+
+    A new ``--fault`` in ``examples/faults.py`` needs this file (``tests/test_docs.py``
+    fails without it). Front matter keys:
+
+    * ``title``, ``symptom`` (without rankguard), ``says`` (what rankguard says),
+      ``when``: the failure tables' cells (required);
+    * ``quote``: text every run with rankguard must log (``quote_<framework>``
+      for one example, e.g. ``quote_lightning``);
+    * ``show_info: yes``: the catalogue quotes rankguard's INFO lines too;
+    * ``stop_without_after_s``: when to stop a run without rankguard (default
+      :data:`STOP_WITHOUT_AFTER_S`);
+    * ``readme: no``: left out of the README's table.
+
+    The text after the front matter is the catalogue's prose, in markdown, with
+    links relative to ``docs/``.
+    """
 
     fault: str
     fields: dict[str, str]
@@ -673,7 +804,11 @@ def render_reference() -> str:
 
 #: Log lines quoted from a run: rankguard's and the example's own.
 _LOGGED = re.compile(r"^\[rank \d+\] (INFO|WARNING|ERROR) (rankguard[\w.]*|example): ")
-_LAUNCHER = re.compile(r"^(ERROR:composer\.cli\.launcher:)?Global rank \d+ \(PID N\) exited with")
+#: What a launcher says about how a rank ended: Composer's, torchrun's failure table, an abort.
+_LAUNCHER = re.compile(
+    r"^(ERROR:composer\.cli\.launcher:)?Global rank \d+ \(PID N\) exited with"
+    r"|^  (rank|exitcode) +: |^terminate called after|^  what\(\): "
+)
 _EXCEPTION = re.compile(r"^(\[rank\d+\]: )?([A-Za-z_][\w.]*)(Error|Exception): ")
 _NOT_CONTINUATION = re.compile(
     r"^(\[rank|Traceback|  |During handling|The above exception|Global rank|ERROR:|WARNING:|"
@@ -728,8 +863,12 @@ def quoted(recording: Recording, info: bool) -> list[str]:
     ]
 
 
+def _name(example: Example) -> str:
+    return FRAMEWORK_NAMES.get(example.framework, example.framework.title())
+
+
 def _framework(run: Run) -> str:
-    return FRAMEWORK_NAMES.get(run.example.framework, run.example.framework.title())
+    return _name(run.example)
 
 
 def render_failures() -> str:
@@ -740,9 +879,11 @@ def render_failures() -> str:
         "",
         "# The failures rankguard catches",
         "",
-        "Each failure can be injected into a real 2-rank CPU training with each example",
-        "(`--fault NAME`); `--no-rankguard` shows the symptom, no `--fault` is a healthy",
-        "run. Run the commands from the repository root after `make demo` (which creates",
+        "Each failure can be injected into a real 2-rank CPU training with `--fault NAME`",
+        "in each example that offers it: "
+        + ", ".join(f"[{e.script}](../examples/{e.script}) ({_name(e)})" for e in examples())
+        + ". `--no-rankguard` shows the symptom, no `--fault` is a healthy run.",
+        "Run the commands from the repository root after `make demo` (which creates",
         "`.venv`). The output below is from those exact commands, trimmed to rankguard's",
         "and the example's own log lines and how the run ended; the full recordings are",
         "in [outputs/](outputs/). Paths, pids, host names and timings are normalised",
@@ -752,7 +893,8 @@ def render_failures() -> str:
         "that rank failed on its own: the Composer commands keep every rank's log in",
         f"`{RANK_LOGS}` (`--stderr`), shown after `cat`. Checkpoints and hang",
         "reports go to `out/examples/` (git-ignored; `--workdir` to change). A run",
-        "without rankguard that hangs is stopped after a while, as its heading says.",
+        f"without rankguard that hangs is stopped after {STOP_WITHOUT_AFTER_S} s, as its heading",
+        "says (the examples train for about a second).",
         "",
         "| failure | `--fault` | without rankguard | rankguard says | when |",
         "|---|---|---|---|---|",
@@ -833,17 +975,25 @@ def render_all() -> dict[Path, str]:
     }
 
 
-def run_stale(digest: str, force: bool) -> int:
-    """Runs every run whose recording is stale (all with ``force``); returns how many ran."""
-    todo = [run for run in runs() if force or stale(run, digest)]
+def run_stale(force: bool, only: str | None = None) -> int:
+    """Runs every run whose recording is stale (all with ``force``); returns how many ran.
+
+    Args:
+        force: Rerun every run, stale or not.
+        only: Only the runs whose :attr:`Run.name` holds this text.
+    """
+    todo = [run for run in runs() if (force or stale(run)) and (only or "") in run.name]
     for i, run in enumerate(todo, 1):
         log.info("[%d/%d] %s", i, len(todo), run.command)
         reports = ROOT / "out" / "examples" / "rankguard_reports"
         shutil.rmtree(reports, ignore_errors=True)
         prose = read_prose(run.fault)
-        timeout_s = RUN_TIMEOUT_S if run.rankguard else prose.fields.get("stop_without_after_s")
-        output, ended = execute(run, float(timeout_s or RUN_TIMEOUT_S))
-        record(run, digest, output, ended)
+        without = prose.fields.get("stop_without_after_s", STOP_WITHOUT_AFTER_S)
+        output, ended = execute(run, float(RUN_TIMEOUT_S if run.rankguard else without))
+        record(run, run_digest(run), output, ended)
+        problem = disagreement(run)
+        if problem:
+            log.warning("%s: %s (rerun: --only %s --force)", run.name, problem, run.name)
         if run.fault == "post_eval_hang" and run.rankguard and run.example.framework == "composer":
             record_hang_report(reports)
     return len(todo)
@@ -854,15 +1004,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="rerun every example run")
     parser.add_argument("--list", action="store_true", help="list the runs, run nothing")
+    parser.add_argument(
+        "--only",
+        metavar="TEXT",
+        help="run (if stale, or with --force) only the runs whose file name holds TEXT, "
+        "e.g. torch.drop_last or .with",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    digest = code_digest()
     if args.list:
         for run in runs():
-            sys.stdout.write(f"{'stale' if stale(run, digest) else 'fresh'}  {run.command}\n")
+            sys.stdout.write(f"{'stale' if stale(run) else 'fresh'}  {run.command}\n")
         return 0
     started = time.monotonic()
-    ran = run_stale(digest, args.force)
+    ran = run_stale(args.force, args.only)
     renormalise_recordings()
     for path, text in render_all().items():
         path.write_text(text, encoding="utf-8")
