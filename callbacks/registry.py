@@ -21,18 +21,21 @@ from rankguard.callbacks.shared_dirs import SharedDirBarrier
 
 __all__ = ["GUARDS", "build_guard", "build_guards", "unknown_name_error"]
 
-#: Core guard classes by snake-case name, in the order they run. Root causes
-#: first: a dataset or seed difference explains a settings or count
-#: difference, and a settings difference explains a count difference (and
-#: ``DropLastGuard(mode="enforce")`` changes counts).
+#: Core guard classes by snake-case name, in the order they run. The hang
+#: watchdog first: its heartbeat marks each event before a check waits there,
+#: and its thread runs before the fit-start checks, so a rank missing from any
+#: check gets its diagnosis. Then root causes first: a dataset or seed
+#: difference explains a settings or count difference, and a settings
+#: difference explains a count difference (and ``DropLastGuard(mode="enforce")``
+#: changes counts).
 GUARDS: dict[str, type[Guard]] = {
+    HangWatchdog.name: HangWatchdog,
     DataConsistencyGuard.name: DataConsistencyGuard,
     DropLastGuard.name: DropLastGuard,
     BatchParityGuard.name: BatchParityGuard,
     SharedDirBarrier.name: SharedDirBarrier,
     CheckpointPlanner.name: CheckpointPlanner,
     DataStallMonitor.name: DataStallMonitor,
-    HangWatchdog.name: HangWatchdog,
 }
 
 

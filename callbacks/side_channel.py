@@ -34,6 +34,11 @@ of an exchange (reading and deciding on every payload) and the store's
 
 At world size 1, or when ``torch.distributed`` is not initialised, the
 channel is local: ``decide`` is applied to this rank's payload alone.
+
+Ranks that never arrive have one owner per process (:func:`own_missing_ranks`):
+while the HangWatchdog runs, any exchange that gives up on missing ranks
+hands them to it first, so the user gets its diagnosis whichever check
+waited.
 """
 
 from __future__ import annotations
@@ -50,7 +55,14 @@ from typing import Any, TypeVar
 from rankguard.callbacks.errors import RanksMissingError
 from rankguard.callbacks.ranks import rank_label
 
-__all__ = ["PER_RANK_WAIT_S", "SideChannel", "default_store", "scaled_timeout"]
+__all__ = [
+    "PER_RANK_WAIT_S",
+    "MissingOwner",
+    "SideChannel",
+    "default_store",
+    "own_missing_ranks",
+    "scaled_timeout",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +74,34 @@ _LEADER = 0
 PER_RANK_WAIT_S = 0.005
 _channels_created = 0
 _channels_lock = threading.Lock()
+
+#: Sees a :class:`RanksMissingError` before the exchange raises it (see :func:`own_missing_ranks`).
+MissingOwner = Callable[[RanksMissingError], None]
+_missing_owner: list[MissingOwner] = []
+
+
+def own_missing_ranks(owner: MissingOwner) -> Callable[[], None]:
+    """Makes ``owner`` the one handler of ranks missing from any exchange in this process.
+
+    Before an exchange raises :class:`RanksMissingError` it calls ``owner``
+    with the error, on the thread that called the exchange; the owner may
+    raise an error of its own instead, or end the process, or return to let
+    the exchange raise as usual. The HangWatchdog owns missing ranks while
+    its thread runs.
+
+    Args:
+        owner: The handler; it replaces any earlier one.
+
+    Returns:
+        A function that removes ``owner`` again (if it is still the owner).
+    """
+    _missing_owner[:] = [owner]
+
+    def release() -> None:
+        if _missing_owner and _missing_owner[0] == owner:
+            _missing_owner.clear()
+
+    return release
 
 
 @dataclass(frozen=True)
@@ -271,7 +311,8 @@ class SideChannel:
 
         Raises:
             RanksMissingError: Some ranks did not arrive within the timeout;
-                the error names them.
+                the error names them. The owner of missing ranks
+                (:func:`own_missing_ranks`) sees it first and may raise its own.
         """
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         with self._lock:
@@ -298,7 +339,10 @@ class SideChannel:
         else:  # payloads stay: the others tell the missing ranks by their absence
             verdict = self._missing_without_verdict(base)
         if isinstance(verdict, _Missing):
-            raise self._missing_error(name, verdict.ranks, configured)
+            error = self._missing_error(name, verdict.ranks, configured)
+            for owner in tuple(_missing_owner):
+                owner(error)  # may raise its own error instead
+            raise error
         if isinstance(verdict, _Failed):
             raise RuntimeError(f"rankguard exchange {name!r} failed on rank 0: {verdict.message}")
         return verdict

@@ -21,7 +21,6 @@ from rankguard.callbacks.hang_diagnosis import (
     flight_recorder_note,
     frozen_ranks,
     nccl_timeout_advice,
-    phase_deadline,
 )
 from rankguard.callbacks.hang_report import main as report_main
 from rankguard.callbacks.hang_report import write_heartbeats, write_stacks
@@ -207,7 +206,7 @@ def _healthy_run(rank, world_size, report_dir):
     time.sleep(0.5 if rank else 0.0)  # ranks close at their own pace
     watchdog.close()
     watchdog.close()
-    return watchdog.incidents, records.lines, dict(watchdog._slowest), process_group_timeout()
+    return watchdog.incidents, records.lines, dict(watchdog.history.peaks), process_group_timeout()
 
 
 def test_healthy_run_with_slow_eval_and_long_first_step_reports_nothing(tmp_path):
@@ -341,17 +340,6 @@ def test_frozen_ranks_wait_for_the_slack_and_skip_finished_ranks():
     assert frozen_ranks([3], rank=1, waited_s=12, last=verdict, default_s=99) == []
 
 
-def test_calibrated_deadline_is_clamped_between_floor_and_configured():
-    deadlines = {"train": 600.0, "eval": 600.0, "startup": 1800.0}
-    args = {"calibrate": True, "factor": 10.0, "floor_s": 60.0}
-    assert phase_deadline("eval", deadlines, {"eval": 2.0}, **args) == 60.0
-    assert phase_deadline("eval", deadlines, {"eval": 20.0}, **args) == 200.0
-    assert phase_deadline("eval", deadlines, {"eval": 200.0}, **args) == 600.0
-    assert phase_deadline("train", deadlines, {"eval": 2.0}, **args) == 600.0
-    assert phase_deadline("startup", deadlines, {"startup": 1.0}, **args) == 1800.0
-    assert phase_deadline("done", deadlines, {}, **args) is None
-
-
 def test_nccl_timeout_shorter_than_detection_is_a_warning_with_the_fix():
     advice = nccl_timeout_advice(300.0, {"timeout_s": 600.0, "eval_timeout_s": 120.0}, 20.0)
     assert "NCCL process-group timeout (300 s)" in advice
@@ -394,8 +382,8 @@ def test_default_deadlines_fit_under_the_nccl_timeout_and_set_ones_are_kept(tmp_
     assert watchdog.timeout_s == watchdog.post_eval_timeout_s == 0.8 * 300 - detect
     assert watchdog.checkpoint_timeout_s == 0.8 * 300 - detect
     assert watchdog.eval_timeout_s == 900  # the user's own setting stays
-    deadlines = {k: v for k, v in watchdog.deadlines.items() if k != "startup"}
-    advice = nccl_timeout_advice(300.0, {f"{k}_timeout_s": v for k, v in deadlines.items()}, detect)
+    ceilings = {k: v for k, v in watchdog.ceilings.items() if k not in ("startup", "data")}
+    advice = nccl_timeout_advice(300.0, {f"{k}_timeout_s": v for k, v in ceilings.items()}, detect)
     assert advice is not None and "`eval_timeout_s`=900" in advice
 
 
