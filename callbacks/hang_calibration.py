@@ -169,6 +169,13 @@ class IntervalHistory:
         return any(self._recent.values())
 
 
+def _round_up(seconds: float) -> float:
+    """To 0.1 s below 10 s, else to whole seconds, up (never below what was computed)."""
+    if seconds < 10:
+        return math.ceil(round(seconds * 10, 6)) / 10
+    return float(math.ceil(round(seconds, 6)))
+
+
 def _own(values: Sequence[float], peak: float, factor: float) -> float:
     return max(factor * quantile(values, QUANTILE), HEADROOM * peak)
 
@@ -218,6 +225,7 @@ def calibrate(
             seconds, source = max(own, fallback), "calibrated" if own >= fallback else "derived"
         else:
             seconds, source = fallback, "derived"
+        seconds = _round_up(seconds)
         if seconds < floor_s:
             seconds, source = floor_s, "floor"
         if seconds >= ceiling:
@@ -227,7 +235,7 @@ def calibrate(
 
 
 def describe(deadlines: Mapping[str, Deadline]) -> str:
-    """One line, e.g. ``"train 30 s (floor), eval 42 s (calibrated), ..."``."""
+    """One line, e.g. ``"train 30 s (floor), eval 42 s (calibrated), ..."`` (seconds rounded up)."""
     return ", ".join(
-        f"{KIND_LABELS[kind]} {d.seconds:.0f} s ({d.source})" for kind, d in deadlines.items()
+        f"{KIND_LABELS[kind]} {d.seconds:g} s ({d.source})" for kind, d in deadlines.items()
     )

@@ -8,8 +8,10 @@ them to a background thread and the side channel;
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +55,9 @@ PEER_WAIT_CODE = (
     os.path.join("torch", "nn", "parallel", "distributed.py"),
     side_channel.__file__,
 )
+#: Frames a waiting thread may sit in inside a peer wait: locks and events, and the
+#: watchdog's own handler of a check's missing ranks (called from the check's exchange).
+WAIT_MACHINERY = (threading.__file__, os.path.join(os.path.dirname(__file__), "hang_watchdog.py"))
 
 
 @dataclass(frozen=True)
@@ -176,13 +181,14 @@ def blocked_in(stack: Frames) -> str | None:
         stack: The training loop's frames, innermost first.
 
     Returns:
-        ``None`` unless the innermost frame is ``torch.distributed`` code (a
-        collective, barrier or store wait) or a rankguard check's exchange:
-        the thread waits for other ranks;
+        ``None`` unless the innermost frame (past locks and events) is
+        ``torch.distributed`` code (a collective, barrier or store wait) or a
+        rankguard check's exchange: the thread waits for other ranks;
         else the call and its call site, past wrappers of the same name (a
         framework's ``all_reduce``), e.g.
         ``"all_reduce, called from trainer.py:3634 (_iter_dataloader)"``.
     """
+    stack = list(itertools.dropwhile(lambda f: f[0] in WAIT_MACHINERY, stack))
     if not stack or not _waits_for_peers(stack[0][0]):
         return None
     call = "rankguard exchange" if stack[0][0] == side_channel.__file__ else stack[0][2]
@@ -240,7 +246,11 @@ def diagnose(statuses: Mapping[int, RankStatus], incident: Runs = ()) -> Verdict
     waits for a peer: when some ranks past their deadline are blocked there
     and others are not, only the others are stuck; the blocked ones are
     listed as waiting (their last heartbeat may be the same, e.g. both
-    after eval when Lightning broadcasts before the next batch).
+    after eval when Lightning broadcasts before the next batch). When every
+    rank past its deadline is blocked, the stuck ones are the ranks not
+    blocked that have made no progress for at least half as long (deadlines
+    differ per phase: the rank waiting in a data fetch may pass its own
+    before the rank it waits for, stuck after eval, passes its longer one).
 
     While an incident is open, its stuck ranks stay its cause as long as
     they are still past their deadline: ranks that pass theirs later while
@@ -263,7 +273,17 @@ def diagnose(statuses: Mapping[int, RankStatus], incident: Runs = ()) -> Verdict
     if missing:  # ranks that another rank's check waited for in vain
         stuck = {r: statuses[r] for r in missing}
     elif not stuck:
-        stuck = {r: s for r, s in overdue.items() if not s.blocked_in} or overdue
+        stuck = {r: s for r, s in overdue.items() if not s.blocked_in}
+    if overdue and not stuck:  # every rank past its deadline waits for peers: for ranks
+        # that are not waiting and stopped about when they did (their deadline may be
+        # longer); half the wait tells them from ranks making progress, whatever the skew
+        # between two ranks' last heartbeats and status samples.
+        since = min(s.idle_s for s in overdue.values()) / 2
+        stuck = {
+            r: s
+            for r, s in statuses.items()
+            if s.deadline_s is not None and not s.blocked_in and s.idle_s >= since
+        } or overdue
     others = {r: s for r, s in statuses.items() if r not in stuck}
     summary = ""
     if stuck:

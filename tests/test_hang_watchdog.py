@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -510,3 +511,158 @@ def test_a_rank_waiting_in_a_rankguard_check_is_blocked_on_its_peers():
     assert where is not None
     assert where.startswith("rankguard exchange, called from test_hang_watchdog.py:")
     assert where.endswith("(check_that_waits_for_rank_1)")
+
+
+class _Timed(logging.Handler):
+    """Records (Unix time, level, message) of rankguard's log lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[float, str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.created, record.levelname, record.getMessage()))
+
+
+def slow_eval_batch(watchdog: HangWatchdog) -> None:
+    """Rank 1's eval batch outlasts the ceiling, then ends (the next collective goes on)."""
+    start = time.monotonic()
+    while not watchdog.ceilings_reached and time.monotonic() - start < 20:
+        time.sleep(0.05)
+
+
+def _one_incident_two_stages(rank, world_size, report_dir):
+    import torch
+    import torch.distributed as dist
+
+    timed = _Timed()
+    log = logging.getLogger("rankguard")
+    log.addHandler(timed)
+    log.setLevel(logging.INFO)
+    watchdog = _bound(
+        timeout_s=30,
+        eval_timeout_s=5,
+        post_eval_timeout_s=30,
+        floor_s=1,
+        warmup_steps=1,
+        action="report",
+        report_dir=report_dir,
+        exchange_period_s=0.3,
+    )
+    watchdog.on_fit_start(EventFacts())
+    _train(watchdog, range(12), step_s=0.01)
+    time.sleep(0.7)  # an exchange calibrates: train 1 s (floor), eval 1 s (derived)
+    watchdog.on_eval_start(EventFacts(step=12, loader=EVAL))
+    watchdog.on_eval_batch_start(EventFacts(step=12, loader=EVAL, batch_index=0))
+    stalled = time.time()
+    if rank == 1:
+        slow_eval_batch(watchdog)
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1 (the eval's metric sync)
+    watchdog.on_eval_batch_end(EventFacts(step=12, loader=EVAL, batch_index=0))
+    watchdog.on_eval_end(EventFacts(step=12, loader=EVAL))
+    _train(watchdog, range(12, 14), step_s=0.01)
+    time.sleep(1.0)  # exchanges see every rank moving again
+    watchdog.close()
+    deadlines = watchdog.deadlines
+    return stalled, timed.lines, watchdog.incidents, watchdog.ceilings_reached, deadlines
+
+
+def test_one_incident_reports_at_the_calibrated_deadline_then_once_at_the_ceiling(tmp_path):
+    outcomes = run_ranks(_one_incident_two_stages, 2, str(tmp_path), timeout_s=60)
+    for o in outcomes:
+        assert o.error is None, o.error
+        stalled, lines, incidents, ceilings_reached, deadlines = o.value
+        assert (incidents, ceilings_reached) == (1, 1)
+        stage1 = [(t, m) for t, level, m in lines if level == "WARNING"]
+        stage2 = [(t, m) for t, level, m in lines if level == "ERROR"]
+        assert len(stage1) == 1 and len(stage2) == 1, lines  # one report per stage
+        (t1, first), (t2, final) = stage1[0], stage2[0]
+        assert first.startswith(
+            "rankguard hang_watchdog: Hang suspected: rank 1 stuck 1 s in eval batch 0 of "
+            "'eval' (deadline 1 s, calibrated; ceiling 5 s); rank 0 waiting 1 s in eval batch 0 "
+            "of 'eval' (blocked in all_reduce"
+        ), first
+        assert "Training goes on; it reports again if there is still no progress" in first
+        assert 1.0 <= t1 - stalled < 4.0  # the calibrated deadline, well before the ceiling
+        assert final.startswith("rankguard hang_watchdog: Hang: rank 1 stuck 5 s in eval batch 0")
+        assert final.endswith("Now waiting.")
+        assert 5.0 <= t2 - stalled < 8.0  # the ceiling
+        assert any("every rank is making progress again" in m for _, _, m in lines)
+        assert deadlines["eval"] == 5.0  # the 5 s batch seen: 2 x it, capped at the ceiling
+    summary = (tmp_path / "summary.txt").read_text()
+    assert (
+        "Stage 2: the incident ends" in summary
+        and "in slow_eval_batch" in (tmp_path / "rank1.txt").read_text()
+    )
+
+
+def stall_after_eval(watchdog: HangWatchdog) -> None:
+    """Rank 1 never comes back from eval (until the watchdog has ended the incident)."""
+    start = time.monotonic()
+    while not watchdog.ceilings_reached and time.monotonic() - start < 20:
+        time.sleep(0.05)
+
+
+def _rank0_waits_in_a_check_for_stuck_rank1(rank, world_size, report_dir, action):
+    from rankguard.callbacks.batch_parity import BatchParityGuard
+    from rankguard.callbacks.events import Event
+    from rankguard.callbacks.guard import GuardRunner
+
+    watchdog = HangWatchdog(
+        timeout_s=60,
+        eval_timeout_s=60,
+        post_eval_timeout_s=60,
+        action=action,
+        report_dir=report_dir,
+        exchange_period_s=0.5,
+    )
+    # The check's exchange gives up after 2 s, long before any watchdog deadline.
+    runner = GuardRunner([watchdog, BatchParityGuard()], exchange_timeout_s=2)
+    train = LoaderFacts("train", list(range(4)), is_train=True)
+    eval_loader = LoaderFacts("eval", list(range(2)), is_train=False)
+    runner.fire(Event.FIT_START, EventFacts(loaders=[train, eval_loader]))
+    for step in range(4):
+        for event in (Event.DATA_FETCH_START, Event.TRAIN_BATCH_START, Event.TRAIN_BATCH_END):
+            runner.fire(event, EventFacts(step=step))
+    runner.fire(Event.EVAL_START, EventFacts(step=4, loader=eval_loader))
+    for index in range(2):
+        runner.fire(Event.EVAL_BATCH_END, EventFacts(step=4, loader=eval_loader, batch_index=index))
+    runner.fire(Event.EVAL_END, EventFacts(step=4, loader=eval_loader))
+    stalled = time.monotonic()
+    try:
+        if rank == 1:
+            stall_after_eval(watchdog)
+        else:  # the next epoch's batch-count check waits for rank 1
+            runner.fire(Event.EPOCH_START, EventFacts(step=4, epoch=1, loader=train))
+    finally:
+        runner.close()
+    return time.monotonic() - stalled, str(watchdog.last_incident)
+
+
+@pytest.mark.parametrize("action", ["abort", "report"])
+def test_a_rank_missing_from_another_checks_exchange_gets_the_watchdogs_diagnosis(tmp_path, action):
+    outcomes = run_ranks(
+        _rank0_waits_in_a_check_for_stuck_rank1, 2, str(tmp_path), action, timeout_s=60
+    )
+    if action == "abort":  # the watchdog's exit behaviour on every rank, not the check's error
+        assert [o.exitcode for o in outcomes] == [HANG_EXIT_CODE, HANG_EXIT_CODE], outcomes
+    else:  # rank 0 raises the hang error, not BatchCountMismatchError; rank 1 logged the same
+        rank0, rank1 = outcomes
+        assert rank0.error_type == "HangDetectedError", rank0.error
+        assert rank1.error is None, rank1.error
+        waited, incident = rank1.value
+        verdict = incident.split("\nThis is rank 1")[0]  # the rest names the rank's own files
+        assert rank0.error.startswith(verdict + "\nThis is rank 0")  # the same diagnosis
+        assert waited < 2 + 5  # the check's 2 s timeout, then the next status exchanges
+    summary = (tmp_path / "summary.txt").read_text()
+    assert re.match(
+        r"rank 1 stuck \d s in after eval of 'eval' \(deadline 60 s\); rank 0 waiting \d s in "
+        r"epoch start at step 4 \(blocked in rankguard exchange, called from batch_parity\.py:",
+        summary,
+    ), summary
+    assert (
+        "rank 1 did not reach rankguard exchange 'batch_parity_guard/epoch_start' within 2 s"
+        in summary
+    )
+    assert "in stall_after_eval" in (tmp_path / "rank1.txt").read_text()
+    assert "BatchCountMismatchError" not in summary
