@@ -44,6 +44,7 @@ waited.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import threading
 import time
@@ -223,7 +224,8 @@ class SideChannel:
         """Builds a channel over the initialised default process group's store.
 
         Every rank must create its channels in the same order (each gets the
-        next generation number in its prefix, so two channels never share keys).
+        next generation number in its prefix, so two channels never share keys);
+        under torchrun the prefix also holds the restart attempt.
 
         Args:
             timeout_s: Default time the deciding rank waits for every rank.
@@ -236,7 +238,10 @@ class SideChannel:
         with _channels_lock:
             _channels_created += 1
             generation = _channels_created
-        prefix = f"{name}/{generation}"
+        # torchrun may keep one store across restarts of the workers, isolating each
+        # attempt by a key prefix this channel looks past (see `_unwrap`): keep its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+        prefix = f"{name}/attempt{attempt}/{generation}" if attempt else f"{name}/{generation}"
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
