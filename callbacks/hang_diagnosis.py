@@ -49,11 +49,14 @@ Frames = Sequence[tuple[str, int, str]]
 GaveUp = tuple[str, tuple[int, ...], float]
 
 #: Code in which a thread waits for other ranks (collectives, barriers, DDP's buffer
-#: sync, and rankguard's own checks, which wait on the store).
+#: sync, rankguard's own checks, which wait on the store, and autograd's engine, where
+#: DDP and FSDP reduce gradients across ranks from C++ hooks during backward).
+AUTOGRAD_CODE = os.path.join("torch", "autograd", "")
 PEER_WAIT_CODE = (
     os.path.join("torch", "distributed", ""),
     os.path.join("torch", "nn", "parallel", "distributed.py"),
     side_channel.__file__,
+    AUTOGRAD_CODE,
 )
 #: Frames a waiting thread may sit in inside a peer wait: locks and events, and the
 #: watchdog's own handler of a check's missing ranks (called from the check's exchange).
@@ -182,8 +185,9 @@ def blocked_in(stack: Frames) -> str | None:
 
     Returns:
         ``None`` unless the innermost frame (past locks and events) is
-        ``torch.distributed`` code (a collective, barrier or store wait) or a
-        rankguard check's exchange: the thread waits for other ranks;
+        ``torch.distributed`` code (a collective, barrier or store wait), a
+        rankguard check's exchange, or autograd's engine (``"backward"``: under
+        DDP the gradient all-reduce): the thread waits for other ranks;
         else the call and its call site, past wrappers of the same name (a
         framework's ``all_reduce``), e.g.
         ``"all_reduce, called from trainer.py:3634 (_iter_dataloader)"``.
@@ -191,7 +195,11 @@ def blocked_in(stack: Frames) -> str | None:
     stack = list(itertools.dropwhile(lambda f: f[0] in WAIT_MACHINERY, stack))
     if not stack or not _waits_for_peers(stack[0][0]):
         return None
-    call = "rankguard exchange" if stack[0][0] == side_channel.__file__ else stack[0][2]
+    call = stack[0][2]
+    if stack[0][0] == side_channel.__file__:
+        call = "rankguard exchange"
+    elif AUTOGRAD_CODE in stack[0][0]:
+        call = "backward"
     callers = (f for f in stack if not _waits_for_peers(f[0]) and f[2] != call)
     caller = next(callers, None)
     if caller is None:

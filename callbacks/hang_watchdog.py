@@ -668,11 +668,12 @@ class HangWatchdog(Guard):
 
     def _recovered(self) -> None:
         """Every rank made progress again: the incident was a slow phase, or it ended."""
-        if self._reported and not self._ended.is_set():
+        if self._reported:
+            slow = ": the phase reported was slow, not stuck; its deadline now allows for it"
             logger.info(
-                "rankguard %s: every rank is making progress again: the phase reported was "
-                "slow, not stuck; its deadline now allows for it.",
+                "rankguard %s: every rank is making progress again%s.",
                 self.name,
+                "" if self._ended.is_set() else slow,
             )
         self._incident, self._reported, self._gave_up = (), False, None
         self._ended.clear()

@@ -419,6 +419,15 @@ def test_blocked_in_names_the_collective_and_its_caller_past_same_name_wrappers(
         ),
     ]
     assert blocked_in(stack) == "all_reduce, called from trainer.py:3634 (_iter_dataloader)"
+    # DDP reduces gradients from C++ hooks inside backward: the loop shows autograd's engine.
+    autograd = "/venv/lib/python3.11/site-packages/torch/autograd/"
+    backward = [
+        (autograd + "graph.py", 824, "_engine_run_backward"),
+        (autograd + "__init__.py", 353, "backward"),
+        ("/venv/lib/python3.11/site-packages/torch/_tensor.py", 648, "backward"),
+        ("/job/train.py", 52, "train_step"),
+    ]
+    assert blocked_in(backward) == "backward, called from train.py:52 (train_step)"
     assert blocked_in(stack[:2]) == "all_reduce"
     assert blocked_in(stack[2:]) is None  # not inside torch.distributed
     assert blocked_in([]) is None
@@ -550,8 +559,12 @@ def _one_incident_two_stages(rank, world_size, report_dir):
         exchange_period_s=0.3,
     )
     watchdog.on_fit_start(EventFacts())
-    _train(watchdog, range(12), step_s=0.01)
-    time.sleep(0.7)  # an exchange calibrates: train 1 s (floor), eval 1 s (derived)
+    # Train in 10 ms steps until an exchange calibrates: train 1 s (floor), eval 1 s (derived
+    # from train). A pause here would be a train interval, and raise both.
+    step, start = 0, time.monotonic()
+    while step < 12 or (watchdog.deadlines["eval"] == 5 and time.monotonic() - start < 20):
+        _train(watchdog, range(step, step + 1), step_s=0.01)
+        step += 1
     watchdog.on_eval_start(EventFacts(step=12, loader=EVAL))
     watchdog.on_eval_batch_start(EventFacts(step=12, loader=EVAL, batch_index=0))
     stalled = time.time()
