@@ -301,7 +301,10 @@ def diagnose(statuses: Mapping[int, RankStatus], incident: Runs = ()) -> Verdict
         summary = "; ".join(parts)
     details = tuple(
         f"{rank_label(ranks)} did not reach rankguard exchange {name!r} within {timeout:g} s; "
-        "the ranks waiting there gave up, so the incident ends now, before the ceiling."
+        "the ranks waiting there gave up, so the incident ends now, before the ceiling (if "
+        f"{'it is' if len(ranks) == 1 else 'they are'} only slow there, raise that check's "
+        "timeout: `exchange_timeout_s`, or `batch_parity_guard`'s `eval_end_timeout_s` after "
+        "eval)."
         for name, ranks, timeout in gave_up
     ) + tuple(
         f"rank {r}: host {s.host}, pid {s.pid}, {s.phase} (step {s.step}), "

@@ -177,9 +177,10 @@ def test_a_rank_another_check_gave_up_on_is_stuck_and_ends_the_incident_at_once(
         "rank 1 stuck 301 s in after eval of 'eval' (deadline 400 s, calibrated; ceiling 600 s); "
         f"rank 0 waiting 300 s in epoch start at step 64 (blocked in {blocked})"
     )
-    assert verdict.details[0] == (
+    assert verdict.details[0].startswith(
         "rank 1 did not reach rankguard exchange 'batch_parity_guard/epoch_start' within 300 s; "
-        "the ranks waiting there gave up, so the incident ends now, before the ceiling."
+        "the ranks waiting there gave up, so the incident ends now, before the ceiling (if it "
+        "is only slow there, raise that check's timeout: `exchange_timeout_s`"
     )
 
 

@@ -296,6 +296,7 @@ def test_post_eval_deadline_runs_from_eval_end_until_the_next_data_fetch(tmp_pat
         ({"checkpoint_timeout_s": True}, "checkpoint_timeout_s"),
         ({"first_step_timeout_s": None}, "first_step_timeout_s"),
         ({"action": "raise"}, "action"),
+        ({"abort_at": "deadline"}, "abort_at"),
         ({"exchange_period_s": 0}, "exchange_period_s"),
         ({"auto_calibrate": "yes"}, "auto_calibrate"),
         ({"warmup_steps": -1}, "warmup_steps"),
