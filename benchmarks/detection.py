@@ -37,7 +37,8 @@ hangs in. Runs without rankguard and with the defaults run side by side
 (after the hang they only wait; starts are staggered); short runs one at a
 time. All figures are from a shared machine: indicative.
 
-Usage: ``python benchmarks/detection.py [--cap 60] [--defaults-cap 700]``
+Usage: ``python benchmarks/detection.py [--cap 60] [--defaults-cap 700] [--modes defaults,short]
+[--scenarios frozen_rank,...]``
 """
 
 from __future__ import annotations
@@ -296,14 +297,16 @@ def main() -> None:
         help="seconds to wait with the defaults (their ceiling on gloo is 600 s)",
     )
     parser.add_argument("--modes", default=",".join(MODES), help="which of: " + ", ".join(MODES))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="which scenarios")
     args = parser.parse_args()
     modes = args.modes.split(",")
+    scenarios = {name: SCENARIOS[name] for name in args.scenarios.split(",")}
     results: dict[tuple[str, str], dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         caps = {"defaults": args.defaults_cap, "none": args.cap, "short": args.cap}
         watchers = []
         for mode in (m for m in ("none", "defaults") if m in modes):  # side by side
-            for scenario in SCENARIOS:
+            for scenario in scenarios:
                 out = Path(tmp) / f"{scenario}-{mode}"
                 out.mkdir()
                 procs = start(scenario, out, mode)
@@ -315,7 +318,7 @@ def main() -> None:
                 watchers[-1].start()
                 time.sleep(STAGGER_S if mode == "defaults" else 0.0)
         if "short" in modes:
-            for scenario in SCENARIOS:  # one at a time: the timing is what is measured
+            for scenario in scenarios:  # one at a time: the timing is what is measured
                 out = Path(tmp) / f"{scenario}-short"
                 out.mkdir()
                 results[scenario, "short"] = watch(start(scenario, out, "short"), out, args.cap)
@@ -336,7 +339,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     verdicts = []
-    for scenario, label in SCENARIOS.items():
+    for scenario, label in scenarios.items():
         d, s, n = (results.get((scenario, m)) for m in MODES)
         culprit = CULPRITS[scenario]
         stack = "-" if d is None else ("n/a" if culprit is None else "no")

@@ -364,6 +364,11 @@ class HangWatchdog(Guard):
             return "done"
         if event == "train_batch_end":
             self._steps_done += 1
+            if self._steps_done in (1, self.warmup_steps + MIN_SAMPLES // 3 + 1):
+                # Exchange now, not a period later: the other ranks learn this rank left
+                # start-up, then its calibrated deadlines (3 train intervals a step), which
+                # bound how long it may go silent (a rank that freezes next is judged by them).
+                self._wake.set()
         if self._steps_done == 0:
             return "startup"
         if event in ("eval_start", "eval_batch_start", "eval_batch_end"):
