@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -92,6 +93,11 @@ def test_first_attempts_report_is_kept_in_its_own_folder(restarted):
     assert "in after eval of 'eval' (deadline " in summary
     assert "Stage 2: the incident ends" in summary
     assert "stall_after_eval" in (reports / "attempt0" / "rank1.txt").read_text()
+    # `rankguard report` reads one attempt's folder like any report folder.
+    cli = [str(TORCHRUN.parent / "rankguard"), "report", str(reports / "attempt0")]
+    proc = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("rank 1 stuck ") and "in stall_after_eval" in proc.stdout
 
 
 def test_nothing_stays_alive_after_the_abort(restarted):
