@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,13 +39,45 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def node_disk(disk: str, mount_point: str) -> list[str]:
+    """A command prefix that runs a node's launcher with ``disk`` mounted at ``mount_point``.
+
+    The node's processes see ``disk`` at the same absolute path where the other
+    nodes see their own directory: a node-local disk, as on a cluster where
+    each node mounts its own NVMe at ``/local``. Needs a private mount
+    namespace (``unshare -m``, root or user namespaces); see :func:`can_mount`.
+    """
+    script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
+    namespace = ["unshare", "-m", "--propagation", "private"]
+    return [*namespace, "sh", "-c", script, "sh", disk, mount_point]
+
+
+def can_mount() -> bool:
+    """Whether :func:`node_disk` works here."""
+    try:
+        probe = subprocess.run(
+            ["unshare", "-m", "--propagation", "private", "mount", "--bind", "/", "/"],
+            capture_output=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
 def launch_nodes(
-    script: Path, args: list[str], nodes: int, per_node: int, timeout: float
+    script: Path,
+    args: list[str],
+    nodes: int,
+    per_node: int,
+    timeout: float,
+    prefix: Mapping[int, Sequence[str]] | None = None,
 ) -> list[subprocess.CompletedProcess]:
     """Runs ``script`` on ``nodes`` x ``per_node`` ranks; each node is its own torchrun.
 
     After ``timeout`` seconds (for all nodes together) every node's torchrun and
-    every process below it are killed.
+    every process below it are killed. ``prefix`` gives a node's launcher a
+    command to run under (e.g. :func:`node_disk`).
     """
     port = free_port()
     torchrun = str(Path(sys.executable).parent / "torchrun")
@@ -52,6 +85,7 @@ def launch_nodes(
     procs = [
         subprocess.Popen(
             [
+                *(prefix or {}).get(node, ()),
                 torchrun,
                 f"--nnodes={nodes}",
                 f"--nproc-per-node={per_node}",

@@ -11,9 +11,13 @@ node, master on 127.0.0.1; see ``benchmarks/scale_worker.py``) it prints:
    time per exchange and bytes per exchange;
 3. per check (guard and event): store exchanges, bytes sent and received on
    rank 0 and on another rank, at every world size measured;
-4. least-squares fits ``y = a + b * world`` projected to 4096 ranks.
+4. least-squares fits ``y = a + b * world`` projected to 4096 ranks;
+5. the straggler monitor's interval exchange (a background thread): the main
+   thread's time at the batch that posts it and at the one that collects the
+   verdict, rank 0's decide time, bytes, fitted and projected likewise.
 
-Usage: ``python benchmarks/scale.py [--sizes 2,4,8,16,32] [--repeats 3]``
+Usage: ``python benchmarks/scale.py [--sizes 2,4,8,16,32] [--repeats 3]
+[--only straggler_monitor]``
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ from launch import launch_nodes  # noqa: E402
 PROJECT_TO = 4096
 
 
-def measure(world: int, repeats: int) -> dict:
+def measure(world: int, repeats: int, only: str | None = None) -> dict:
     per_node = min(world, 4)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "scale.json"
         args = [str(out), "--repeats", str(repeats), "--folder", str(Path(tmp) / "ckpt")]
+        args += ["--only", only] if only else []
         results = launch_nodes(
             HERE / "scale_worker.py", args, world // per_node, per_node, timeout=900
         )
@@ -54,13 +59,50 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def straggler_section(runs: dict[int, list[dict]], number: int) -> None:
+    """The straggler monitor's interval exchange at each world size, and the fits."""
+    print(f"\n{number}. straggler monitor interval exchange (background thread), per exchange")
+    print(
+        f"{'world':>5} | {'post ms':>7} {'collect ms':>10} {'collect max':>11} | "
+        f"{'decide ms r0':>12} | "
+        f"{'bytes in r0':>11} {'other sent/recv':>15}"
+    )
+    rows = []
+    for world, ranks in runs.items():
+        zero = ranks[0]["checks"]["straggler_monitor"]["interval"]
+        others = [r["checks"]["straggler_monitor"]["interval"] for r in ranks[1:]]
+        row = {
+            "world": world,
+            "post": 1000 * max(o["post_wall_s"] for o in [zero, *others]),
+            "collect": 1000 * max(o["collect_wall_s"] for o in [zero, *others]),
+            "collect_max": 1000 * max(o["collect_wall_max_s"] for o in [zero, *others]),
+            "decide0": 1000 * zero["decide_s"],
+            "in0": zero["received"],
+        }
+        rows.append(row)
+        other = others[-1]
+        print(
+            f"{world:>5} | {row['post']:>7.2f} {row['collect']:>10.2f} {row['collect_max']:>11.2f}"
+            f" | {row['decide0']:>12.3f} | "
+            f"{row['in0']:>11.0f} {other['sent']:>7.0f}/{other['received']:<7.0f}"
+        )
+    worlds = [r["world"] for r in rows]
+    for key, label, unit in (("decide0", "decide, rank 0", "ms"), ("in0", "bytes in, rank 0", "B")):
+        a, b = fit(worlds, [r[key] for r in rows])
+        print(f"  {label:<38} a={a:9.3f} b={b:8.4f} -> {a + b * PROJECT_TO:10.1f} {unit}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="2,4,8,16,32")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", choices=["straggler_monitor"], default=None)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    runs = {world: measure(world, args.repeats)["ranks"] for world in sizes}
+    runs = {world: measure(world, args.repeats, args.only)["ranks"] for world in sizes}
+    if args.only:
+        straggler_section(runs, 1)
+        return
 
     print("1. fit-start checks of every guard (median of repeats), ms")
     print(
@@ -143,6 +185,7 @@ def main() -> None:
     ):
         a, b = fit(worlds, [r[key] for r in rows])
         print(f"  {label:<32} a={a:9.2f} b={b:8.3f} -> {a + b * PROJECT_TO:10.1f} {unit}")
+    straggler_section(runs, 5)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ own side channel, at every event where it exchanges (the events a real
 training fires, with real loaders, a real model and a real checkpoint
 folder), ``--repeats`` times: wall and CPU time (``time.process_time``, all
 of this process's threads, the store server's included on rank 0), store
-exchanges, bytes sent and received; then the hang watchdog's status
-exchanges from its real background thread. Rank 0 writes every rank's
-figures to ``OUT``.
+exchanges, bytes sent and received; then the straggler monitor's interval
+exchange, which runs on a background thread (the main thread's time at the
+batch that posts it and at the one that collects the verdict); then the hang
+watchdog's status exchanges from its real background thread. Rank 0 writes
+every rank's figures to ``OUT``. ``--only straggler_monitor`` measures that
+monitor alone.
 
 With ``--uneven`` the upper half of the ranks hold a longer eval set; the
 fit-start checks of every guard run once and rank 0 records the error every
@@ -36,7 +39,7 @@ from tests.e2e.common import Points
 CHECKS: dict[str, tuple[str, ...]] = {
     "data_consistency_guard": ("fit_start", "eval_start"),
     "drop_last_guard": ("fit_start",),
-    "batch_parity_guard": ("fit_start", "eval_start", "eval_end"),
+    "batch_parity_guard": ("fit_start", "eval_start", "eval_end", "epoch_end"),
     "shared_dir_barrier": ("fit_start", "checkpoint_save_start"),
     "checkpoint_planner": ("fit_start",),
     "data_stall_monitor": ("interval",),
@@ -94,8 +97,9 @@ def measure_guard(name: str, facts: EventFacts, folder: str, repeats: int) -> di
     channel = SideChannel.from_environment(timeout_s=120, name=f"scale/{name}")
     guard.bind(channel)
     meter = Meter(channel)
-    _, evals = facts.loaders
+    train, evals = facts.loaders
     eval_facts = EventFacts(loader=evals, step=1)
+    train_facts = EventFacts(loader=train, step=1)
     save_facts = EventFacts(step=1, model=facts.model, directories=[folder])
     for _ in range(repeats):
         for event in CHECKS[name]:
@@ -107,6 +111,8 @@ def measure_guard(name: str, facts: EventFacts, folder: str, repeats: int) -> di
                 for _ in range(EVAL_BATCHES):
                     guard.handle(Event.EVAL_BATCH_END, eval_facts)
                 meter.time(event, lambda: guard.handle(Event.EVAL_END, eval_facts))
+            elif event == "epoch_end":
+                meter.time(event, lambda: guard.handle(Event.EPOCH_END, train_facts))
             elif event == "checkpoint_save_start":
                 meter.time(event, lambda: guard.handle(Event.CHECKPOINT_SAVE_START, save_facts))
             elif event == "interval":  # the 10th train batch start exchanges
@@ -116,6 +122,52 @@ def measure_guard(name: str, facts: EventFacts, folder: str, repeats: int) -> di
                 meter.time(event, lambda: guard.handle(Event.TRAIN_BATCH_START, EventFacts()))
     guard.close()
     return meter.medians()
+
+
+def measure_straggler(facts: EventFacts, repeats: int, step_s: float = 0.01) -> dict:
+    """The straggler monitor's interval exchange, posted and collected by the main thread.
+
+    Every batch runs the model's forward between TRAIN_BATCH_START and END
+    (``min_forward_s=0``, so every verdict is scored), then takes ``step_s``
+    more and all-reduces one number, which keeps the ranks in step as a
+    training's collectives do. Per exchange: the main thread's wall time at
+    the batch that posts it and at the one that collects its verdict
+    (``interval // 2`` batches later; the first exchange also starts the
+    thread and its store connection), bytes, and rank 0's decide time.
+    """
+    interval = 10
+    settings = {"interval": interval, "warmup_steps": 0, "min_forward_s": 0}
+    guard = build_guard(GUARDS["straggler_monitor"], settings)
+    channel = SideChannel.from_environment(timeout_s=120, name="scale/straggler_monitor")
+    guard.bind(channel)
+    guard.handle(Event.FIT_START, facts)
+    x = torch.zeros(4, 64)
+    post, collect = [], []
+    for batch in range(1, repeats * interval + interval // 2 + 1):
+        start = time.perf_counter()
+        guard.handle(Event.TRAIN_BATCH_START, EventFacts(step=batch))
+        took = time.perf_counter() - start
+        if batch % interval == 0:
+            post.append(took)
+        elif batch % interval == interval // 2 and batch > interval:
+            collect.append(took)
+        facts.model(x)
+        time.sleep(step_s)
+        dist.all_reduce(torch.zeros(1))
+        guard.handle(Event.TRAIN_BATCH_END, EventFacts(step=batch))
+    guard.close()
+    n = max(channel.exchanges, 1)
+    return {
+        "interval": {
+            "exchanges": channel.exchanges / max(repeats, 1),
+            "sent": channel.bytes_sent / n,
+            "received": channel.bytes_received / n,
+            "decide_s": channel.decide_s / n,
+            "post_wall_s": statistics.median(post),
+            "collect_wall_s": statistics.median(collect),
+            "collect_wall_max_s": max(collect),
+        }
+    }
 
 
 def measure_watchdog(facts: EventFacts, folder: str, seconds: float) -> dict:
@@ -165,6 +217,7 @@ def main() -> None:
     parser.add_argument("--uneven", action="store_true")
     parser.add_argument("--watchdog-s", type=float, default=5.0)
     parser.add_argument("--folder", default=None, help="checkpoint folder every rank sees")
+    parser.add_argument("--only", choices=["straggler_monitor"], default=None)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -183,6 +236,8 @@ def main() -> None:
     }
     if args.uneven:
         mine["error"] = fit_start_all(facts)
+    elif args.only == "straggler_monitor":
+        mine["checks"] = {"straggler_monitor": measure_straggler(facts, args.repeats)}
     else:
         walls, cpus = [], []
         for _ in range(args.repeats):
@@ -192,6 +247,7 @@ def main() -> None:
             cpus.append(time.process_time() - start[1])
         mine["fit_start"] = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
         mine["checks"] = {name: measure_guard(name, facts, folder, args.repeats) for name in CHECKS}
+        mine["checks"]["straggler_monitor"] = measure_straggler(facts, args.repeats)
         # Start every rank's watchdog together: its first exchange waits for all of them.
         SideChannel.from_environment(timeout_s=300, name="scale/start").barrier("watchdog")
         mine["checks"]["hang_watchdog"] = measure_watchdog(facts, folder, args.watchdog_s)

@@ -18,18 +18,21 @@ from rankguard.callbacks.errors import (
     DataStallError,
     DropLastMismatchError,
     HangDetectedError,
+    NodeLocalDirError,
     RankGuardError,
     RanksMissingError,
     SharedDirCreateError,
     SharedDirTimeoutError,
+    StragglerError,
 )
-from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
+from rankguard.callbacks.events import Event, EventFacts, LoaderFacts, LoaderPass
 from rankguard.callbacks.guard import Guard, GuardRunner
 from rankguard.callbacks.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
 from rankguard.callbacks.registry import GUARDS, build_guards
 from rankguard.callbacks.shared_dirs import SharedDirBarrier, ensure_shared_dirs
 from rankguard.callbacks.side_channel import SideChannel
 from rankguard.callbacks.state_size import estimate_state_size
+from rankguard.callbacks.straggler import StragglerMonitor
 
 __all__ = [
     "GUARDS",
@@ -52,12 +55,16 @@ __all__ = [
     "HangDetectedError",
     "HangWatchdog",
     "LoaderFacts",
+    "LoaderPass",
+    "NodeLocalDirError",
     "RankGuardError",
     "RanksMissingError",
     "SharedDirBarrier",
     "SharedDirCreateError",
     "SharedDirTimeoutError",
     "SideChannel",
+    "StragglerError",
+    "StragglerMonitor",
     "build_guards",
     "ensure_shared_dirs",
     "estimate_state_size",

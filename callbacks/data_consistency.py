@@ -231,10 +231,11 @@ class DataConsistencyGuard(Guard):
             item reads, whatever the dataset's length.
         check_content: Compare dataset length and sampled content: ``"auto"``
             (default) when the loader splits the dataset between ranks with a
-            distributed sampler (``DistributedSampler``, Lightning's default, or
-            any sampler with ``num_replicas``), which assumes every rank holds
-            the same dataset; ``True`` always; ``False`` never (each rank loads
-            its own shard on purpose).
+            distributed sampler (``DistributedSampler``, Lightning's default, any
+            sampler with ``num_replicas``, or Accelerate's with ``num_processes``,
+            as the Hugging Face Trainer's), which assumes every rank holds the
+            same dataset; ``True`` always; ``False`` never (each rank loads its
+            own shard on purpose).
         check_rng: Warn once at fit start when, of python ``random``, numpy and
             torch, some have the same state on every rank and others do not.
             python ``random`` and numpy are compared by state, so code that draws

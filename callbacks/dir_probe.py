@@ -26,6 +26,7 @@ __all__ = [
     "filesystem_type",
     "inspect_path",
     "marker_seen",
+    "name_below",
     "node_identity",
     "write_marker",
 ]
@@ -172,6 +173,16 @@ def write_marker(state: PathState) -> tuple[Marker, str]:
     with open(file, "x") as f:  # "x": never overwrite anything
         f.write(nonce)
     return Marker(levels, name, nonce), file
+
+
+def name_below(path: str, levels: int) -> str:
+    """The part of ``path`` below its ancestor ``levels`` up (a marker's directory).
+
+    Ranks that see the same marker share that directory, so the same name
+    below it is the same folder for them, and a different name (``rank0``,
+    ``rank1``) a different folder.
+    """
+    return os.path.relpath(path, _up(path, levels))
 
 
 def marker_seen(path: str, marker: Marker) -> bool:

@@ -14,10 +14,12 @@ __all__ = [
     "DataStallError",
     "DropLastMismatchError",
     "HangDetectedError",
+    "NodeLocalDirError",
     "RankGuardError",
     "RanksMissingError",
     "SharedDirCreateError",
     "SharedDirTimeoutError",
+    "StragglerError",
 ]
 
 
@@ -57,6 +59,10 @@ class SharedDirCreateError(RankGuardError):
     """A directory could not be created (permission, a file in the way) on some rank."""
 
 
+class NodeLocalDirError(RankGuardError):
+    """A checkpoint folder or resume path is on storage some nodes do not share."""
+
+
 class CheckpointMemoryError(RankGuardError):
     """A checkpoint save would not fit in the host memory available."""
 
@@ -71,3 +77,7 @@ class DataStallError(RankGuardError):
 
 class HangDetectedError(RankGuardError):
     """A rank made no progress within its deadline."""
+
+
+class StragglerError(RankGuardError):
+    """A rank or node has been computing slower than the others for several intervals."""

@@ -3,6 +3,7 @@
 Core guards never see a Trainer. Adapters translate framework events into
 these, with the plain facts each one needs::
 
+    CHECKPOINT_LOAD_START(load_path)             # resuming: before the checkpoint is read
     FIT_START(loaders=[train, eval...], model)   # facts known before any batch
     for epoch in epochs:
         EPOCH_START(loader=train)
@@ -25,13 +26,19 @@ these, with the plain facts each one needs::
                 CHECKPOINT_SAVE_START(directories)
                 save
                 CHECKPOINT_SAVE_END
+        EPOCH_END(loader=train, loader_pass)       # the train loader ran out (or was cut)
     FIT_END
+
+``EVAL_END`` and ``EPOCH_END`` carry ``loader_pass`` where the adapter saw the
+loader's iterator: how many batches it returned and whether it ran out.
 
 Where each event comes from:
 
 ======================  ===========================  ==============================
 core event              Composer ``Event``           Lightning hook
 ======================  ===========================  ==============================
+CHECKPOINT_LOAD_START   ``BEFORE_LOAD`` (with the    ``Strategy.load_checkpoint``
+                        Trainer's ``load_path``)     (wrapped; every rank, before reading)
 FIT_START               ``FIT_START``                ``on_train_start``
 EPOCH_START             ``EPOCH_START``              ``on_train_epoch_start``
 DATA_FETCH_START        ``BEFORE_DATALOADER``        (end of previous batch)
@@ -43,11 +50,19 @@ EVAL_START              ``EVAL_START``               ``on_validation_start`` (pe
 EVAL_BATCH_START        ``EVAL_BATCH_START``         ``on_validation_batch_start``
 EVAL_BATCH_END          ``EVAL_BATCH_END``           ``on_validation_batch_end``
 EVAL_END                ``EVAL_END``                 ``on_validation_end`` (per loader)
-CHECKPOINT_SAVE_START   ``BATCH_CHECKPOINT`` /       ``on_save_checkpoint``
-                        ``EPOCH_CHECKPOINT``
-CHECKPOINT_SAVE_END     (next event)                 (next event)
+CHECKPOINT_SAVE_START   ``BATCH_CHECKPOINT`` /       ``Trainer.save_checkpoint`` (wrapped:
+                        ``EPOCH_CHECKPOINT``         every save, ``save_weights_only`` too)
+CHECKPOINT_SAVE_END     (next event)                 ``Trainer.save_checkpoint`` returns
+EPOCH_END               ``EPOCH_END``                ``on_train_epoch_end``
 FIT_END                 ``FIT_END``                  ``on_fit_end``
 ======================  ===========================  ==============================
+
+The Hugging Face Trainer's hooks are mapped in
+:mod:`rankguard.integrations.transformers`; a hand-written loop's wrappers
+(``guard.load``, ``guard.fit``, ``run.train``, ``run.eval``,
+``run.checkpoint``) in :mod:`rankguard.integrations.torch`. Both announce less than a framework (a
+train batch ends when the next fetch, eval or save starts), and
+``integrations/_driver.py`` fills that in, in this order.
 """
 
 from __future__ import annotations
@@ -57,12 +72,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["Event", "EventFacts", "LoaderFacts"]
+__all__ = ["Event", "EventFacts", "LoaderFacts", "LoaderPass"]
 
 
 class Event(str, Enum):
     """One point of the training loop (see the module docstring for where)."""
 
+    CHECKPOINT_LOAD_START = "checkpoint_load_start"
     FIT_START = "fit_start"
     EPOCH_START = "epoch_start"
     DATA_FETCH_START = "data_fetch_start"
@@ -75,6 +91,7 @@ class Event(str, Enum):
     EVAL_END = "eval_end"
     CHECKPOINT_SAVE_START = "checkpoint_save_start"
     CHECKPOINT_SAVE_END = "checkpoint_save_end"
+    EPOCH_END = "epoch_end"
     FIT_END = "fit_end"
 
 
@@ -100,6 +117,21 @@ class LoaderFacts:
     num_batches: int | None = None
 
 
+@dataclass(frozen=True)
+class LoaderPass:
+    """What one pass over a loader's iterator did on this rank, as an adapter saw it.
+
+    Attributes:
+        yielded: Batches the iterator returned (a framework that stops every
+            rank when one runs out may have fetched one it then did not run).
+        exhausted: Whether the iterator ran out (raised ``StopIteration``),
+            rather than the framework stopping before its end.
+    """
+
+    yielded: int
+    exhausted: bool
+
+
 @dataclass
 class EventFacts:
     """The plain facts that come with an event; unset fields are unknown.
@@ -107,7 +139,7 @@ class EventFacts:
     Attributes:
         step: Global index of the current train batch (0 before the first).
         epoch: Current epoch, from 0.
-        loader: The loader the event is about (EPOCH_START: train; EVAL_*:
+        loader: The loader the event is about (EPOCH_START, EPOCH_END: train; EVAL_*:
             the eval loader; DATA_FETCH_START: train, from adapters whose fetch
             window also holds a collective, so the batch's own arrival is timed).
         batch_index: Index of the batch within ``loader`` for batch events.
@@ -124,6 +156,13 @@ class EventFacts:
             checkpoints (FIT_START).
         sharded_setting: The framework's setting for sharded checkpoints, named
             in messages (FIT_START).
+        uploads: Per directory of ``directories`` (as given there), the remote
+            location the framework also uploads its checkpoints to (FIT_START).
+        upload_setting: The framework's way to save or upload checkpoints to
+            remote storage, named in messages (FIT_START).
+        load_path: The checkpoint about to be loaded (CHECKPOINT_LOAD_START).
+        loader_pass: What this rank's pass over ``loader`` did (EVAL_END,
+            EPOCH_END), where the adapter could see the loader's iterator.
     """
 
     step: int = 0
@@ -137,6 +176,10 @@ class EventFacts:
     state_dict_type: str | None = None
     switch_to_sharded: Callable[[], str] | None = None
     sharded_setting: str | None = None
+    uploads: dict[str, str] = field(default_factory=dict)
+    upload_setting: str | None = None
+    load_path: str | None = None
+    loader_pass: LoaderPass | None = None
 
     @staticmethod
     def for_loaders(loaders: Iterable[LoaderFacts], **kwargs: Any) -> EventFacts:

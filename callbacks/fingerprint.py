@@ -82,7 +82,8 @@ class DatasetFingerprint:
         streaming: StreamingDataset configuration, empty for other datasets.
         hf_fingerprint: A Hugging Face dataset's ``_fingerprint``, or ``None``.
         sharded: Whether a distributed sampler (one with ``num_replicas``, such as
-            ``DistributedSampler``) splits the dataset between ranks, which
+            ``DistributedSampler``, or ``num_processes``, such as Accelerate's
+            ``BatchSamplerShard``) splits the dataset between ranks, which
             assumes every rank holds the same dataset.
     """
 
@@ -253,9 +254,20 @@ def _hash_sample(dataset: Any, indices: list[int]) -> tuple[str | None, str, int
     return strong.hexdigest(), "items", len(indices)
 
 
+#: Attributes of samplers that split a dataset between ranks: ``num_replicas``
+#: (``DistributedSampler`` and its kin), ``num_processes`` (Accelerate's
+#: ``BatchSamplerShard``, which the Hugging Face Trainer's loaders use).
+SHARDING_ATTRIBUTES = ("num_replicas", "num_processes")
+
+
 def _sharded(loader: Any) -> bool:
     samplers = (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None))
-    return any(hasattr(s, "num_replicas") for s in samplers if s is not None)
+    return any(
+        hasattr(s, attribute)
+        for s in samplers
+        if s is not None
+        for attribute in SHARDING_ATTRIBUTES
+    )
 
 
 def _sampler_config(loader: Any) -> Pairs:

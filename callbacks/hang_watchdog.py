@@ -432,6 +432,10 @@ class HangWatchdog(Guard):
         """Records a heartbeat."""
         self._heartbeat("checkpoint_save_end", facts)
 
+    def on_epoch_end(self, facts: EventFacts) -> None:
+        """Records a heartbeat."""
+        self._heartbeat("epoch_end", facts)
+
     def on_fit_end(self, facts: EventFacts) -> None:
         """Records the end of fit: no deadline from here on; tells the other ranks at once."""
         self._heartbeat("fit_end", facts)

@@ -18,6 +18,7 @@ from rankguard.callbacks.drop_last import DropLastGuard
 from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.hang_watchdog import HangWatchdog
 from rankguard.callbacks.shared_dirs import SharedDirBarrier
+from rankguard.callbacks.straggler import StragglerMonitor
 
 __all__ = ["GUARDS", "build_guard", "build_guards", "unknown_name_error"]
 
@@ -27,7 +28,9 @@ __all__ = ["GUARDS", "build_guard", "build_guards", "unknown_name_error"]
 #: check gets its diagnosis. Then root causes first: a dataset or seed
 #: difference explains a settings or count difference, and a settings
 #: difference explains a count difference (and ``DropLastGuard(mode="enforce")``
-#: changes counts).
+#: changes counts). Of the monitors, a data stall explains slow steps, so
+#: ``DataStallMonitor`` comes before ``StragglerMonitor``, which then starts its
+#: batch clock after the data-stall exchange.
 GUARDS: dict[str, type[Guard]] = {
     HangWatchdog.name: HangWatchdog,
     DataConsistencyGuard.name: DataConsistencyGuard,
@@ -36,6 +39,7 @@ GUARDS: dict[str, type[Guard]] = {
     SharedDirBarrier.name: SharedDirBarrier,
     CheckpointPlanner.name: CheckpointPlanner,
     DataStallMonitor.name: DataStallMonitor,
+    StragglerMonitor.name: StragglerMonitor,
 }
 
 

@@ -8,15 +8,20 @@ share the filesystem at all. :func:`ensure_shared_dirs` does instead:
 
 1. **look**: every rank resolves each path against its own cwd and reports
    whether it is there, missing, or blocked by a file in the way (an error
-   on every rank at once). If every rank already sees every path, done.
-2. **probe**: rank 0 writes a marker with a fresh nonce in the nearest
-   existing ancestor of each missing path; every rank says (through the
-   side channel) whether it sees that nonce at the same place, within
-   ``probe_wait_s``. A node on which some rank sees it shares the
+   on every rank at once). If every rank already sees every path, done,
+   unless asked to probe existing paths in a multi-node job (fit start):
+   a folder every node has may still be each node's own.
+2. **probe**: rank 0 writes a marker with a fresh nonce in each path to
+   probe (or, if missing, its nearest existing ancestor); every rank says
+   (through the side channel) whether it sees that nonce at the same place,
+   within ``probe_wait_s``. A node on which some rank sees it shares the
    filesystem with rank 0; other nodes are node-local. Markers are removed.
 3. **create**: global rank 0 creates a shared path; the lowest local rank
    of each node-local node creates its own copy (``exist_ok``, so a shared
-   filesystem that was slow to show the marker is harmless). A creation
+   filesystem that was slow to show the marker is harmless). Ranks may name
+   folders of their own (``ckpt/rank{r}``, a per-rank ``output_dir``): ranks
+   that see the marker and name the same path below it name one folder, and
+   each folder is created by the lowest rank that names it. A creation
    failure on any rank is reported to every rank, not waited out.
 4. **wait and release**: every rank polls, with backoff, until it sees
    every path or ``timeout_s`` passes; then every rank is released together
@@ -27,7 +32,9 @@ Nothing it did not create is ever deleted or overwritten. Node identity: see
 :mod:`~rankguard.callbacks.dir_probe`.
 
 Metrics: ``rankguard/shared_dir_wait_s`` (slowest rank's wait).
-Errors: :class:`SharedDirTimeoutError`, :class:`SharedDirCreateError`.
+Errors: :class:`SharedDirTimeoutError`, :class:`SharedDirCreateError`,
+:class:`NodeLocalDirError` (a node-local save folder, with
+``on_node_local="raise"``; a resume checkpoint some node does not see).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rankguard.callbacks.dir_probe import (
     Marker,
@@ -45,10 +52,14 @@ from rankguard.callbacks.dir_probe import (
     node_identity,
     write_marker,
 )
-from rankguard.callbacks.errors import SharedDirCreateError, SharedDirTimeoutError
+from rankguard.callbacks.errors import (
+    NodeLocalDirError,
+    SharedDirCreateError,
+    SharedDirTimeoutError,
+)
 from rankguard.callbacks.events import EventFacts
-from rankguard.callbacks.guard import Guard, check_positive
-from rankguard.callbacks.shared_dirs_plan import BarrierPlanner, Verdict
+from rankguard.callbacks.guard import Guard, check_choice, check_positive
+from rankguard.callbacks.shared_dirs_plan import BarrierPlanner, Verdict, load_path_problem
 from rankguard.callbacks.side_channel import SideChannel
 
 __all__ = ["DirReport", "SharedDirBarrier", "ensure_shared_dirs", "local_paths"]
@@ -62,12 +73,16 @@ class DirReport:
 
     Attributes:
         paths: This rank's absolute paths, in the order given.
-        shared: Per path: ``True`` shared by every node, ``False`` node-local
-            on some node, ``None`` not probed (every rank saw it already) or
-            unknown (rank 0 could not write a marker).
+        shared: Per path: ``True`` its filesystem is shared by every node,
+            ``False`` node-local on some node, ``None`` not probed (every rank
+            saw it already) or unknown (rank 0 could not write a marker).
         created_by: Per path, the ranks that created it (empty if none had to).
         waited_s: How long this rank polled for paths to appear.
         max_waited_s: The longest any rank polled.
+        node_local: Per path whose folder (rank 0's) some nodes do not see,
+            though their ranks name it: which nodes and ranks, and the
+            filesystem (the same text on every rank). Folders of a rank's own
+            are never listed.
     """
 
     paths: list[str]
@@ -75,6 +90,7 @@ class DirReport:
     created_by: dict[str, list[int]]
     waited_s: float
     max_waited_s: float
+    node_local: dict[str, str] = field(default_factory=dict)
 
 
 def _raise(verdict: Verdict) -> None:
@@ -132,12 +148,16 @@ def ensure_shared_dirs(
     timeout_s: float = 600.0,
     poll_s: float = 0.05,
     probe_wait_s: float = 2.0,
+    probe_existing: bool = False,
     name: str = "shared_dirs",
 ) -> DirReport:
     """Creates ``paths`` where needed and returns once every rank sees every one.
 
-    Every rank must call it with the same number of paths (relative paths
-    may resolve differently per rank).
+    Every rank must call it with the same number of paths. A path may differ
+    between ranks: resolved against each rank's cwd, or a folder per rank
+    (``ckpt/rank3``), which its rank's side creates. The node-local verdict
+    concerns the ranks that name rank 0's folder (the same path, as seen from
+    each node): a folder of a rank's own is not meant to be seen by others.
 
     Args:
         paths: Directories, absolute or relative to each rank's cwd; remote
@@ -147,6 +167,9 @@ def ensure_shared_dirs(
         poll_s: First polling interval; it grows 1.5x up to 2 s.
         probe_wait_s: How long a rank looks for rank 0's marker before
             deciding its node does not share the filesystem.
+        probe_existing: Also probe the paths every rank already sees, when the
+            ranks run on more than one node: an existing folder may still be
+            each node's own (a local disk, ``/tmp``, a folder made per node).
         name: Prefix of the side-channel exchange names.
 
     Returns:
@@ -158,16 +181,17 @@ def ensure_shared_dirs(
     """
     states = [inspect_path(p) for p in local_paths(paths)]
     absolute = [s.path for s in states]
-    planner = BarrierPlanner(timeout_s)  # its decide methods run on rank 0 only
+    # Its decide methods run on rank 0 only.
+    planner = BarrierPlanner(timeout_s, probe_existing=probe_existing)
     look = channel.exchange(f"{name}/look", (node_identity(), states), planner.look)
     _raise(look)
-    if not look.pending:
+    if not look.probe:
         return DirReport(absolute, dict.fromkeys(absolute), {p: [] for p in absolute}, 0.0, 0.0)
     markers: dict[int, Marker | None] = {}
     written: list[str] = []
     try:
         if channel.is_leader:
-            for i in look.pending:
+            for i in look.probe:
                 try:
                     markers[i], file = write_marker(states[i])
                     written.append(file)
@@ -176,14 +200,23 @@ def ensure_shared_dirs(
                     markers[i] = None
         markers = channel.broadcast(f"{name}/markers", markers)
         seen = _probe(absolute, markers, probe_wait_s)
-        missing = {i: states[i].state != "dir" for i in look.pending}
-        plan = channel.exchange(f"{name}/seen", (seen, missing), planner.creators)
+        missing = {i: states[i].state != "dir" for i in look.probe}
+        levels = {i: None if m is None else m.levels for i, m in markers.items()}
+        plan = channel.exchange(
+            f"{name}/seen", (seen, missing), lambda per_rank: planner.creators(per_rank, levels)
+        )
     finally:
         for file in written:
             try:
                 os.remove(file)
             except OSError:
                 logger.warning("rankguard: could not remove marker %s", file)
+    shared = {p: plan.shared.get(i) for i, p in enumerate(absolute)}
+    node_local = {absolute[i]: text for i, text in plan.node_local.items()}
+    if not look.pending:  # every rank sees every path: probed only
+        if channel.is_leader:
+            logger.info("rankguard %s: %s", name, plan.summary)
+        return DirReport(absolute, shared, {p: [] for p in absolute}, 0.0, 0.0, node_local)
     errors: dict[int, str] = {}
     for i in look.pending:
         if channel.rank in plan.creators[i]:
@@ -207,10 +240,11 @@ def ensure_shared_dirs(
         logger.info("rankguard %s: %s", name, done.summary)
     return DirReport(
         absolute,
-        {p: plan.shared.get(i) for i, p in enumerate(absolute)},
+        shared,
         {p: sorted(plan.creators.get(i, [])) for i, p in enumerate(absolute)},
         mine,
         done.max_waited_s,
+        node_local,
     )
 
 
@@ -219,20 +253,27 @@ class SharedDirBarrier(Guard):
 
     Runs :func:`ensure_shared_dirs` on ``facts.directories`` at fit start and
     at every checkpoint save start (one side-channel exchange when every rank
-    already sees them).
+    already sees them). At fit start of a multi-node job it also probes the
+    folders that already exist, and reports one that is node-local (each
+    node sees its own) on every rank, unless the framework also uploads the
+    checkpoints saved there (then an INFO line says so). Before a resume it
+    checks that every node sees the checkpoint to load.
 
     Args:
-        on_violation: ``"raise"`` (default) or ``"warn"``.
+        on_violation: ``"raise"`` (default) or ``"warn"``: a directory some
+            rank cannot see or create, a resume checkpoint some node cannot see.
         timeout_s: How long ranks wait for a directory to appear (> 0;
             minutes, because NFS attribute caches can hide a new directory
             for up to a minute).
         poll_s: First polling interval in seconds (> 0).
         probe_wait_s: How long a rank looks for rank 0's marker before it
             treats its node as not sharing the filesystem (> 0).
+        on_node_local: ``"warn"`` (default) or ``"raise"``: a save folder that
+            is node-local in a multi-node job (:class:`NodeLocalDirError`).
 
     Example::
 
-        barrier = SharedDirBarrier(timeout_s=600)
+        barrier = SharedDirBarrier(timeout_s=600, on_node_local="raise")
         # at fit start: creates save_folder where needed; every rank sees it
     """
 
@@ -245,22 +286,47 @@ class SharedDirBarrier(Guard):
         timeout_s: float = 600.0,
         poll_s: float = 0.05,
         probe_wait_s: float = 2.0,
+        on_node_local: str = "warn",
     ) -> None:
         super().__init__(on_violation=on_violation)
         self.timeout_s = check_positive("timeout_s", timeout_s)
         self.poll_s = check_positive("poll_s", poll_s)
         self.probe_wait_s = check_positive("probe_wait_s", probe_wait_s)
+        self.on_node_local = check_choice("on_node_local", on_node_local, ("warn", "raise"))
         self.last_report: DirReport | None = None
 
+    def on_checkpoint_load_start(self, facts: EventFacts) -> None:
+        """Checks that every node sees the checkpoint about to be loaded."""
+        paths = local_paths([facts.load_path]) if facts.load_path else []
+        if not paths or not self.channel.is_distributed:
+            return
+        path = paths[0]
+        mine = (node_identity(), os.path.abspath(path), os.path.exists(path))
+        problem = self.channel.exchange(f"{self.name}/load", mine, load_path_problem)
+        if problem:
+            fix = facts.upload_setting or "load it from remote storage every node can read"
+            self.violation(
+                NodeLocalDirError(
+                    f"{problem} Loading it would fail on those ranks while the others go on "
+                    "and wait for them in the next collective. Fix: put the checkpoint on a "
+                    "filesystem every node mounts, copy it to the same path on every node, "
+                    f"or {fix}."
+                )
+            )
+
     def on_fit_start(self, facts: EventFacts) -> None:
-        """Makes the save directories known at fit start visible to every rank."""
-        self.run(facts.directories, "fit_start")
+        """Makes the save directories visible to every rank; reports node-local ones."""
+        report = self.run(facts.directories, "fit_start", probe_existing=True)
+        if report is not None:
+            self._report_node_local(report, facts)
 
     def on_checkpoint_save_start(self, facts: EventFacts) -> None:
         """Makes the directories of this save visible to every rank."""
         self.run(facts.directories, "checkpoint_save_start")
 
-    def run(self, directories: Sequence[str], where: str) -> DirReport | None:
+    def run(
+        self, directories: Sequence[str], where: str, probe_existing: bool = False
+    ) -> DirReport | None:
         """Runs the barrier (every rank, even with no directories, to stay in step)."""
         if not directories and not self.channel.is_distributed:
             return None
@@ -271,6 +337,7 @@ class SharedDirBarrier(Guard):
                 timeout_s=self.timeout_s,
                 poll_s=self.poll_s,
                 probe_wait_s=self.probe_wait_s,
+                probe_existing=probe_existing,
                 name=f"{self.name}/{where}",
             )
         except (SharedDirTimeoutError, SharedDirCreateError) as error:
@@ -278,3 +345,31 @@ class SharedDirBarrier(Guard):
             return None
         self.log_metrics({"rankguard/shared_dir_wait_s": self.last_report.max_waited_s})
         return self.last_report
+
+    def _report_node_local(self, report: DirReport, facts: EventFacts) -> None:
+        uploads = {
+            os.path.abspath(p): uri for d, uri in facts.uploads.items() for p in local_paths([d])
+        }
+        for path, where in report.node_local.items():
+            if path in uploads:
+                if self.channel.is_leader:
+                    logger.info(
+                        "rankguard %s: checkpoint folder %s is node-local (%s); every checkpoint "
+                        "saved there is also uploaded to %s, so a resume finds it on any node.",
+                        self.name,
+                        path,
+                        where,
+                        uploads[path],
+                    )
+                continue
+            fix = facts.upload_setting or "upload every checkpoint to remote storage"
+            error = NodeLocalDirError(
+                f"Checkpoint folder {path} is node-local: {where}. A checkpoint saved there "
+                "exists only on the node that wrote it (rank 0's, for a full save; for a "
+                "sharded save each node holds its own shards): a resume on another node, or "
+                "of a sharded checkpoint, finds it missing or incomplete. Fix: save to a folder "
+                f"on a filesystem every node mounts (NFS, Lustre, ...), or {fix}."
+            )
+            if self.on_node_local == "raise":
+                raise error
+            self.warn_once(f"node_local:{path}", "%s", error)

@@ -16,15 +16,17 @@ to 5 s for the demo):
     drop_last         rank 0 builds its train loader with drop_last=True, rank 1 without
     unseeded_split    every rank splits train/eval with an unseeded shuffle
     slow_data         rank 1's dataset sleeps in __getitem__: DataStallMonitor names rank 1
+    straggler         rank 1's forward takes 1.5x as long: StragglerMonitor names rank 1
     post_eval_hang    rank 1 sleeps forever after the first eval: HangWatchdog, exit code 75
-    node_local_ckpt   each rank saves to its own directory, as on a node-local disk
+    node_local_ckpt   each rank is a node of its own, saving to its own directory (a local disk)
+    short_stream      rank 0's eval stream ends 4 samples short of the 16 its __len__ says
     ckpt_over_memory  CheckpointPlanner told the node has 1 MiB for a full save
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
+import os
 import time
 
 import torch
@@ -32,13 +34,15 @@ from composer import Callback, Evaluator, State, Trainer
 from composer.loggers import Logger
 from composer.models import ComposerClassifier
 from composer.utils import dist
-from faults import BATCH_SIZE, FAULTS, log_with_rank, setup
-from torch.utils.data import DataLoader, Dataset
+from faults import BATCH_SIZE, log_with_rank, parse_args, planned_samples, setup
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 log = logging.getLogger("example")
 
 
 def loader(data: Dataset, drop_last: bool = False) -> DataLoader:
+    if isinstance(data, IterableDataset):  # the rank's own stream
+        return DataLoader(data, batch_size=BATCH_SIZE)
     return DataLoader(
         data, batch_size=BATCH_SIZE, sampler=dist.get_sampler(data), drop_last=drop_last
     )
@@ -71,7 +75,7 @@ class Progress(Callback):
         self.seen += len(state.batch[0])
 
     def eval_end(self, state: State, logger: Logger) -> None:
-        rank, planned = dist.get_global_rank(), len(state.dataloader.sampler)
+        rank, planned = dist.get_global_rank(), planned_samples(state.dataloader)
         log.info("rank %d evaluated %d of its %d eval samples", rank, self.seen, planned)
 
 
@@ -85,21 +89,15 @@ class HangAfterEval(Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fault", choices=list(FAULTS), default="none")
-    parser.add_argument("--no-rankguard", action="store_true", help="show the symptom")
-    parser.add_argument(
-        "--workdir",
-        default="rankguard_example",
-        help="where checkpoints and hang reports go (cleared of the example's own files)",
-    )
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     log_with_rank()
     for noisy in ("composer", "rankguard.callbacks.drop_last"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
     rank = dist.get_global_rank()
     fault = setup(args.fault, args.workdir)
+    if fault.node_of(rank) is not None:  # this rank plays a node of its own
+        os.environ["NODE_RANK"] = fault.node_of(rank)
     fault.clear_checkpoints(rank)
     data = fault.data(rank)
     data.describe(rank)
@@ -110,7 +108,7 @@ def main() -> None:
         from rankguard.integrations.composer import RankGuard
 
         callbacks.insert(0, RankGuard(**fault.rankguard))
-    model = fault.model()
+    model = fault.model(rank)
     trainer = Trainer(
         model=ComposerClassifier(model, num_classes=2),
         optimizers=torch.optim.Adam(model.parameters(), lr=0.01),

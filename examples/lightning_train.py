@@ -15,14 +15,15 @@ to 5 s for the demo):
     drop_last         rank 0 builds its train loader with drop_last=True, rank 1 without
     unseeded_split    every rank splits train/val with an unseeded shuffle
     slow_data         rank 1's dataset sleeps in __getitem__: DataStallMonitor names rank 1
+    straggler         rank 1's forward takes 1.5x as long: StragglerMonitor names rank 1
     post_eval_hang    rank 1 sleeps forever after the first validation: HangWatchdog, exit 75
-    node_local_ckpt   each rank saves to its own directory, as on a node-local disk
+    node_local_ckpt   each rank saves to its own directory (Lightning then uses rank 0's)
+    short_stream      rank 0's val stream ends 4 samples short of the 16 its __len__ says
     ckpt_over_memory  CheckpointPlanner told the node has 1 MiB for a full save
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
@@ -30,7 +31,15 @@ from typing import Any
 
 import lightning as L
 import torch
-from faults import BATCH_SIZE, FAULTS, FaultSetup, RankData, log_with_rank, setup
+from faults import (
+    BATCH_SIZE,
+    FaultSetup,
+    RankData,
+    log_with_rank,
+    parse_args,
+    planned_samples,
+    setup,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
@@ -107,7 +116,7 @@ class Progress(L.Callback):
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        rank, planned = trainer.global_rank, len(trainer.val_dataloaders.sampler)
+        rank, planned = trainer.global_rank, planned_samples(trainer.val_dataloaders)
         log.info("rank %d evaluated %d of its %d eval samples", rank, self.seen, planned)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -134,21 +143,15 @@ class InjectFault(L.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fault", choices=list(FAULTS), default="none")
-    parser.add_argument("--no-rankguard", action="store_true", help="show the symptom")
-    parser.add_argument(
-        "--workdir",
-        default="rankguard_example",
-        help="where checkpoints and hang reports go (cleared of the example's own files)",
-    )
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     log_with_rank()
     for noisy in ("lightning.pytorch", "lightning.fabric", "rankguard.callbacks.drop_last"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     L.seed_everything(0, verbose=False)  # python random, numpy and torch, the same on every rank
 
     fault = setup(args.fault, args.workdir)
+    # Lightning's launcher starts rank 1 with LOCAL_RANK=1 (one node: local = global rank).
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
     callbacks: list[L.Callback] = [Progress(), InjectFault(fault)]
     if not args.no_rankguard:
         from rankguard.integrations.lightning import RankGuard
@@ -156,8 +159,6 @@ def main() -> None:
         callbacks.insert(0, RankGuard(**fault.rankguard))
     if fault.save_dir is not None:
         # Each rank names its own folder (Lightning then uses rank 0's path on every rank).
-        # Lightning's launcher starts rank 1 with LOCAL_RANK=1 (one node: local = global rank).
-        rank = int(os.environ.get("LOCAL_RANK", "0"))
         callbacks.append(ModelCheckpoint(dirpath=fault.checkpoint_dir(rank), save_top_k=-1))
     trainer = L.Trainer(
         accelerator="cpu",
@@ -170,7 +171,7 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(Classifier(fault.model()), datamodule=FaultData(fault))
+    trainer.fit(Classifier(fault.model(rank)), datamodule=FaultData(fault))
     fault.report(trainer.global_rank)
     log.info("training finished")
 

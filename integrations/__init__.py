@@ -1,1 +1,1 @@
-"""Framework adapters for rankguard: Composer and Lightning callbacks."""
+"""rankguard adapters: Composer, Lightning, the Hugging Face Trainer, hand-written loops."""

@@ -17,6 +17,7 @@ Requires ``pip install 'rankguard[composer]'``.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -24,30 +25,23 @@ from typing import Any
 from rankguard.callbacks.events import Event as CoreEvent
 from rankguard.callbacks.events import EventFacts, LoaderFacts
 from rankguard.callbacks.guard import Guard, GuardRunner
-from rankguard.integrations._common import bundle_guards, expose_signatures, single_guard
+from rankguard.callbacks.loader_passes import PassCounter
+from rankguard.integrations._common import define_callbacks
 
 try:
+    from composer import Trainer
     from composer.callbacks import CheckpointSaver
     from composer.core import Callback, Event, State
-    from composer.loggers import Logger
+    from composer.loggers import Logger, RemoteUploaderDownloader
     from composer.utils import format_name_with_dist
+    from torch.utils.data import DistributedSampler
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "rankguard.integrations.composer needs Composer: pip install 'rankguard[composer]'"
     ) from exc
 
-__all__ = [
-    "BatchParityGuard",
-    "CheckpointPlanner",
-    "DataConsistencyGuard",
-    "DataStallMonitor",
-    "DropLastGuard",
-    "HangWatchdog",
-    "RankGuard",
-    "SharedDirBarrier",
-]
-
 _EVENTS: dict[Event, CoreEvent] = {
+    Event.BEFORE_LOAD: CoreEvent.CHECKPOINT_LOAD_START,
     Event.FIT_START: CoreEvent.FIT_START,
     Event.EPOCH_START: CoreEvent.EPOCH_START,
     Event.BEFORE_DATALOADER: CoreEvent.DATA_FETCH_START,
@@ -60,8 +54,13 @@ _EVENTS: dict[Event, CoreEvent] = {
     Event.EVAL_END: CoreEvent.EVAL_END,
     Event.BATCH_CHECKPOINT: CoreEvent.CHECKPOINT_SAVE_START,
     Event.EPOCH_CHECKPOINT: CoreEvent.CHECKPOINT_SAVE_START,
+    Event.EPOCH_END: CoreEvent.EPOCH_END,
     Event.FIT_END: CoreEvent.FIT_END,
 }
+
+#: The event that starts a pass over a loader, by the event that ends it.
+_PASS_ENDS = {CoreEvent.EVAL_END: CoreEvent.EVAL_START, CoreEvent.EPOCH_END: CoreEvent.EPOCH_START}
+_PASS_END = {start: end for end, start in _PASS_ENDS.items()}
 
 _EVAL_EVENTS = (
     CoreEvent.EVAL_START,
@@ -114,6 +113,55 @@ def save_due(state: State, event: Event) -> bool:
     return any(saver.save_interval(state, event) for saver in _savers(state))
 
 
+def checkpoint_uploads(state: State, logger: Logger) -> dict[str, str]:
+    """The save folders whose checkpoints Composer also uploads, and where to.
+
+    A remote ``save_folder`` (``s3://bucket/run``) makes the saver stage each
+    checkpoint in a local temporary folder and upload it; a
+    ``RemoteUploaderDownloader`` logger uploads what a saver with a
+    ``remote_file_name`` saves.
+    """
+    remote = [d for d in logger.destinations if isinstance(d, RemoteUploaderDownloader)]
+    uploads = {}
+    for saver in _savers(state):
+        folder = format_name_with_dist(saver.folder, state.run_name)
+        if saver.remote_uploader is not None:
+            uploads[folder] = str(saver.remote_uploader.remote_folder)
+        elif saver.remote_file_name is not None and remote:
+            uploads[folder] = f"{remote[0].remote_backend_name}://{remote[0].remote_bucket_name}"
+    return uploads
+
+
+#: Composer's remote checkpoint storage, named in rankguard's messages as the fix for
+#: node-local checkpoint folders.
+UPLOAD_SETTING = (
+    "save to and resume from remote storage: Composer uploads every checkpoint with a remote "
+    "`save_folder` (e.g. `save_folder='s3://bucket/run/checkpoints'`) and downloads on every "
+    "node with a remote `load_path`"
+)
+
+
+def trainer_load_path() -> str | None:
+    """The ``load_path`` the ``Trainer`` being constructed will load, read at ``BEFORE_LOAD``.
+
+    Composer loads the checkpoint inside ``Trainer.__init__`` and records the
+    path (``State.load_path``) only after loading, so before loading it is a
+    local variable of ``Trainer.__init__`` on the call stack. This is the one
+    place rankguard reads a framework's local variable;
+    ``tests/test_adapters.py`` fails if Composer renames it or moves the load.
+
+    Returns:
+        The path, or ``None`` (no checkpoint to load, or not called from a
+        ``Trainer`` under construction).
+    """
+    frame = inspect.currentframe()
+    init = Trainer.__init__.__code__
+    while frame is not None and frame.f_code is not init:
+        frame = frame.f_back
+    load_path = frame.f_locals.get("load_path") if frame is not None else None
+    return str(load_path) if load_path else None
+
+
 #: Composer's setting for sharded checkpoints (FSDP), named in rankguard's messages.
 SHARDED_SETTING = "parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}"
 
@@ -135,15 +183,44 @@ def sharded_switch(state: State) -> Callable[[], str] | None:
     return switch
 
 
+def observe_pass(state: State) -> PassCounter | None:
+    """Hands Composer a :class:`PassCounter` for the loader it iterates next, if it may.
+
+    Called at ``EPOCH_START`` and ``EVAL_START``, after which Composer iterates
+    ``state.dataloader`` (public: ``State.set_dataloader`` replaces it, with
+    the same label and batch count). Composer stops every rank as soon as one
+    runs out of data, so only the loader's own iterator tells a rank that ran
+    out from one that still had data. A loader with a ``DistributedSampler``
+    is left as it is: Composer looks for that sampler on a ``DataLoader`` (to
+    set its epoch), and its batches are counted before the first batch anyway.
+
+    Returns:
+        The counter now in ``state.dataloader``, or ``None``.
+    """
+    loader = state.dataloader
+    if loader is None or isinstance(loader, PassCounter):
+        return None
+    samplers = (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None))
+    if any(isinstance(s, DistributedSampler) for s in samplers):
+        return None
+    counter = PassCounter(loader)
+    length = state.dataloader_len
+    state.set_dataloader(counter, state.dataloader_label, -1 if length is None else int(length))
+    return counter
+
+
 def _as_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def event_facts(event: CoreEvent, state: State) -> EventFacts:
+def event_facts(event: CoreEvent, state: State, logger: Logger) -> EventFacts:
     """Reads the facts a core event needs from Composer's ``State``."""
     timestamp = state.timestamp
     facts = EventFacts(step=int(timestamp.batch), epoch=int(timestamp.epoch))
-    if event is CoreEvent.FIT_START:
+    if event is CoreEvent.CHECKPOINT_LOAD_START:
+        facts.load_path = trainer_load_path()
+        facts.upload_setting = UPLOAD_SETTING
+    elif event is CoreEvent.FIT_START:
         train = _train_loader(state)
         facts.loaders = ([train] if train else []) + _evaluator_loaders(state)
         facts.model = state.model
@@ -152,17 +229,23 @@ def event_facts(event: CoreEvent, state: State) -> EventFacts:
         facts.state_dict_type = state.fsdp_state_dict_type or "full"
         facts.switch_to_sharded = sharded_switch(state)
         facts.sharded_setting = SHARDED_SETTING
+        facts.uploads = checkpoint_uploads(state, logger)
+        facts.upload_setting = UPLOAD_SETTING
     elif event is CoreEvent.CHECKPOINT_SAVE_START:
         facts.model = state.model
         facts.directories = save_directories(state)
+    elif event is CoreEvent.EPOCH_END:
+        facts.epoch -= 1  # Composer counts the epoch as done before EPOCH_END
+        facts.loader = _train_loader(state)
     elif event in (CoreEvent.EPOCH_START, CoreEvent.DATA_FETCH_START):
         # DATA_FETCH_START: Composer's window also holds an all_reduce over the ranks, so
         # the data-stall monitor times the loader's own return (see callbacks/data_fetch.py).
         facts.loader = _train_loader(state)
     elif event in _EVAL_EVENTS:
+        loader = state.dataloader
         facts.loader = LoaderFacts(
             str(state.dataloader_label),
-            state.dataloader,
+            loader.loader if isinstance(loader, PassCounter) else loader,
             is_train=False,
             num_batches=_as_int(state.dataloader_len),
         )
@@ -193,17 +276,40 @@ class _ComposerAdapter(Callback):
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
         self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
         self._fitting = False
+        self._passes: dict[str, tuple[PassCounter, Any]] = {}
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Translates a Composer event and dispatches it to the guards."""
         if event in (Event.FIT_START, Event.FIT_END):
             self._fitting = event is Event.FIT_START
+            self._passes.clear()
         core_event = _EVENTS.get(event)
         if core_event is None or not self.runner.handles(core_event):
             return
         if core_event is CoreEvent.CHECKPOINT_SAVE_START and not save_due(state, event):
             return
-        self.runner.fire(core_event, event_facts(core_event, state), logger.log_metrics)
+        facts = event_facts(core_event, state, logger)
+        if core_event is CoreEvent.CHECKPOINT_LOAD_START and facts.load_path is None:
+            return
+        if core_event in _PASS_ENDS:
+            facts.loader_pass = self._pass_end(state, core_event)
+        self.runner.fire(core_event, facts, logger.log_metrics)
+        if core_event in _PASS_ENDS.values() and self.runner.handles(_PASS_END[core_event]):
+            original = state.dataloader
+            counter = observe_pass(state)
+            if counter is not None:
+                self._passes[str(state.dataloader_label)] = (counter, original)
+
+    def _pass_end(self, state: State, event: CoreEvent) -> Any:
+        """What the pass that ends now did; puts the train loader back at its epoch end."""
+        counter, original = self._passes.pop(str(state.dataloader_label), (None, None))
+        if counter is None:
+            return None
+        if event is CoreEvent.EPOCH_END and state.dataloader is counter:
+            length = state.dataloader_len
+            label = state.dataloader_label
+            state.set_dataloader(original, label, -1 if length is None else int(length))
+        return counter.result()
 
     def state_dict(self) -> dict[str, Any]:
         """The guards' state (the hang watchdog's calibration), saved in Composer checkpoints."""
@@ -229,72 +335,4 @@ class _ComposerAdapter(Callback):
         self.runner.close()
 
 
-class RankGuard(_ComposerAdapter):
-    """Every rankguard guard with sound defaults, as one Composer callback.
-
-    Args:
-        exchange_timeout_s: How long a cross-rank check waits for every rank
-            before naming the ones that did not arrive (seconds; grows by 5 ms
-            per rank with the world size, see ``docs/scale.md``). The hang
-            watchdog's own exchanges use its settings.
-        **per_guard_config: Per guard, by snake-case name, a dict of its
-            settings or ``False`` to leave it out, e.g.
-            ``RankGuard(batch_parity_guard={"on_violation": "warn"}, drop_last_guard=False)``.
-    """
-
-    def __init__(
-        self, exchange_timeout_s: float = 300.0, **per_guard_config: dict[str, Any] | bool
-    ) -> None:
-        super().__init__(bundle_guards(per_guard_config), exchange_timeout_s)
-
-
-class BatchParityGuard(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.BatchParityGuard` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("batch_parity_guard", settings))
-
-
-class DropLastGuard(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.DropLastGuard` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("drop_last_guard", settings))
-
-
-class SharedDirBarrier(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.SharedDirBarrier` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("shared_dir_barrier", settings))
-
-
-class CheckpointPlanner(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.CheckpointPlanner` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("checkpoint_planner", settings))
-
-
-class HangWatchdog(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.HangWatchdog` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("hang_watchdog", settings))
-
-
-class DataConsistencyGuard(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.DataConsistencyGuard` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("data_consistency_guard", settings))
-
-
-class DataStallMonitor(_ComposerAdapter):
-    """Composer callback for :class:`rankguard.callbacks.DataStallMonitor` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("data_stall_monitor", settings))
-
-
-expose_signatures(globals())
+__all__ = define_callbacks(globals(), _ComposerAdapter, "a Composer callback")

@@ -23,7 +23,8 @@ from rankguard.integrations._common import class_name
 
 __all__ = ["CALLBACK_NAMES", "FRAMEWORKS", "build_callbacks", "callback_class"]
 
-FRAMEWORKS = ("composer", "lightning")
+#: The integration modules that build callbacks (``torch``: guards for a hand-written loop).
+FRAMEWORKS = ("composer", "lightning", "torch", "transformers")
 
 #: Config name -> class name in each integration module.
 CALLBACK_NAMES: dict[str, str] = {
@@ -33,7 +34,7 @@ CALLBACK_NAMES: dict[str, str] = {
 
 
 def callback_class(name: str, framework: str) -> type:
-    """The callback class for a config name in ``framework`` (``"composer"`` or ``"lightning"``).
+    """The callback class for a config name in ``framework`` (one of :data:`FRAMEWORKS`).
 
     Raises:
         ValueError: Unknown framework or name (lists the valid ones, suggests the closest).
@@ -52,10 +53,12 @@ def build_callbacks(config: Mapping[str, Mapping[str, Any] | None], framework: s
     Args:
         config: Callback names (``rank_guard`` or a guard name) to their
             keyword arguments (``None`` or ``{}`` for the defaults).
-        framework: ``"composer"`` or ``"lightning"``.
+        framework: ``"composer"``, ``"lightning"``, ``"transformers"`` (the Hugging Face
+            Trainer) or ``"torch"`` (a hand-written loop: ``callback.fit(...)``).
 
     Returns:
-        The callback objects, ready for ``Trainer(callbacks=...)``.
+        The callback objects, ready for ``Trainer(callbacks=...)`` (or, for ``"torch"``,
+        the loop's guards).
 
     Raises:
         ValueError: An unknown framework, callback name or setting.

@@ -21,13 +21,15 @@ Requires ``pip install 'rankguard[lightning]'``.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.guard import Guard, GuardRunner
-from rankguard.integrations._common import bundle_guards, expose_signatures, single_guard
+from rankguard.integrations._common import define_callbacks
 
 try:
     import lightning.pytorch as pl
@@ -37,17 +39,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(
         "rankguard.integrations.lightning needs Lightning: pip install 'rankguard[lightning]'"
     ) from exc
-
-__all__ = [
-    "BatchParityGuard",
-    "CheckpointPlanner",
-    "DataConsistencyGuard",
-    "DataStallMonitor",
-    "DropLastGuard",
-    "HangWatchdog",
-    "RankGuard",
-    "SharedDirBarrier",
-]
 
 
 def _planned(value: float | int | None) -> int | None:
@@ -136,6 +127,64 @@ def save_directories(trainer: pl.Trainer) -> list[str]:
     return [str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
 
 
+#: Lightning's remote checkpoint storage, named in rankguard's messages as the fix for
+#: node-local checkpoint folders.
+UPLOAD_SETTING = (
+    "save to and resume from remote storage through fsspec "
+    "(`ModelCheckpoint(dirpath='s3://bucket/run/checkpoints')`, "
+    "`trainer.fit(..., ckpt_path='s3://bucket/run/checkpoints/last.ckpt')`)"
+)
+
+
+def hook_checkpoint_io(
+    trainer: pl.Trainer,
+    before_save: Callable[[str], None],
+    after_save: Callable[[], None],
+    before_load: Callable[[str], None],
+) -> Callable[[], None]:
+    """Calls ``before_save``/``after_save`` around every save, ``before_load`` before loads.
+
+    All three run on every rank, with the checkpoint's path where there is one.
+    ``on_save_checkpoint`` runs after the state is gathered, and never for
+    ``ModelCheckpoint(save_weights_only=True)``. Every save (``ModelCheckpoint``,
+    ``OnExceptionCheckpoint``, the user's own) goes through the public
+    ``Trainer.save_checkpoint`` on every rank, before the state is gathered;
+    every resume (``trainer.fit(ckpt_path=...)``) through
+    ``Strategy.load_checkpoint`` on every rank, before the file is read. Both
+    are wrapped on these two instances only; this is the one place rankguard
+    wraps Lightning methods, and ``tests/test_adapters.py`` fails if Lightning
+    stops calling them.
+
+    Returns:
+        A function that removes the wrappers (safe to call twice).
+    """
+    save, strategy = trainer.save_checkpoint, trainer.strategy
+    load = strategy.load_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        before_save(str(filepath))
+        result = save(filepath, *args, **kwargs)
+        after_save()
+        return result
+
+    @functools.wraps(load)
+    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        before_load(str(checkpoint_path))
+        return load(checkpoint_path, *args, **kwargs)
+
+    trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
+
+    def unhook() -> None:
+        if vars(trainer).get("save_checkpoint") is save_checkpoint:
+            del trainer.save_checkpoint
+        if vars(strategy).get("load_checkpoint") is load_checkpoint:
+            del strategy.load_checkpoint
+
+    return unhook
+
+
 class _LightningAdapter(Callback):
     """Drives a :class:`GuardRunner` from Lightning hooks."""
 
@@ -146,6 +195,7 @@ class _LightningAdapter(Callback):
         self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
         self._trainer: pl.Trainer | None = None
         self._val: list[LoaderFacts] = []
+        self._unhook: Callable[[], None] | None = None
 
     def _fire(self, trainer: pl.Trainer, event: Event, **facts: Any) -> None:
         if not self.runner.handles(event):
@@ -159,6 +209,27 @@ class _LightningAdapter(Callback):
         if trainer is not None:
             for logger in trainer.loggers:
                 logger.log_metrics(dict(metrics), step=trainer.global_step)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Hooks every checkpoint save and load (see :func:`hook_checkpoint_io`)."""
+        if self._unhook is not None:
+            return
+
+        def before_save(filepath: str) -> None:
+            self._fire(
+                trainer,
+                Event.CHECKPOINT_SAVE_START,
+                model=trainer.lightning_module,
+                directories=[os.path.dirname(filepath)],
+            )
+
+        def before_load(path: str) -> None:
+            self._fire(
+                trainer, Event.CHECKPOINT_LOAD_START, load_path=path, upload_setting=UPLOAD_SETTING
+            )
+
+        after_save = functools.partial(self._fire, trainer, Event.CHECKPOINT_SAVE_END)
+        self._unhook = hook_checkpoint_io(trainer, before_save, after_save, before_load)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """FIT_START with the train loader and every val loader known now."""
@@ -179,6 +250,7 @@ class _LightningAdapter(Callback):
             state_dict_type=state_dict_type,
             switch_to_sharded=switch,
             sharded_setting=setting,
+            upload_setting=UPLOAD_SETTING,
         )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -242,16 +314,9 @@ class _LightningAdapter(Callback):
         for loader in self._val:
             self._fire(trainer, Event.EVAL_END, loader=loader)
 
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        """CHECKPOINT_SAVE_START."""
-        self._fire(
-            trainer,
-            Event.CHECKPOINT_SAVE_START,
-            model=pl_module,
-            directories=save_directories(trainer),
-        )
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """EPOCH_END with the train loader."""
+        self._fire(trainer, Event.EPOCH_END, loader=train_loader(trainer))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """FIT_END."""
@@ -275,76 +340,11 @@ class _LightningAdapter(Callback):
         self.runner.load_state_dict(state_dict)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Stops every guard; safe to call twice."""
+        """Stops every guard and unhooks checkpointing; safe to call twice."""
+        if self._unhook is not None:
+            self._unhook()
+            self._unhook = None
         self.runner.close()
 
 
-class RankGuard(_LightningAdapter):
-    """Every rankguard guard with sound defaults, as one Lightning callback.
-
-    Args:
-        exchange_timeout_s: How long a cross-rank check waits for every rank
-            before naming the ones that did not arrive (seconds; grows by 5 ms
-            per rank with the world size, see ``docs/scale.md``). The hang
-            watchdog's own exchanges use its settings.
-        **per_guard_config: Per guard, by snake-case name, a dict of its
-            settings or ``False`` to leave it out, e.g.
-            ``RankGuard(batch_parity_guard={"on_violation": "warn"}, drop_last_guard=False)``.
-    """
-
-    def __init__(
-        self, exchange_timeout_s: float = 300.0, **per_guard_config: dict[str, Any] | bool
-    ) -> None:
-        super().__init__(bundle_guards(per_guard_config, LIGHTNING_DEFAULTS), exchange_timeout_s)
-
-
-class BatchParityGuard(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.BatchParityGuard` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("batch_parity_guard", settings))
-
-
-class DropLastGuard(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.DropLastGuard` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("drop_last_guard", settings))
-
-
-class SharedDirBarrier(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.SharedDirBarrier` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("shared_dir_barrier", settings))
-
-
-class CheckpointPlanner(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.CheckpointPlanner` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("checkpoint_planner", settings, LIGHTNING_DEFAULTS))
-
-
-class HangWatchdog(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.HangWatchdog` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("hang_watchdog", settings))
-
-
-class DataConsistencyGuard(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.DataConsistencyGuard` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("data_consistency_guard", settings))
-
-
-class DataStallMonitor(_LightningAdapter):
-    """Lightning callback for :class:`rankguard.callbacks.DataStallMonitor` (same arguments)."""
-
-    def __init__(self, **settings: Any) -> None:
-        super().__init__(single_guard("data_stall_monitor", settings))
-
-
-expose_signatures(globals())
+__all__ = define_callbacks(globals(), _LightningAdapter, "a Lightning callback", LIGHTNING_DEFAULTS)

@@ -128,7 +128,7 @@ def run_job(
             session is killed (e.g. to wait for a rank that outlives rank 0).
     """
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")  # no hub
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,

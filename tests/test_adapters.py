@@ -8,24 +8,38 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from rankguard.callbacks import GUARDS, Event
+from rankguard.callbacks import GUARDS, Event, EventFacts, Guard
 from rankguard.callbacks import events as events_module
 from rankguard.integrations import composer as rg_composer
 from rankguard.integrations import lightning as rg_lightning
+from rankguard.integrations import torch as rg_torch
+from rankguard.integrations import transformers as rg_transformers
 from rankguard.integrations._common import class_name
 from tests.e2e.common import Points
 
-ADAPTERS = [rg_composer, rg_lightning]
+ADAPTERS = [rg_composer, rg_lightning, rg_torch, rg_transformers]
 
 
 def callback_classes(module):
-    return [getattr(module, name) for name in module.__all__]
+    return [getattr(module, name) for name in [*GUARD_CLASSES, "RankGuard"]]
+
+
+GUARD_CLASSES = [class_name(name) for name in GUARDS]
+#: What an adapter exports besides the callbacks.
+EXTRAS = {
+    rg_torch: {"EvalLoader", "Run", "TrainLoader"},
+    rg_transformers: {"calling_trainer"},
+}
 
 
 @pytest.mark.parametrize("module", ADAPTERS, ids=lambda m: m.__name__)
 def test_each_adapter_exports_rank_guard_and_every_guard(module):
-    camel = {class_name(name) for name in GUARDS}
-    assert set(module.__all__) == camel | {"RankGuard"}
+    exported = set(module.__all__) - EXTRAS.get(module, set())
+    assert exported == {*GUARD_CLASSES, "RankGuard"}
+    for name in exported:
+        cls = getattr(module, name)
+        assert cls.__module__ == module.__name__ and cls.__name__ == name
+        assert cls.__doc__ and "__init__" in vars(cls)
 
 
 @pytest.mark.parametrize("module", ADAPTERS, ids=lambda m: m.__name__)
@@ -35,6 +49,9 @@ def test_every_callback_closes_twice_safely(module):
         if module is rg_composer:
             callback.close(None, None)
             callback.close(None, None)
+        elif module in (rg_torch, rg_transformers):
+            callback.close()
+            callback.close()
         else:
             callback.on_exception(None, None, RuntimeError("boom"))
             callback.teardown(None, None, "fit")
@@ -133,3 +150,150 @@ def test_rank_guard_sets_the_exchange_timeout_and_rejects_a_bad_one(adapter):
     assert adapter.RankGuard().runner.timeout_s == 300.0
     with pytest.raises(ValueError, match="`exchange_timeout_s`"):
         adapter.RankGuard(exchange_timeout_s=0)
+
+
+class Recorder(Guard):
+    """A core guard that records the checkpoint events and their facts."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, EventFacts]] = []
+
+    def on_checkpoint_load_start(self, facts: EventFacts) -> None:
+        self.seen.append(("load", facts))
+
+    def on_checkpoint_save_start(self, facts: EventFacts) -> None:
+        self.seen.append(("save", facts))
+
+    def on_checkpoint_save_end(self, facts: EventFacts) -> None:
+        self.seen.append(("saved", facts))
+
+
+def test_composer_load_path_is_read_before_composer_loads_it(tmp_path):
+    # Composer loads inside Trainer.__init__ and records State.load_path only afterwards;
+    # rankguard reads Trainer.__init__'s `load_path` at BEFORE_LOAD (fails if renamed).
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+
+    def trainer(model, callbacks, **kwargs):
+        return Trainer(
+            model=model,
+            train_dataloader=DataLoader(Points(8), batch_size=4),
+            max_duration="2ba",
+            device="cpu",
+            progress_bar=False,
+            log_to_console=False,
+            loggers=[],
+            callbacks=callbacks,
+            **kwargs,
+        )
+
+    torch.manual_seed(0)
+    first = trainer(
+        ComposerClassifier(torch.nn.Linear(4, 2), num_classes=2),
+        [],
+        save_folder=str(tmp_path),
+        save_interval="2ba",
+    )
+    first.fit()
+    saved = first.state.model.module.weight.detach().clone()
+    first.close()
+    torch.manual_seed(1)  # other initial weights for the model that resumes
+    model = ComposerClassifier(torch.nn.Linear(4, 2), num_classes=2)
+    path = str(tmp_path / "ep0-ba2-rank0.pt")
+    weights: list[torch.Tensor] = []
+
+    class AtLoad(Recorder):
+        def on_checkpoint_load_start(self, facts: EventFacts) -> None:
+            super().on_checkpoint_load_start(facts)
+            weights.append(model.module.weight.detach().clone())
+
+    recorder = AtLoad()
+    resumed = trainer(model, [rg_composer._ComposerAdapter([recorder])], load_path=path)
+    [(kind, facts)] = recorder.seen
+    assert kind == "load" and facts.load_path == path
+    assert "remote `load_path`" in facts.upload_setting
+    assert not torch.equal(weights[0], saved)  # seen before the load...
+    assert torch.equal(model.module.weight, saved)  # ...which then happened
+    resumed.close()
+
+
+def test_composer_names_where_a_remote_save_folder_uploads_its_checkpoints():
+    from composer.callbacks import CheckpointSaver
+    from composer.core import State
+    from composer.devices import DeviceCPU
+    from composer.loggers import Logger
+    from composer.models import ComposerClassifier
+
+    remote = CheckpointSaver(folder="s3://bucket/run/ckpt")  # staged in a local temp folder
+    local = CheckpointSaver(folder="ckpt/{run_name}")
+    model = ComposerClassifier(torch.nn.Linear(4, 2), num_classes=2)
+    state = State(
+        model=model, rank_zero_seed=0, run_name="r", device=DeviceCPU(), callbacks=[remote, local]
+    )
+    try:
+        uploads = rg_composer.checkpoint_uploads(state, Logger(state, []))
+    finally:
+        remote.remote_uploader.upload_executor.shutdown()
+    [(folder, target)] = uploads.items()
+    assert target == "s3://bucket/run/ckpt"
+    assert folder.endswith("/run/ckpt") and not folder.startswith("ckpt")
+
+
+def test_lightning_every_save_and_resume_pass_through_rankguard(tmp_path):
+    # on_save_checkpoint never fires for save_weights_only=True; the wrapped
+    # Trainer.save_checkpoint does, before each save, and Strategy.load_checkpoint
+    # before a resume. Fails if Lightning stops calling either.
+    import inspect
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    assert "trainer.save_checkpoint(" in inspect.getsource(ModelCheckpoint._save_checkpoint)
+    assert "strategy.load_checkpoint(" in inspect.getsource(_CheckpointConnector.resume_start)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(recorder, **kwargs):
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=kwargs.pop("max_epochs", 1),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[
+                rg_lightning._LightningAdapter([recorder]),
+                ModelCheckpoint(
+                    dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, save_weights_only=True
+                ),
+            ],
+        )
+        trainer.fit(Module(), DataLoader(Points(16), batch_size=4), **kwargs)
+        return trainer
+
+    recorder = Recorder()
+    trainer = fit(recorder)
+    kinds = [kind for kind, _ in recorder.seen]
+    assert kinds == ["save", "saved", "save", "saved"]  # steps 2 and 4
+    assert [f.directories for k, f in recorder.seen if k == "save"] == [[str(tmp_path)]] * 2
+    assert "save_checkpoint" not in vars(trainer)  # unhooked at teardown
+    assert "load_checkpoint" not in vars(trainer.strategy)
+
+    resumed = Recorder()
+    path = str(tmp_path / "full.ckpt")
+    trainer.save_checkpoint(path)  # a full checkpoint (weights-only ones cannot resume)
+    fit(resumed, max_epochs=2, ckpt_path=path)
+    assert resumed.seen[0][0] == "load" and resumed.seen[0][1].load_path == path

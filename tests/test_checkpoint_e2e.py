@@ -27,11 +27,12 @@ import inspect
 import json
 from importlib.util import find_spec
 from pathlib import Path
+from socket import gethostname
 from typing import Any
 
 import pytest
 
-from benchmarks.launch import launch_nodes
+from benchmarks.launch import can_mount, launch_nodes, node_disk
 from rankguard.callbacks.dir_probe import MARKER_PREFIX
 
 pytestmark = pytest.mark.framework
@@ -44,9 +45,20 @@ SCENARIOS = [
     "planner_auto_ddp",
     "planner_auto_fsdp",
 ]
+#: Need node 1's own disk mounted where node 0 has its own (``benchmarks/launch.py::node_disk``).
+NODE_LOCAL_SCENARIOS = ["node_local_warn", "node_local_raise", "resume_node_local"]
+NODE_LOCAL = can_mount()
+HOST = gethostname()
+needs_node_disks = pytest.mark.skipif(
+    not NODE_LOCAL, reason="simulating node-local disks needs a private mount namespace"
+)
 FRAMEWORKS = {
     "lightning": {
         "job": E2E / "lightning_ckpt_job.py",
+        "more_scenarios": ["weights_only"],
+        "saved_node_local": ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"],
+        "upload_fix": "`ModelCheckpoint(dirpath='s3://bucket/run/checkpoints')`",
+        "resume_from": "epoch=0-step=8.ckpt",
         "every_2": [f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8)],
         "every_4": ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"],
         "over_budget": "needs 44.0 KiB of host memory on node",
@@ -60,6 +72,10 @@ FRAMEWORKS = {
     },
     "composer": {
         "job": E2E / "composer_ckpt_job.py",
+        "more_scenarios": [],
+        "saved_node_local": ["ep0-ba4-rank0.pt", "ep0-ba8-rank0.pt", "latest-rank0.pt"],
+        "upload_fix": "`save_folder='s3://bucket/run/checkpoints'`",
+        "resume_from": "ep0-ba8-rank0.pt",
         "every_2": [f"ep0-ba{b}-rank0.pt" for b in (2, 4, 6, 8)],
         "every_4": ["ep0-ba4-rank0.pt", "ep0-ba8-rank0.pt"],
         "over_budget": "needs 42.0 KiB of host memory on node",
@@ -76,13 +92,27 @@ FRAMEWORKS = {
 
 @pytest.fixture(scope="module", params=list(FRAMEWORKS))
 def job(request, tmp_path_factory) -> dict[str, Any]:
-    """Runs one framework's job once (2 nodes x 1 rank); returns both ranks' records."""
+    """Runs one framework's job once (2 nodes x 1 rank); returns both ranks' records.
+
+    Both nodes share ``OUT_DIR``, except ``OUT_DIR/local``: node 1 sees its own
+    disk there (``OUT_DIR/node1_disk``), as each node of a cluster sees its own
+    ``/local``.
+    """
     framework = request.param
     if find_spec(framework) is None:
         pytest.skip(f"needs rankguard[{framework}]")
     spec = FRAMEWORKS[framework]
     out = tmp_path_factory.mktemp(framework)
-    results = launch_nodes(spec["job"], [str(out), *SCENARIOS], nodes=2, per_node=1, timeout=240)
+    scenarios = SCENARIOS + spec["more_scenarios"]
+    prefix = {}
+    if NODE_LOCAL:
+        (out / "local").mkdir()
+        (out / "node1_disk").mkdir()
+        prefix = {1: node_disk(str(out / "node1_disk"), str(out / "local"))}
+        scenarios += NODE_LOCAL_SCENARIOS
+    results = launch_nodes(
+        spec["job"], [str(out), *scenarios], nodes=2, per_node=1, timeout=300, prefix=prefix
+    )
     for node, result in enumerate(results):
         assert result.returncode == 0, f"node {node}:\n{result.stderr[-4000:]}"
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -208,3 +238,71 @@ def test_lightning_strategies_still_read_the_attributes_the_switch_sets():
     )
 
     assert checkpoint_format(DDPStrategy())[:2] == ("full", None)
+
+
+@pytest.mark.parametrize("job", ["lightning"], indirect=True)
+def test_weights_only_saves_go_through_the_dir_barrier_before_every_save(job):
+    # on_save_checkpoint never fires for save_weights_only=True: the barrier wraps the save.
+    for result in _both(job, "weights_only"):
+        assert result["outcome"] == "ok", result.get("traceback")
+        assert result["warnings"] == []
+        # one barrier at fit start, one before each of the 4 saves
+        assert result["counters"]["rankguard/shared_dir_wait_s count"] == 5
+    assert _saved(job, "weights_only") == sorted(f"epoch=0-step={s}.ckpt" for s in (2, 4, 6, 8))
+
+
+def _node_disks(job: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The checkpoint files on node 0's disk and on node 1's."""
+    return [
+        sorted(p.name for p in (job["out"] / disk / "ckpt").iterdir())
+        for disk in ("local", "node1_disk")
+    ]
+
+
+@needs_node_disks
+def test_node_local_save_folder_is_reported_on_every_rank_and_training_goes_on(job):
+    folder = job["out"] / "local" / "ckpt"
+    for result in _both(job, "node_local_warn"):
+        assert result["outcome"] == "ok", result.get("traceback")
+        [warning] = result["warnings"]
+        assert warning.startswith(
+            f"rankguard shared_dir_barrier: Checkpoint folder {folder} is node-local: "
+        )
+        assert f"node {HOST}/node1 (rank 1) does not see what rank 0 ({HOST}/node0) writes" in (
+            warning
+        )
+        assert "Fix: save to a folder on a filesystem every node mounts" in warning
+        assert job["upload_fix"] in warning
+        counters = result["counters"]
+        assert counters.get("train_steps", counters.get("train_batches")) == 8
+    # As warned: the checkpoints are on node 0's disk only.
+    assert _node_disks(job) == [job["saved_node_local"], []]
+
+
+@needs_node_disks
+def test_node_local_save_folder_raises_at_fit_start_when_asked(job):
+    messages = []
+    for result in _both(job, "node_local_raise"):
+        assert result["outcome"] == "NodeLocalDirError", result.get("traceback")
+        assert "is node-local: node " in result["message"]
+        assert "train_steps" not in result["counters"]
+        assert "train_batches" not in result["counters"]
+        messages.append(result["message"])
+    assert messages[0] == messages[1]
+
+
+@needs_node_disks
+def test_resume_from_a_checkpoint_one_node_cannot_see_fails_before_loading(job):
+    path = job["out"] / "local" / "ckpt" / job["resume_from"]
+    for result in _both(job, "resume_node_local"):
+        # Without rankguard: FileNotFoundError on node 1 only, node 0 loads and goes on.
+        assert result["outcome"] == "NodeLocalDirError", result.get("traceback")
+        message = result["message"]
+        assert message.startswith(
+            f"Checkpoint to resume from {path} is not there on node {HOST}/node1 (rank 1); "
+            f"node {HOST}/node0 (rank 0) sees it."
+        )
+        assert "copy it to the same path on every node" in message
+        assert "on_checkpoint_load_start" in result["traceback"]  # before the framework read it
+        assert "train_steps" not in result["counters"]
+        assert "train_batches" not in result["counters"]

@@ -29,6 +29,10 @@ SCENARIOS = [
     "drop_last_mismatch",
     "drop_last_enforce",
     "lying_len",
+    "data_left_counted",
+    "data_left_eval_stream",
+    "data_left_train_stream",
+    "stream_healthy",
 ]
 
 
@@ -122,6 +126,51 @@ def test_sampler_whose_len_lies_is_caught_after_eval(outcomes):
         assert result["outcome"] == "BatchCountMismatchError"
         assert "ranks 0,1: ran 2 of 4 batches its __len__ promised" in result["message"]
         assert result["counters"]["eval_batches"] == 2
+
+
+def test_sampler_yielding_past_its_len_on_one_rank_fails_at_fit_start(outcomes):
+    # Without rankguard: both ranks run the 4 batches __len__ says; rank 1's other 4 are
+    # silently skipped.
+    for result in both(outcomes, "data_left_counted"):
+        assert result["outcome"] == "BatchCountMismatchError"
+        message = result["message"]
+        assert message.startswith(
+            "Loaders yield a different number of batches than planned from their __len__ "
+            "(at fit start): loader 'eval': rank 1: __len__ 4 batches, yields 8 (4 never run)."
+        )
+        assert "Fix: make the sampler's (or batch sampler's) __len__ return" in message
+        assert result["counters"] == {}  # before any batch
+
+
+def test_eval_stream_running_out_on_one_rank_names_the_rank_that_had_data_left(outcomes):
+    # Composer stops both ranks when rank 0's stream runs out after 3 of the 4 batches
+    # both promise: rank 1's 4th is silently skipped.
+    for result in both(outcomes, "data_left_eval_stream"):
+        assert result["outcome"] == "BatchCountMismatchError"
+        assert result["message"].startswith(
+            "Eval loader 'eval' left data behind: rank 0: ran out after 3 batches; still had "
+            "data: rank 1: ran 3 batches, at least 1 more left; those batches never ran. "
+            "Batches run: ranks 0,1: ran 3 of 4 batches its __len__ promised. Fix: "
+        )
+        assert result["counters"] == {"train_batches": 8, "eval_batches": 3}
+
+
+def test_train_stream_running_out_on_one_rank_names_the_rank_that_had_data_left(outcomes):
+    for result in both(outcomes, "data_left_train_stream"):
+        assert result["outcome"] == "BatchCountMismatchError"
+        assert result["message"].startswith(
+            "Train loader 'train' in epoch 0 left data behind: rank 0: ran out after 3 "
+            "batches; still had data: rank 1: ran 3 batches, at least 1 more left"
+        )
+        assert "split iterable or streaming data evenly across ranks" in result["message"]
+        assert result["counters"] == {"train_batches": 3}  # at the end of the epoch
+
+
+def test_streams_that_hold_what_they_say_pass_silently(outcomes):
+    for result in both(outcomes, "stream_healthy"):
+        assert result["outcome"] == "ok", result.get("traceback")
+        assert result["warnings"] == []
+        assert result["counters"] == {"train_batches": 4, "eval_batches": 3}
 
 
 def test_uncaught_error_ends_the_job_with_a_nonzero_exit_code(tmp_path):

@@ -9,6 +9,7 @@ launcher). Faults are a focused set, one per mechanism: a fit-start check
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from importlib import import_module
@@ -151,3 +152,32 @@ def test_every_example_yaml_builds_its_rankguard_callbacks(path):
     callbacks = build_yaml(path)
     assert callbacks
     assert all(type(c).__module__.startswith("rankguard.integrations.") for c in callbacks)
+
+
+def test_the_loop_and_trainer_examples_offer_every_fault():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        faults = import_module("faults")
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    # The Trainer reads an IterableDataset on rank 0 only: no stream of a rank's own.
+    for script, without in (("torch_loop.py", []), ("hf_trainer.py", ["short_stream"])):
+        text = (EXAMPLES / script).read_text()
+        missing = [name for name in faults.FAULTS if f"    {name} " not in text]
+        assert missing == ["none", *without]
+        assert "--no-rankguard" in text
+
+
+@pytest.mark.framework
+def test_loop_example_unseeded_train_test_split_stops_every_rank_before_any_batch(tmp_path):
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(EXAMPLES / "torch_loop.py"), "--fault", "unseeded_split"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    held_out = re.findall(r"rank (\d) holds out samples (\[.*?\])", output)
+    assert len(held_out) == 2 and held_out[0][1] != held_out[1][1]  # each rank its own split
+    caught = "DataInconsistencyError: Ranks see different data (at fit start): loader 'eval'"
+    assert output.count(caught) == 2, output[-3000:]
+    assert "trained" not in output  # stopped before any batch

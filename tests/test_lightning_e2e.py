@@ -186,11 +186,16 @@ def test_rank_still_in_eval_is_named_after_eval_end_timeout(job):
     assert outcomes[0]["elapsed_s"] < outcomes[1]["elapsed_s"]  # rank 0 did not wait for 1
 
 
-def test_len_above_what_is_yielded_is_capped_by_lightning_and_not_reported(job):
-    outcomes = _outcomes(job, "lying_len_capped_by_lightning")
-    assert [o["outcome"] for o in outcomes] == ["ok", "ok"]
-    assert [o["val_steps"] for o in outcomes] == [2, 2]
-    assert [o["warnings"] for o in outcomes] == [[], []]
+def test_batches_past_len_that_lightning_would_skip_fail_before_the_first_val_batch(job):
+    # Without rankguard: both ranks run the 2 batches __len__ says, and rank 1's other 2
+    # never run, silently.
+    for message in _assert_error(job, "lying_len_capped_by_lightning", "BatchCountMismatchError"):
+        assert message.startswith(
+            "Loaders yield a different number of batches than planned from their __len__ "
+            "(at fit start): loader 'val': rank 1: __len__ 2 batches, yields 4 (2 never run)."
+        )
+    for o in _outcomes(job, "lying_len_capped_by_lightning"):
+        assert (o["train_steps"], o["val_steps"]) == (0, 0)
 
 
 def test_uneven_train_batches_fail_before_the_first_training_step(job):

@@ -12,10 +12,12 @@ polling client has already cached as missing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -24,14 +26,23 @@ from pathlib import Path
 import pytest
 
 from benchmarks.launch import launch_nodes
-from rankguard.callbacks.dir_probe import MARKER_PREFIX, filesystem_type, node_identity
+from rankguard.callbacks.dir_probe import (
+    MARKER_PREFIX,
+    NodeId,
+    PathState,
+    filesystem_type,
+    node_identity,
+)
 from rankguard.callbacks.errors import SharedDirCreateError
 from rankguard.callbacks.events import EventFacts
 from rankguard.callbacks.shared_dirs import SharedDirBarrier, ensure_shared_dirs
+from rankguard.callbacks.shared_dirs_plan import BarrierPlanner
 from rankguard.callbacks.side_channel import SideChannel
 from tests.e2e.ckpt_dirs_worker import LAG_BAD_TIMEOUT_S, TIMEOUT_S
+from tests.mp import run_ranks
 
 WORKER = Path(__file__).parent / "e2e" / "ckpt_dirs_worker.py"
+HOST = socket.gethostname()
 LAG_OK_S, LAG_BAD_S = 1.0, 60.0
 
 
@@ -153,6 +164,54 @@ def test_file_in_the_way_is_a_clear_error_on_every_rank(two_nodes):
         assert f.read() == "not a directory"  # never touched
 
 
+def test_existing_node_local_folder_is_probed_and_found_node_local(two_nodes):
+    base, values = two_nodes
+    for rank, value in enumerate(values):
+        report = value["existing_node_local"]
+        own = os.path.join(base, "local", f"n{rank // 2}", "ckpt", "model")
+        assert report["shared"][own] is False
+        assert report["created_by"][own] == []  # there already: nothing created
+        assert (
+            f"node {HOST}/node1 (ranks 2,3) does not see what rank 0 ({HOST}/node0)"
+            in (report["node_local"][own])
+        )
+
+
+def test_existing_shared_folder_is_probed_and_found_shared(two_nodes):
+    base, values = two_nodes
+    path = os.path.join(base, "shared", "ckpt", "train")
+    for value in values:
+        assert value["existing_shared"]["shared"][path] is True
+        assert value["existing_shared"]["node_local"] == {}
+
+
+def test_guard_warns_about_a_node_local_folder_on_every_rank_unless_uploaded(two_nodes):
+    base, values = two_nodes
+    for rank, value in enumerate(values):
+        guard = value["guard"]
+        # Uploaded: fine, said once at INFO (by rank 0), no warning.
+        levels = [level for level, _ in guard["uploaded"]]
+        assert "WARNING" not in levels
+        if rank == 0:
+            [info] = [m for level, m in guard["uploaded"] if "is node-local (" in m]
+            assert "also uploaded to s3://b/run" in info
+        [warning] = [m for level, m in guard["local"] if level == "WARNING"]
+        own = os.path.join(base, "local", f"n{rank // 2}", "ckpt", "model")
+        assert f"Checkpoint folder {own} is node-local: node {HOST}/node1 (ranks 2,3)" in warning
+        assert "Fix: save to a folder on a filesystem every node mounts" in warning
+
+
+def test_resume_checkpoint_on_one_node_only_names_the_nodes_that_cannot_see_it(two_nodes):
+    _, values = two_nodes
+    for value in values:
+        message = value["guard"]["load"]
+        assert message.startswith("Checkpoint to resume from ")
+        assert f"is not there on node {HOST}/node1 (ranks 2,3); node {HOST}/node0 (ranks 0,1)" in (
+            message
+        )
+        assert "Fix: put the checkpoint on a filesystem every node mounts" in message
+
+
 def test_markers_are_removed(two_nodes):
     base, _ = two_nodes
     leftovers = [f for _, _, files in os.walk(base) for f in files if f.startswith(MARKER_PREFIX)]
@@ -240,3 +299,90 @@ def test_node_identity_uses_node_rank_then_group_rank():
     assert node_identity({"NODE_RANK": "1", "LOCAL_RANK": "3"}).key.endswith("/node1")
     assert node_identity({"GROUP_RANK": "2"}).node_rank == "2"
     assert node_identity({}).node_rank is None and node_identity({}).local_rank is None
+
+
+#: Short enough that a folder nobody creates fails fast instead of after 600 s.
+PER_RANK_TIMEOUT_S = 3.0
+
+
+def _per_rank_folders(rank: int, world_size: int, base: str) -> dict:
+    """Each rank passes its own folder (``ckpt/rank<r>``): on one node, then as two nodes."""
+    channel = SideChannel.from_environment(timeout_s=30)
+    out: dict = {}
+
+    def attempt(key: str, path: str) -> None:
+        try:
+            report = ensure_shared_dirs(
+                [path], channel, timeout_s=PER_RANK_TIMEOUT_S, probe_wait_s=0.5
+            )
+            out[key] = dataclasses.asdict(report)
+            out[key]["exists"] = os.path.isdir(path)
+        except Exception as exc:
+            out[key] = {"error": type(exc).__name__, "message": str(exc)}
+
+    os.environ["LOCAL_RANK"] = "0"
+    os.environ.pop("NODE_RANK", None)  # one node
+    attempt("one_node_parent_exists", os.path.join(base, "ckpt", f"rank{rank}"))
+    attempt("one_node_parent_missing", os.path.join(base, "fresh", f"rank{rank}"))
+    os.environ["NODE_RANK"] = str(rank)  # each rank a node; base/n<r> stands for its disk
+    disk = os.path.join(base, f"n{rank}")
+    attempt("node_local_per_rank", os.path.join(disk, "ckpt", f"rank{rank}"))
+    attempt("node_local_same_name", os.path.join(disk, "ckpt", "shared_name"))
+    attempt("two_nodes_shared_per_rank", os.path.join(base, "shared", f"rank{rank}"))
+    channel.barrier("done")
+    return out
+
+
+def test_per_rank_folders_are_each_created_by_their_rank_not_waited_out(tmp_path):
+    base = str(tmp_path)
+    for d in ("ckpt", "n0", "n1", "shared"):
+        os.makedirs(os.path.join(base, d))
+    outcomes = run_ranks(_per_rank_folders, 2, base, timeout_s=90)
+    for outcome in outcomes:
+        assert outcome.exitcode == 0, outcome.error
+    for rank, outcome in enumerate(outcomes):
+        result = outcome.value
+        for key in (
+            "one_node_parent_exists",
+            "one_node_parent_missing",
+            "node_local_per_rank",
+            "two_nodes_shared_per_rank",
+        ):
+            report = result[key]
+            assert "error" not in report, (key, report)
+            [path] = report["paths"]
+            assert path.endswith(f"rank{rank}") and report["exists"], (key, report)
+            assert report["created_by"][path] == [0, 1], (key, report)  # each its own
+            assert report["node_local"] == {}, (key, report)  # no folder meant to be shared
+            assert report["max_waited_s"] < PER_RANK_TIMEOUT_S
+        assert result["two_nodes_shared_per_rank"]["shared"] == {
+            os.path.join(base, "shared", f"rank{rank}"): True
+        }
+        # One folder name on each node's own disk is still a node-local folder.
+        same = result["node_local_same_name"]
+        own = os.path.join(base, f"n{rank}", "ckpt", "shared_name")
+        assert same["shared"][own] is False and same["created_by"][own] == [0, 1]
+        assert (
+            f"node {HOST}/node1 (rank 1) does not see what rank 0 ({HOST}/node0)"
+            in (same["node_local"][own])
+        )
+    leftovers = [f for _, _, files in os.walk(base) for f in files if f.startswith(MARKER_PREFIX)]
+    assert leftovers == []
+
+
+def test_a_per_rank_folder_never_seen_names_the_rank_that_created_it():
+    planner = BarrierPlanner(timeout_s=5)
+    node = NodeId("gpu-1", None, None)
+    states = {
+        r: (node, [PathState(f"/ckpt/rank{r}", "missing", "/ckpt", "nfs4")]) for r in range(3)
+    }
+    assert planner.look(states).pending == [0]
+    seen = dict.fromkeys(range(3), ({0: True}, {0: True}))  # one filesystem: the marker seen
+    plan = planner.creators(seen, {0: 1})
+    assert plan.creators == {0: [0, 1, 2]} and plan.node_local == {}
+    assert "3 different folders" in plan.summary
+    timeout = planner.visible({0: {0: 0.1}, 1: {0: None}, 2: {0: 0.2}})
+    assert timeout.error.startswith(
+        "Directory /ckpt/rank1 (created by rank 1 on gpu-1) was not visible to rank 1 (gpu-1) "
+        "after they waited 5 s (`timeout_s`); ranks 0,2 see it."
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -244,7 +245,7 @@ def _every_guard_without_collectives(rank, world_size, folder):
     from rankguard.callbacks import Event, EventFacts, LoaderFacts
     from rankguard.callbacks.guard import GuardRunner
     from rankguard.callbacks.registry import build_guards
-    from tests.e2e.common import Points
+    from tests.e2e.common import Points, WarningCollector
 
     def forbidden(*args, **kwargs):
         raise AssertionError("rankguard issued a collective on the training process group")
@@ -255,7 +256,12 @@ def _every_guard_without_collectives(rank, world_size, folder):
     loader = DataLoader(data, 4, sampler=DistributedSampler(data, world_size, rank))
     model = torch.nn.Linear(4, 2)
     runner = GuardRunner(
-        build_guards({"hang_watchdog": {"exchange_period_s": 0.2, "report_dir": folder}})
+        build_guards(
+            {
+                "hang_watchdog": {"exchange_period_s": 0.2, "report_dir": folder},
+                "straggler_monitor": {"interval": 2, "warmup_steps": 0},
+            }
+        )
     )
     facts = EventFacts(
         loaders=[LoaderFacts("train", loader, True), LoaderFacts("eval", loader, False)],
@@ -263,7 +269,14 @@ def _every_guard_without_collectives(rank, world_size, folder):
         optimizer=torch.optim.Adam(model.parameters()),
         directories=[f"{folder}/ckpt"],
     )
+    warnings = WarningCollector()
+    logging.getLogger("rankguard").addHandler(warnings)
     runner.fire(Event.FIT_START, facts)
+    for step in range(4):  # the straggler monitor's exchanges, on its background thread
+        runner.fire(Event.TRAIN_BATCH_START, EventFacts(step=step))
+        model(torch.zeros(1, 4))
+        runner.fire(Event.TRAIN_BATCH_END, EventFacts(step=step))
+    runner.fire(Event.FIT_END, EventFacts(step=4))  # collects the last one
     eval_facts = EventFacts(loader=facts.loaders[1], step=1)
     runner.fire(Event.EVAL_START, eval_facts)
     for _ in range(len(loader)):
@@ -276,7 +289,7 @@ def _every_guard_without_collectives(rank, world_size, folder):
     time.sleep(1.0)  # the watchdog thread exchanges statuses meanwhile
     exchanges = runner.channel.exchanges
     runner.close()
-    return exchanges
+    return exchanges, warnings.messages
 
 
 def test_no_guard_ever_uses_the_training_process_group(tmp_path):
@@ -285,7 +298,9 @@ def test_no_guard_ever_uses_the_training_process_group(tmp_path):
     outcomes = run_ranks(_every_guard_without_collectives, 2, str(tmp_path), timeout_s=90)
     for o in outcomes:
         assert o.error is None, o.error
-        assert o.value >= 8  # fit start, eval start/end, save, watchdog statuses
+        exchanges, warnings = o.value
+        assert exchanges >= 10  # fit start, 2 straggler, eval start/end, save, watchdog statuses
+        assert warnings == []  # an exchange that failed on its thread is logged when collected
 
 
 def test_each_torchrun_restart_attempt_has_its_own_keys(monkeypatch):

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset
+
+from rankguard.callbacks.guard import Guard
 
 
 class Points(Dataset):
@@ -82,6 +85,19 @@ class Recorder:
             raise SystemExit(f"{result['outcome']}: {result['message']}")
 
 
+def run_scenarios(scenarios: dict, counters: dict) -> None:
+    """A job's main: ``job.py OUT_DIR SCENARIO...`` runs each scenario, recording its outcome.
+
+    Log lines carry the rank (``[rank N]``).
+    """
+    out_dir, *names = sys.argv[1:]
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    recorder = Recorder(out_dir)
+    for name in names:
+        recorder.run(name, scenarios[name], counters)
+
+
 class Stream(IterableDataset):
     """An iterable (streaming-style) dataset without ``__len__``: ``n`` points."""
 
@@ -90,3 +106,93 @@ class Stream(IterableDataset):
 
     def __iter__(self):
         return (self.points[i] for i in range(len(self.points)))
+
+
+#: Token ids run from 1 to VOCAB - 1 in :func:`token_dataset`.
+VOCAB = 32
+
+
+def token_dataset(n: int):
+    """A Hugging Face ``datasets.Dataset`` of ``n`` short token sequences and 2-class labels.
+
+    Deterministic, built in memory (no hub): ``input_ids`` of length 4, ``labels``.
+    """
+    from datasets import Dataset
+
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(1, VOCAB, (n, 4), generator=gen)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": (ids.sum(dim=1) % 2).tolist()})
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds python ``random``, numpy and torch with ``seed`` (the same on every rank)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def seeded_split(n: int = 64, test_size: float = 0.25):
+    """``token_dataset(n)`` split as it should be: ``train_test_split(..., seed=42)``."""
+    split = token_dataset(n).train_test_split(test_size=test_size, seed=42)
+    return split["train"], split["test"]
+
+
+def tiny_bert():
+    """A 2-layer BERT classifier over :data:`VOCAB` tokens, built from a config (no hub)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=8,
+    )
+    return BertForSequenceClassification(config)
+
+
+def unseeded_split(n: int, test_size: float):
+    """Seed 003: ``train_test_split`` without a seed, in a process whose numpy is not seeded.
+
+    The split draws from numpy's global generator, seeded from OS entropy in a fresh
+    process, so each rank gets its own split. Returns the train and test datasets.
+    """
+    import numpy as np
+
+    np.random.set_state(np.random.RandomState().get_state())  # a fresh, unseeded process's
+    split = token_dataset(n).train_test_split(test_size=test_size)
+    return split["train"], split["test"]
+
+
+class EventLog(Guard):
+    """A core guard that records every event it sees as ``(event, step, loader name)``."""
+
+    name = "event_log"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int, str | None]] = []
+
+    def handler(self, event):
+        def record(facts) -> None:
+            loader = facts.loader.name if facts.loader is not None else None
+            self.events.append((event.value, facts.step, loader))
+
+        return record
+
+
+class ClaimedStream(Stream):
+    """An iterable dataset whose ``__len__`` says ``claimed`` samples; it yields ``n``."""
+
+    def __init__(self, n: int, claimed: int) -> None:
+        super().__init__(n)
+        self.claimed = claimed
+
+    def __len__(self) -> int:
+        return self.claimed

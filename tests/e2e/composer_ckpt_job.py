@@ -59,7 +59,14 @@ class MetricCounter(LoggerDestination):
                 COUNTERS[key] = value
 
 
-def fit(name: str, guard: Callback, fsdp: bool = False, save_interval: str = "2ba") -> None:
+def fit(
+    name: str,
+    guard: Callback,
+    fsdp: bool = False,
+    save_interval: str = "2ba",
+    folder: str | None = None,
+    load_path: str | None = None,
+) -> None:
     COUNTERS.clear()
     torch.manual_seed(0)
     model = ComposerClassifier(
@@ -73,8 +80,9 @@ def fit(name: str, guard: Callback, fsdp: bool = False, save_interval: str = "2b
         max_duration="1ep",
         device="cpu",
         parallelism_config={"fsdp": FSDP2Config(state_dict_type="full")} if fsdp else None,
-        save_folder=f"ckpt/{name}",  # relative: resolved against each rank's cwd
+        save_folder=folder or f"ckpt/{name}",  # relative: resolved against each rank's cwd
         save_interval=save_interval,
+        load_path=load_path,
         progress_bar=False,
         log_to_console=False,
         loggers=[MetricCounter()],
@@ -85,6 +93,20 @@ def fit(name: str, guard: Callback, fsdp: bool = False, save_interval: str = "2b
     finally:
         trainer.close()
 
+
+def node_local(name: str, guard: Callback) -> None:
+    """Saves into ``local/ckpt``, which exists on every node but is each node's own disk.
+
+    The test mounts node 1's own directory at ``OUT_DIR/local`` for node 1's
+    processes (``benchmarks/launch.py::node_disk``); as a job script's
+    ``mkdir -p`` would, every rank creates the folder first.
+    """
+    os.makedirs(NODE_LOCAL, exist_ok=True)
+    fit(name, guard, save_interval="4ba", folder=NODE_LOCAL)
+
+
+#: A save folder on each node's own disk (see ``node_local``).
+NODE_LOCAL = "local/ckpt"
 
 SCENARIOS = {
     # Every guard, the planner raising: a small model fits, nothing is said.
@@ -109,6 +131,15 @@ SCENARIOS = {
         RankGuard(checkpoint_planner={"mode": "auto", "host_memory_bytes": FSDP_BUDGET}),
         fsdp=True,
         save_interval="4ba",
+    ),
+    # A node-local save folder: every rank warns, training goes on (rank 0 saves on node 0).
+    "node_local_warn": lambda: node_local("node_local_warn", RankGuard()),
+    "node_local_raise": lambda: node_local(
+        "node_local_raise", RankGuard(shared_dir_barrier={"on_node_local": "raise"})
+    ),
+    # Resuming from the checkpoint node_local_warn saved on node 0's disk only.
+    "resume_node_local": lambda: fit(
+        "resume_node_local", RankGuard(), load_path=f"{NODE_LOCAL}/ep0-ba8-rank0.pt"
     ),
 }
 

@@ -17,7 +17,7 @@ from composer.utils import dist
 from torch.utils.data import DataLoader
 
 from rankguard.integrations.composer import RankGuard
-from tests.e2e.common import LyingSampler, Points, Recorder
+from tests.e2e.common import ClaimedStream, LyingSampler, Points, Recorder
 
 COUNTERS: dict[str, int] = {}
 
@@ -102,11 +102,41 @@ SCENARIOS = {
         RankGuard(data_consistency_guard=False, drop_last_guard={"mode": "enforce"}),
     ),
     # Both ranks claim 4 eval batches; rank 0 yields 2, rank 1 yields 4. Composer stops
-    # every rank when rank 0 runs out: rank 1's last 2 batches are silently skipped.
+    # every rank when rank 0 runs out: rank 1's last 2 batches are silently skipped. With
+    # the count before the first batch off, the after-eval check catches it.
     "lying_len": lambda: fit(
         sharded(64),
         sharded(64, sampler=LyingSampler(Points(64), 16, per_rank(8, 16))),
-        RankGuard(data_consistency_guard=False, batch_parity_guard={"eval_end_timeout_s": 5}),
+        RankGuard(
+            data_consistency_guard=False,
+            batch_parity_guard={"eval_end_timeout_s": 5, "max_count_samples": 0},
+        ),
+    ),
+    # Both ranks claim 4 eval batches; rank 1 yields 8. Composer runs the 4 its __len__
+    # says on every rank: rank 1's other 4 are silently skipped. Counted at fit start.
+    "data_left_counted": lambda: fit(
+        sharded(64),
+        sharded(64, sampler=LyingSampler(Points(64), 16, per_rank(16, 32))),
+        RankGuard(data_consistency_guard=False),
+    ),
+    # Each rank streams its own eval data; both streams say 4 batches, rank 0's holds 3.
+    # Composer stops both when rank 0 runs out: rank 1's last batch is silently skipped.
+    "data_left_eval_stream": lambda: fit(
+        sharded(64),
+        DataLoader(ClaimedStream(per_rank(12, 16), claimed=16), batch_size=4),
+        RankGuard(data_consistency_guard=False),
+    ),
+    # The same in training: both streams say 4 batches, rank 0's holds 3.
+    "data_left_train_stream": lambda: fit(
+        DataLoader(ClaimedStream(per_rank(12, 16), claimed=16), batch_size=4),
+        sharded(32),
+        RankGuard(data_consistency_guard=False),
+    ),
+    # Streams that hold what they say on every rank: every check silent.
+    "stream_healthy": lambda: fit(
+        DataLoader(ClaimedStream(16, claimed=16), batch_size=4),
+        DataLoader(ClaimedStream(12, claimed=12), batch_size=4),
+        RankGuard(),
     ),
 }
 

@@ -28,7 +28,7 @@ from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
 
-from rankguard.integrations.lightning import CheckpointPlanner, RankGuard
+from rankguard.integrations.lightning import CheckpointPlanner, RankGuard, SharedDirBarrier
 from tests.e2e.common import Points, Recorder
 
 COUNTERS: dict[str, Any] = {}
@@ -78,7 +78,15 @@ class MetricCounter(Logger):
                 COUNTERS[key] = value
 
 
-def fit(name: str, guard: L.Callback, strategy: Any = "ddp", every_n_train_steps: int = 2) -> None:
+def fit(
+    name: str,
+    guard: L.Callback,
+    strategy: Any = "ddp",
+    every_n_train_steps: int = 2,
+    dirpath: str | None = None,
+    weights_only: bool = False,
+    ckpt_path: str | None = None,
+) -> None:
     COUNTERS.clear()
     L.seed_everything(0, verbose=False)  # every generator, the same on every rank
     data = Points(64)  # 8 batches of 4 per rank
@@ -94,13 +102,25 @@ def fit(name: str, guard: L.Callback, strategy: Any = "ddp", every_n_train_steps
         callbacks=[
             guard,
             ModelCheckpoint(
-                dirpath=f"ckpt/{name}",  # relative: resolved against each rank's cwd
+                dirpath=dirpath or f"ckpt/{name}",  # relative: resolved against each rank's cwd
                 every_n_train_steps=every_n_train_steps,
                 save_top_k=-1,
+                save_weights_only=weights_only,
             ),
         ],
     )
-    trainer.fit(Module(), DataLoader(data, batch_size=4))
+    trainer.fit(Module(), DataLoader(data, batch_size=4), ckpt_path=ckpt_path)
+
+
+#: A save folder on each node's own disk: the test mounts node 1's own directory at
+#: ``OUT_DIR/local`` for node 1's processes (``benchmarks/launch.py::node_disk``).
+NODE_LOCAL = "local/ckpt"
+
+
+def node_local(name: str, guard: L.Callback) -> None:
+    """Saves into ``local/ckpt``, made on every node first (as a job script's ``mkdir -p``)."""
+    os.makedirs(NODE_LOCAL, exist_ok=True)
+    fit(name, guard, every_n_train_steps=4, dirpath=NODE_LOCAL)
 
 
 SCENARIOS = {
@@ -124,6 +144,19 @@ SCENARIOS = {
             data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False
         ),
         4,
+    ),
+    # Weights-only saves (no on_save_checkpoint): the barrier still runs before each one.
+    "weights_only": lambda: fit(
+        "weights_only", SharedDirBarrier(), every_n_train_steps=2, weights_only=True
+    ),
+    # A node-local save folder: every rank warns, training goes on (rank 0 saves on node 0).
+    "node_local_warn": lambda: node_local("node_local_warn", RankGuard()),
+    "node_local_raise": lambda: node_local(
+        "node_local_raise", RankGuard(shared_dir_barrier={"on_node_local": "raise"})
+    ),
+    # Resuming from the checkpoint node_local_warn saved on node 0's disk only.
+    "resume_node_local": lambda: fit(
+        "resume_node_local", RankGuard(), ckpt_path=f"{NODE_LOCAL}/epoch=0-step=8.ckpt"
     ),
 }
 

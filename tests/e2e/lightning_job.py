@@ -181,9 +181,10 @@ SCENARIOS: dict[str, Scenario] = {
         lambda rank: [loader(8 if rank == 0 else 12), loader(8 if rank == 0 else 16)],
     ),
     # Both ranks claim 4 val batches (len 16 samples); rank 0 yields 2, rank 1 yields 4:
-    # caught by the after-eval check with the counts that actually ran.
+    # with the count before the first batch off, caught by the after-eval check with the
+    # counts that actually ran.
     "lying_len": Scenario(
-        lambda: [BatchParityGuard(eval_end_timeout_s=5)],
+        lambda: [BatchParityGuard(eval_end_timeout_s=5, max_count_samples=0)],
         EQUAL,
         lambda rank: lying_loader(claimed=16, actual=8 if rank == 0 else 16),
         {"num_sanity_val_steps": 0},
@@ -192,14 +193,14 @@ SCENARIOS: dict[str, Scenario] = {
     # sync at val epoch end would hold rank 0 until rank 1 is done): rank 0 reaches the
     # after-eval check first and names rank 1 once 0.5 s pass.
     "lying_len_slow_rank": Scenario(
-        lambda: [BatchParityGuard(eval_end_timeout_s=0.5)],
+        lambda: [BatchParityGuard(eval_end_timeout_s=0.5, max_count_samples=0)],
         EQUAL,
         lambda rank: lying_loader(claimed=16, actual=8 if rank == 0 else 16, slow_after=8),
         {"num_sanity_val_steps": 0},
         sync_dist=False,
     ),
-    # A sampler yielding more than its __len__: Lightning stops at the planned count, so
-    # every rank runs 2 batches and rankguard must stay silent.
+    # Rank 1's sampler yields 4 batches, its __len__ says 2: Lightning stops at the planned
+    # count, so rank 1's last 2 would silently never run. Counted before the first batch.
     "lying_len_capped_by_lightning": Scenario(
         lambda: [BatchParityGuard(eval_end_timeout_s=5)],
         EQUAL,

@@ -1,0 +1,426 @@
+"""rankguard callbacks for the Hugging Face ``Trainer``.
+
+Translation only: ``TrainerCallback`` hooks become rankguard core events (see
+:mod:`rankguard.callbacks.events` for the table), through the
+:class:`~rankguard.integrations._driver.EventDriver` that fills in what the
+hooks do not announce. Where each event comes from (transformers 4.57):
+
+=====================  ================================================================
+core event             ``TrainerCallback`` hook
+=====================  ================================================================
+CHECKPOINT_LOAD_START  ``Trainer.train(resume_from_checkpoint=...)``, wrapped at
+                       ``on_init_end``: before the Trainer loads the checkpoint (no hook
+                       comes earlier than ``on_train_begin``, after the load)
+FIT_START              ``on_train_begin`` (train loader, eval loaders, model, optimizer)
+EPOCH_START            ``on_epoch_begin``
+DATA_FETCH_START       ``on_step_end`` (no eval or save due), ``on_log`` after it (the
+                       loss gather done), ``on_save``, ``on_epoch_begin``
+DATA_FETCH_END         ``on_step_begin`` (the Trainer fetched the step's batches)
+TRAIN_BATCH_START      ``on_step_begin`` (one optimizer step, all its micro-batches)
+TRAIN_BATCH_END        ``on_step_end``
+EVAL_START             ``on_step_end`` / ``on_epoch_end`` when ``control.should_evaluate``
+                       (set by the default flow callback, which runs first): every eval
+                       loader, before its first batch; ``on_train_begin`` with
+                       ``eval_on_start``
+EVAL_BATCH_END         ``on_prediction_step`` (during those evals)
+EVAL_END               ``on_evaluate`` (per eval dataset, in the Trainer's order)
+CHECKPOINT_SAVE_START  ``on_step_end`` / ``on_epoch_end`` when ``control.should_save``
+                       (after the eval, if one is due first: its ``on_evaluate``)
+CHECKPOINT_SAVE_END    ``on_save``
+EPOCH_END              ``on_epoch_end`` (no pass fact: the Trainer iterates its train loader
+                       in a local variable, out of the callbacks' reach)
+FIT_END                ``on_train_end``
+=====================  ================================================================
+
+The "after eval" phase the hang watchdog times runs from ``on_evaluate`` to
+the next ``on_step_begin``: the Trainer has no hook where it starts fetching
+again, so it includes that fetch. Facts come from the hooks' keyword
+arguments and the public ``Trainer`` API (``get_eval_dataloader``,
+``eval_dataset``, ``log``); the Trainer itself is found by
+:func:`calling_trainer`, the one place this adapter reads something private,
+and its ``train`` method is wrapped on that instance (:func:`hook_resume`),
+the one place it wraps one.
+Metrics go through ``Trainer.log`` (every reporting integration sees the
+``rankguard/...`` keys), at the next step begin.
+
+The Trainer has no exception hook: if ``train()`` raises in a process that
+lives on (a notebook), call the callback's :meth:`close` so its guards stop.
+
+Example::
+
+    from transformers import Trainer
+    from rankguard.integrations.transformers import RankGuard
+
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=test,
+                      callbacks=[RankGuard()])
+
+Requires ``pip install 'rankguard[transformers]'``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rankguard.callbacks.events import LoaderFacts
+from rankguard.callbacks.guard import Guard, GuardRunner
+from rankguard.integrations._common import define_callbacks
+from rankguard.integrations._driver import EventDriver
+
+try:
+    from transformers import (
+        Trainer,
+        TrainerCallback,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+    )
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "rankguard.integrations.transformers needs transformers and accelerate: "
+        "pip install 'rankguard[transformers]'"
+    ) from exc
+
+logger = logging.getLogger(__name__)
+
+#: What makes the Trainer's FSDP saves sharded, named in rankguard's messages.
+SHARDED_SETTING = (
+    "FSDP with sharded state dicts: FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT "
+    "(Accelerate config `fsdp_state_dict_type: SHARDED_STATE_DICT`)"
+)
+#: How deep :func:`calling_trainer` looks: hook <- CallbackHandler.call_event <-
+#: CallbackHandler.on_<event> <- the Trainer's method.
+_TRAINER_DEPTH = 6
+
+
+def calling_trainer() -> Trainer | None:
+    """The ``Trainer`` whose method is calling the current callback hook, or ``None``.
+
+    ``TrainerCallback`` hooks receive the model, optimizer and loaders, but not
+    the Trainer, whose public ``get_eval_dataloader`` builds the eval loaders
+    before the first eval batch. The Trainer calls every hook from one of its
+    own methods through its ``CallbackHandler``, so the Trainer is ``self`` a
+    few frames up. This is the one place rankguard relies on how transformers
+    calls its callbacks; ``tests/test_transformers.py`` fails if that changes.
+
+    Call it from the hook itself (it looks from its caller's caller up).
+    """
+    frame = sys._getframe(2)
+    for _ in range(_TRAINER_DEPTH):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def eval_loader_names(eval_dataset: Any) -> list[tuple[str, str | None]]:
+    """The Trainer's eval datasets as (rankguard loader name, ``get_eval_dataloader`` key).
+
+    One dataset is ``"eval"``; a dict of them ``"eval_<name>"``, as the Trainer
+    prefixes their metrics, in the order it evaluates them.
+    """
+    if eval_dataset is None:
+        return []
+    if isinstance(eval_dataset, Mapping):
+        return [(f"eval_{name}", str(name)) for name in eval_dataset]
+    return [("eval", None)]
+
+
+def checkpoint_folder(args: TrainingArguments, state: TrainerState) -> str:
+    """The folder the Trainer's next save writes into (``output_dir/checkpoint-<step>``)."""
+    return os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+
+def state_dict_type(trainer: Trainer | None) -> str:
+    """``"sharded"`` when the Trainer's FSDP saves sharded state dicts, else ``"full"``."""
+    if trainer is None or not getattr(trainer, "is_fsdp_enabled", False):
+        return "full"
+    plugin = trainer.accelerator.state.fsdp_plugin
+    return "sharded" if "SHARDED" in str(plugin.state_dict_type).upper() else "full"
+
+
+def resume_checkpoint(args: TrainingArguments, resume: str | bool) -> str:
+    """What ``Trainer.train(resume_from_checkpoint=resume)`` reads first on this rank.
+
+    The checkpoint's ``trainer_state.json``, which ``train`` reads right after
+    the model, so a folder that holds only this rank's RNG state (what a rank
+    saves on a node other than rank 0's, without ``save_on_each_node``) counts
+    as missing. ``True`` means the latest ``checkpoint-<step>`` in ``output_dir``
+    on this node, as the Trainer finds it; where there is none, a
+    ``checkpoint-*`` that does not exist.
+    """
+    if resume is True:
+        output_dir = str(args.output_dir)
+        found = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        folder = found or os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-*")
+    else:
+        folder = str(resume)
+    return os.path.join(folder, TRAINER_STATE_NAME)
+
+
+def hook_resume(trainer: Trainer, before_load: Callable[[str], None]) -> Callable[[], None]:
+    """Calls ``before_load(path)`` before ``trainer.train`` loads its resume checkpoint.
+
+    ``Trainer.train(resume_from_checkpoint=...)`` loads the model, optimizer and
+    scheduler before calling any callback hook. Its ``train`` is wrapped on this
+    instance (the public method, its public argument; the path as
+    :func:`resume_checkpoint` reads it); ``tests/test_transformers.py`` fails if
+    ``train`` stops taking ``resume_from_checkpoint``.
+
+    Returns:
+        A function that removes the wrapper (safe to call twice).
+    """
+    train = trainer.train
+    signature = inspect.signature(train)
+
+    @functools.wraps(train)
+    def train_resuming(*args: Any, **kwargs: Any) -> Any:
+        try:
+            called = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:  # train itself will say what is wrong with the call
+            called = {}
+        resume = called.get("resume_from_checkpoint")
+        if resume:  # None or False: a fresh start
+            before_load(resume_checkpoint(trainer.args, resume))
+        return train(*args, **kwargs)
+
+    trainer.train = train_resuming  # type: ignore[method-assign]
+
+    def unhook() -> None:
+        if vars(trainer).get("train") is train_resuming:
+            del trainer.train
+
+    return unhook
+
+
+class _TrainerAdapter(TrainerCallback):
+    """Drives a :class:`GuardRunner` from ``TrainerCallback`` hooks."""
+
+    def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
+        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
+        self.driver = EventDriver(self.runner, self._log_metrics)
+        self._trainer: Trainer | None = None
+        self._train: LoaderFacts | None = None
+        self._evals: list[LoaderFacts] = []
+        self._eval_source: Any = None
+        self._fetch_after_log = False
+        self._metrics: dict[str, float] = {}
+        self._unhook: Callable[[], None] | None = None
+
+    # -- facts -----------------------------------------------------------------------
+
+    def _eval_loaders(self, eval_dataloader: Any = None) -> list[LoaderFacts]:
+        """The eval loaders the Trainer will run, built with its public ``get_eval_dataloader``."""
+        trainer = self._trainer
+        if trainer is None:  # only the loader of the last eval, if there was one
+            return [LoaderFacts("eval", eval_dataloader, False)] if eval_dataloader else []
+        if self._evals and trainer.eval_dataset is self._eval_source:
+            return self._evals
+        self._eval_source = trainer.eval_dataset
+        try:
+            self._evals = [
+                LoaderFacts(name, trainer.get_eval_dataloader(key), is_train=False)
+                for name, key in eval_loader_names(trainer.eval_dataset)
+            ]
+        except Exception as exc:  # a subclass that builds its loaders differently
+            logger.info("rankguard: cannot build the eval loaders ahead of eval (%r)", exc)
+            self._evals = []
+        return self._evals
+
+    def _log_metrics(self, metrics: Mapping[str, float]) -> None:
+        self._metrics.update(metrics)
+
+    def _flush_metrics(self) -> None:
+        if self._metrics and self._trainer is not None:
+            metrics, self._metrics = self._metrics, {}
+            self._trainer.log(metrics)
+
+    # -- hooks -----------------------------------------------------------------------
+
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Wraps the Trainer's ``train`` so a resume checkpoint is checked before it is loaded."""
+        trainer = calling_trainer()
+        if trainer is not None and self._unhook is None:
+            self._unhook = hook_resume(trainer, self.driver.load_start)
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: Any = None,
+        optimizer: Any = None,
+        train_dataloader: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """FIT_START with the train loader, the eval loaders, the model and optimizer."""
+        if self.driver.fitting:  # the Trainer restarted its loop (auto_find_batch_size)
+            self.driver.abandon()
+        self._trainer = calling_trainer()
+        if self._trainer is None:
+            logger.info(
+                "rankguard: no Trainer found calling the callback; eval loaders are checked "
+                "from the second evaluation on"
+            )
+        self._train = None
+        if train_dataloader is not None:
+            self._train = LoaderFacts("train", train_dataloader, is_train=True)
+        evals = self._eval_loaders() if args.eval_strategy != "no" or args.eval_on_start else []
+        dirs = [str(args.output_dir)] if args.save_strategy != "no" else []
+        self.driver.fit_start(
+            loaders=([self._train] if self._train else []) + evals,
+            model=model,
+            optimizer=optimizer,
+            directories=dirs,
+            state_dict_type=state_dict_type(self._trainer),
+            switch_to_sharded=None,
+            sharded_setting=SHARDED_SETTING,
+        )
+        if args.eval_on_start and evals:
+            self.driver.eval_start(evals)
+
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """EPOCH_START, then the epoch's first fetch."""
+        if self.driver.fitting:
+            if self.driver.saving:  # a "best" save that did not happen
+                self.driver.save_end()
+            self.driver.epoch_start(self._train)
+            self.driver.fetch_start()
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """DATA_FETCH_END, TRAIN_BATCH_START; logs the guards' metrics."""
+        if self.driver.fitting:
+            self._fetch_after_log = False
+            if self.driver.saving:  # a "best" save that did not happen
+                self.driver.save_end()
+            self.driver.fetch_end()
+            self.driver.train_batch_start()
+            self._flush_metrics()
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """TRAIN_BATCH_END, then what the Trainer does next: eval, save, log or fetch."""
+        if self.driver.fitting:
+            self.driver.end_train_batch()
+            self._next(args, state, control, kwargs.get("eval_dataloader"), after_step=True)
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """EPOCH_END; then EVAL_START or CHECKPOINT_SAVE_START when the epoch's end brings one."""
+        if self.driver.fitting:
+            self.driver.epoch_end(self._train)
+            self._next(args, state, control, kwargs.get("eval_dataloader"), after_step=False)
+
+    def _next(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        eval_dataloader: Any,
+        after_step: bool,
+    ) -> None:
+        if control.should_evaluate:  # a save due as well waits for its on_evaluate
+            evals = self._eval_loaders(eval_dataloader)
+            if evals:
+                self.driver.eval_start(evals)
+        elif control.should_save:
+            self.driver.save_start([checkpoint_folder(args, state)], model=None)
+        elif after_step and control.should_log:
+            self._fetch_after_log = True  # the Trainer gathers the loss first
+        elif after_step:
+            self.driver.fetch_start()
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """DATA_FETCH_START once the step's log (a loss gather over ranks) is done."""
+        if self._fetch_after_log and self.driver.fitting:
+            self._fetch_after_log = False
+            self.driver.fetch_start()
+        if self._trainer is None and logs is not None and self._metrics:
+            logs.update(self._metrics)
+            self._metrics = {}
+
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """EVAL_BATCH_END of an eval rankguard started (not ``predict`` or a later ``evaluate``)."""
+        if self.driver.fitting and self.driver.evals:
+            self.driver.eval_batch_end()
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """EVAL_END of the current eval loader; after the last, the save if one is due."""
+        if not (self.driver.fitting and self.driver.evals):
+            return
+        self.driver.eval_end()
+        if self.driver.evals:
+            return
+        # The Trainer decides a "best" save only after this hook: a save may follow any eval.
+        if control.should_save or args.save_strategy == "best":
+            folder = checkpoint_folder(args, state) if control.should_save else args.output_dir
+            self.driver.save_start([str(folder)], model=None)
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """CHECKPOINT_SAVE_END, then the next fetch."""
+        if self.driver.fitting and self.driver.saving:
+            self.driver.save_end()
+            self.driver.fetch_start()
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """FIT_END; then the guards stop."""
+        if not self.driver.fitting:
+            return
+        if self.driver.saving:
+            self.driver.save_end()
+        try:
+            self.driver.fit_end()
+            self._flush_metrics()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stops every guard; safe to call twice and after an error.
+
+        The Trainer calls no hook when ``train()`` raises: in a process that
+        lives on (a notebook), call this so the guards' threads stop.
+        """
+        self.driver.fitting = False
+        self._trainer = None
+        self._evals = []
+        self._eval_source = None
+        self.runner.close()
+
+
+__all__ = [
+    "calling_trainer",
+    *define_callbacks(globals(), _TrainerAdapter, "a Hugging Face ``TrainerCallback``"),
+]

@@ -1,0 +1,209 @@
+"""The Hugging Face ``Trainer`` (a 2-layer BERT built from a config) with rankguard, on 2 ranks.
+
+Usage::
+
+    HF_HUB_OFFLINE=1 torchrun --standalone --nproc-per-node 2 tests/e2e/hf_trainer_job.py \
+        OUT_DIR SCENARIO...
+
+Each scenario is a fresh model and ``Trainer`` in the same two processes;
+outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
+``post_eval_stall`` never returns (the watchdog ends every rank with exit code
+75), so it must come last; rank 1 writes the moment its stall starts to
+``OUT_DIR/stall.json``. Nothing needs the network: the model is built from a config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from rankguard.integrations.transformers import RankGuard
+from tests.e2e.common import (
+    run_scenarios,
+    seed_everything,
+    seeded_split,
+    tiny_bert,
+    token_dataset,
+    unseeded_split,
+)
+from tests.e2e.hang_settings import HANG
+
+COUNTERS: dict[str, Any] = {}
+OUT = Path(".")
+QUICK = {"hang_watchdog": {"exchange_period_s": 0.5}}
+
+
+class Count(TrainerCallback):
+    """Counts the optimizer steps and eval batches that actually ran on this rank."""
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        COUNTERS["steps"] = COUNTERS.get("steps", 0) + 1
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        COUNTERS["eval_batches"] = COUNTERS.get("eval_batches", 0) + 1
+
+    def on_save(self, args, state, control, **kwargs):
+        COUNTERS["saves"] = COUNTERS.get("saves", 0) + 1
+
+
+class StallAfterEval(TrainerCallback):
+    """The bug: rank 1 never comes back from its first evaluation (here a sleep)."""
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if dist.get_rank() == 1:
+            (OUT / "stall.json").write_text(json.dumps({"rank": 1, "t": time.time()}))
+            while True:
+                time.sleep(3600)
+
+
+def train(
+    name: str,
+    guard: RankGuard,
+    train_set,
+    eval_set,
+    *extra: TrainerCallback,
+    output_dir: Path | None = None,
+    resume: bool | None = None,
+) -> None:
+    """Evaluates every 3 steps and saves every 4, for 6 steps (one epoch of 48 samples)."""
+    COUNTERS.clear()
+    args = TrainingArguments(
+        output_dir=str(output_dir or OUT / name),
+        use_cpu=True,
+        ddp_backend="gloo",
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="steps",
+        save_steps=4,
+        logging_steps=2,
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(
+        model=tiny_bert(),
+        args=args,
+        train_dataset=train_set,
+        eval_dataset=eval_set,
+        callbacks=[guard, Count(), *extra],
+    )
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        guard.close()  # the Trainer calls no hook when train() raises
+    logged = [key for entry in trainer.state.log_history for key in entry]
+    COUNTERS["rankguard_keys_logged"] = sorted({k for k in logged if k.startswith("rankguard/")})
+
+
+def healthy() -> None:
+    seed_everything(0)
+    train("healthy", RankGuard(**QUICK), *seeded_split())
+
+
+def unseeded() -> None:
+    train_set, eval_set = unseeded_split(64, test_size=0.25)  # before the Trainer seeds anything
+    train("unseeded_split", RankGuard(**QUICK), train_set, eval_set)
+
+
+def uneven_eval() -> None:
+    # Each rank built its own eval set (16 and 32 samples): 2 and 4 eval batches.
+    eval_set = token_dataset(16 if dist.get_rank() == 0 else 32)
+    guard = RankGuard(data_consistency_guard=False, **QUICK)
+    train("uneven_eval", guard, seeded_split()[0], eval_set)
+
+
+def node_local_resume() -> None:
+    """Each rank plays a node whose local disk is ``hf_node<r>/``: a save, then a resume."""
+    rank = dist.get_rank()
+    previous = os.environ.get("NODE_RANK")
+    os.environ["NODE_RANK"] = str(rank)  # rankguard tells nodes apart by NODE_RANK
+    try:
+        disk = OUT / f"hf_node{rank}"
+        disk.mkdir()  # a disk is there before the job
+        seed_everything(0)
+        output_dir = disk / "out"  # the same folder name on every node, each node's own
+        train("node_local_resume", RankGuard(**QUICK), *seeded_split(), output_dir=output_dir)
+        saved = sorted(p.name for p in (output_dir / "checkpoint-4").iterdir())
+        seed_everything(0)
+        try:  # the next run resumes: checked before the Trainer loads anything
+            guard = RankGuard(**QUICK)
+            train("resume", guard, *seeded_split(), output_dir=output_dir, resume=True)
+        finally:
+            COUNTERS["saved"] = saved
+    finally:
+        if previous is None:
+            del os.environ["NODE_RANK"]
+        else:
+            os.environ["NODE_RANK"] = previous
+
+
+def straggler() -> None:
+    """Rank 1's forward takes 1.5x as long (tests/e2e/straggler_common.py), 20 steps."""
+    import torch
+
+    from tests.e2e.straggler_common import BATCHES, STRAGGLER, forward_delay
+
+    COUNTERS.clear()
+    seed_everything(0)
+    torch.set_num_threads(1)  # two ranks on two shared cores
+    model = tiny_bert()
+    delay = forward_delay(dist.get_rank(), slow=True)
+    # Inside the model's forward: its embeddings take the time a bigger model would.
+    model.bert.embeddings.register_forward_pre_hook(lambda module, args: time.sleep(delay))
+    args = TrainingArguments(
+        output_dir=str(OUT / "straggler"),
+        use_cpu=True,
+        ddp_backend="gloo",
+        per_device_train_batch_size=4,
+        max_steps=BATCHES,
+        eval_strategy="no",
+        save_strategy="no",
+        logging_steps=4,
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    guard = RankGuard(straggler_monitor=STRAGGLER, **QUICK)
+    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(4 * 2 * BATCHES))
+    trainer.add_callback(guard)
+    try:
+        trainer.train()
+    finally:
+        guard.close()
+    logged = [key for entry in trainer.state.log_history for key in entry]
+    COUNTERS["rankguard_keys_logged"] = sorted({k for k in logged if k.startswith("rankguard/")})
+
+
+def post_eval_stall() -> None:
+    settings = {**HANG, "report_dir": str(OUT / "reports")}
+    train("post_eval_stall", RankGuard(hang_watchdog=settings), *seeded_split(), StallAfterEval())
+
+
+SCENARIOS = {
+    "healthy": healthy,
+    "unseeded_split": unseeded,
+    "uneven_eval": uneven_eval,
+    "node_local_resume": node_local_resume,
+    "straggler": straggler,
+    "post_eval_stall": post_eval_stall,
+}
+
+
+def main() -> None:
+    global OUT
+    OUT = Path(sys.argv[1])
+    run_scenarios(SCENARIOS, COUNTERS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""A hand-written DDP loop (llama-recipes style) with rankguard's loop API, on 2 ranks.
+
+Usage::
+
+    torchrun --standalone --nproc-per-node 2 tests/e2e/torch_loop_job.py OUT_DIR SCENARIO...
+
+Each scenario is a fresh model (DDP; ``fsdp2``: FSDP2 with sharded saves through
+``torch.distributed.checkpoint``; ``short_*_stream``: DDP with ``join`` over
+per-rank streams), loaders and ``guard.fit`` in the same two processes;
+outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
+``post_eval_stall`` never returns (the watchdog ends every rank with exit code
+75), so it must come last; rank 1 writes the moment its stall starts to
+``OUT_DIR/stall.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from rankguard.integrations.torch import RankGuard
+from tests.e2e.common import (
+    VOCAB,
+    ClaimedStream,
+    run_scenarios,
+    seed_everything,
+    seeded_split,
+    token_dataset,
+    unseeded_split,
+)
+from tests.e2e.hang_settings import HANG
+
+COUNTERS: dict[str, int] = {}
+OUT = Path(".")
+#: Fast watchdog exchanges, so that a fit's end is quick; deadlines stay at their defaults.
+QUICK = {"hang_watchdog": {"exchange_period_s": 0.5}}
+
+
+class BagOfTokens(torch.nn.Module):
+    """Mean token embedding -> 2 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.EmbeddingBag(VOCAB, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids))
+
+
+def loader(dataset) -> DataLoader:
+    data = dataset.with_format("torch")
+    return DataLoader(data, batch_size=4, sampler=DistributedSampler(data, shuffle=False))
+
+
+def count(name: str) -> None:
+    COUNTERS[name] = COUNTERS.get(name, 0) + 1
+
+
+def fit(
+    guard: RankGuard,
+    train_set,
+    eval_set,
+    *,
+    eval_at_fit: bool = True,
+    epochs: int = 1,
+    after_eval: Callable[[], None] | None = None,
+) -> None:
+    """The loop: train, eval every 4 steps (loss summed over ranks), save every 4 steps."""
+    COUNTERS.clear()
+    seed_everything(0)
+    model = DistributedDataParallel(BagOfTokens())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_loader, eval_loader = loader(train_set), loader(eval_set)
+    ckpt = OUT / "ckpt"
+    evals = {"eval": eval_loader} if eval_at_fit else None
+    with guard.fit(model, optimizer, train_loader, eval_loaders=evals, save_dirs=[ckpt]) as run:
+        for epoch in range(epochs):
+            train_loader.sampler.set_epoch(epoch)
+            for batch in run.train(train_loader):
+                count("train_batches")
+                loss = torch.nn.functional.cross_entropy(model(batch["input_ids"]), batch["labels"])
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if run.step % 4 == 0:
+                    model.eval()
+                    with torch.no_grad():
+                        for batch in run.eval(eval_loader):
+                            count("eval_batches")
+                            out = model(batch["input_ids"])
+                            eval_loss = torch.nn.functional.cross_entropy(out, batch["labels"])
+                            dist.all_reduce(eval_loss)
+                    model.train()
+                    if after_eval is not None:
+                        after_eval()
+                    with run.checkpoint(ckpt):
+                        if dist.get_rank() == 0:
+                            torch.save(model.module.state_dict(), ckpt / f"step{run.step}.pt")
+                        count("saves")
+    COUNTERS["steps"] = run.step
+    COUNTERS["epochs"] = run.epoch + 1
+
+
+def healthy() -> None:
+    train_set, eval_set = seeded_split()
+    fit(RankGuard(**QUICK), train_set, eval_set, epochs=2)
+    COUNTERS["checkpoint_files"] = len(list((OUT / "ckpt").glob("step*.pt")))
+
+
+def unseeded() -> None:
+    train_set, eval_set = unseeded_split(64, test_size=0.25)  # before the loop seeds anything
+    fit(RankGuard(**QUICK), train_set, eval_set)
+
+
+def uneven_eval() -> None:
+    # Each rank built its own eval set (16 and 32 samples); the loop names it only at eval.
+    eval_set = token_dataset(16 if dist.get_rank() == 0 else 32)
+    guard = RankGuard(data_consistency_guard=False, **QUICK)
+    fit(guard, seeded_split()[0], eval_set, eval_at_fit=False)
+
+
+def fsdp2() -> None:
+    """FSDP2 (``fully_shard``) with sharded saves through torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    COUNTERS.clear()
+    seed_everything(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = BagOfTokens()
+    for module in (model.embed, model.head, model):
+        fully_shard(module, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    train_set, _ = seeded_split()
+    train_loader, ckpt = loader(train_set), OUT / "dcp"
+    guard = RankGuard(checkpoint_planner={"mode": "auto"}, **QUICK)
+    saves = {"save_dirs": ckpt, "state_dict_type": "sharded"}
+    with guard.fit(model, optimizer, train_loader, **saves) as run:
+        for batch in run.train(train_loader):
+            loss = torch.nn.functional.cross_entropy(model(batch["input_ids"]), batch["labels"])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with run.checkpoint(ckpt):
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt / "last")
+    planner = next(g for g in guard.runner.guards if g.name == "checkpoint_planner")
+    COUNTERS.update(steps=run.step, plan=planner.plan.action, reason=planner.plan.reason)
+    COUNTERS["files"] = sorted(p.name for p in (ckpt / "last").iterdir())
+
+
+def streams(train_n: int, eval_n: int) -> None:
+    """Each rank streams its own samples (``__len__``: 16 on every rank); DDP with ``join``.
+
+    The loop runs the planned number of train steps (``len(train_loader)``) and at
+    most ``len(eval_loader)`` eval batches, as llama-recipes' ``max_train_step`` and
+    ``max_eval_step`` do; DDP's ``join`` lets a rank whose stream ran out first
+    finish the epoch, so nothing hangs and, without rankguard, nothing is said.
+    """
+    COUNTERS.clear()
+    seed_everything(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_loader = DataLoader(ClaimedStream(train_n, claimed=16), batch_size=4)
+    eval_loader = DataLoader(ClaimedStream(eval_n, claimed=16), batch_size=4)
+    with RankGuard(**QUICK).fit(model, optimizer, train_loader, eval_loaders=eval_loader) as run:
+        with model.join():
+            for x, y in run.train(train_loader):
+                count("train_batches")
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if run.step == len(train_loader):
+                    break
+        eval_loss = torch.zeros(())
+        with torch.no_grad():
+            for x, y in run.eval(eval_loader, max_batches=len(eval_loader)):
+                count("eval_batches")
+                # The module itself: after a join block DDP's forward still all-reduces.
+                eval_loss += torch.nn.functional.cross_entropy(model.module(x), y)
+        dist.all_reduce(eval_loss)  # after the eval: no collective per batch
+        count("evals")
+
+
+def short_eval_stream() -> None:
+    """Rank 0's eval stream ends a batch short (3 of 4), rank 1's holds 5."""
+    streams(16, 12 if dist.get_rank() == 0 else 20)
+
+
+def short_train_stream() -> None:
+    """Rank 0's train stream ends a batch short (3 of 4), rank 1's holds 6."""
+    streams(12 if dist.get_rank() == 0 else 24, 16)
+
+
+def per_rank_ckpt() -> None:
+    """Each rank saves into a folder of its own that does not exist yet (``ckpt_rank<r>/``)."""
+    COUNTERS.clear()
+    seed_everything(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    ckpt = OUT / "per_rank" / f"ckpt_rank{dist.get_rank()}"
+    with RankGuard(**QUICK).fit(model, save_dirs=ckpt) as run, run.checkpoint():
+        torch.save(model.module.state_dict(), ckpt / "model.pt")
+    COUNTERS["files"] = sorted(str(p.relative_to(OUT)) for p in OUT.glob("per_rank/*/*"))
+
+
+def resume_node_local() -> None:
+    """Each rank plays a node whose local disk is ``node<r>/``; the loop saves, then resumes."""
+    rank = dist.get_rank()
+    previous = os.environ.get("NODE_RANK")
+    os.environ["NODE_RANK"] = str(rank)  # rankguard tells nodes apart by NODE_RANK
+    try:
+        COUNTERS.clear()
+        seed_everything(0)
+        disk = OUT / f"node{rank}"
+        disk.mkdir()  # a disk is there before the job
+        ckpt = disk / "ckpt"  # the same folder name on every node, each node's own
+        model = DistributedDataParallel(torch.nn.Linear(4, 2))
+        guard = RankGuard(**QUICK)
+        with guard.fit(model, save_dirs=ckpt) as run, run.checkpoint():
+            if rank == 0:
+                torch.save(model.module.state_dict(), ckpt / "last.pt")
+        COUNTERS["saved"] = len(list(ckpt.iterdir()))
+        with guard.load(ckpt / "last.pt"):  # the resume, as the next run would do it
+            model.module.load_state_dict(torch.load(ckpt / "last.pt"))
+            count("loaded")
+    finally:
+        if previous is None:
+            del os.environ["NODE_RANK"]
+        else:
+            os.environ["NODE_RANK"] = previous
+
+
+def straggler() -> None:
+    """Rank 1's forward takes 1.5x as long (tests/e2e/straggler_common.py), 20 batches."""
+    from tests.e2e.common import Points
+    from tests.e2e.straggler_common import BATCH, BATCHES, STRAGGLER, SlowForward, forward_delay
+
+    COUNTERS.clear()
+    seed_everything(0)
+    torch.set_num_threads(1)  # two ranks on two shared cores
+    model = DistributedDataParallel(SlowForward(forward_delay(dist.get_rank(), slow=True)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = Points(2 * BATCHES * BATCH)
+    train_loader = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data))
+    guard = RankGuard(straggler_monitor=STRAGGLER, **QUICK)
+    with guard.fit(model, optimizer, train_loader) as run:
+        for x, y in run.train(train_loader):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    COUNTERS["straggler_rank"] = run.metrics["rankguard/straggler_rank"]
+
+
+def stall_after_eval() -> None:
+    """The bug: rank 1 never comes back from its first eval (here a sleep)."""
+    if dist.get_rank() == 1:
+        (OUT / "stall.json").write_text(json.dumps({"rank": 1, "t": time.time()}))
+        while True:
+            time.sleep(3600)
+
+
+def post_eval_stall() -> None:
+    settings = {**HANG, "report_dir": str(OUT / "reports")}
+    fit(RankGuard(hang_watchdog=settings), *seeded_split(), after_eval=stall_after_eval)
+
+
+SCENARIOS = {
+    "healthy": healthy,
+    "unseeded_split": unseeded,
+    "uneven_eval": uneven_eval,
+    "fsdp2": fsdp2,
+    "short_eval_stream": short_eval_stream,
+    "short_train_stream": short_train_stream,
+    "per_rank_ckpt": per_rank_ckpt,
+    "resume_node_local": resume_node_local,
+    "straggler": straggler,
+    "post_eval_stall": post_eval_stall,
+}
+
+
+def main() -> None:
+    global OUT
+    OUT = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    run_scenarios(SCENARIOS, COUNTERS)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""rankguard under plain ``torchrun`` on 2 CPU ranks (gloo): a hand-written loop and the HF Trainer.
+
+Two launches (``torchrun --standalone``, so concurrent launches never share a
+port), each running in one pair of processes, in order:
+
+- a healthy run, which must log no rankguard warning (the loop also with FSDP2
+  and sharded saves through ``torch.distributed.checkpoint``);
+- the real "seed 003" failure: ``datasets``' ``train_test_split`` without a seed,
+  in processes whose numpy is not seeded, so each rank trains on its own split;
+  it must stop at fit start on every rank, before any batch;
+- eval sets of different sizes per rank: caught before the first eval batch;
+- data left behind in the loop: a rank whose eval or train stream ran out while
+  another's still had data (their ``__len__`` agree), named after the eval and
+  at the epoch's end;
+- save folders of each rank's own, created and silent (the loop);
+- each rank playing a node of its own (``NODE_RANK``) with a local disk: the
+  save folder is reported node-local, and a resume from a checkpoint on one
+  node's disk stops every rank before any rank loads it (the loop's
+  ``guard.load``; the Trainer's ``train(resume_from_checkpoint=True)``);
+- rank 1 stalls after its first eval: the watchdog names rank 1 with its stack
+  and ends every rank with exit code 75 (so this scenario comes last).
+
+Jobs: ``tests/e2e/torch_loop_job.py`` and ``tests/e2e/hf_trainer_job.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from rankguard.callbacks.hang_watchdog import HANG_EXIT_CODE
+from tests.e2e.hang_settings import HANG
+from tests.mp import run_job
+from tests.test_hang_e2e import _loop_stack
+
+pytestmark = pytest.mark.framework
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+SCENARIOS = ["healthy", "unseeded_split", "uneven_eval", "straggler", "post_eval_stall"]
+LOOP_ONLY = [
+    "fsdp2",
+    "short_eval_stream",
+    "short_train_stream",
+    "per_rank_ckpt",
+    "resume_node_local",
+]
+LOOP_SCENARIOS = [*SCENARIOS[:-1], *LOOP_ONLY, SCENARIOS[-1]]
+HF_SCENARIOS = [*SCENARIOS[:-1], "node_local_resume", SCENARIOS[-1]]
+LAUNCH_TIMEOUT_S = 240
+REPORT_MARGIN_S = 3.0  # the report comes within the deadline + this, from the stall's start
+
+
+def launch(job: str, out: Path, scenarios: list[str]) -> tuple[str, list[dict]]:
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(ROOT / "tests" / "e2e" / job), str(out), *scenarios]
+    result = run_job(cmd, timeout_s=LAUNCH_TIMEOUT_S, cwd=out)
+    # torchrun's error names the exit code of each rank that ended before it stopped the
+    # others: one or both, 75 (every rank logs that it aborts, see below).
+    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", result.output))
+    assert result.returncode != 0 and codes == {str(HANG_EXIT_CODE)}, result.output[-6000:]
+    return result.output, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torch_loop")
+    return (out, *launch("torch_loop_job.py", out, LOOP_SCENARIOS))
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    pytest.importorskip("transformers", reason="needs rankguard[transformers]")
+    out = tmp_path_factory.mktemp("hf_trainer")
+    return (out, *launch("hf_trainer_job.py", out, HF_SCENARIOS))
+
+
+def test_loop_healthy_run_is_clean_on_both_ranks(loop):
+    _, _, ranks = loop
+    for rank in ranks:
+        result = rank["healthy"]
+        assert result["outcome"] == "ok" and result["warnings"] == [], result
+        # 2 epochs of 6 batches; an eval (2 batches) and a save every 4 steps.
+        assert result["counters"] == {
+            "train_batches": 12,
+            "eval_batches": 6,
+            "saves": 3,
+            "steps": 12,
+            "epochs": 2,
+            "checkpoint_files": 3,
+        }
+
+
+def test_loop_with_fsdp2_and_sharded_dcp_saves_is_clean_and_planned_sharded(loop):
+    for rank in loop[2]:
+        result = rank["fsdp2"]
+        assert result["outcome"] == "ok" and result["warnings"] == [], result
+        counters = result["counters"]
+        assert counters["steps"] == 6 and counters["plan"] == "ok"
+        # The plan reads the FSDP2 model as sharded and the loop's saves as sharded.
+        assert counters["reason"].startswith("Checkpoint memory fits: a sharded checkpoint save")
+        assert "(1 consolidated copy" in counters["reason"]
+        assert counters["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+FIX_LEFT = "Fix: give every rank the same number of batches: split iterable or streaming data"
+
+
+def test_loop_rank_whose_eval_stream_ran_out_first_is_named_with_what_the_other_left(loop):
+    for rank in loop[2]:
+        result = rank["short_eval_stream"]
+        assert result["outcome"] == "BatchCountMismatchError", result
+        assert result["message"].startswith(
+            "Eval loader 'eval' left data behind: rank 0: ran out after 3 batches; still had "
+            "data: rank 1: ran 4 batches, more left; those batches never ran. Batches run: "
+            "rank 0: ran 3 of 4 batches its __len__ promised; rank 1: ran 4 batches. " + FIX_LEFT
+        )
+    assert [r["short_eval_stream"]["counters"]["eval_batches"] for r in loop[2]] == [3, 4]
+
+
+def test_loop_train_epoch_with_data_left_on_a_rank_is_named_at_the_epoch_end(loop):
+    # DDP's join let rank 0 finish its epoch early: without rankguard, nothing is said.
+    for rank in loop[2]:
+        result = rank["short_train_stream"]
+        assert result["outcome"] == "BatchCountMismatchError", result
+        assert result["message"].startswith(
+            "Train loader 'train' in epoch 0 left data behind: rank 0: ran out after 3 "
+            "batches; still had data: rank 1: ran 4 batches, more left; those batches never "
+            "ran. Batches run: rank 0: 3 batches; rank 1: 4 batches. " + FIX_LEFT
+        )
+        assert result["counters"]["evals"] == 1  # checked at the fit's end, after the eval
+    assert [r["short_train_stream"]["counters"]["train_batches"] for r in loop[2]] == [3, 4]
+
+
+def test_loop_folders_of_each_rank_own_are_created_and_clean(loop):
+    for rank in loop[2]:
+        result = rank["per_rank_ckpt"]
+        assert result["outcome"] == "ok" and result["warnings"] == [], result
+        assert result["counters"]["files"] == [
+            "per_rank/ckpt_rank0/model.pt",
+            "per_rank/ckpt_rank1/model.pt",
+        ]
+
+
+def test_loop_resume_from_one_nodes_disk_fails_before_any_rank_loads(loop):
+    out, _, ranks = loop
+    host = socket.gethostname()
+    for r, rank in enumerate(ranks):
+        result = rank["resume_node_local"]
+        # At fit start: the save folder is each node's own.
+        [warning] = result["warnings"]
+        assert (
+            f"Checkpoint folder {out}/node{r}/ckpt is node-local: node {host}/node1 (rank 1) "
+            in (warning)
+        )
+        assert result["outcome"] == "NodeLocalDirError", result
+        assert result["message"].startswith(
+            f"Checkpoint to resume from rank 0: {out}/node0/ckpt/last.pt; rank 1: "
+            f"{out}/node1/ckpt/last.pt is not there on node {host}/node1 (rank 1); node "
+            f"{host}/node0 (rank 0) sees it."
+        )
+        assert "loaded" not in result["counters"]  # no rank read it
+    assert [rank["resume_node_local"]["counters"]["saved"] for rank in ranks] == [1, 0]
+
+
+def test_hf_healthy_run_is_clean_and_logs_through_the_trainer(hf):
+    _, _, ranks = hf
+    for rank in ranks:
+        result = rank["healthy"]
+        assert result["outcome"] == "ok" and result["warnings"] == [], result
+        counters = result["counters"]
+        assert (counters["steps"], counters["eval_batches"], counters["saves"]) == (6, 4, 2)
+        assert "rankguard/shared_dir_wait_s" in counters["rankguard_keys_logged"]
+
+
+def test_hf_resume_from_a_checkpoint_one_node_lacks_fails_before_the_trainer_loads(hf):
+    out, _, ranks = hf
+    host = socket.gethostname()
+    # Rank 1's node got only its own RNG state from each save: no resumable checkpoint.
+    assert [r["node_local_resume"]["counters"]["saved"][-1] for r in ranks] == [
+        "training_args.bin",
+        "rng_state_1.pth",
+    ]
+    for r, rank in enumerate(ranks):
+        result = rank["node_local_resume"]
+        [warning] = result["warnings"]  # the first run's save folder, at its fit start
+        assert warning.startswith(
+            f"rankguard shared_dir_barrier: Checkpoint folder {out}/hf_node{r}/out is node-local: "
+            f"node {host}/node1 (rank 1) does not see what rank 0 ({host}/node0) writes there"
+        )
+        assert result["outcome"] == "NodeLocalDirError", result
+        state = "checkpoint-6/trainer_state.json"
+        assert result["message"].startswith(
+            f"Checkpoint to resume from rank 0: {out}/hf_node0/out/{state}; rank 1: "
+            f"{out}/hf_node1/out/{state} is not there on node {host}/node1 (rank 1); node "
+            f"{host}/node0 (rank 0) sees it."
+        )
+        assert "steps" not in result["counters"]  # stopped before any step of the resume
+
+
+def assert_unseeded_split_stopped_at_fit_start(result: dict, batches: str) -> None:
+    assert result["outcome"] == "DataInconsistencyError", result
+    message = result["message"]
+    assert message.startswith("Ranks see different data (at fit start): loader 'eval': content ")
+    for loader in ("eval", "train"):
+        assert re.search(
+            rf"loader '{loader}': content differs \(rank 0: hash \w{{8}} of 16 items; "
+            rf"rank 1: hash \w{{8}} of 16 items\)",
+            message,
+        ), message
+    assert "`train_test_split(..., seed=42)`" in message
+    assert result["counters"].get(batches, 0) == 0  # before any batch
+
+
+def test_loop_unseeded_train_test_split_stops_every_rank_at_fit_start(loop):
+    for rank in loop[2]:
+        assert_unseeded_split_stopped_at_fit_start(rank["unseeded_split"], "train_batches")
+
+
+def test_hf_unseeded_train_test_split_stops_every_rank_at_fit_start(hf):
+    for rank in hf[2]:
+        assert_unseeded_split_stopped_at_fit_start(rank["unseeded_split"], "steps")
+
+
+def test_loop_uneven_eval_batches_fail_before_the_first_eval_batch(loop):
+    for rank in loop[2]:
+        result = rank["uneven_eval"]
+        assert result["outcome"] == "BatchCountMismatchError", result
+        assert result["message"].startswith(
+            "Ranks would run different numbers of batches (before the first eval batch): "
+            "loader 'eval': rank 0: 2 batches; rank 1: 4 batches. Fix: "
+        )
+        # The loop named its eval loader only at eval (step 4): no eval batch ran.
+        assert result["counters"] == {"train_batches": 4}
+
+
+def test_hf_uneven_eval_batches_fail_at_fit_start_from_the_trainers_own_eval_loader(hf):
+    for rank in hf[2]:
+        result = rank["uneven_eval"]
+        assert result["outcome"] == "BatchCountMismatchError", result
+        assert result["message"].startswith(
+            "Ranks would run different numbers of batches (at fit start): "
+            "loader 'eval': rank 0: 2 batches; rank 1: 4 batches. Fix: "
+        )
+        assert result["counters"] == {}  # no step, no eval batch
+
+
+def assert_rank_1_named_with_its_stack(out: Path, output: str, frame: str) -> None:
+    reports = out / "reports"
+    summary = (reports / "summary.txt").read_text()
+    deadline = HANG["post_eval_timeout_s"]
+    assert re.match(
+        rf"rank 1 stuck \d+ s in after eval of 'eval' \(deadline {deadline:g} s\); rank 0 ",
+        summary,
+    ), summary
+    assert "Next: read rank1.txt" in summary
+    stall = json.loads((out / "stall.json").read_text())
+    latency = (reports / "summary.txt").stat().st_mtime - stall["t"]
+    assert deadline - 0.5 < latency < deadline + REPORT_MARGIN_S
+    assert frame in _loop_stack(reports / "rank1.txt")  # where rank 1's loop stopped
+    assert output.count("Now aborting with exit code 75.") == 2
+
+
+def _straggler_warning(rank: dict) -> float:
+    """The one straggler warning of the ``straggler`` scenario: names rank 1; its score."""
+    result = rank["straggler"]
+    assert result["outcome"] == "ok", result
+    [warning] = result["warnings"]
+    assert warning.startswith("rankguard straggler_monitor: Straggler: rank 1 (node "), warning
+    return float(re.search(r"\(score (\d\.\d\d) < threshold 0\.8\)", warning).group(1))
+
+
+@pytest.mark.parametrize("job", ["loop", "hf"])
+def test_rank_1_computing_1_5x_longer_is_named_by_every_rank(job, request):
+    _, _, ranks = request.getfixturevalue(job)
+    for rank in ranks:
+        assert 0.55 <= _straggler_warning(rank) <= 0.75  # 20 ms against 30 ms: 0.67
+    if job == "loop":
+        assert [r["straggler"]["counters"]["straggler_rank"] for r in ranks] == [1.0, 1.0]
+    else:  # through the Trainer's own log
+        logged = ranks[0]["straggler"]["counters"]["rankguard_keys_logged"]
+        assert "rankguard/straggler_score_min" in logged
+
+
+def test_loop_rank_stalled_after_eval_is_named_with_its_stack_and_every_rank_exits_75(loop):
+    out, output, _ = loop
+    assert_rank_1_named_with_its_stack(out, output, "in stall_after_eval")
+
+
+def test_hf_rank_stalled_after_eval_is_named_with_its_stack_and_every_rank_exits_75(hf):
+    out, output, _ = hf
+    assert_rank_1_named_with_its_stack(out, output, "in on_evaluate")

@@ -1,0 +1,172 @@
+"""The Hugging Face Trainer adapter in one process: the Trainer it finds, its events, its silence.
+
+The same adapter runs on 2 ranks under ``torchrun`` in ``tests/test_torchrun_e2e.py``.
+A 2-layer BERT built from a config; nothing reaches the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub
+pytest.importorskip("transformers", reason="needs rankguard[transformers]")
+
+from transformers import (
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from rankguard.callbacks.guard import Guard
+from rankguard.integrations import transformers as rg_hf
+from rankguard.integrations.transformers import RankGuard, calling_trainer
+from tests.e2e.common import EventLog, tiny_bert, token_dataset
+
+
+def trainer(tmp_path, callback, eval_dataset=None, **args) -> Trainer:
+    settings = {
+        "output_dir": str(tmp_path / "out"),
+        "use_cpu": True,
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 4,
+        "max_steps": 4,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "save_strategy": "steps",
+        "save_steps": 4,
+        "logging_steps": 10,
+        "report_to": [],
+        "disable_tqdm": True,
+        **args,
+    }
+    return Trainer(
+        model=tiny_bert(),
+        args=TrainingArguments(**settings),
+        train_dataset=token_dataset(16),
+        eval_dataset=token_dataset(8) if eval_dataset is None else eval_dataset,
+        callbacks=[callback],
+    )
+
+
+class FindTrainer(TrainerCallback):
+    def __init__(self) -> None:
+        self.found: dict[str, object] = {}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.found["on_train_begin"] = calling_trainer()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.found["on_step_end"] = calling_trainer()
+
+
+def test_the_trainer_calling_a_hook_is_found(tmp_path):
+    # The one private reliance: transformers calls hooks from the Trainer's own methods.
+    finder = FindTrainer()
+    hf = trainer(tmp_path, finder, max_steps=1)
+    hf.train()
+    assert finder.found == {"on_train_begin": hf, "on_step_end": hf}
+    assert calling_trainer() is None  # not inside a Trainer
+
+
+def test_trainer_hooks_fire_core_events_in_order(tmp_path):
+    log = EventLog()
+    loads = LoadLog()
+    evals = {"a": token_dataset(8), "b": token_dataset(4)}  # 2 and 1 eval batches
+    hf = trainer(tmp_path, rg_hf._TrainerAdapter([log, loads]), eval_dataset=evals)
+    hf.train()
+    train_step = [
+        ("data_fetch_start", 0, None),
+        ("data_fetch_end", 0, None),
+        ("train_batch_start", 0, None),
+        ("train_batch_end", 0, None),
+    ]
+
+    def at(step, events):
+        return [(e, step, loader) for e, _, loader in events]
+
+    evaluation = [
+        # Every eval loader before the first eval batch, from on_step_end.
+        ("eval_start", 0, "eval_a"),
+        ("eval_start", 0, "eval_b"),
+        ("eval_batch_end", 0, "eval_a"),
+        ("eval_batch_end", 0, "eval_a"),
+        ("eval_end", 0, "eval_a"),
+        ("eval_batch_end", 0, "eval_b"),
+        ("eval_end", 0, "eval_b"),
+    ]
+    assert log.events == [
+        ("fit_start", 0, None),
+        ("epoch_start", 0, "train"),
+        *at(0, train_step),
+        ("data_fetch_start", 1, None),
+        *at(1, train_step[1:]),
+        *at(2, evaluation),
+        # After eval, the next fetch is announced only by on_step_begin.
+        *at(2, train_step),
+        ("data_fetch_start", 3, None),
+        *at(3, train_step[1:]),
+        *at(4, evaluation),
+        # The save due at the same step waits for the last eval's end.
+        ("checkpoint_save_start", 4, None),
+        ("checkpoint_save_end", 4, None),
+        ("data_fetch_start", 4, None),
+        ("epoch_end", 4, "train"),
+        ("fit_end", 4, None),
+    ]
+    # A resume is checked before the Trainer loads it, by the file train() needs first.
+    log.events.clear()
+    hf.train(resume_from_checkpoint=True)
+    assert log.events[:2] == [("checkpoint_load_start", 0, None), ("fit_start", 0, None)]
+    assert loads.paths == [str(tmp_path / "out" / "checkpoint-4" / "trainer_state.json")]
+
+
+class LoadLog(Guard):
+    """Records the load path of every CHECKPOINT_LOAD_START."""
+
+    name = "load_log"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str | None] = []
+
+    def on_checkpoint_load_start(self, facts) -> None:
+        self.paths.append(facts.load_path)
+
+
+def test_single_process_training_is_silent_and_logs_rankguard_metrics(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="rankguard")
+    guard = RankGuard(hang_watchdog={"exchange_period_s": 0.2}, data_stall_monitor={"interval": 2})
+    hf = trainer(tmp_path, guard)
+    hf.train()
+    assert [r for r in caplog.records if r.name.startswith("rankguard")] == []
+    logged = {key for entry in hf.state.log_history for key in entry}
+    assert {
+        "rankguard/data_wait_s",
+        "rankguard/data_wait_fraction",
+        "rankguard/checkpoint_needed_bytes",
+        "rankguard/shared_dir_wait_s",
+    } <= logged
+    # SharedDirBarrier made the save's folder before the Trainer wrote into it.
+    assert (tmp_path / "out" / "checkpoint-4" / "trainer_state.json").exists()
+    guard.close()
+    guard.close()
+
+
+def test_accelerate_sharded_loaders_are_distributed_for_the_content_check():
+    # The Trainer's loaders split batches between ranks with Accelerate's BatchSamplerShard
+    # (num_processes), not a DistributedSampler: their content must still be compared.
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    from rankguard.callbacks.fingerprint import fingerprint_loader
+
+    data = token_dataset(16)
+    batches = BatchSampler(SequentialSampler(data), batch_size=4, drop_last=False)
+    shard = BatchSamplerShard(batches, num_processes=2, process_index=0)
+    loader = DataLoader(data, batch_sampler=shard)
+    fingerprint = fingerprint_loader(loader, sample_items=4)
+    assert fingerprint.sharded and fingerprint.content_kind == "items"
+    assert not fingerprint_loader(DataLoader(data, batch_size=4), sample_items=4).sharded
