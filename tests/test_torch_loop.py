@@ -381,7 +381,7 @@ def test_the_watchdogs_calibration_goes_into_the_loops_checkpoint_and_back(tmp_p
     resumed.load_state_dict(saved)
     watchdog = next(g for g in resumed.runner.guards if g.name == "hang_watchdog")
     with resumed.fit(model, optimizer, train) as run:
-        for batch in run.train():
+        for _ in run.train():
             # Calibrated from the checkpoint before its first step ended: the floor, not 600 s.
             assert watchdog.deadlines["train"] == 0.5
             break
