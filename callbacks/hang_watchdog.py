@@ -75,6 +75,7 @@ logger = logging.getLogger(__name__)
 HANG_EXIT_CODE = 75
 #: Set by torchrun (and its elastic agent) to the number of restarts of the worker group.
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
 
 STATUS_EXCHANGE = "hang_watchdog/status"
 ABORT_BARRIER = "hang_watchdog/abort"
@@ -121,7 +122,11 @@ def process_group_timeout() -> tuple[str | None, float | None]:
 
 
 def attempt_dir(report_dir: str | os.PathLike, env: Mapping[str, str]) -> Path:
-    """Where this attempt's report goes: ``report_dir/attempt{N}`` under torchrun's restarts.
+    """Where this attempt's report goes: ``report_dir/attempt{N}`` when the launcher restarts.
+
+    torchrun with ``--max-restarts`` above 0 (``TORCHELASTIC_MAX_RESTARTS``) can
+    start the workers again, so each attempt keeps its own folder; otherwise
+    the report goes to ``report_dir`` itself, where the docs say it is.
 
     Args:
         report_dir: The configured report directory.
@@ -132,7 +137,10 @@ def attempt_dir(report_dir: str | os.PathLike, env: Mapping[str, str]) -> Path:
         ``report_dir`` itself when the launcher does not restart workers.
     """
     count = env.get(RESTART_ENV, "").strip()
-    return Path(report_dir) / f"attempt{int(count)}" if count.isdigit() else Path(report_dir)
+    restarts = env.get(MAX_RESTARTS_ENV, "").strip()
+    if not count.isdigit() or (int(count) == 0 and not (restarts.isdigit() and int(restarts))):
+        return Path(report_dir)
+    return Path(report_dir) / f"attempt{int(count)}"
 
 
 def _check_report_dir(report_dir: Any) -> str:
@@ -186,8 +194,8 @@ class HangWatchdog(Guard):
     fetch), its train deadline applies, so it is reported as waiting, not as
     stuck after eval. Under NCCL, a ceiling left at its default (``None``) is
     lowered to fit inside the process group's timeout; one you set that does
-    not fit gets a warning with the fix. Under torchrun the report of each
-    restart attempt goes to ``report_dir/attempt{N}``.
+    not fit gets a warning with the fix. Under torchrun with restarts the report
+    of each attempt goes to ``report_dir/attempt{N}``.
 
     The calibration is saved with checkpoints (:meth:`state_dict`), so a
     resumed job starts calibrated.

@@ -186,8 +186,14 @@ def test_a_rank_another_check_gave_up_on_is_stuck_and_ends_the_incident_at_once(
 
 def test_each_torchrun_restart_attempt_reports_into_its_own_folder(tmp_path):
     assert attempt_dir(tmp_path, {}) == tmp_path
-    assert attempt_dir(tmp_path, {"TORCHELASTIC_RESTART_COUNT": "0"}) == tmp_path / "attempt0"
-    assert attempt_dir(tmp_path, {"TORCHELASTIC_RESTART_COUNT": "1"}) == tmp_path / "attempt1"
+    # torchrun without restarts: the report goes where the docs say, report_dir itself.
+    once = {"TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0"}
+    assert attempt_dir(tmp_path, once) == tmp_path
+    restarts = {"TORCHELASTIC_MAX_RESTARTS": "1"}
+    first = {**restarts, "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert attempt_dir(tmp_path, first) == tmp_path / "attempt0"
+    second = {**restarts, "TORCHELASTIC_RESTART_COUNT": "1"}
+    assert attempt_dir(tmp_path, second) == tmp_path / "attempt1"
 
 
 def test_a_waiting_rank_past_its_shorter_deadline_names_the_rank_it_waits_for():
