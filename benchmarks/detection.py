@@ -1,30 +1,44 @@
-"""Time from a hang to its report, with and without rankguard's HangWatchdog.
+"""Time from a hang to its report, with rankguard's defaults, with short deadlines, and without.
 
 Each scenario is a plain 2-rank ``torch.distributed`` job (gloo on CPU,
 ``env://`` rendezvous hosted by rank 0, as under Composer's launcher and
-Lightning) training a DDP model, with an eval every few steps that ends in a
-metric ``all_reduce``. rankguard's core ``HangWatchdog`` runs behind a
-``GuardRunner`` fed the same events the Composer and Lightning adapters send
+Lightning) training a DDP model with steps of ~50 ms, in epochs of 60 steps
+each ending in an eval (4 batches and a metric ``all_reduce``). rankguard's
+core guards run behind a ``GuardRunner`` fed the same events (and loader,
+model and optimizer facts) the Composer and Lightning adapters send
 (``tests/test_hang_e2e.py`` covers the real trainers). Rank 1 hangs:
 
-- ``post-eval stall``: blocks in a hook right after eval (rank 0 goes on and
-  waits in DDP's gradient all-reduce);
-- ``mid-eval stall``: blocks inside eval batch 2 (rank 0 waits in the metric
-  all-reduce);
-- ``unmatched collective``: after eval, calls an ``all_reduce`` on a second
-  group that rank 0 never calls;
-- ``frozen rank``: its whole process stops (SIGSTOP) after train step 25,
-  watchdog thread included.
+- ``post-eval stall``: blocks in a hook right after the first eval (rank 0
+  goes on to the next epoch and waits in ``BatchParityGuard``'s epoch-start
+  check, the field report of the MosaicBERT run);
+- ``mid-eval stall``: blocks inside batch 2 of the first eval (rank 0 waits
+  in the metric all-reduce);
+- ``train-step stall``: blocks inside train step 30 (rank 0 waits in DDP's
+  gradient all-reduce, inside autograd's backward);
+- ``unmatched collective``: after the first eval, calls an ``all_reduce`` on
+  a second group that rank 0 never calls;
+- ``frozen rank``: its whole process stops (SIGSTOP) after train step 90
+  (after the first eval), watchdog thread included.
 
-Rank 1 writes the moment it starts to hang. With rankguard the report time
-is ``summary.txt``'s mtime and the job ends when the ranks exit with code 75
-(``action="abort"``); without it, the job is watched for ``--cap`` seconds for
-any rank to exit or to print an error (gloo's default process-group timeout
-is 30 minutes). Runs without rankguard run side by side (they only wait).
-Exit code -9: killed by the benchmark (the frozen rank, or whatever is left
-at the end).
+Three ways to run each:
 
-Usage: ``python benchmarks/detection.py [--cap 60]``
+- ``defaults``: every guard of ``RankGuard()`` with only ``report_dir`` set:
+  calibrated deadlines report (stage 1), the ceiling (600 s on gloo) or a
+  check that gives up waiting (``exchange_timeout_s``, 300 s) ends the job;
+- ``short``: the HangWatchdog alone with short deadlines (:data:`WATCHDOG`);
+- ``none``: no rankguard, watched for ``--cap`` seconds for any rank to exit
+  or print an error (gloo's default process-group timeout is 30 minutes).
+
+Rank 1 writes the moment it starts to hang. The report time is the first
+hang line a rank logs; the job ends when the ranks exit (75: the watchdog's
+abort; -9: killed by the benchmark, the frozen rank or whatever is left at
+the end). "stack" says whether rank 1's stack file shows the function it
+hangs in. Runs without rankguard and with the defaults run side by side
+(after the hang they only wait; starts are staggered); short runs one at a
+time. All figures are from a shared machine: indicative.
+
+Usage: ``python benchmarks/detection.py [--cap 60] [--defaults-cap 700] [--modes defaults,short]
+[--scenarios frozen_rank,...]``
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -46,8 +61,17 @@ ROOT = HERE.parent
 SCENARIOS = {
     "post_eval_stall": "post-eval stall",
     "mid_eval_stall": "mid-eval stall",
+    "train_step_stall": "train-step stall",
     "unmatched_collective": "unmatched collective",
     "frozen_rank": "frozen rank",
+}
+#: The function rank 1 hangs in (its stack file must show it); none for a frozen process.
+CULPRITS = {
+    "post_eval_stall": "stall",
+    "mid_eval_stall": "stall",
+    "train_step_stall": "stall",
+    "unmatched_collective": "unmatched_all_reduce",
+    "frozen_rank": None,
 }
 WATCHDOG = {
     "timeout_s": 10.0,
@@ -55,40 +79,60 @@ WATCHDOG = {
     "post_eval_timeout_s": 5.0,
     "exchange_period_s": 1.0,
 }
-DEADLINE_S = {  # the deadline of the phase rank 1 hangs in
+DEADLINE_S = {  # the deadline of the phase rank 1 hangs in, short settings
     "post_eval_stall": WATCHDOG["post_eval_timeout_s"],
     "mid_eval_stall": WATCHDOG["eval_timeout_s"],
+    "train_step_stall": WATCHDOG["timeout_s"],
     "unmatched_collective": WATCHDOG["post_eval_timeout_s"],
     "frozen_rank": WATCHDOG["timeout_s"],
 }
-# The freeze comes after status exchanges have seen train steps: a rank frozen before any
-# exchange saw it past its first step is held to `first_step_timeout_s` (30 min).
-STEPS, EVAL_EVERY, FREEZE_AFTER, STEP_S = 40, 10, 25, 0.05
-STARTUP_TIMEOUT_S = 180
+MODES = ("defaults", "short", "none")
+# The freeze comes after status exchanges (every 10 s by default) have seen train steps: a
+# rank frozen before any exchange saw it past its first step is held to
+# `first_step_timeout_s` (30 min).
+EPOCHS, EPOCH_STEPS, FREEZE_AFTER, TRAIN_STALL_AT, STEP_S = 3, 60, 90, 30, 0.05
+STARTUP_TIMEOUT_S = 240
+STAGGER_S = 15.0  # between the starts of runs side by side
 EXIT_GRACE_S = 10.0  # a frozen rank never exits: it is killed (-9) this long after the others
+_HANG_LINE = re.compile(r"^(\d+\.\d+) .*rankguard hang_watchdog: (Hang suspected|Hang): (.*)$")
 
 
 # -- worker (one rank) -------------------------------------------------------------------
 
 
-def worker(scenario: str, out: Path, guarded: bool) -> None:
+def worker(scenario: str, out: Path, mode: str) -> None:
+    import logging
+
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
     from rankguard.callbacks.guard import GuardRunner
     from rankguard.callbacks.hang_watchdog import HangWatchdog
+    from rankguard.callbacks.registry import build_guards
 
+    logging.basicConfig(format="%(created).3f %(name)s %(levelname)s: %(message)s")
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     side_group = dist.new_group(backend="gloo")
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     reports = str(out / "reports")
-    runner = GuardRunner([HangWatchdog(report_dir=reports, **WATCHDOG)]) if guarded else None
-    eval_loader = LoaderFacts("eval", None, is_train=False)
+    runner = None
+    if mode == "defaults":
+        runner = GuardRunner(build_guards({"hang_watchdog": {"report_dir": reports}}))
+    elif mode == "short":
+        runner = GuardRunner([HangWatchdog(report_dir=reports, **WATCHDOG)])
+
+    def loader(batches: int) -> DataLoader:  # what the guards see (never iterated here)
+        data = TensorDataset(torch.arange(batches * 8 * world, dtype=torch.float32))
+        return DataLoader(data, batch_size=8, sampler=DistributedSampler(data, world, rank))
+
+    train_loader = LoaderFacts("train", loader(EPOCH_STEPS), is_train=True)
+    eval_loader = LoaderFacts("eval", loader(4), is_train=False)
 
     def fire(event: Event, **facts) -> None:
         if runner is not None:
@@ -101,8 +145,12 @@ def worker(scenario: str, out: Path, guarded: bool) -> None:
         mark_hang()
         time.sleep(3600)
 
-    def evaluate(step: int) -> None:
-        fire(Event.EVAL_START, step=step, loader=eval_loader)
+    def unmatched_all_reduce() -> None:
+        mark_hang()
+        dist.all_reduce(torch.ones(1), group=side_group)
+
+    def evaluate(step: int, epoch: int) -> None:
+        fire(Event.EVAL_START, step=step, epoch=epoch, loader=eval_loader)
         total = torch.zeros(1)
         for index in range(4):
             fire(Event.EVAL_BATCH_START, step=step, loader=eval_loader, batch_index=index)
@@ -113,30 +161,39 @@ def worker(scenario: str, out: Path, guarded: bool) -> None:
             time.sleep(STEP_S)
             fire(Event.EVAL_BATCH_END, step=step, loader=eval_loader, batch_index=index)
         dist.all_reduce(total)  # the metric sync
-        fire(Event.EVAL_END, step=step, loader=eval_loader)
+        fire(Event.EVAL_END, step=step, epoch=epoch, loader=eval_loader)
         if rank == 1 and scenario == "post_eval_stall":
             stall()
         if rank == 1 and scenario == "unmatched_collective":
-            mark_hang()
-            dist.all_reduce(torch.ones(1), group=side_group)
+            unmatched_all_reduce()
 
-    fire(Event.FIT_START)
-    for step in range(STEPS):
-        fire(Event.DATA_FETCH_START, step=step)
-        batch = torch.randn(8, 4)
-        fire(Event.DATA_FETCH_END, step=step)
-        fire(Event.TRAIN_BATCH_START, step=step)
-        model(batch).sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        time.sleep(STEP_S)
-        fire(Event.TRAIN_BATCH_END, step=step + 1)
-        if scenario == "frozen_rank" and rank == 1 and step + 1 == FREEZE_AFTER:
-            mark_hang()
-            os.kill(os.getpid(), signal.SIGSTOP)
-        if (step + 1) % EVAL_EVERY == 0:
-            evaluate(step + 1)
-    fire(Event.FIT_END, step=STEPS)
+    fire(
+        Event.FIT_START,
+        loaders=[train_loader, eval_loader],
+        model=model.module,
+        optimizer=optimizer,
+    )
+    step = 0
+    for epoch in range(EPOCHS):
+        fire(Event.EPOCH_START, step=step, epoch=epoch, loader=train_loader)
+        for _ in range(EPOCH_STEPS):
+            fire(Event.DATA_FETCH_START, step=step, epoch=epoch, loader=train_loader)
+            batch = torch.randn(8, 4)
+            fire(Event.DATA_FETCH_END, step=step, epoch=epoch)
+            fire(Event.TRAIN_BATCH_START, step=step, epoch=epoch)
+            if scenario == "train_step_stall" and rank == 1 and step == TRAIN_STALL_AT:
+                stall()
+            model(batch).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            time.sleep(STEP_S)
+            step += 1
+            fire(Event.TRAIN_BATCH_END, step=step, epoch=epoch)
+            if scenario == "frozen_rank" and rank == 1 and step == FREEZE_AFTER:
+                mark_hang()
+                os.kill(os.getpid(), signal.SIGSTOP)
+        evaluate(step, epoch)
+    fire(Event.FIT_END, step=step)
     if runner is not None:
         runner.close()
 
@@ -150,7 +207,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(scenario: str, out: Path, guarded: bool) -> list[subprocess.Popen]:
+def start(scenario: str, out: Path, mode: str) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(2):
@@ -163,7 +220,7 @@ def start(scenario: str, out: Path, guarded: bool) -> list[subprocess.Popen]:
             "RANK": str(rank),
             "OMP_NUM_THREADS": "1",
         }
-        cmd = [sys.executable, __file__, "--worker", scenario, str(out), str(int(guarded))]
+        cmd = [sys.executable, __file__, "--worker", scenario, str(out), mode]
         log = open(out / f"rank{rank}.log", "w")  # closed when the process ends
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
@@ -198,82 +255,110 @@ def watch(procs: list[subprocess.Popen], out: Path, cap_s: float) -> dict:
         if proc.poll() is None:
             proc.kill()  # SIGKILL also ends a stopped process
         proc.wait()
-    summary = out / "reports" / "summary.txt"
+    logs = [(out / f"rank{r}.log").read_text() for r in range(len(procs))]
+    hangs = sorted(m.groups() for log in logs for m in map(_HANG_LINE.match, log.splitlines()) if m)
+    rank1 = out / "reports" / "rank1.txt"
     return {
         "hang_t": hang_t,
         "exits": {r: t - hang_t for r, t in exits.items()} if hang_t else {},
         "codes": [p.returncode for p in procs],
-        "report_s": summary.stat().st_mtime - hang_t if summary.exists() and hang_t else None,
-        "summary": summary.read_text().splitlines()[0] if summary.exists() else "",
-        "errors": [
-            line
-            for r in range(len(procs))
-            for line in (out / f"rank{r}.log").read_text().splitlines()
-            if "Error" in line or "error" in line
-        ],
+        "report_s": float(hangs[0][0]) - hang_t if hangs and hang_t else None,
+        "verdict": hangs[0][2] if hangs else "",
+        "rank1_stack": rank1.read_text() if rank1.exists() else "",
+        "errors": [line for log in logs for line in log.splitlines() if "rror" in line],
     }
+
+
+def _ends(result: dict) -> str:
+    ends = f"{max(result['exits'].values()):.1f} s" if result["exits"] else "never"
+    return ends + f" ({','.join(str(c) for c in result['codes'])})"
+
+
+def _report(result: dict) -> str:
+    return f"{result['report_s']:.1f} s" if result["report_s"] is not None else "none"
+
+
+def _without(result: dict, cap_s: float) -> str:
+    if result["exits"] or result["errors"]:
+        first = min(result["exits"].values()) if result["exits"] else None
+        return f"exit after {first:.1f} s" if first is not None else "error logged"
+    if result["hang_t"] is None:
+        return "did not reach the hang"
+    return f"no report within {cap_s:g} s"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cap", type=float, default=60.0, help="seconds to wait without rankguard")
+    parser.add_argument(
+        "--defaults-cap",
+        type=float,
+        default=700.0,
+        help="seconds to wait with the defaults (their ceiling on gloo is 600 s)",
+    )
+    parser.add_argument("--modes", default=",".join(MODES), help="which of: " + ", ".join(MODES))
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="which scenarios")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    scenarios = {name: SCENARIOS[name] for name in args.scenarios.split(",")}
+    results: dict[tuple[str, str], dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = {(s, g): Path(tmp) / f"{s}-{g}" for s in SCENARIOS for g in (True, False)}
-        for path in dirs.values():
-            path.mkdir()
-        # Without rankguard the ranks only wait: these run side by side, in the background.
-        plain: dict[str, dict] = {}
+        caps = {"defaults": args.defaults_cap, "none": args.cap, "short": args.cap}
         watchers = []
-        for scenario in SCENARIOS:
-            procs, out = (
-                start(scenario, dirs[scenario, False], guarded=False),
-                dirs[scenario, False],
-            )
+        for mode in (m for m in ("none", "defaults") if m in modes):  # side by side
+            for scenario in scenarios:
+                out = Path(tmp) / f"{scenario}-{mode}"
+                out.mkdir()
+                procs = start(scenario, out, mode)
 
-            def watch_plain(scenario=scenario, procs=procs, out=out) -> None:
-                plain[scenario] = watch(procs, out, cap_s=args.cap)
+                def run(key=(scenario, mode), procs=procs, out=out) -> None:
+                    results[key] = watch(procs, out, cap_s=caps[key[1]])
 
-            watchers.append(threading.Thread(target=watch_plain))
-            watchers[-1].start()
-        guarded = {}
-        for scenario in SCENARIOS:  # one at a time: the timing is what is measured
-            procs = start(scenario, dirs[scenario, True], guarded=True)
-            guarded[scenario] = watch(procs, dirs[scenario, True], cap_s=args.cap)
+                watchers.append(threading.Thread(target=run))
+                watchers[-1].start()
+                time.sleep(STAGGER_S if mode == "defaults" else 0.0)
+        if "short" in modes:
+            for scenario in scenarios:  # one at a time: the timing is what is measured
+                out = Path(tmp) / f"{scenario}-short"
+                out.mkdir()
+                results[scenario, "short"] = watch(start(scenario, out, "short"), out, args.cap)
         for thread in watchers:
             thread.join()
     print(
-        "2 ranks, gloo on CPU; watchdog deadlines: train "
-        f"{WATCHDOG['timeout_s']:g} s, eval {WATCHDOG['eval_timeout_s']:g} s, after eval "
-        f"{WATCHDOG['post_eval_timeout_s']:g} s; status exchange every "
-        f"{WATCHDOG['exchange_period_s']:g} s. Times from the start of the hang."
+        f"2 ranks, gloo on CPU, steps of {1000 * STEP_S:.0f} ms, an eval every {EPOCH_STEPS} "
+        "steps; times from the start of the hang. defaults: RankGuard() with only report_dir. "
+        f"short: HangWatchdog deadlines train {WATCHDOG['timeout_s']:g} s, eval "
+        f"{WATCHDOG['eval_timeout_s']:g} s, after eval {WATCHDOG['post_eval_timeout_s']:g} s, "
+        f"exchange every {WATCHDOG['exchange_period_s']:g} s."
     )
     header = (
-        f"{'scenario':<21} | {'deadline':>8} | {'report':>7} | {'job ends (exit codes)':<22} | "
-        f"{'without rankguard':<24} | rankguard's verdict"
+        f"{'scenario':<20} | {'defaults: report':>16} | {'job ends (codes)':<18} | "
+        f"{'stack':<5} | {'short: deadline':>15} | {'report':>6} | {'job ends (codes)':<17} | "
+        f"{'without rankguard':<23}"
     )
     print(header)
     print("-" * len(header))
-    for scenario, label in SCENARIOS.items():
-        g, p = guarded[scenario], plain[scenario]
-        report = f"{g['report_s']:.1f} s" if g["report_s"] is not None else "none"
-        ends = f"{max(g['exits'].values()):.1f} s" if g["exits"] else "never"
-        ends += f" ({','.join(str(c) for c in g['codes'])})"
-        if p["exits"] or p["errors"]:
-            first = min(p["exits"].values()) if p["exits"] else None
-            without = f"exit after {first:.1f} s" if first is not None else "error logged"
-        elif p["hang_t"] is None:
-            without = "did not reach the hang"
-        else:
-            without = f"no report within {args.cap:g} s"
+    verdicts = []
+    for scenario, label in scenarios.items():
+        d, s, n = (results.get((scenario, m)) for m in MODES)
+        culprit = CULPRITS[scenario]
+        stack = "-" if d is None else ("n/a" if culprit is None else "no")
+        if d is not None and culprit and f"in {culprit}\n" in d["rank1_stack"]:
+            stack = "yes"
         print(
-            f"{label:<21} | {DEADLINE_S[scenario]:>6g} s | {report:>7} | {ends:<22} | "
-            f"{without:<24} | {g['summary']}"
+            f"{label:<20} | {_report(d) if d else '-':>16} | {_ends(d) if d else '-':<18} | "
+            f"{stack:<5} | {DEADLINE_S[scenario]:>13g} s | {_report(s) if s else '-':>6} | "
+            f"{_ends(s) if s else '-':<17} | {_without(n, args.cap) if n else '-':<23}"
         )
+        if d is not None:
+            verdicts.append(f"{label} (defaults): {d['verdict']}")
+    print("\nFirst report with the defaults, per scenario:")
+    for line in verdicts:
+        print(f"- {line}")
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], Path(sys.argv[3]), sys.argv[4] == "1")
+        worker(sys.argv[2], Path(sys.argv[3]), sys.argv[4])
     else:
         main()

@@ -295,17 +295,22 @@ class DataStallMonitor(Guard):
         Returns:
             Whether ``exc`` was recognised as a data-loader failure.
         """
-        try:
-            reason = worker_failure(exc)
-        except Exception as late:  # torch's SIGCHLD handler raises wherever this thread is
-            reason = worker_failure(late)
-        if reason is None:
-            return False
         step = facts.step if facts is not None else self._batches
-        logger.error(
-            "rankguard %s: rank %d, step %d: %s", self.name, self.channel.rank, step, reason
-        )
-        return True
+        reason: str | None = None
+        # torch's SIGCHLD handler raises (once per dead worker) wherever this thread is: while
+        # the error is explained, or while it is logged. Either way, explain and log again.
+        for _ in range(3):
+            try:
+                reason = reason or worker_failure(exc)
+                if reason is None:
+                    return False
+                logger.error(
+                    "rankguard %s: rank %d, step %d: %s", self.name, self.channel.rank, step, reason
+                )
+                return True
+            except Exception as late:
+                reason = reason or worker_failure(late)
+        return False
 
     def close(self) -> None:
         """Stops watching the loader; safe to call twice and after an error."""

@@ -127,6 +127,14 @@ class Guard:
             self._warned.add(key)
             logger.warning("rankguard %s: %s", self.name, message % args if args else message)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the guard keeps across a restart, saved with checkpoints (plain values)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what :meth:`state_dict` saved (before the first event of a resumed fit)."""
+        del state
+
     def close(self) -> None:
         """Releases what the guard holds; safe to call twice and after an error."""
 
@@ -193,6 +201,16 @@ class GuardRunner:
                     on_error(exc, facts)
                 except Exception:
                     logger.exception("rankguard: %s could not explain the error", guard.name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every guard's checkpoint state, by guard name (guards with none are left out)."""
+        return {guard.name: state for guard in self.guards if (state := guard.state_dict())}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Gives each guard its part of a checkpoint's state; unknown names are ignored."""
+        for guard in self.guards:
+            if state and guard.name in state:
+                guard.load_state_dict(state[guard.name])
 
     def close(self) -> None:
         """Closes every guard; safe to call twice and after an error."""

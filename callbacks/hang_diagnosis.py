@@ -1,14 +1,17 @@
-"""Pure decisions of the HangWatchdog: phases, deadlines, the cross-rank verdict, NCCL advice.
+"""Pure decisions of the HangWatchdog: phases, the cross-rank verdict, NCCL advice.
 
 Nothing here touches a thread, a file or a process group, so every rule is
 unit-tested with plain values. :mod:`rankguard.callbacks.hang_watchdog` wires
-them to a background thread and the side channel.
+them to a background thread and the side channel;
+:mod:`rankguard.callbacks.hang_calibration` sets the deadlines.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,13 +30,12 @@ __all__ = [
     "in_runs",
     "nccl_timeout_advice",
     "next_step",
-    "phase_deadline",
     "phase_label",
     "to_runs",
 ]
 
 #: Phase kinds, each with its own deadline. ``done`` (after fit end) has none.
-KINDS = ("startup", "train", "eval", "post_eval", "checkpoint", "done")
+KINDS = ("startup", "train", "data", "eval", "post_eval", "checkpoint", "done")
 
 #: At most this many stuck ranks are described one by one; the rest as ranges.
 MAX_DETAILED = 16
@@ -43,14 +45,22 @@ MAX_GROUPS = 8
 Runs = tuple[tuple[int, int], ...]
 #: A stack as ``(file, line, function)`` frames, innermost first.
 Frames = Sequence[tuple[str, int, str]]
+#: An exchange a rank gave up waiting in: (exchange name, the ranks missing, its timeout).
+GaveUp = tuple[str, tuple[int, ...], float]
 
 #: Code in which a thread waits for other ranks (collectives, barriers, DDP's buffer
-#: sync, and rankguard's own checks, which wait on the store).
+#: sync, rankguard's own checks, which wait on the store, and autograd's engine, where
+#: DDP and FSDP reduce gradients across ranks from C++ hooks during backward).
+AUTOGRAD_CODE = os.path.join("torch", "autograd", "")
 PEER_WAIT_CODE = (
     os.path.join("torch", "distributed", ""),
     os.path.join("torch", "nn", "parallel", "distributed.py"),
     side_channel.__file__,
+    AUTOGRAD_CODE,
 )
+#: Frames a waiting thread may sit in inside a peer wait: locks and events, and the
+#: watchdog's own handler of a check's missing ranks (called from the check's exchange).
+WAIT_MACHINERY = (threading.__file__, os.path.join(os.path.dirname(__file__), "hang_watchdog.py"))
 
 
 @dataclass(frozen=True)
@@ -61,11 +71,16 @@ class RankStatus:
         phase: Where the main thread is, e.g. ``"eval batch 3 of 'eval'"``.
         step: Global train step at the last heartbeat.
         idle_s: Seconds since the last heartbeat (progress).
-        deadline_s: The deadline of the current phase, or ``None`` (fit ended).
+        deadline_s: The deadline of the current phase (calibrated, at most the
+            ceiling), or ``None`` (fit ended): past it, the rank is reported.
         host: Host name.
         pid: Process id.
         blocked_in: The ``torch.distributed`` call the training loop is blocked
             in, with its call site (see :func:`blocked_in`), or ``None``.
+        ceiling_s: The phase's configured (or NCCL-fitted) deadline: past it,
+            the incident ends (abort); ``None`` means the same as ``deadline_s``.
+        gave_up: A rankguard exchange this rank stopped waiting in because some
+            ranks never came, or ``None``: those ranks are stuck, now.
     """
 
     phase: str
@@ -75,11 +90,32 @@ class RankStatus:
     host: str
     pid: int
     blocked_in: str | None = None
+    ceiling_s: float | None = None
+    gave_up: GaveUp | None = None
 
     @property
     def overdue(self) -> bool:
         """Whether the rank is past its deadline."""
         return self.deadline_s is not None and self.idle_s > self.deadline_s
+
+    @property
+    def ceiling(self) -> float | None:
+        """The phase's ceiling (its deadline when none was given)."""
+        return self.deadline_s if self.ceiling_s is None else self.ceiling_s
+
+    @property
+    def past_ceiling(self) -> bool:
+        """Whether the rank is past its phase's ceiling."""
+        ceiling = self.ceiling
+        return ceiling is not None and self.idle_s > ceiling
+
+    def limits(self) -> str:
+        """``"deadline 4 s"``, or ``"deadline 30 s, calibrated; ceiling 600 s"``."""
+        if self.deadline_s is None:
+            return "deadline none"
+        if self.ceiling is None or self.ceiling == self.deadline_s:
+            return f"deadline {self.deadline_s:g} s"
+        return f"deadline {self.deadline_s:g} s, calibrated; ceiling {self.ceiling:g} s"
 
 
 @dataclass(frozen=True)
@@ -99,6 +135,10 @@ class Verdict:
             before passing its deadline (``inf`` when no rank has a deadline).
         first: The stuck rank without progress the longest (it stopped first),
             or ``None``.
+        end: Whether the incident ends now (stage 2: abort, or the final
+            report): a stuck rank is past its ceiling, or a rank gave up
+            waiting for it in another check's exchange.
+        ceiling_slack_s: As ``slack_s``, up to the ceilings.
     """
 
     stuck: Runs
@@ -108,6 +148,8 @@ class Verdict:
     done: Runs
     slack_s: float
     first: int | None = None
+    end: bool = False
+    ceiling_slack_s: float = math.inf
 
 
 def phase_label(event: str, step: int, batch_index: int | None, loader: str | None) -> str:
@@ -142,53 +184,28 @@ def blocked_in(stack: Frames) -> str | None:
         stack: The training loop's frames, innermost first.
 
     Returns:
-        ``None`` unless the innermost frame is ``torch.distributed`` code (a
-        collective, barrier or store wait) or a rankguard check's exchange:
-        the thread waits for other ranks;
+        ``None`` unless the innermost frame (past locks and events) is
+        ``torch.distributed`` code (a collective, barrier or store wait), a
+        rankguard check's exchange, or autograd's engine (``"backward"``: under
+        DDP the gradient all-reduce): the thread waits for other ranks;
         else the call and its call site, past wrappers of the same name (a
         framework's ``all_reduce``), e.g.
         ``"all_reduce, called from trainer.py:3634 (_iter_dataloader)"``.
     """
+    stack = list(itertools.dropwhile(lambda f: f[0] in WAIT_MACHINERY, stack))
     if not stack or not _waits_for_peers(stack[0][0]):
         return None
-    call = "rankguard exchange" if stack[0][0] == side_channel.__file__ else stack[0][2]
+    call = stack[0][2]
+    if stack[0][0] == side_channel.__file__:
+        call = "rankguard exchange"
+    elif AUTOGRAD_CODE in stack[0][0]:
+        call = "backward"
     callers = (f for f in stack if not _waits_for_peers(f[0]) and f[2] != call)
     caller = next(callers, None)
     if caller is None:
         return call
     filename, line, function = caller
     return f"{call}, called from {os.path.basename(filename)}:{line} ({function})"
-
-
-def phase_deadline(
-    kind: str,
-    deadlines: Mapping[str, float],
-    slowest: Mapping[str, float],
-    *,
-    calibrate: bool,
-    factor: float,
-    floor_s: float,
-) -> float | None:
-    """Returns the deadline of a phase kind.
-
-    Args:
-        kind: One of :data:`KINDS`.
-        deadlines: Configured deadline per kind (seconds); ``done`` has none.
-        slowest: Slowest healthy interval observed per kind, once calibration
-            may apply (after the warm-up steps); kinds not seen are absent.
-        calibrate: Whether to calibrate at all.
-        factor: Calibrated deadline = ``factor`` x the slowest interval ...
-        floor_s: ... but never less than ``floor_s`` nor more than configured.
-
-    Returns:
-        Seconds, or ``None`` when the phase has no deadline.
-    """
-    if kind == "done":
-        return None
-    configured = deadlines[kind]
-    if not calibrate or kind == "startup" or kind not in slowest:
-        return configured
-    return min(configured, max(floor_s, factor * slowest[kind]))
 
 
 def to_runs(ranks: Iterable[int]) -> Runs:
@@ -213,13 +230,12 @@ def _grouped(statuses: Mapping[int, RankStatus], template: str) -> list[str]:
     groups.sort(key=lambda g: -max(statuses[r].idle_s for r in g[0]))
     for ranks, (phase, blocked) in groups[:MAX_GROUPS]:
         sample = max((statuses[r] for r in ranks), key=lambda s: s.idle_s)
-        deadline = "none" if sample.deadline_s is None else f"{sample.deadline_s:g} s"
         parts.append(
             template.format(
                 who=rank_label(ranks),
                 idle=sample.idle_s,
                 phase=phase,
-                deadline=deadline,
+                limits=sample.limits(),
                 where=f" (blocked in {blocked})" if blocked else "",
                 and_where=f"; blocked in {blocked}" if blocked else "",
             )
@@ -229,7 +245,7 @@ def _grouped(statuses: Mapping[int, RankStatus], template: str) -> list[str]:
     return parts
 
 
-def diagnose(statuses: Mapping[int, RankStatus]) -> Verdict:
+def diagnose(statuses: Mapping[int, RankStatus], incident: Runs = ()) -> Verdict:
     """The ``decide`` function of the status exchange (runs on rank 0).
 
     Ranks past their phase deadline are stuck; the stuck group that stopped
@@ -238,39 +254,75 @@ def diagnose(statuses: Mapping[int, RankStatus]) -> Verdict:
     waits for a peer: when some ranks past their deadline are blocked there
     and others are not, only the others are stuck; the blocked ones are
     listed as waiting (their last heartbeat may be the same, e.g. both
-    after eval when Lightning broadcasts before the next batch).
+    after eval when Lightning broadcasts before the next batch). When every
+    rank past its deadline is blocked, the stuck ones are the ranks not
+    blocked that have made no progress for at least half as long (deadlines
+    differ per phase: the rank waiting in a data fetch may pass its own
+    before the rank it waits for, stuck after eval, passes its longer one).
+
+    While an incident is open, its stuck ranks stay its cause as long as
+    they are still past their deadline: ranks that pass theirs later while
+    waiting for them (e.g. in a gradient all-reduce, which shows no Python
+    frame) are listed as waiting. Ranks another rank gave up waiting for in
+    a rankguard exchange are stuck, and end the incident at once.
 
     Args:
         statuses: Every rank's status.
+        incident: The stuck ranks of the open incident (``()`` when none).
 
     Returns:
         A verdict whose summary reads e.g. ``"rank 1 stuck 61 s in eval batch
         3 of 'eval' (deadline 60 s); ranks 0,2,3 waiting 58 s in train batch 2001"``.
     """
+    gave_up = sorted({s.gave_up for s in statuses.values() if s.gave_up is not None})
+    missing = {r for _, ranks, _ in gave_up for r in ranks if r in statuses}
     overdue = {r: s for r, s in statuses.items() if s.overdue}
-    stuck = {r: s for r, s in overdue.items() if not s.blocked_in} or overdue
+    stuck = {r: s for r, s in overdue.items() if in_runs(r, incident)}
+    if missing:  # ranks that another rank's check waited for in vain
+        stuck = {r: statuses[r] for r in missing}
+    elif not stuck:
+        stuck = {r: s for r, s in overdue.items() if not s.blocked_in}
+    if overdue and not stuck:  # every rank past its deadline waits for peers: for ranks
+        # that are not waiting and stopped about when they did (their deadline may be
+        # longer); half the wait tells them from ranks making progress, whatever the skew
+        # between two ranks' last heartbeats and status samples.
+        since = min(s.idle_s for s in overdue.values()) / 2
+        stuck = {
+            r: s
+            for r, s in statuses.items()
+            if s.deadline_s is not None and not s.blocked_in and s.idle_s >= since
+        } or overdue
     others = {r: s for r, s in statuses.items() if r not in stuck}
     summary = ""
     if stuck:
-        template = "{who} stuck {idle:.0f} s in {phase} (deadline {deadline}{and_where})"
+        template = "{who} stuck {idle:.0f} s in {phase} ({limits}{and_where})"
         parts = _grouped(stuck, template)
         parts += _grouped(others, "{who} waiting {idle:.0f} s in {phase}{where}")
         summary = "; ".join(parts)
     details = tuple(
+        f"{rank_label(ranks)} did not reach rankguard exchange {name!r} within {timeout:g} s; "
+        "the ranks waiting there gave up, so the incident ends now, before the ceiling (if "
+        f"{'it is' if len(ranks) == 1 else 'they are'} only slow there, raise that check's "
+        "timeout: `exchange_timeout_s`, or `batch_parity_guard`'s `eval_end_timeout_s` after "
+        "eval)."
+        for name, ranks, timeout in gave_up
+    ) + tuple(
         f"rank {r}: host {s.host}, pid {s.pid}, {s.phase} (step {s.step}), "
-        f"no progress for {s.idle_s:.1f} s, deadline {s.deadline_s:g} s"
+        f"no progress for {s.idle_s:.1f} s, {s.limits()}"
         + (f", blocked in {s.blocked_in}" if s.blocked_in else "")
         for r, s in sorted(stuck.items())[:MAX_DETAILED]
     )
-    slacks = [s.deadline_s - s.idle_s for s in statuses.values() if s.deadline_s is not None]
+    running = [s for s in statuses.values() if s.deadline_s is not None]
     return Verdict(
         stuck=to_runs(stuck),
         summary=summary,
         details=details,
         phases="; ".join(_grouped(statuses, "{who} in {phase}{where}")),
         done=to_runs(r for r, s in statuses.items() if s.deadline_s is None),
-        slack_s=max(slacks) if slacks else math.inf,
+        slack_s=max((s.deadline_s - s.idle_s for s in running), default=math.inf),
         first=max(stuck, key=lambda r: (stuck[r].idle_s, -r)) if stuck else None,
+        end=bool(missing) or any(s.past_ceiling for s in stuck.values()),
+        ceiling_slack_s=max((s.ceiling - s.idle_s for s in running), default=math.inf),
     )
 
 

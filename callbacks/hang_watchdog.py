@@ -1,8 +1,9 @@
-"""HangWatchdog: names the rank that stopped, where, with its stack, within seconds of a deadline.
+"""HangWatchdog: names the rank that stopped, where, with its stack, within a minute by default.
 
-The main thread only records heartbeats (a tuple assignment and a deque
-append per event, no lock, no I/O). A daemon thread per rank exchanges each
-rank's status on the side channel every ``exchange_period_s``; rank 0 applies
+The main thread only records heartbeats (a tuple assignment, two deque
+appends and a comparison per event, no lock, no I/O). A daemon thread per
+rank exchanges each rank's status on the side channel every
+``exchange_period_s``; rank 0 applies
 :func:`~rankguard.callbacks.hang_diagnosis.diagnose`, and every rank gets the
 same verdict. A rank blocked in a C++ collective releases the GIL, so its
 thread keeps answering: it is named by phase. With its status the thread
@@ -10,19 +11,30 @@ sends where the training loop is blocked, read from that thread's Python
 frames (by the watchdog thread, never on the main thread): a rank blocked in
 ``torch.distributed`` waits for a peer, which tells it apart from the rank
 it waits for even when both sent their last heartbeat at the same point. A
-rank whose process is frozen or dead stops answering: it is named as such. See
-:mod:`rankguard.callbacks.hang_report` for the files written.
+rank whose process is frozen or dead stops answering: it is named as such.
+
+Two stages per incident: past a phase's calibrated deadline (see
+:mod:`rankguard.callbacks.hang_calibration`) every rank reports and training
+goes on; past the phase's ceiling (the configured deadline, fitted under
+NCCL's timeout) every rank aborts. While its thread runs the watchdog owns
+ranks missing from any rankguard exchange
+(:func:`~rankguard.callbacks.side_channel.own_missing_ranks`): a check that
+gives up waiting ends the incident with the watchdog's diagnosis. See
+:mod:`rankguard.callbacks.hang_report` for the files written and
+``docs/hang.md`` for the numbers.
 """
 
 from __future__ import annotations
 
-import collections
+import functools
 import logging
 import os
 import socket
 import sys
 import threading
 import time
+from collections import deque
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,8 +42,18 @@ from typing import Any
 from rankguard.callbacks.errors import HangDetectedError, RanksMissingError
 from rankguard.callbacks.events import EventFacts
 from rankguard.callbacks.guard import Guard, check_choice, check_positive
+from rankguard.callbacks.hang_calibration import (
+    KIND_LABELS,
+    MIN_SAMPLES,
+    IntervalHistory,
+    calibrate,
+    describe,
+    save_estimate_s,
+)
 from rankguard.callbacks.hang_diagnosis import (
+    GaveUp,
     RankStatus,
+    Runs,
     Verdict,
     blocked_in,
     describe_frozen,
@@ -40,32 +62,35 @@ from rankguard.callbacks.hang_diagnosis import (
     frozen_ranks,
     nccl_timeout_advice,
     next_step,
-    phase_deadline,
     phase_label,
 )
 from rankguard.callbacks.hang_report import write_incident
+from rankguard.callbacks.side_channel import own_missing_ranks
 
-__all__ = ["HANG_EXIT_CODE", "HangWatchdog", "process_group_timeout"]
+__all__ = ["HANG_EXIT_CODE", "RESTART_ENV", "HangWatchdog", "attempt_dir", "process_group_timeout"]
 
 logger = logging.getLogger(__name__)
 
 #: Exit code of every rank that aborts on a hang (``action="abort"``); 75 is EX_TEMPFAIL.
 HANG_EXIT_CODE = 75
+#: Set by torchrun (and its elastic agent) to the number of restarts of the worker group.
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
 
 STATUS_EXCHANGE = "hang_watchdog/status"
 ABORT_BARRIER = "hang_watchdog/abort"
 HISTORY = 256  # heartbeats kept per rank for rank{N}.jsonl
 MAX_FRAMES = 64  # frames of the training loop read at each exchange
 #: Events that end a phase after eval: back in the train loop, or a checkpoint save.
-_LEAVE_OR_END_EVAL = (
-    "eval_end",
-    "checkpoint_save_start",
-    "data_fetch_start",
-    "data_fetch_end",
-    "train_batch_start",
-)
+_LEAVE_OR_END_EVAL = {
+    "eval_end": "post_eval",
+    "checkpoint_save_start": "checkpoint",
+    "data_fetch_start": "data",
+    "data_fetch_end": "train",
+    "train_batch_start": "train",
+}
 
-#: Deadlines used when an argument is left at ``None``; under NCCL they are
+#: Ceilings used when an argument is left at ``None``; under NCCL they are
 #: lowered to fit inside the process-group timeout (see ``_fit_defaults_under``).
 DEFAULT_DEADLINES = {
     "timeout_s": 600.0,
@@ -96,6 +121,28 @@ def process_group_timeout() -> tuple[str | None, float | None]:
         return backend, None
 
 
+def attempt_dir(report_dir: str | os.PathLike, env: Mapping[str, str]) -> Path:
+    """Where this attempt's report goes: ``report_dir/attempt{N}`` when the launcher restarts.
+
+    torchrun with ``--max-restarts`` above 0 (``TORCHELASTIC_MAX_RESTARTS``) can
+    start the workers again, so each attempt keeps its own folder; otherwise
+    the report goes to ``report_dir`` itself, where the docs say it is.
+
+    Args:
+        report_dir: The configured report directory.
+        env: The environment (``os.environ``); :data:`RESTART_ENV` holds the
+            restart count under torchrun, the same on every rank of an attempt.
+
+    Returns:
+        ``report_dir`` itself when the launcher does not restart workers.
+    """
+    count = env.get(RESTART_ENV, "").strip()
+    restarts = env.get(MAX_RESTARTS_ENV, "").strip()
+    if not count.isdigit() or (int(count) == 0 and not (restarts.isdigit() and int(restarts))):
+        return Path(report_dir)
+    return Path(report_dir) / f"attempt{int(count)}"
+
+
 def _check_report_dir(report_dir: Any) -> str:
     if not isinstance(report_dir, str | os.PathLike) or not str(report_dir):
         raise ValueError(f"`report_dir` must be a directory path; got {report_dir!r}.")
@@ -112,66 +159,90 @@ def _check_count(name: str, value: Any, minimum: int) -> int:
     return value
 
 
+def _num_params(model: Any) -> int | None:
+    try:
+        return sum(p.numel() for p in model.parameters())
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+
+
 class HangWatchdog(Guard):
     """Reports which ranks stopped making progress, where, and their Python stacks.
 
-    On an incident every rank logs the verdict (``logging.ERROR``) and writes
-    its stacks to ``report_dir/rank{N}.txt``; rank 0 writes ``summary.txt``.
-    With ``action="abort"`` every rank then exits with :data:`HANG_EXIT_CODE`
-    (75) through ``os._exit``, so the launcher tears the job down even when
-    the main thread is stuck in C++.
+    Each phase has a deadline, calibrated from the intervals this rank has
+    seen in it (``auto_calibrate``, on by default; see ``docs/hang.md``), and
+    a ceiling, the deadline argument of its phase. An incident has two stages:
 
-    Deadlines bound the time without any heartbeat in a phase: train steps
-    (``timeout_s``), eval batches (``eval_timeout_s``), from eval end until
-    the rank fetches its next train batch (``post_eval_timeout_s``),
+    1. A rank passes its calibrated deadline: every rank logs the verdict
+       (``logging.WARNING``) and writes its stacks to
+       ``report_dir/rank{N}.txt``; the lowest answering rank writes
+       ``summary.txt``. Training goes on: a slow phase is not a hang.
+    2. The stuck rank passes its phase's ceiling, or a rankguard check gives
+       up waiting for it: every rank logs the verdict (``logging.ERROR``),
+       rewrites its report, and with ``action="abort"`` exits with
+       :data:`HANG_EXIT_CODE` (75) through ``os._exit``, so the launcher
+       tears the job down (or restarts it) even when the main thread is
+       stuck in C++. ``abort_at="calibrated"`` ends the incident at stage 1.
+
+    Ceilings bound the time without any heartbeat in a phase: train steps and
+    data fetches (``timeout_s``), eval batches (``eval_timeout_s``), from eval
+    end until the rank fetches its next train batch (``post_eval_timeout_s``),
     checkpoint saves (``checkpoint_timeout_s``); until the first train batch
     ends only ``first_step_timeout_s`` applies (compile, warm-up); after fit
     end none. A rank back in its train loop is training: when it waits there
     for a rank still busy after eval (Composer all-reduces in every data
-    fetch), ``timeout_s`` applies to it, so it is reported as waiting, not
-    as stuck after eval.
+    fetch), its train deadline applies, so it is reported as waiting, not as
+    stuck after eval. Under NCCL, a ceiling left at its default (``None``) is
+    lowered to fit inside the process group's timeout; one you set that does
+    not fit gets a warning with the fix. Under torchrun with restarts the report
+    of each attempt goes to ``report_dir/attempt{N}``.
 
-    Under NCCL, a deadline left at its default (``None``) is lowered to fit
-    inside the process group's timeout, so the watchdog reports before NCCL
-    ends the job; a deadline you set that does not fit gets a warning with
-    the fix.
+    The calibration is saved with checkpoints (:meth:`state_dict`), so a
+    resumed job starts calibrated.
 
     Args:
-        timeout_s: Deadline of train phases (seconds; default 600).
-        eval_timeout_s: Deadline of eval phases (default 600).
-        post_eval_timeout_s: Deadline from eval end back to the train loop (default 600).
-        checkpoint_timeout_s: Deadline of a checkpoint save (default 1800).
+        timeout_s: Ceiling of train steps and data fetches (seconds; default 600).
+        eval_timeout_s: Ceiling of eval phases (default 600).
+        post_eval_timeout_s: Ceiling from eval end back to the train loop (default 600).
+        checkpoint_timeout_s: Ceiling of a checkpoint save (default 1800).
         first_step_timeout_s: Deadline of everything before the first train batch ends.
-        action: ``"abort"`` (exit with :data:`HANG_EXIT_CODE`) or ``"report"``
-            (report once per incident, keep waiting).
+        action: ``"abort"`` (stage 2 exits with :data:`HANG_EXIT_CODE`) or
+            ``"report"`` (stage 2 reports again and keeps waiting).
+        abort_at: ``"ceiling"`` (default: report at the calibrated deadline,
+            abort at the ceiling) or ``"calibrated"`` (abort at the calibrated deadline).
         report_dir: Directory for the report files; must be writable.
         exchange_period_s: Time between status exchanges. A stuck rank is
             reported within its deadline + ``exchange_period_s``; a rank that
             stops answering (frozen, dead) within the deadline + about
             ``exchange_period_s`` + ``exchange_timeout_s`` (5 s more when it is
             rank 0, which decides the exchanges).
-        auto_calibrate: After ``warmup_steps`` train steps, lower each phase's
-            deadline to ``calibration_factor`` x its slowest observed interval,
-            never below ``floor_s`` nor above the configured deadline.
-        warmup_steps: Train steps before intervals are observed.
-        calibration_factor: Multiple of the slowest interval (> 1).
+        auto_calibrate: Calibrate deadlines below the ceilings (else each
+            phase's deadline is its ceiling: one stage).
+        warmup_steps: Train steps before intervals are recorded.
+        calibration_factor: A deadline is at least this multiple of the 99th
+            percentile of its phase's recent intervals (> 1).
         floor_s: Lowest calibrated deadline.
 
     Attributes:
         exchange_timeout_s: How long rank 0 waits for every rank's status,
             ``max(2, exchange_period_s)``.
         incidents: Incidents reported by this rank so far.
-        last_incident: The last incident as a :class:`HangDetectedError`
-            (its message is the logged report), or ``None``.
+        ceilings_reached: Incidents that reached stage 2 on this rank.
+        last_incident: The last report as a :class:`HangDetectedError` (its
+            message is the logged report), or ``None``.
+        history: The intervals seen per phase, which calibrate the deadlines.
+        closest_call: The healthy interval closest to its deadline since fit
+            start: ``(share of the deadline, kind, seconds, deadline)``, or ``None``.
 
-    Metrics: none. Exit code: :data:`HANG_EXIT_CODE`. Files: see
-    :mod:`rankguard.callbacks.hang_report`.
+    Metrics: none (the verdict comes from a background thread; framework
+    loggers are not thread-safe). Exit code: :data:`HANG_EXIT_CODE`. Files:
+    see :mod:`rankguard.callbacks.hang_report`.
 
     Example::
 
         watchdog = HangWatchdog(timeout_s=300, post_eval_timeout_s=120, action="abort")
-        # log: rank 1 stuck 121 s in after eval of 'eval' (deadline 120 s);
-        #      ranks 0,2,3 waiting 119 s in train batch 2001
+        # log: rank 1 stuck 31 s in after eval of 'eval' (deadline 30 s, calibrated;
+        #      ceiling 120 s); ranks 0,2,3 waiting 29 s in train batch 2001
     """
 
     name = "hang_watchdog"
@@ -185,12 +256,13 @@ class HangWatchdog(Guard):
         checkpoint_timeout_s: float | None = None,
         first_step_timeout_s: float = 1800.0,
         action: str = "abort",
+        abort_at: str = "ceiling",
         report_dir: str = "./rankguard_reports",
         exchange_period_s: float = 10.0,
-        auto_calibrate: bool = False,
-        warmup_steps: int = 20,
+        auto_calibrate: bool = True,
+        warmup_steps: int = 10,
         calibration_factor: float = 10.0,
-        floor_s: float = 60.0,
+        floor_s: float = 30.0,
     ) -> None:
         super().__init__()
         given = {
@@ -199,13 +271,14 @@ class HangWatchdog(Guard):
             "post_eval_timeout_s": post_eval_timeout_s,
             "checkpoint_timeout_s": checkpoint_timeout_s,
         }
-        #: Deadline arguments left at their default, which fit under NCCL's timeout.
+        #: Ceiling arguments left at their default, which fit under NCCL's timeout.
         self.defaulted = {name for name, value in given.items() if value is None}
         for name, value in given.items():
             value = DEFAULT_DEADLINES[name] if value is None else check_positive(name, value)
             setattr(self, name, value)
         self.first_step_timeout_s = check_positive("first_step_timeout_s", first_step_timeout_s)
         self.action = check_choice("action", action, ("abort", "report"))
+        self.abort_at = check_choice("abort_at", abort_at, ("ceiling", "calibrated"))
         self.report_dir = _check_report_dir(report_dir)
         self.exchange_period_s = check_positive("exchange_period_s", exchange_period_s)
         self.auto_calibrate = bool(check_choice("auto_calibrate", auto_calibrate, (True, False)))
@@ -216,11 +289,17 @@ class HangWatchdog(Guard):
         self.floor_s = check_positive("floor_s", floor_s)
         self.exchange_timeout_s = max(2.0, self.exchange_period_s)
         self.incidents = 0
+        self.ceilings_reached = 0
         self.last_incident: HangDetectedError | None = None
+        self.history = IntervalHistory()
+        self._restored = False  # the history came from a checkpoint
+        self._save_estimate: float | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # ends the thread's sleep early (fit end, close)
-        self._history: collections.deque = collections.deque(maxlen=HISTORY)
+        self._ended = threading.Event()  # the open incident reached stage 2
+        self._release_owner = _no_owner
+        self._history: deque = deque(maxlen=HISTORY)
         self._nccl_note = ""
         self._host = socket.gethostname()
         self._beat: tuple | None = None  # (event, step, batch_index, loader, monotonic, kind)
@@ -228,23 +307,47 @@ class HangWatchdog(Guard):
         self._reset()
 
     @property
-    def deadlines(self) -> dict[str, float]:
-        """Configured deadline per phase kind."""
+    def ceilings(self) -> dict[str, float]:
+        """Configured (or NCCL-fitted) deadline per phase kind: stage 2."""
         return {
             "startup": self.first_step_timeout_s,
             "train": self.timeout_s,
+            "data": self.timeout_s,
             "eval": self.eval_timeout_s,
             "post_eval": self.post_eval_timeout_s,
             "checkpoint": self.checkpoint_timeout_s,
         }
 
+    @property
+    def deadlines(self) -> dict[str, float]:
+        """Deadline per phase kind now (calibrated, at most the ceiling): stage 1."""
+        return dict(self._deadline_s)
+
     def _reset(self) -> None:
-        self._slowest: dict[str, float] = {}
+        self._deadline_s: dict[str, float] = self.ceilings
         self._steps_done = 0
         self._after_eval = False
-        self._incident_open = False
+        self._incident: Runs = ()
+        self._reported = False
+        self._ended.clear()
+        self._gave_up: GaveUp | None = None
+        self._told_calibrated = False
         self._last: Verdict | None = None
         self._failures = 0
+        self.closest_call: tuple[float, str, float, float] | None = None
+
+    # -- checkpoint state ---------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The calibration (recent intervals per phase), saved with checkpoints."""
+        if not self.auto_calibrate or not any(self.history.snapshot().values()):
+            return {}
+        return {"calibration": self.history.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores the calibration of a checkpoint: the resumed job starts calibrated."""
+        if state and self.auto_calibrate:
+            self._restored = self.history.load_state_dict(state.get("calibration", {}))
 
     # -- main thread: heartbeats only -------------------------------------------------
 
@@ -253,8 +356,11 @@ class HangWatchdog(Guard):
         previous = self._beat
         if previous is not None and self.auto_calibrate and self._steps_done >= self.warmup_steps:
             interval, kind = now - previous[4], previous[5]
-            if interval > self._slowest.get(kind, 0.0):
-                self._slowest[kind] = interval
+            self.history.record(kind, interval)
+            deadline = self._deadline_s.get(kind)
+            closest = self.closest_call
+            if deadline and (closest is None or interval > closest[0] * deadline):
+                self.closest_call = (interval / deadline, kind, interval, deadline)
         loader = facts.loader.name if facts.loader is not None else None
         self._beat = (event, facts.step, facts.batch_index, loader, now, self._kind(event))
         self._history.append((time.time(), event, facts.step, facts.batch_index, loader))
@@ -266,6 +372,11 @@ class HangWatchdog(Guard):
             return "done"
         if event == "train_batch_end":
             self._steps_done += 1
+            if self._steps_done in (1, self.warmup_steps + MIN_SAMPLES // 3 + 1):
+                # Exchange now, not a period later: the other ranks learn this rank left
+                # start-up, then its calibrated deadlines (3 train intervals a step), which
+                # bound how long it may go silent (a rank that freezes next is judged by them).
+                self._wake.set()
         if self._steps_done == 0:
             return "startup"
         if event in ("eval_start", "eval_batch_start", "eval_batch_end"):
@@ -273,16 +384,16 @@ class HangWatchdog(Guard):
             return "eval"
         if event in _LEAVE_OR_END_EVAL:
             self._after_eval = event == "eval_end"
-            return {"eval_end": "post_eval", "checkpoint_save_start": "checkpoint"}.get(
-                event, "train"
-            )
+            return _LEAVE_OR_END_EVAL[event]
         return "post_eval" if self._after_eval else "train"
 
     def on_fit_start(self, facts: EventFacts) -> None:
-        """Starts the watchdog thread (a new fit starts from a clean state)."""
+        """Starts the watchdog thread (a new fit starts a new incident state, same calibration)."""
         if self._thread is not None and not self._thread.is_alive():
             self._thread = None  # it ended with the previous fit
         self._reset()
+        params = _num_params(facts.model) if facts.model is not None else None
+        self._save_estimate = None if params is None else save_estimate_s(params, self.floor_s)
         self._heartbeat("fit_start", facts)
 
     def on_epoch_start(self, facts: EventFacts) -> None:
@@ -318,24 +429,41 @@ class HangWatchdog(Guard):
         self._heartbeat("eval_batch_end", facts)
 
     def on_eval_end(self, facts: EventFacts) -> None:
-        """Records a heartbeat; ``post_eval_timeout_s`` applies until the next data fetch."""
+        """Records a heartbeat; the after-eval deadline applies until the next data fetch."""
         self._heartbeat("eval_end", facts)
 
     def on_checkpoint_save_start(self, facts: EventFacts) -> None:
-        """Records a heartbeat; ``checkpoint_timeout_s`` applies."""
+        """Records a heartbeat; the checkpoint deadline applies."""
         self._heartbeat("checkpoint_save_start", facts)
 
     def on_checkpoint_save_end(self, facts: EventFacts) -> None:
         """Records a heartbeat."""
         self._heartbeat("checkpoint_save_end", facts)
 
+    def on_epoch_end(self, facts: EventFacts) -> None:
+        """Records a heartbeat."""
+        self._heartbeat("epoch_end", facts)
+
     def on_fit_end(self, facts: EventFacts) -> None:
         """Records the end of fit: no deadline from here on; tells the other ranks at once."""
         self._heartbeat("fit_end", facts)
+        closest = self.closest_call
+        if closest is not None:
+            share, kind, seconds, deadline = closest
+            logger.info(
+                "rankguard %s: closest a healthy interval came to its deadline: %.0f%% (%s, "
+                "%.2f s of %.0f s)",
+                self.name,
+                100 * share,
+                KIND_LABELS[kind],
+                seconds,
+                deadline,
+            )
         self._wake.set()
 
     def close(self) -> None:
         """Stops and joins the watchdog thread; safe to call twice and after an error."""
+        self._release_owner()
         thread, self._thread = self._thread, None
         if thread is None or thread is threading.current_thread():
             self._stop.set()
@@ -350,6 +478,32 @@ class HangWatchdog(Guard):
         # An exchange in flight ends within its timeout (+ the followers' grace).
         thread.join(timeout=1.25 * self.exchange_timeout_s + 7.0)
 
+    # -- ranks missing from another check's exchange (main thread) ----------------------
+
+    def _own_missing(self, error: RanksMissingError) -> None:
+        """Turns a check's missing ranks into this incident's end, with the watchdog's diagnosis.
+
+        Runs on the thread whose exchange gave up (the training loop). The
+        status exchange carries the give-up to every rank, so all end the
+        incident together (stage 2); with ``action="abort"`` this never
+        returns. Otherwise it raises :class:`HangDetectedError` in place of
+        the check's own error.
+        """
+        thread = self._thread
+        if error.name.startswith(f"{self.name}/") or thread is None or not thread.is_alive():
+            return  # the watchdog's own exchanges, or no watchdog running: the caller's error
+        if self._stop.is_set() or (self._beat is not None and self._beat[5] == "done"):
+            return
+        self._gave_up = (error.name, tuple(error.missing), error.timeout_s)
+        self._wake.set()  # exchange statuses now
+        limit = self.exchange_period_s + 3 * self.exchange_timeout_s + 10.0
+        if self._ended.wait(limit) and self.last_incident is not None:
+            raise HangDetectedError(str(self.last_incident)) from error
+        raise HangDetectedError(
+            f"Hang: {error} The hang watchdog could not confirm it within {limit:.0f} s (the "
+            "status exchange failed); see the watchdog's log lines."
+        ) from error
+
     # -- watchdog thread ----------------------------------------------------------------
 
     def _start(self) -> None:
@@ -359,23 +513,49 @@ class HangWatchdog(Guard):
             self._fit_defaults_under(pg_timeout)
             deadlines = {
                 f"{k}_timeout_s" if k != "train" else "timeout_s": v
-                for k, v in self.deadlines.items()
-                if k != "startup"
+                for k, v in self.ceilings.items()
+                if k not in ("startup", "data")
             }
             detect = self.exchange_period_s + self.exchange_timeout_s
             advice = nccl_timeout_advice(pg_timeout, deadlines, detect)
             if advice and self.channel.is_leader:
                 self.warn_once("nccl_timeout", advice)
             self._nccl_note = flight_recorder_note(os.environ, self.channel.rank)
+        self._deadline_s = self.ceilings
+        self._told_calibrated = self._restored  # the plan below says so
+        self._recalibrate()
+        logger.info("rankguard %s: %s", self.name, self._plan())
         self._stop.clear()
         self._wake.clear()
+        self._release_owner = own_missing_ranks(self._own_missing)
         self._thread = threading.Thread(
             target=self._run, name=f"rankguard-{self.name}", daemon=True
         )
         self._thread.start()
 
+    def _plan(self) -> str:
+        """The INFO line at fit start: what is reported when, and when the job ends."""
+        labels = KIND_LABELS
+        ceilings = ", ".join(
+            f"{labels[k]} {v:.0f} s" for k, v in self.ceilings.items() if k != "data"
+        )
+        end = "aborts" if self.action == "abort" else "reports again (action='report')"
+        if not self.auto_calibrate:
+            return f"deadlines (no calibration): {ceilings}; past one it {end}."
+        if self._restored:
+            calibrated = f"calibrated from the checkpoint: {describe(self._calibrated())}"
+        else:
+            calibrated = (
+                f"calibrated after {self.warmup_steps} warm-up train steps to "
+                f"{self.calibration_factor:g} x the 99th percentile of each phase's intervals, "
+                f"at least {self.floor_s:g} s"
+            )
+        if self.abort_at == "calibrated":
+            return f"deadlines {calibrated}, at most {ceilings}; past one it {end}."
+        return f"reports at deadlines {calibrated}; {end} at the ceilings: {ceilings}."
+
     def _fit_defaults_under(self, pg_timeout: float | None) -> None:
-        """Lowers defaulted deadlines so a hang is reported before NCCL ends the job."""
+        """Lowers defaulted ceilings so a hang ends before NCCL ends the job."""
         if pg_timeout is None:
             return
         detect = self.exchange_period_s + self.exchange_timeout_s
@@ -391,25 +571,45 @@ class HangWatchdog(Guard):
                     pg_timeout,
                 )
 
-    def _status(self) -> RankStatus:
-        beat = self._beat
-        event, step, batch_index, loader, since, kind = beat  # set before the thread starts
-        deadline = phase_deadline(
-            kind,
-            self.deadlines,
-            self._slowest,
-            calibrate=self.auto_calibrate,
+    def _calibrated(self) -> dict:
+        return calibrate(
+            self.history,
+            self.ceilings,
             factor=self.calibration_factor,
             floor_s=self.floor_s,
+            save_estimate=self._save_estimate,
         )
+
+    def _recalibrate(self) -> None:
+        """Sets the deadlines from the intervals seen (at each status exchange)."""
+        ready = self._restored or self._steps_done >= self.warmup_steps
+        if not self.auto_calibrate or not ready:
+            return
+        calibrated = self._calibrated()
+        self._deadline_s = {"startup": self.first_step_timeout_s}
+        self._deadline_s.update({kind: d.seconds for kind, d in calibrated.items()})
+        if not self._told_calibrated and self.history.count("train") >= MIN_SAMPLES:
+            self._told_calibrated = True
+            logger.info(
+                "rankguard %s: calibrated at train step %d: reports past %s.",
+                self.name,
+                self._beat[1] if self._beat else 0,
+                describe(calibrated),
+            )
+
+    def _status(self) -> RankStatus:
+        event, step, batch_index, loader, since, kind = self._beat  # set before the thread starts
+        done = kind == "done"
         return RankStatus(
             phase=phase_label(event, step, batch_index, loader),
             step=step,
             idle_s=round(time.monotonic() - since, 3),
-            deadline_s=deadline,
+            deadline_s=None if done else self._deadline_s[kind],
             host=self._host,
             pid=os.getpid(),
             blocked_in=blocked_in(self._loop_stack()),
+            ceiling_s=None if done else self.ceilings[kind],
+            gave_up=self._gave_up,
         )
 
     def _loop_stack(self) -> list[tuple[str, int, str]]:
@@ -423,9 +623,11 @@ class HangWatchdog(Guard):
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._recalibrate()
+            decide = functools.partial(diagnose, incident=self._incident)
             try:
                 verdict = self.channel.exchange(
-                    STATUS_EXCHANGE, self._status(), diagnose, timeout_s=self.exchange_timeout_s
+                    STATUS_EXCHANGE, self._status(), decide, timeout_s=self.exchange_timeout_s
                 )
             except RanksMissingError as missing:
                 self._failures += 1
@@ -439,10 +641,11 @@ class HangWatchdog(Guard):
             self._failures = 0
             self._last = verdict
             if verdict.stuck:
+                self._incident = verdict.stuck
                 details = (*verdict.details, next_step(verdict.first, []))
-                self._incident(verdict.summary, details, frozen=[])
-            else:
-                self._incident_open = False
+                self._stage(verdict.summary, details, frozen=[], end=verdict.end)
+            elif self._reported:
+                self._recovered()
             if verdict.done == ((0, self.channel.world_size - 1),):
                 return  # every rank's fit ended: every thread ends after this same exchange
             self._sleep()
@@ -453,30 +656,66 @@ class HangWatchdog(Guard):
 
     def _on_missing(self, missing: list[int]) -> None:
         waited = self.exchange_period_s + self._failures * self.exchange_timeout_s
+        last = self._last
         frozen = frozen_ranks(
             missing,
             rank=self.channel.rank,
             waited_s=waited,
-            last=self._last,
-            default_s=self.first_step_timeout_s,
+            last=last,
+            default_s=self.ceilings["startup"],
         )
+        # Ranks a check gave up waiting for, silent here too: never arrived, frozen or dead.
+        given_up = set(self._gave_up[1]) if self._gave_up else set()
+        silent = sorted((given_up & set(missing)) - {self.channel.rank})
+        frozen = frozen or silent
         if frozen and not self._stop.is_set() and self._beat[5] != "done":
-            summary = describe_frozen(frozen, waited, self._last)
-            self._incident(summary, (next_step(None, frozen),), frozen=frozen)
+            ceiling_slack = self.first_step_timeout_s if last is None else last.ceiling_slack_s
+            summary = describe_frozen(frozen, waited, last)
+            end = bool(given_up & set(frozen)) or waited > ceiling_slack
+            self._stage(summary, (next_step(None, frozen),), frozen=frozen, end=end)
 
-    def _incident(self, summary: str, details: tuple[str, ...], frozen: list[int]) -> None:
-        if self._incident_open:
-            return
-        self._incident_open = True
+    def _stage(self, summary: str, details: tuple[str, ...], frozen: list[int], end: bool) -> None:
+        """Acts on a stuck verdict: stage 1 (report once) or stage 2 (end the incident)."""
+        if self._ended.is_set():
+            return  # stage 2 done (action="report"): once per incident
+        if end or self.abort_at == "calibrated":
+            self._report(summary, details, frozen, final=True)
+        elif not self._reported:
+            self._report(summary, details, frozen, final=False)
+
+    def _recovered(self) -> None:
+        """Every rank made progress again: the incident was a slow phase, or it ended."""
+        if self._reported:
+            slow = ": the phase reported was slow, not stuck; its deadline now allows for it"
+            logger.info(
+                "rankguard %s: every rank is making progress again%s.",
+                self.name,
+                "" if self._ended.is_set() else slow,
+            )
+        self._incident, self._reported, self._gave_up = (), False, None
+        self._ended.clear()
+
+    def _report(
+        self, summary: str, details: tuple[str, ...], frozen: list[int], final: bool
+    ) -> None:
         rank, status = self.channel.rank, self._status()
         header = f"rank {rank}, host {status.host}, pid {status.pid}: {status.phase}"
-        report = Path(self.report_dir)
+        report = attempt_dir(self.report_dir, os.environ)
         beats = [
             {"t": t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
             for t, e, s, b, ld in tuple(self._history)
         ]
         writer = min(r for r in range(self.channel.world_size) if r not in frozen)
-        text = "\n".join([summary, "", *details, "", self._nccl_note]) if rank == writer else None
+        stage = (
+            "Stage 2: the incident ends (ceiling, or a check gave up waiting)."
+            if final
+            else "Stage 1: reported at the calibrated deadline; training goes on."
+        )
+        text = (
+            "\n".join([summary, "", *details, stage, "", self._nccl_note])
+            if rank == writer
+            else None
+        )
         first_line = f"{header}, idle {status.idle_s:.1f} s"
         try:
             write_incident(
@@ -484,19 +723,32 @@ class HangWatchdog(Guard):
             )
         except OSError as exc:
             logger.error("rankguard %s: could not write the report: %s", self.name, exc)
-        then = f"aborting with exit code {HANG_EXIT_CODE}" if self.action == "abort" else "waiting"
-        self.last_incident = HangDetectedError(
-            "\n".join(
-                [
-                    f"Hang: {summary}.",
-                    *details,
-                    f"This is {header}. Stacks in {report}/rank{rank}.txt; "
-                    f"summary in {report}/summary.txt. {self._nccl_note}".rstrip(),
-                ]
-            )
+        where = (
+            f"This is {header}. Stacks in {report}/rank{rank}.txt; "
+            f"summary in {report}/summary.txt. {self._nccl_note}".rstrip()
         )
+        if not self._reported:
+            self.incidents += 1  # counted once per incident (tests wait on it)
+        self._reported = True
+        if not final:
+            self.last_incident = HangDetectedError(
+                "\n".join([f"Hang suspected: {summary}.", *details, where])
+            )
+            then = "aborts" if self.action == "abort" else "reports again"
+            logger.warning(
+                "rankguard %s: %s Training goes on; it %s if there is still no progress at "
+                "the ceiling.",
+                self.name,
+                self.last_incident,
+                then,
+            )
+            return
+        self.last_incident = HangDetectedError("\n".join([f"Hang: {summary}.", *details, where]))
+        self.ceilings_reached += 1
+        self._gave_up = None
+        then = f"aborting with exit code {HANG_EXIT_CODE}" if self.action == "abort" else "waiting"
         logger.error("rankguard %s: %s Now %s.", self.name, self.last_incident, then)
-        self.incidents += 1  # counted once reported (tests wait on it)
+        self._ended.set()
         if self.action == "abort":
             self._abort()
 
@@ -526,3 +778,7 @@ class HangWatchdog(Guard):
             channel.store.wait(others, timedelta(seconds=self.exchange_timeout_s))
         else:
             channel.store.set(f"{left}/r{channel.rank}", b"1")
+
+
+def _no_owner() -> None:
+    """Releases nothing (the watchdog does not own missing ranks before it starts)."""

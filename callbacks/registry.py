@@ -22,14 +22,17 @@ from rankguard.callbacks.straggler import StragglerMonitor
 
 __all__ = ["GUARDS", "build_guard", "build_guards", "unknown_name_error"]
 
-#: Core guard classes by snake-case name, in the order they run. Root causes
-#: first: a dataset or seed difference explains a settings or count
-#: difference, and a settings difference explains a count difference (and
-#: ``DropLastGuard(mode="enforce")`` changes counts). Of the monitors, a data stall
-#: explains slow steps, so ``DataStallMonitor`` comes before ``StragglerMonitor``,
-#: which then starts its batch clock after the data-stall exchange; the hang
-#: watchdog's heartbeat comes last, after every other guard's work.
+#: Core guard classes by snake-case name, in the order they run. The hang
+#: watchdog first: its heartbeat marks each event before a check waits there,
+#: and its thread runs before the fit-start checks, so a rank missing from any
+#: check gets its diagnosis. Then root causes first: a dataset or seed
+#: difference explains a settings or count difference, and a settings
+#: difference explains a count difference (and ``DropLastGuard(mode="enforce")``
+#: changes counts). Of the monitors, a data stall explains slow steps, so
+#: ``DataStallMonitor`` comes before ``StragglerMonitor``, which then starts its
+#: batch clock after the data-stall exchange.
 GUARDS: dict[str, type[Guard]] = {
+    HangWatchdog.name: HangWatchdog,
     DataConsistencyGuard.name: DataConsistencyGuard,
     DropLastGuard.name: DropLastGuard,
     BatchParityGuard.name: BatchParityGuard,
@@ -37,7 +40,6 @@ GUARDS: dict[str, type[Guard]] = {
     CheckpointPlanner.name: CheckpointPlanner,
     DataStallMonitor.name: DataStallMonitor,
     StragglerMonitor.name: StragglerMonitor,
-    HangWatchdog.name: HangWatchdog,
 }
 
 

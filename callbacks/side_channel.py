@@ -34,11 +34,17 @@ of an exchange (reading and deciding on every payload) and the store's
 
 At world size 1, or when ``torch.distributed`` is not initialised, the
 channel is local: ``decide`` is applied to this rank's payload alone.
+
+Ranks that never arrive have one owner per process (:func:`own_missing_ranks`):
+while the HangWatchdog runs, any exchange that gives up on missing ranks
+hands them to it first, so the user gets its diagnosis whichever check
+waited.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import threading
 import time
@@ -50,7 +56,14 @@ from typing import Any, TypeVar
 from rankguard.callbacks.errors import RanksMissingError
 from rankguard.callbacks.ranks import rank_label
 
-__all__ = ["PER_RANK_WAIT_S", "SideChannel", "default_store", "scaled_timeout"]
+__all__ = [
+    "PER_RANK_WAIT_S",
+    "MissingOwner",
+    "SideChannel",
+    "default_store",
+    "own_missing_ranks",
+    "scaled_timeout",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +75,34 @@ _LEADER = 0
 PER_RANK_WAIT_S = 0.005
 _channels_created = 0
 _channels_lock = threading.Lock()
+
+#: Sees a :class:`RanksMissingError` before the exchange raises it (see :func:`own_missing_ranks`).
+MissingOwner = Callable[[RanksMissingError], None]
+_missing_owner: list[MissingOwner] = []
+
+
+def own_missing_ranks(owner: MissingOwner) -> Callable[[], None]:
+    """Makes ``owner`` the one handler of ranks missing from any exchange in this process.
+
+    Before an exchange raises :class:`RanksMissingError` it calls ``owner``
+    with the error, on the thread that called the exchange; the owner may
+    raise an error of its own instead, or end the process, or return to let
+    the exchange raise as usual. The HangWatchdog owns missing ranks while
+    its thread runs.
+
+    Args:
+        owner: The handler; it replaces any earlier one.
+
+    Returns:
+        A function that removes ``owner`` again (if it is still the owner).
+    """
+    _missing_owner[:] = [owner]
+
+    def release() -> None:
+        if _missing_owner and _missing_owner[0] == owner:
+            _missing_owner.clear()
+
+    return release
 
 
 @dataclass(frozen=True)
@@ -183,7 +224,8 @@ class SideChannel:
         """Builds a channel over the initialised default process group's store.
 
         Every rank must create its channels in the same order (each gets the
-        next generation number in its prefix, so two channels never share keys).
+        next generation number in its prefix, so two channels never share keys);
+        under torchrun the prefix also holds the restart attempt.
 
         Args:
             timeout_s: Default time the deciding rank waits for every rank.
@@ -196,7 +238,10 @@ class SideChannel:
         with _channels_lock:
             _channels_created += 1
             generation = _channels_created
-        prefix = f"{name}/{generation}"
+        # torchrun may keep one store across restarts of the workers, isolating each
+        # attempt by a key prefix this channel looks past (see `_unwrap`): keep its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+        prefix = f"{name}/attempt{attempt}/{generation}" if attempt else f"{name}/{generation}"
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -271,7 +316,8 @@ class SideChannel:
 
         Raises:
             RanksMissingError: Some ranks did not arrive within the timeout;
-                the error names them.
+                the error names them. The owner of missing ranks
+                (:func:`own_missing_ranks`) sees it first and may raise its own.
         """
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         with self._lock:
@@ -298,7 +344,10 @@ class SideChannel:
         else:  # payloads stay: the others tell the missing ranks by their absence
             verdict = self._missing_without_verdict(base)
         if isinstance(verdict, _Missing):
-            raise self._missing_error(name, verdict.ranks, configured)
+            error = self._missing_error(name, verdict.ranks, configured)
+            for owner in tuple(_missing_owner):
+                owner(error)  # may raise its own error instead
+            raise error
         if isinstance(verdict, _Failed):
             raise RuntimeError(f"rankguard exchange {name!r} failed on rank 0: {verdict.message}")
         return verdict

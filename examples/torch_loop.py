@@ -86,6 +86,7 @@ def train(fault: FaultSetup, rankguard: dict[str, Any]) -> None:
     train_loader = loader(data.train, drop_last=data.train_drop_last)
     eval_loader = loader(data.eval)
     ckpt_dir = fault.checkpoint_dir(rank) or str(fault.workdir / "checkpoints")
+    os.makedirs(ckpt_dir, exist_ok=True)  # the loop's own (node_local_ckpt: on its "node")
     started, trained = time.perf_counter(), 0
 
     guard = RankGuard(**rankguard)  # rankguard

@@ -311,6 +311,14 @@ class _ComposerAdapter(Callback):
             state.set_dataloader(original, label, -1 if length is None else int(length))
         return counter.result()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The guards' state (the hang watchdog's calibration), saved in Composer checkpoints."""
+        return self.runner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the guards' state when Composer loads a checkpoint (load_path, autoresume)."""
+        self.runner.load_state_dict(state)
+
     def close(self, state: State, logger: Logger) -> None:
         """Lets guards explain an error that ended fit (a dead data worker), then stops them.
 

@@ -331,6 +331,14 @@ class _LightningAdapter(Callback):
         self.runner.error(exception, EventFacts(step=step, epoch=epoch))
         self.runner.close()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The guards' state (the hang watchdog's calibration), saved in Lightning checkpoints."""
+        return self.runner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the guards' state when Lightning resumes (``fit(ckpt_path=...)``)."""
+        self.runner.load_state_dict(state_dict)
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Stops every guard and unhooks checkpointing; safe to call twice."""
         if self._unhook is not None:

@@ -35,7 +35,10 @@ whether it ran out, so a rank that still had data when another ran out is
 named.
 
 A resume is checked before it is read: ``with guard.load(path):`` around the
-load, before ``guard.fit`` or inside it, on every rank.
+load, before ``guard.fit`` or inside it, on every rank. Save
+``guard.state_dict()`` with the checkpoint and give it back with
+``guard.load_state_dict(...)`` before ``guard.fit``: the resumed job's hang
+deadlines are calibrated from its first step.
 
 Every rank must make the same calls: ``guard.load``, ``guard.fit``, each
 ``run.eval`` and each ``run.checkpoint`` (also on ranks that do not write). It works under
@@ -210,6 +213,24 @@ class _LoopGuard:
         if not isinstance(path, str | os.PathLike) or not str(path):
             raise ValueError(f"`path` must be a checkpoint file or folder path; got {path!r}.")
         return _Load(self, os.fspath(path))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the guards keep across a restart (plain values), to save with a checkpoint.
+
+        Today the hang watchdog's calibration: save it with the model, and a
+        resumed job starts with calibrated deadlines from its first step::
+
+            torch.save({"model": ..., "rankguard": guard.state_dict()}, path)
+        """
+        return self.runner.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what :meth:`state_dict` saved; call it before ``guard.fit(...)``.
+
+        Args:
+            state: A dict :meth:`state_dict` returned (an empty one is fine).
+        """
+        self.runner.load_state_dict(state)
 
     def close(self) -> None:
         """Stops every guard; safe to call twice and after an error."""

@@ -176,6 +176,38 @@ def test_dead_loader_worker_is_logged_with_rank_and_step(caplog):
     assert "DataLoader worker (pid" in message
 
 
+class _SigchldOnce(logging.Handler):
+    """Raises once in the first record's emit, as torch's SIGCHLD handler raises anywhere."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.raised = False
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.raised:
+            self.raised = True
+            raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+        self.messages.append(record.getMessage())
+
+
+def test_a_dead_worker_signal_while_logging_still_logs_it_once():
+    # The worker died mid-batch (a broken connection), and torch's SIGCHLD handler raised
+    # its own RuntimeError while rankguard was logging: the line still comes, once.
+    monitor = DataStallMonitor()
+    handler = _SigchldOnce()
+    log = logging.getLogger("rankguard.callbacks.data_stall")
+    log.addHandler(handler)
+    try:
+        lost = RuntimeError("DataLoader worker (pid 4242) exited unexpectedly")
+        assert monitor.on_error(lost, EventFacts(step=6)) is True
+    finally:
+        log.removeHandler(handler)
+    assert handler.raised
+    [message] = handler.messages
+    assert "rank 0, step 6: data loading failed" in message
+
+
 def test_worker_failures_are_recognised_through_the_cause_chain():
     try:
         try:

@@ -196,3 +196,10 @@ def test_loop_example_unseeded_train_test_split_stops_every_rank_before_any_batc
     caught = "DataInconsistencyError: Ranks see different data (at fit start): loader 'eval'"
     assert output.count(caught) == 2, output[-3000:]
     assert "trained" not in output  # stopped before any batch
+    # Without rankguard the same split trains each rank on its own data, silently.
+    proc = subprocess.run(
+        [*cmd, "--no-rankguard"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert output.count("training finished") == 2 and "rankguard" not in output.lower()

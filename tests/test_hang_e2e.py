@@ -4,8 +4,10 @@ Three launches, each ending in a real hang that the watchdog must report and
 end with exit code 75 on every rank; the first two start with a healthy run
 whose eval is 5x slower than its train steps, which must raise no alarm:
 
-- Composer: healthy run, then rank 1 blocks in a hook after eval;
-- Lightning: healthy run, then rank 1 blocks in ``on_validation_end``;
+- Composer: healthy run, then rank 1 blocks in a hook after eval: reported at
+  the calibrated deadline (stage 1), ended at the ceiling (stage 2);
+- Lightning: healthy run that saves a checkpoint, a run resumed from it that
+  starts calibrated, then rank 1 blocks in ``on_validation_end``;
 - Composer: after eval, rank 1 calls an ``all_reduce`` that rank 0 never calls.
 
 Then ``rankguard report`` runs on the first hang's report directory. Every
@@ -28,10 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from rankguard.callbacks.hang_diagnosis import phase_deadline
 from rankguard.callbacks.hang_timeline import plot_timeline
 from rankguard.callbacks.hang_watchdog import HANG_EXIT_CODE
-from tests.e2e.hang_settings import EVAL_BATCH_S, HANG, HEALTHY, TRAIN_STEP_S
+from tests.e2e.hang_settings import EVAL_BATCH_S, HANG, HEALTHY, TRAIN_STEP_S, TWO_STAGE
 from tests.mp import run_job
 
 pytestmark = pytest.mark.framework
@@ -115,7 +116,7 @@ def lightning_stall(tmp_path_factory) -> tuple[Launch, int | None]:
         # Rank 0 has exited; its child rank 1 is now this process's child.
         codes[1] = _reap(int((out / "pid1").read_text()), timeout_s=30)
 
-    cmd = [sys.executable, str(LIGHTNING_JOB), str(out), "healthy_slow_eval"]
+    cmd = [sys.executable, str(LIGHTNING_JOB), str(out), "healthy_slow_eval", "resume_calibrated"]
     with _subreaper():
         launch = _launch([*cmd, "stall_after_validation"], out, after_exit=reap_rank1)
     return launch, codes.get(1)
@@ -153,16 +154,9 @@ def _assert_healthy(result: dict) -> None:
     assert result["warnings"] == []
     longest_gap = result["longest_train_gap_s"]
     assert longest_gap > HEALTHY["timeout_s"]  # an eval sits between two train steps
-    slowest = result["slowest"]
-    assert slowest["eval"] >= EVAL_BATCH_S and slowest["train"] >= TRAIN_STEP_S  # calibrated
-    calibration = {
-        "calibrate": True,
-        "factor": HEALTHY["calibration_factor"],
-        "floor_s": HEALTHY["floor_s"],
-    }
-    deadlines = {"train": HEALTHY["timeout_s"], "eval": HEALTHY["eval_timeout_s"]}
-    train_deadline = phase_deadline("train", deadlines, slowest, **calibration)
-    assert train_deadline < longest_gap  # the calibrated train deadline alone would fire too
+    peaks, deadlines = result["peaks"], result["deadlines"]
+    assert peaks["eval"] >= EVAL_BATCH_S and peaks["train"] >= TRAIN_STEP_S  # calibrated
+    assert deadlines["train"] < longest_gap  # the calibrated train deadline alone would fire
 
 
 def test_composer_healthy_run_with_5x_slower_eval_raises_no_alarm(composer_stall):
@@ -174,22 +168,45 @@ def test_composer_healthy_run_with_5x_slower_eval_raises_no_alarm(composer_stall
     assert not (composer_stall.out / "reports_healthy_slow_eval").exists()
 
 
-def test_composer_rank_stalled_after_eval_is_named_and_every_rank_exits_75(composer_stall):
+def _logged(output: str, level: str, text: str) -> list[tuple[float, str]]:
+    """(Unix time, message) of the job's log lines at ``level`` that contain ``text``."""
+    pattern = rf"^(\d+\.\d+) rankguard\.callbacks\.hang_watchdog {level}: (.*)$"
+    return [(float(t), m) for t, m in re.findall(pattern, output, re.M) if text in m]
+
+
+def test_composer_rank_stalled_after_eval_is_reported_then_every_rank_exits_75_at_the_ceiling(
+    composer_stall,
+):
     launch = composer_stall
     reports = launch.out / "reports_post_eval_stall"
+    ceiling = TWO_STAGE["post_eval_timeout_s"]
+    stall = json.loads((launch.out / "stall_post_eval_stall.json").read_text())
     assert launch.returncode == HANG_EXIT_CODE, launch.output[-6000:]
     for rank in (0, 1):  # the launcher's account of each rank
         assert re.search(rf"Global rank {rank} \(PID \d+\) exited with code 75", launch.output)
         assert f"This is rank {rank}, " in launch.output  # each rank logged the verdict
-    assert launch.output.count("Now aborting with exit code 75.") == 2
+    # Stage 1, once per rank: at the calibrated deadline, and training goes on.
+    reported = _logged(launch.output, "WARNING", "Hang suspected: rank 1 stuck")
+    assert len(reported) == 2, launch.output[-6000:]
+    first = reported[0][1]
+    match = re.search(r"\(deadline ([\d.]+) s, calibrated; ceiling 8 s\); rank 0 waiting", first)
+    assert match, first
+    deadline = float(match.group(1))
+    assert TWO_STAGE["floor_s"] <= deadline < ceiling
+    assert "in after eval of 'eval'" in first and "in data fetch for train batch 4" in first
+    for t, _ in reported:  # at the first deadline passed: rank 1's, or rank 0's as it waits
+        assert TWO_STAGE["floor_s"] - 0.5 < t - stall["t"] < deadline + REPORT_MARGIN_S
+    # Stage 2, once per rank: the ceiling ends the incident.
+    ended = _logged(launch.output, "ERROR", "Hang: rank 1 stuck")
+    assert len(ended) == 2 and launch.output.count("Now aborting with exit code 75.") == 2
+    for t, _ in ended:
+        assert ceiling - 0.5 < t - stall["t"] < ceiling + REPORT_MARGIN_S
     summary = (reports / "summary.txt").read_text()
     assert _seconds(summary).startswith(
-        f"rank 1 stuck N s in after eval of 'eval' (deadline {POST_EVAL_DEADLINE_S:g} s); "
-        "rank 0 waiting N s in data fetch for train batch 2 (blocked in all_reduce"
+        f"rank 1 stuck N s in after eval of 'eval' (deadline {deadline:g} s, calibrated; "
+        "ceiling 8 s); rank 0 waiting N s in data fetch for train batch 4 (blocked in all_reduce"
     ), summary
-    assert "Next: read rank1.txt" in summary
-    latency = _latency(launch.out, "post_eval_stall")
-    assert POST_EVAL_DEADLINE_S - 0.5 < latency < POST_EVAL_DEADLINE_S + REPORT_MARGIN_S
+    assert "Next: read rank1.txt" in summary and "Stage 2: the incident ends" in summary
     assert launch.ended_at - (reports / "summary.txt").stat().st_mtime < 10  # then it ended
     assert "stall_after_eval" in _loop_stack(reports / "rank1.txt")
     assert "all_reduce" in _loop_stack(reports / "rank0.txt")
@@ -212,6 +229,17 @@ def test_lightning_healthy_run_with_5x_slower_eval_raises_no_alarm(lightning_sta
         _assert_healthy(healthy)
         assert (healthy["train_steps"], healthy["val_steps"]) == (8, 8)
     assert not (launch.out / "reports_healthy_slow_eval").exists()
+
+
+def test_lightning_resumed_fit_starts_calibrated_from_the_checkpoint(lightning_stall):
+    launch, _ = lightning_stall
+    for result in _ranks(launch.out):
+        resumed = result["resume_calibrated"]
+        assert resumed["outcome"] == "ok" and resumed["warnings"] == []
+        assert resumed["train_steps"] == 8  # the second epoch only: it resumed
+        (plan,) = resumed["plans"]  # the fit-start line, before any step of this run
+        assert "reports at deadlines calibrated from the checkpoint: train " in plan, plan
+        assert "train 2 s (ceiling)" not in plan  # not warming up from nothing
 
 
 def test_lightning_rank_stalled_in_on_validation_end_is_named_and_every_rank_exits_75(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -21,7 +22,6 @@ from rankguard.callbacks.hang_diagnosis import (
     flight_recorder_note,
     frozen_ranks,
     nccl_timeout_advice,
-    phase_deadline,
 )
 from rankguard.callbacks.hang_report import main as report_main
 from rankguard.callbacks.hang_report import write_heartbeats, write_stacks
@@ -142,16 +142,19 @@ def _one_rank_freezes(rank, world_size, report_dir, frozen, port):
     # A process stopped inside a FileStore operation keeps its file lock; a TCPStore hosted
     # outside the ranks (as torchrun's agent does) keeps answering the others.
     store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(seconds=30))
-    watchdog = HangWatchdog(timeout_s=2, action="report", report_dir=report_dir, **FAST)
+    # The next periodic exchange is 3 s away when the rank freezes: the exchanges the first
+    # step and the calibration trigger are what tell the others it is past its first step.
+    settings = {**FAST, "exchange_period_s": 3.0, "floor_s": 1.0, "warmup_steps": 1}
+    watchdog = HangWatchdog(timeout_s=2, action="report", report_dir=report_dir, **settings)
     watchdog.bind(SideChannel(store, rank=rank, world_size=world_size, timeout_s=10))
     pids = watchdog.channel.all_gather("pids", os.getpid())
     watchdog.on_fit_start(EventFacts())
-    _train(watchdog, range(2))
-    watchdog.on_train_batch_start(EventFacts(step=2))
-    time.sleep(1.0)  # the ranks exchange their train phase (no longer the first-step deadline)
+    _train(watchdog, range(6), step_s=0.01)
+    watchdog.on_train_batch_start(EventFacts(step=6))
+    time.sleep(0.2)  # the exchange the calibration triggered
     if rank == frozen:
         os.kill(os.getpid(), signal.SIGSTOP)  # the whole process stops, watchdog thread too
-    waited = _wait_for_incident(watchdog, 20)
+    waited = _wait_for_incident(watchdog, 25)
     os.kill(pids[frozen], signal.SIGKILL)
     # No close(): it could wait out an exchange in flight; the worker exits hard.
     return waited, records.lines, (Path(report_dir) / "summary.txt").read_text()
@@ -171,10 +174,12 @@ def test_frozen_rank_is_named_frozen_or_dead(tmp_path):
     waiting = outcomes[1 - frozen]
     assert waiting.error is None, waiting.error
     waited, lines, summary = waiting.value
-    assert waited < 2 + 3, waited  # rank 0 decides after max(2, period) s
+    # The next exchange (3 s) and its timeout (3 s) pass the slack of the calibrated
+    # deadlines (1 s); judged by the first-step deadline (30 s) it would still be silent.
+    assert waited < 3 + 3 + 4, waited
     expected = f"rank {frozen} frozen or dead (no answer on the side channel"
     assert summary.startswith(expected)
-    assert "last seen: " in summary and "train batch 2" in summary
+    assert "last seen: " in summary and "train batch" in summary
     assert any(level == "ERROR" and expected in msg for level, msg in lines)
 
 
@@ -207,7 +212,7 @@ def _healthy_run(rank, world_size, report_dir):
     time.sleep(0.5 if rank else 0.0)  # ranks close at their own pace
     watchdog.close()
     watchdog.close()
-    return watchdog.incidents, records.lines, dict(watchdog._slowest), process_group_timeout()
+    return watchdog.incidents, records.lines, dict(watchdog.history.peaks), process_group_timeout()
 
 
 def test_healthy_run_with_slow_eval_and_long_first_step_reports_nothing(tmp_path):
@@ -296,6 +301,7 @@ def test_post_eval_deadline_runs_from_eval_end_until_the_next_data_fetch(tmp_pat
         ({"checkpoint_timeout_s": True}, "checkpoint_timeout_s"),
         ({"first_step_timeout_s": None}, "first_step_timeout_s"),
         ({"action": "raise"}, "action"),
+        ({"abort_at": "deadline"}, "abort_at"),
         ({"exchange_period_s": 0}, "exchange_period_s"),
         ({"auto_calibrate": "yes"}, "auto_calibrate"),
         ({"warmup_steps": -1}, "warmup_steps"),
@@ -341,17 +347,6 @@ def test_frozen_ranks_wait_for_the_slack_and_skip_finished_ranks():
     assert frozen_ranks([3], rank=1, waited_s=12, last=verdict, default_s=99) == []
 
 
-def test_calibrated_deadline_is_clamped_between_floor_and_configured():
-    deadlines = {"train": 600.0, "eval": 600.0, "startup": 1800.0}
-    args = {"calibrate": True, "factor": 10.0, "floor_s": 60.0}
-    assert phase_deadline("eval", deadlines, {"eval": 2.0}, **args) == 60.0
-    assert phase_deadline("eval", deadlines, {"eval": 20.0}, **args) == 200.0
-    assert phase_deadline("eval", deadlines, {"eval": 200.0}, **args) == 600.0
-    assert phase_deadline("train", deadlines, {"eval": 2.0}, **args) == 600.0
-    assert phase_deadline("startup", deadlines, {"startup": 1.0}, **args) == 1800.0
-    assert phase_deadline("done", deadlines, {}, **args) is None
-
-
 def test_nccl_timeout_shorter_than_detection_is_a_warning_with_the_fix():
     advice = nccl_timeout_advice(300.0, {"timeout_s": 600.0, "eval_timeout_s": 120.0}, 20.0)
     assert "NCCL process-group timeout (300 s)" in advice
@@ -394,8 +389,8 @@ def test_default_deadlines_fit_under_the_nccl_timeout_and_set_ones_are_kept(tmp_
     assert watchdog.timeout_s == watchdog.post_eval_timeout_s == 0.8 * 300 - detect
     assert watchdog.checkpoint_timeout_s == 0.8 * 300 - detect
     assert watchdog.eval_timeout_s == 900  # the user's own setting stays
-    deadlines = {k: v for k, v in watchdog.deadlines.items() if k != "startup"}
-    advice = nccl_timeout_advice(300.0, {f"{k}_timeout_s": v for k, v in deadlines.items()}, detect)
+    ceilings = {k: v for k, v in watchdog.ceilings.items() if k not in ("startup", "data")}
+    advice = nccl_timeout_advice(300.0, {f"{k}_timeout_s": v for k, v in ceilings.items()}, detect)
     assert advice is not None and "`eval_timeout_s`=900" in advice
 
 
@@ -430,6 +425,15 @@ def test_blocked_in_names_the_collective_and_its_caller_past_same_name_wrappers(
         ),
     ]
     assert blocked_in(stack) == "all_reduce, called from trainer.py:3634 (_iter_dataloader)"
+    # DDP reduces gradients from C++ hooks inside backward: the loop shows autograd's engine.
+    autograd = "/venv/lib/python3.11/site-packages/torch/autograd/"
+    backward = [
+        (autograd + "graph.py", 824, "_engine_run_backward"),
+        (autograd + "__init__.py", 353, "backward"),
+        ("/venv/lib/python3.11/site-packages/torch/_tensor.py", 648, "backward"),
+        ("/job/train.py", 52, "train_step"),
+    ]
+    assert blocked_in(backward) == "backward, called from train.py:52 (train_step)"
     assert blocked_in(stack[:2]) == "all_reduce"
     assert blocked_in(stack[2:]) is None  # not inside torch.distributed
     assert blocked_in([]) is None
@@ -522,3 +526,162 @@ def test_a_rank_waiting_in_a_rankguard_check_is_blocked_on_its_peers():
     assert where is not None
     assert where.startswith("rankguard exchange, called from test_hang_watchdog.py:")
     assert where.endswith("(check_that_waits_for_rank_1)")
+
+
+class _Timed(logging.Handler):
+    """Records (Unix time, level, message) of rankguard's log lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[float, str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.created, record.levelname, record.getMessage()))
+
+
+def slow_eval_batch(watchdog: HangWatchdog) -> None:
+    """Rank 1's eval batch outlasts the ceiling, then ends (the next collective goes on)."""
+    start = time.monotonic()
+    while not watchdog.ceilings_reached and time.monotonic() - start < 20:
+        time.sleep(0.05)
+
+
+def _one_incident_two_stages(rank, world_size, report_dir):
+    import torch
+    import torch.distributed as dist
+
+    timed = _Timed()
+    log = logging.getLogger("rankguard")
+    log.addHandler(timed)
+    log.setLevel(logging.INFO)
+    watchdog = _bound(
+        timeout_s=30,
+        eval_timeout_s=5,
+        post_eval_timeout_s=30,
+        floor_s=1,
+        warmup_steps=1,
+        action="report",
+        report_dir=report_dir,
+        exchange_period_s=0.3,
+    )
+    watchdog.on_fit_start(EventFacts())
+    # Train in 10 ms steps until an exchange calibrates: train 1 s (floor), eval 1 s (derived
+    # from train). A pause here would be a train interval, and raise both.
+    step, start = 0, time.monotonic()
+    while step < 12 or (watchdog.deadlines["eval"] == 5 and time.monotonic() - start < 20):
+        _train(watchdog, range(step, step + 1), step_s=0.01)
+        step += 1
+    watchdog.on_eval_start(EventFacts(step=12, loader=EVAL))
+    watchdog.on_eval_batch_start(EventFacts(step=12, loader=EVAL, batch_index=0))
+    stalled = time.time()
+    if rank == 1:
+        slow_eval_batch(watchdog)
+    dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1 (the eval's metric sync)
+    watchdog.on_eval_batch_end(EventFacts(step=12, loader=EVAL, batch_index=0))
+    watchdog.on_eval_end(EventFacts(step=12, loader=EVAL))
+    _train(watchdog, range(12, 14), step_s=0.01)
+    time.sleep(1.0)  # exchanges see every rank moving again
+    watchdog.close()
+    deadlines = watchdog.deadlines
+    return stalled, timed.lines, watchdog.incidents, watchdog.ceilings_reached, deadlines
+
+
+def test_one_incident_reports_at_the_calibrated_deadline_then_once_at_the_ceiling(tmp_path):
+    outcomes = run_ranks(_one_incident_two_stages, 2, str(tmp_path), timeout_s=60)
+    for o in outcomes:
+        assert o.error is None, o.error
+        stalled, lines, incidents, ceilings_reached, deadlines = o.value
+        assert (incidents, ceilings_reached) == (1, 1)
+        stage1 = [(t, m) for t, level, m in lines if level == "WARNING"]
+        stage2 = [(t, m) for t, level, m in lines if level == "ERROR"]
+        assert len(stage1) == 1 and len(stage2) == 1, lines  # one report per stage
+        (t1, first), (t2, final) = stage1[0], stage2[0]
+        assert first.startswith(
+            "rankguard hang_watchdog: Hang suspected: rank 1 stuck 1 s in eval batch 0 of "
+            "'eval' (deadline 1 s, calibrated; ceiling 5 s); rank 0 waiting 1 s in eval batch 0 "
+            "of 'eval' (blocked in all_reduce"
+        ), first
+        assert "Training goes on; it reports again if there is still no progress" in first
+        assert 1.0 <= t1 - stalled < 4.0  # the calibrated deadline, well before the ceiling
+        assert final.startswith("rankguard hang_watchdog: Hang: rank 1 stuck 5 s in eval batch 0")
+        assert final.endswith("Now waiting.")
+        assert 5.0 <= t2 - stalled < 8.0  # the ceiling
+        assert any("every rank is making progress again" in m for _, _, m in lines)
+        assert deadlines["eval"] == 5.0  # the 5 s batch seen: 2 x it, capped at the ceiling
+    summary = (tmp_path / "summary.txt").read_text()
+    assert (
+        "Stage 2: the incident ends" in summary
+        and "in slow_eval_batch" in (tmp_path / "rank1.txt").read_text()
+    )
+
+
+def stall_after_eval(watchdog: HangWatchdog) -> None:
+    """Rank 1 never comes back from eval (until the watchdog has ended the incident)."""
+    start = time.monotonic()
+    while not watchdog.ceilings_reached and time.monotonic() - start < 20:
+        time.sleep(0.05)
+
+
+def _rank0_waits_in_a_check_for_stuck_rank1(rank, world_size, report_dir, action):
+    from rankguard.callbacks.batch_parity import BatchParityGuard
+    from rankguard.callbacks.events import Event
+    from rankguard.callbacks.guard import GuardRunner
+
+    watchdog = HangWatchdog(
+        timeout_s=60,
+        eval_timeout_s=60,
+        post_eval_timeout_s=60,
+        action=action,
+        report_dir=report_dir,
+        exchange_period_s=0.5,
+    )
+    # The check's exchange gives up after 2 s, long before any watchdog deadline.
+    runner = GuardRunner([watchdog, BatchParityGuard()], exchange_timeout_s=2)
+    train = LoaderFacts("train", list(range(4)), is_train=True)
+    eval_loader = LoaderFacts("eval", list(range(2)), is_train=False)
+    runner.fire(Event.FIT_START, EventFacts(loaders=[train, eval_loader]))
+    for step in range(4):
+        for event in (Event.DATA_FETCH_START, Event.TRAIN_BATCH_START, Event.TRAIN_BATCH_END):
+            runner.fire(event, EventFacts(step=step))
+    runner.fire(Event.EVAL_START, EventFacts(step=4, loader=eval_loader))
+    for index in range(2):
+        runner.fire(Event.EVAL_BATCH_END, EventFacts(step=4, loader=eval_loader, batch_index=index))
+    runner.fire(Event.EVAL_END, EventFacts(step=4, loader=eval_loader))
+    stalled = time.monotonic()
+    try:
+        if rank == 1:
+            stall_after_eval(watchdog)
+        else:  # the next epoch's batch-count check waits for rank 1
+            runner.fire(Event.EPOCH_START, EventFacts(step=4, epoch=1, loader=train))
+    finally:
+        runner.close()
+    return time.monotonic() - stalled, str(watchdog.last_incident)
+
+
+@pytest.mark.parametrize("action", ["abort", "report"])
+def test_a_rank_missing_from_another_checks_exchange_gets_the_watchdogs_diagnosis(tmp_path, action):
+    outcomes = run_ranks(
+        _rank0_waits_in_a_check_for_stuck_rank1, 2, str(tmp_path), action, timeout_s=60
+    )
+    if action == "abort":  # the watchdog's exit behaviour on every rank, not the check's error
+        assert [o.exitcode for o in outcomes] == [HANG_EXIT_CODE, HANG_EXIT_CODE], outcomes
+    else:  # rank 0 raises the hang error, not BatchCountMismatchError; rank 1 logged the same
+        rank0, rank1 = outcomes
+        assert rank0.error_type == "HangDetectedError", rank0.error
+        assert rank1.error is None, rank1.error
+        waited, incident = rank1.value
+        verdict = incident.split("\nThis is rank 1")[0]  # the rest names the rank's own files
+        assert rank0.error.startswith(verdict + "\nThis is rank 0")  # the same diagnosis
+        assert waited < 2 + 5  # the check's 2 s timeout, then the next status exchanges
+    summary = (tmp_path / "summary.txt").read_text()
+    assert re.match(
+        r"rank 1 stuck \d s in after eval of 'eval' \(deadline 60 s\); rank 0 waiting \d s in "
+        r"epoch start at step 4 \(blocked in rankguard exchange, called from batch_parity\.py:",
+        summary,
+    ), summary
+    assert (
+        "rank 1 did not reach rankguard exchange 'batch_parity_guard/epoch_start' within 2 s"
+        in summary
+    )
+    assert "in stall_after_eval" in (tmp_path / "rank1.txt").read_text()
+    assert "BatchCountMismatchError" not in summary

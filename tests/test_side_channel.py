@@ -301,3 +301,13 @@ def test_no_guard_ever_uses_the_training_process_group(tmp_path):
         exchanges, warnings = o.value
         assert exchanges >= 10  # fit start, 2 straggler, eval start/end, save, watchdog statuses
         assert warnings == []  # an exchange that failed on its thread is logged when collected
+
+
+def test_each_torchrun_restart_attempt_has_its_own_keys(monkeypatch):
+    # torchrun can keep its store across restarts; stale keys of attempt 0 must not be read.
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    plain = SideChannel.from_environment(name="keys")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    restarted = SideChannel.from_environment(name="keys")
+    assert restarted.prefix.startswith("keys/attempt1/")
+    assert not plain.prefix.startswith("keys/attempt")

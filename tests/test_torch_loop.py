@@ -358,3 +358,33 @@ def test_auto_checkpoint_plan_in_a_loop_names_sharded_saves_and_reads_what_fit_s
         assert "torch.distributed.checkpoint.save(" in full
         assert "guard.fit(..., state_dict_type='sharded')" in full
         assert outcome.value["sharded"] == "fits"  # told by fit(state_dict_type=...)
+
+
+def test_the_watchdogs_calibration_goes_into_the_loops_checkpoint_and_back(tmp_path):
+    # A loop saves guard.state_dict() with its model; the resumed guard starts calibrated.
+    settings = {"hang_watchdog": {"exchange_period_s": 0.2, "warmup_steps": 0, "floor_s": 0.5}}
+    model, optimizer = model_and_optimizer()
+    train, evals = loaders(n_train=32)
+    guard = RankGuard(**settings)
+    with guard.fit(model, optimizer, train, eval_loaders=evals) as run:
+        for _ in range(2):
+            for batch in run.train():
+                step(model, optimizer, batch)
+            for _ in run.eval(evals):
+                pass
+    torch.save({"model": model.state_dict(), "rankguard": guard.state_dict()}, tmp_path / "c.pt")
+    guard.close()
+    saved = torch.load(tmp_path / "c.pt")["rankguard"]
+    assert saved["hang_watchdog"]["calibration"]["recent"]["train"]  # the steps it timed
+
+    resumed = RankGuard(**settings)
+    resumed.load_state_dict(saved)
+    watchdog = next(g for g in resumed.runner.guards if g.name == "hang_watchdog")
+    with resumed.fit(model, optimizer, train) as run:
+        for _ in run.train():
+            # Calibrated from the checkpoint before its first step ended: the floor, not 600 s.
+            assert watchdog.deadlines["train"] == 0.5
+            break
+    fresh = RankGuard(**settings)
+    assert fresh.state_dict() == {}
+    fresh.close()

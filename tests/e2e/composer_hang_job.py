@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 from rankguard.integrations.composer import HangWatchdog
 from tests.e2e.common import Points, Recorder
-from tests.e2e.hang_settings import EVAL_BATCH_S, HANG, HEALTHY, TRAIN_STEP_S
+from tests.e2e.hang_settings import EVAL_BATCH_S, HANG, HEALTHY, TRAIN_STEP_S, TWO_STAGE
 
 OUT = ""
 COUNTERS: dict[str, float] = {}
@@ -131,28 +131,34 @@ def healthy_slow_eval() -> None:
     watchdog = HangWatchdog(report_dir=reports("healthy_slow_eval"), **HEALTHY)
     pace = Pace(TRAIN_STEP_S, EVAL_BATCH_S)
     fit([watchdog, pace], max_duration="1ep", eval_interval="4ba")
-    # The slowest interval seen per phase kind: the watchdog was live, and calibrated.
-    COUNTERS["slowest"] = dict(watchdog.runner.guards[0]._slowest)
+    # The longest interval seen per phase kind and the deadlines: the watchdog calibrated.
+    core = watchdog.runner.guards[0]
+    COUNTERS["peaks"] = dict(core.history.peaks)
+    COUNTERS["deadlines"] = core.deadlines
 
 
-def hang(scenario: str, culprit: Callback) -> None:
+def hang(scenario: str, culprit: Callback, settings: dict, eval_interval: str) -> None:
     # rankguard first: it sees EVAL_END before the culprit blocks in it.
-    watchdog = HangWatchdog(report_dir=reports(scenario), **HANG)
-    fit([watchdog, culprit], max_duration="2ep", eval_interval="2ba")
+    watchdog = HangWatchdog(report_dir=reports(scenario), **settings)
+    fit([watchdog, culprit], max_duration="2ep", eval_interval=eval_interval)
     raise AssertionError(f"{scenario}: the fit ended; the watchdog should have ended the process")
 
 
 SCENARIOS = {
     "healthy_slow_eval": healthy_slow_eval,
-    "post_eval_stall": lambda: hang("post_eval_stall", StallAfterEval()),
-    "unmatched_collective": lambda: hang("unmatched_collective", UnmatchedCollective()),
+    # 4 train steps before the first eval calibrate the deadlines: two stages.
+    "post_eval_stall": lambda: hang("post_eval_stall", StallAfterEval(), TWO_STAGE, "4ba"),
+    "unmatched_collective": lambda: hang(
+        "unmatched_collective", UnmatchedCollective(), HANG, "2ba"
+    ),
 }
 
 
 def main() -> None:
     global OUT
     OUT, *names = sys.argv[1:]
-    logging.basicConfig(format="%(name)s %(levelname)s: %(message)s")  # the verdict in the output
+    # The verdict in the output, with the Unix time of each line (the stages' latency).
+    logging.basicConfig(format="%(created).3f %(name)s %(levelname)s: %(message)s")
     recorder = Recorder(OUT)
     for name in names:
         recorder.run(name, SCENARIOS[name], COUNTERS)

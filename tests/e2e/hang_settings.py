@@ -18,10 +18,22 @@ HEALTHY = {
 TRAIN_STEP_S = 0.12
 EVAL_BATCH_S = 0.6
 
-#: The hang runs: only the way back from eval is short.
+#: The hang runs: only the way back from eval is short (one stage: the 30 s default floor is
+#: above every ceiling here).
 HANG = {
     "timeout_s": 20.0,
     "eval_timeout_s": 20.0,
     "post_eval_timeout_s": 4.0,
+    "exchange_period_s": 0.5,
+}
+
+#: The two-stage run: calibrated deadlines from the first steps (2 s floor), reported at
+#: stage 1; the after-eval ceiling (8 s) ends the incident (stage 2, exit 75).
+TWO_STAGE = {
+    "timeout_s": 20.0,
+    "eval_timeout_s": 20.0,
+    "post_eval_timeout_s": 8.0,
+    "warmup_steps": 0,
+    "floor_s": 2.0,
     "exchange_period_s": 0.5,
 }

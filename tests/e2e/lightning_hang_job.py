@@ -6,7 +6,8 @@ Usage::
 
 Lightning's DDP launcher re-executes this script for rank 1 with the same
 arguments, so both ranks run the same scenarios in order, each a fresh
-``Trainer`` in the same two processes. Each rank writes its pid to
+``Trainer`` in the same two processes. ``resume_calibrated`` resumes from the
+checkpoint ``healthy_slow_eval`` saves, so it must follow it. Each rank writes its pid to
 ``OUT_DIR/pid{rank}`` at start and, after every scenario that returns,
 ``OUT_DIR/rank{rank}.json`` (outcome, rankguard warnings, counters). A hang
 scenario never returns: the watchdog reports into ``OUT_DIR/reports_<scenario>/``
@@ -25,6 +26,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from rankguard.integrations.lightning import HangWatchdog
@@ -96,27 +98,62 @@ def reports(scenario: str) -> str:
 
 
 def trainer(callbacks: list[L.Callback], **settings: Any) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
-        use_distributed_sampler=False,  # every rank gets the same 8 train, 4 val batches
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        **settings,
-    )
+    defaults = {
+        "accelerator": "cpu",
+        "devices": 2,
+        "strategy": "ddp",
+        "use_distributed_sampler": False,  # every rank gets the same 8 train, 4 val batches
+        "enable_checkpointing": False,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return L.Trainer(callbacks=callbacks, **{**defaults, **settings})
+
+
+SAVING = {"enable_checkpointing": True}
+
+
+def checkpoints() -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=os.path.join(OUT, "ckpt"), save_last=True)
 
 
 def healthy_slow_eval() -> dict[str, Any]:
     watchdog = HangWatchdog(report_dir=reports("healthy_slow_eval"), **HEALTHY)
     module = PacedModule(TRAIN_STEP_S, EVAL_BATCH_S)
-    # The sanity check (2 val batches) runs before the first train step.
-    trainer([watchdog], max_epochs=1, val_check_interval=4).fit(module, loader(32), loader(16))
-    # The slowest interval seen per phase kind: the watchdog was live, and calibrated.
-    return {**module.counters, "slowest": dict(watchdog.runner.guards[0]._slowest)}
+    # The sanity check (2 val batches) runs before the first train step; the checkpoint at
+    # the end of the epoch holds the watchdog's calibration.
+    job = trainer([watchdog, checkpoints()], max_epochs=1, val_check_interval=4, **SAVING)
+    job.fit(module, loader(32), loader(16))
+    # The longest interval seen per phase kind and the deadlines: the watchdog calibrated.
+    core = watchdog.runner.guards[0]
+    return {**module.counters, "peaks": dict(core.history.peaks), "deadlines": core.deadlines}
+
+
+class _Info(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def resume_calibrated() -> dict[str, Any]:
+    """A second epoch resumed from the healthy run's checkpoint, with a fresh watchdog."""
+    watchdog = HangWatchdog(report_dir=reports("resume_calibrated"), **HEALTHY)
+    info = _Info()
+    log = logging.getLogger("rankguard.callbacks.hang_watchdog")
+    log.addHandler(info)
+    log.setLevel(logging.INFO)
+    module = PacedModule(TRAIN_STEP_S)
+    job = trainer([watchdog, checkpoints()], max_epochs=2, val_check_interval=4, **SAVING)
+    try:
+        job.fit(module, loader(32), loader(16), ckpt_path=os.path.join(OUT, "ckpt", "last.ckpt"))
+    finally:
+        log.removeHandler(info)
+    plans = [m for m in info.messages if "reports at deadlines" in m]
+    return {**module.counters, "plans": plans}
 
 
 def stall_after_validation_end() -> dict[str, Any]:
@@ -129,6 +166,7 @@ def stall_after_validation_end() -> dict[str, Any]:
 
 SCENARIOS = {
     "healthy_slow_eval": healthy_slow_eval,
+    "resume_calibrated": resume_calibrated,
     "stall_after_validation": stall_after_validation_end,
 }
 
