@@ -10,7 +10,8 @@ file              written by   content
                                the training loop's marked ``[training loop]``
 ``rank{N}.jsonl`` rank N       the last heartbeats, one JSON object a line (``t``: Unix
                                time, ``event``, ``phase``, ``step``), then one ``report``
-                               record: ``idle_s``, ``deadline_s``, ``blocked_in``
+                               record: ``idle_s``, ``deadline_s``, ``ceiling_s``,
+                               ``blocked_in``
 ``merged.txt``    the CLI      the summary, then ranks grouped by identical stacks
 ``timeline.png``  the CLI      per rank: phases over time, where its progress stopped;
                                the rank that stopped first and its deadline (needs the
@@ -156,6 +157,7 @@ def write_incident(
                 "step": status.step,
                 "idle_s": status.idle_s,
                 "deadline_s": status.deadline_s,
+                "ceiling_s": status.ceiling_s,
                 "blocked_in": status.blocked_in,
             }
         )

@@ -90,6 +90,7 @@ class RankRow:
         last_phase: Where that was, e.g. ``"after eval of 'eval'"``.
         reported_at: When it wrote its report (``None`` without a report record).
         deadline_s: The deadline of its phase when it reported, if known.
+        ceiling_s: Its phase's ceiling (where the watchdog aborts), if known.
         blocked_in: The cross-rank call it was blocked in (it waited for another
             rank), or ``None`` (it was stuck on its own, or unknown).
     """
@@ -100,6 +101,7 @@ class RankRow:
     last_phase: str = ""
     reported_at: float | None = None
     deadline_s: float | None = None
+    ceiling_s: float | None = None
     blocked_in: str | None = None
 
     @property
@@ -121,6 +123,9 @@ class Timeline:
         first: The rank that stopped first: of the ranks not waiting for
             another, the one whose progress stopped earliest (``None`` if none).
         deadline: When ``first`` passed its deadline, or ``None`` if unknown.
+        ceiling: When ``first`` reaches (or reached) its phase's ceiling, where it
+            is later than the deadline (a calibrated deadline: the report came
+            first, the abort at the ceiling); else ``None``.
         start: The earliest recorded heartbeat (left edge).
         end: The last report or heartbeat (right edge).
     """
@@ -131,6 +136,12 @@ class Timeline:
     deadline: float | None
     start: float
     end: float
+    ceiling: float | None = None
+
+    @property
+    def ceiling_drawn(self) -> bool:
+        """Whether the ceiling is within the recorded time (it is drawn, else only named)."""
+        return self.ceiling is not None and self.ceiling <= self.end
 
     def drawn_ranks(self) -> list[int]:
         """The ranks drawn, at most :data:`MAX_ROWS`: stuck ranks first, then by rank."""
@@ -190,14 +201,19 @@ def build_timeline(records: Mapping[int, Iterable[dict]]) -> Timeline:
             last_phase=beats[-1].get("phase", beats[-1]["event"]),
             reported_at=None if report is None else report["t"] - origin,
             deadline_s=None if report is None else report.get("deadline_s"),
+            ceiling_s=None if report is None else report.get("ceiling_s"),
             blocked_in=None if report is None else report.get("blocked_in"),
         )
-    deadline = None
+    deadline = ceiling = None
     if first is not None and rows[first].deadline_s is not None:
         deadline = rows[first].last_progress + rows[first].deadline_s
+        ceiling_s = rows[first].ceiling_s
+        if ceiling_s is not None and ceiling_s > rows[first].deadline_s:
+            ceiling = rows[first].last_progress + ceiling_s
     ends = [max(row.last_progress, row.reported_at or 0.0) for row in rows.values()]
     start = min(row.spans[0].start if row.spans else row.last_progress for row in rows.values())
-    return Timeline(origin, rows, first, deadline, start, max([*ends, deadline or 0.0]))
+    end = max([*ends, deadline or 0.0])
+    return Timeline(origin, rows, first, deadline, start, end, ceiling)
 
 
 def row_label(row: RankRow, first: int | None) -> str:
@@ -223,6 +239,9 @@ def title(timeline: Timeline) -> str:
         text = f"rank {timeline.first} stopped first, in {row.last_phase}"
         if row.deadline_s is not None:
             text += f"; its deadline ({row.deadline_s:g} s) passed at {timeline.deadline:.1f} s"
+        if timeline.ceiling is not None and row.ceiling_s is not None:
+            when = "reached" if timeline.ceiling_drawn else "due"
+            text += f"; its ceiling ({row.ceiling_s:g} s, abort) {when} at {timeline.ceiling:.1f} s"
     hidden = len(timeline.rows) - len(timeline.drawn_ranks())
     return text + (f" ({hidden} more ranks not drawn: see merged.txt)" if hidden else "")
 
@@ -266,6 +285,8 @@ def plot_timeline(records: Mapping[int, Iterable[dict]], path: str | Path) -> Ti
         ax.plot(row.last_progress, y, marker="D", color="black", markersize=6)
     if timeline.deadline is not None:
         ax.axvline(timeline.deadline, color=_STUCK, linestyle="--", linewidth=1.5)
+    if timeline.ceiling_drawn:
+        ax.axvline(timeline.ceiling, color=_STUCK, linestyle=":", linewidth=1.5)
     labels = [row_label(timeline.rows[r], timeline.first) for r in ranks]
     ax.set_yticks(range(len(ranks)), labels, fontsize=8)
     ax.invert_yaxis()
@@ -285,6 +306,8 @@ def plot_timeline(records: Mapping[int, Iterable[dict]], path: str | Path) -> Ti
         Line2D([], [], marker="D", color="black", linestyle="", label="last progress"),
         Line2D([], [], color=_STUCK, linestyle="--", label="deadline"),
     ]
+    if timeline.ceiling_drawn:
+        handles.append(Line2D([], [], color=_STUCK, linestyle=":", label="ceiling (abort)"))
     fig.legend(handles=handles, loc="outside lower center", ncol=6, fontsize=8, frameon=False)
     fig.savefig(path, dpi=80)
     plt.close(fig)

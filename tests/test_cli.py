@@ -91,6 +91,20 @@ def test_timeline_shows_who_stopped_first_where_and_the_deadline_it_passed():
     assert title(timeline).startswith("rank 2 stopped first, in eval end; its deadline (5 s)")
 
 
+def test_timeline_names_the_ceiling_after_a_calibrated_deadline_and_draws_it_once_reached():
+    records = {0: _beats(100.0, TRAIN), 1: _beats(100.0, TRAIN[:3])}
+    stage_1 = {**_report(131.0, 30.0), "ceiling_s": 600.0}  # reported at the deadline
+    timeline = build_timeline({0: records[0], 1: [*records[1], stage_1]})
+    assert timeline.first == 1 and timeline.deadline == pytest.approx(30.0)
+    assert timeline.ceiling == pytest.approx(600.0) and not timeline.ceiling_drawn
+    assert title(timeline).endswith("; its ceiling (600 s, abort) due at 600.0 s")
+    stage_2 = {**_report(701.0, 30.0), "ceiling_s": 600.0}  # and again at the ceiling
+    timeline = build_timeline({0: records[0], 1: [*records[1], stage_2]})
+    assert timeline.ceiling_drawn and title(timeline).endswith("reached at 600.0 s")
+    one_stage = {**_report(131.0, 30.0), "ceiling_s": 30.0}  # the deadline is the ceiling
+    assert build_timeline({1: [*records[1], one_stage]}).ceiling is None
+
+
 def test_timeline_from_heartbeats_alone_takes_the_earliest_stop_and_draws_no_deadline():
     timeline = build_timeline({0: _beats(50.0, TRAIN), 1: _beats(50.0, TRAIN[:3])})
     assert timeline.first == 1 and timeline.deadline is None
