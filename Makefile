@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rankguard-installed
 
-.PHONY: venv test lint demo bench clean
+.PHONY: venv test lint demo docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ test: lint
 
 demo: venv
 	$(BIN)/python examples/demo.py
+
+# Regenerates docs/reference.md, docs/failures.md and README.md's failure table; reruns
+# the example runs whose recorded output (docs/outputs/) is older than the code.
+docs: venv
+	$(BIN)/python docs/generate.py
 
 bench: venv
 	$(BIN)/python benchmarks/overhead.py

@@ -325,7 +325,8 @@ class BatchParityGuard(Guard):
                     "that runs more batches than the others waits in a collective that "
                     f"never completes. {FIX_ACTUAL} If it is just slow on those ranks, raise "
                     "`eval_end_timeout_s`."
-                )
+                ),
+                every_rank=False,
             )
             return
         if left:
@@ -357,7 +358,8 @@ class BatchParityGuard(Guard):
             )
         except RanksMissingError as missing:  # honour on_violation="warn" here too
             self.violation(
-                BatchCountMismatchError(f"Batch counts not compared ({when}): {missing}")
+                BatchCountMismatchError(f"Batch counts not compared ({when}): {missing}"),
+                every_rank=False,
             )
             return
         problems = []

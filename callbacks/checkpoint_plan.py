@@ -113,11 +113,14 @@ class CheckpointPlan:
             that can be switched (the adapter's ``switch_to_sharded`` fact).
         reason: One paragraph with the numbers and the fix.
         nodes: The per-node budget.
+        note: A line under the table where its figures need one, e.g. why a
+            sharded save is estimated above a full one.
     """
 
     action: str
     reason: str
     nodes: list[NodeBudget]
+    note: str = ""
 
     def node_of(self, rank: int) -> NodeBudget | None:
         """The budget of the node ``rank`` runs on."""
@@ -137,9 +140,10 @@ class CheckpointPlan:
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        return "\n".join(
+        lines = [
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-        )
+        ]
+        return "\n".join([*lines, self.note] if self.note else lines)
 
 
 def _both_settings() -> str:
@@ -216,8 +220,15 @@ def plan_save(
         f"materialised on {'every local rank' if materialize == 'every_rank' else 'rank 0'}) "
         f"and {format_bytes(worst.available_bytes)} is available ({worst.source})"
     )
+    note = ""
+    if streamed and any(n.sharded_bytes > n.full_bytes for n in nodes):
+        note = (
+            "(A sharded save is estimated as a copy of each rank's shard, 1/world_size of the "
+            "state; a full save of this model, which is not sharded, copies one tensor at a "
+            f"time, the largest: {format_bytes(lead.largest_bytes)}.)"
+        )
     if all(n.fits(n.needed_bytes) for n in nodes):
-        return CheckpointPlan("ok", f"Checkpoint memory fits: {summary}.", nodes)
+        return CheckpointPlan("ok", f"Checkpoint memory fits: {summary}.", nodes, note)
     shard_fits = all(n.fits(n.sharded_bytes) for n in nodes)
     fix = FIX_SHARDED.format(setting=f"`{setting}`" if setting else _both_settings())
     sharded_need = format_bytes(max(n.sharded_bytes for n in nodes))
@@ -227,7 +238,7 @@ def plan_save(
                 f"Switching to sharded checkpoints: {summary}; a sharded save needs at most "
                 f"{sharded_need} per node."
             )
-            return CheckpointPlan("switch_to_sharded", reason, nodes)
+            return CheckpointPlan("switch_to_sharded", reason, nodes, note)
         why = (
             "the model is not sharded (a sharded save needs FSDP)"
             if not lead.state_sharded
@@ -238,11 +249,11 @@ def plan_save(
             f"{sharded_need} per node), but `mode='auto'` cannot switch this job to it: {why}. "
             f"{fix}"
         )
-        return CheckpointPlan("raise", reason, nodes)
+        return CheckpointPlan("raise", reason, nodes, note)
     if not (kind == "full" and shard_fits):
         fix = FIX_MORE_MEMORY
     action = "warn" if mode == "warn" else "raise"
-    return CheckpointPlan(action, f"Checkpoint save will not fit: {summary}. {fix}", nodes)
+    return CheckpointPlan(action, f"Checkpoint save will not fit: {summary}. {fix}", nodes, note)
 
 
 def _available_or(node: NodeBudget, default: int) -> int:

@@ -207,7 +207,7 @@ class CheckpointPlanner(Guard):
         if plan.action == "ok":
             logger.info("rankguard %s: %s", self.name, text)
         elif plan.action == "raise":
-            raise CheckpointMemoryError(text)
+            self.raise_on_every_rank(CheckpointMemoryError(text))
         elif plan.action == "switch_to_sharded" and facts.switch_to_sharded is not None:
             self.switched = facts.switch_to_sharded()
             logger.warning(

@@ -1,4 +1,4 @@
-"""The ``rankguard`` command: ``rankguard report DIR``."""
+"""The ``rankguard`` command: ``rankguard report DIR``, ``rankguard --version``."""
 
 from __future__ import annotations
 
@@ -6,25 +6,55 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from rankguard import __version__
 from rankguard.callbacks import hang_report
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
-COMMANDS = {"report": hang_report.main}
+DESCRIPTION = """\
+rankguard: training callbacks that keep every rank of a distributed PyTorch job
+in step. The callbacks go into your trainer (from rankguard.integrations.composer
+import RankGuard, or .lightning, .transformers, .torch for a hand-written loop);
+this command reads what they leave behind."""
+
+EPILOG = """\
+example:
+  rankguard report ./rankguard_reports   # after a HangWatchdog found a hang
+
+Run `rankguard COMMAND --help` for a command's details."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rankguard`` argument parser, with one subparser per command."""
+    parser = argparse.ArgumentParser(
+        prog="rankguard",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"rankguard {__version__}")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    report = commands.add_parser("report", help=hang_report.REPORT_HELP, prog="rankguard report")
+    hang_report.add_arguments(report).set_defaults(run=hang_report.run)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs a ``rankguard`` subcommand and returns its exit code.
+    """Runs a ``rankguard`` command and returns its exit code.
 
     Args:
         argv: Arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The command's exit code (2 for a usage error, as argparse exits).
     """
+    parser = build_parser()
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in COMMANDS:
-        parser = argparse.ArgumentParser(prog="rankguard")
-        parser.add_argument("command", choices=sorted(COMMANDS))
-        parser.parse_args(args[:1])  # prints usage and exits 2
-    return COMMANDS[args[0]](args[1:])
+    if not args:
+        parser.print_help(sys.stderr)
+        return 2
+    parsed = parser.parse_args(args)
+    return parsed.run(parsed)
 
 
 if __name__ == "__main__":

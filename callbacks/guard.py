@@ -5,25 +5,38 @@ methods named ``on_<event>`` (``on_fit_start``, ``on_eval_end``, ...), talks
 to other ranks only through its :class:`SideChannel`, and reports a
 violation through :meth:`Guard.violation`, which raises or logs a warning as
 ``on_violation`` says.
+
+An error every rank raises from the same verdict leaves through
+:meth:`Guard.raise_on_every_rank`: each rank logs it first, then waits until
+every rank has logged it, then raises. A launcher tears the whole job down
+when the first rank exits (Composer's sends SIGTERM to the others, Lightning's
+rank 0 kills its children, torchrun's agent stops every worker), so without
+the wait a rank that is a moment slower could be killed before its own error
+is printed.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from rankguard.callbacks.errors import RankGuardError
 from rankguard.callbacks.events import Event, EventFacts
 from rankguard.callbacks.side_channel import SideChannel
 
-__all__ = ["Guard", "GuardRunner", "MetricSink", "check_choice", "check_positive"]
+__all__ = ["RAISED", "Guard", "GuardRunner", "MetricSink", "check_choice", "check_positive"]
 
 logger = logging.getLogger(__name__)
 
 MetricSink = Callable[[Mapping[str, float]], None]
 
 ON_VIOLATION = ("raise", "warn")
+#: How long a rank that raises waits for the others to have logged the same error.
+RAISE_WAIT_S = 10.0
+#: Set on the log record of an error that is then raised (a handler may leave it out).
+RAISED = "rankguard_raised"
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
@@ -77,11 +90,36 @@ class Guard:
         if handler is not None:
             handler(facts)
 
-    def violation(self, error: RankGuardError) -> None:
-        """Raises ``error`` or logs it as a warning, as ``on_violation`` says."""
+    def violation(self, error: RankGuardError, *, every_rank: bool = True) -> None:
+        """Raises ``error`` or logs it as a warning, as ``on_violation`` says.
+
+        Args:
+            error: The error.
+            every_rank: Whether every rank reports it (from a shared verdict),
+                so a raising rank waits for the others to log it; ``False`` for
+                an error only some ranks see, e.g. about ranks that never arrived.
+        """
         if self.on_violation == "raise":
-            raise error
+            self.raise_on_every_rank(error, every_rank=every_rank)
         logger.warning("rankguard %s: %s", self.name, error)
+
+    def raise_on_every_rank(self, error: RankGuardError, *, every_rank: bool = True) -> NoReturn:
+        """Logs ``error`` (ERROR), waits until every rank has logged it, then raises it.
+
+        Args:
+            error: The error, the same on every rank.
+            every_rank: ``False`` when some ranks will not raise it: then no wait.
+        """
+        logger.error("rankguard %s: %s", self.name, error, extra={RAISED: True})
+        if every_rank and self.channel.is_distributed:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            sys.stderr.flush()
+            try:
+                self.channel.barrier(f"{self.name}/raised", timeout_s=RAISE_WAIT_S)
+            except Exception as exc:  # a rank that never logs it must not hold this one
+                logger.debug("rankguard %s: not every rank logged the error: %s", self.name, exc)
+        raise error
 
     def warn_once(self, key: str, message: str, *args: Any) -> None:
         """Logs a warning the first time ``key`` is seen by this guard."""

@@ -9,9 +9,13 @@ file              written by   content
 ``rank{N}.txt``   rank N       header (rank, host, pid, phase) + every thread's Python stack,
                                the training loop's marked ``[training loop]``
 ``rank{N}.jsonl`` rank N       the last heartbeats, one JSON object a line (``t``: Unix
-                               time, ``event``, ``phase``, ``step``)
+                               time, ``event``, ``phase``, ``step``), then one ``report``
+                               record: ``idle_s``, ``deadline_s``, ``ceiling_s``,
+                               ``blocked_in``
 ``merged.txt``    the CLI      the summary, then ranks grouped by identical stacks
-``timeline.png``  the CLI      per-rank phases over time (needs the ``report`` extra)
+``timeline.png``  the CLI      per rank: phases over time, where its progress stopped;
+                               the rank that stopped first and its deadline (needs the
+                               ``report`` extra; :mod:`rankguard.callbacks.hang_timeline`)
 ================  ===========  ==========================================================
 
 .. [1] or the lowest rank that still answers when rank 0 is frozen or dead.
@@ -21,7 +25,8 @@ and lines only, never variable values or the environment.
 
 ``rankguard report DIR`` prints the summary and the training loop's stack
 per group of ranks where it is identical (the ranks that stopped in the same
-place), and writes ``merged.txt`` and ``timeline.png``.
+place), and writes ``merged.txt`` and ``timeline.png``. ``DIR`` is any folder
+holding these files (a job that restarts may keep one per attempt).
 """
 
 from __future__ import annotations
@@ -32,16 +37,24 @@ import json
 import re
 import sys
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rankguard.callbacks.ranks import group_ranks, rank_label
 
+if TYPE_CHECKING:
+    from rankguard.callbacks.hang_diagnosis import RankStatus
+
 __all__ = [
     "LOOP_MARK",
+    "REPORT_EVENT",
+    "add_arguments",
     "loop_stack",
     "main",
     "merge_stacks",
+    "run",
     "write_heartbeats",
     "write_incident",
     "write_stacks",
@@ -52,6 +65,8 @@ SUMMARY_FILE = "summary.txt"
 MERGED_FILE = "merged.txt"
 TIMELINE_FILE = "timeline.png"
 
+#: The ``event`` of the record that ends ``rank{N}.jsonl``: the rank's status when it reported.
+REPORT_EVENT = "report"
 #: Added to the training loop thread's line in ``rank{N}.txt``.
 LOOP_MARK = "[training loop]"
 
@@ -117,6 +132,7 @@ def write_incident(
     beats: Iterable[dict],
     summary: str | None,
     loop_thread: int | None = None,
+    status: RankStatus | None = None,
 ) -> None:
     """Writes one rank's part of an incident report.
 
@@ -127,9 +143,25 @@ def write_incident(
         beats: Recent heartbeats for ``rank{rank}.jsonl``.
         summary: The verdict for ``summary.txt``, on the one rank that writes it.
         loop_thread: Ident of the training loop's thread, marked in the stacks.
+        status: This rank's status when it reported, added to ``rank{rank}.jsonl``
+            as a ``report`` record (the timeline's end, deadline and waits).
     """
     write_stacks(directory, rank, header, loop_thread)
-    write_heartbeats(directory, rank, beats)
+    records = list(beats)
+    if status is not None:
+        records.append(
+            {
+                "t": time.time(),
+                "event": REPORT_EVENT,
+                "phase": status.phase,
+                "step": status.step,
+                "idle_s": status.idle_s,
+                "deadline_s": status.deadline_s,
+                "ceiling_s": status.ceiling_s,
+                "blocked_in": status.blocked_in,
+            }
+        )
+    write_heartbeats(directory, rank, records)
     if summary is not None:
         stacks = f"Stacks: {Path(directory)}/rank<N>.txt per rank (merge: rankguard report DIR)."
         write_summary(directory, f"{summary.rstrip()}\n{stacks}")
@@ -178,69 +210,89 @@ def _read_heartbeats(directory: Path) -> dict[int, list[dict]]:
     return beats
 
 
-def plot_timeline(beats: dict[int, list[dict]], path: Path) -> Path:
-    """Draws each rank's phases over time (one row per rank) to a PNG."""
-    try:
-        import matplotlib
+#: ``rankguard report --help``: what it does, with examples.
+REPORT_HELP = "merge a HangWatchdog report's stacks and draw its timeline"
+REPORT_DESCRIPTION = """\
+Reads what a HangWatchdog wrote when it found a hang: rank<N>.txt (each rank's
+Python stacks), rank<N>.jsonl (each rank's last heartbeats) and summary.txt (the
+verdict). Prints the verdict and the training loop's stack once per group of
+ranks that stopped in the same place, and writes two files into DIR:
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError(
-            "The timeline needs matplotlib: pip install 'rankguard[report]'."
-        ) from exc
-    start = min(b["t"] for rows in beats.values() for b in rows)
-    end = max(b["t"] for rows in beats.values() for b in rows)
-    colors = {"train": "tab:blue", "eval": "tab:green", "checkpoint": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(10, 1 + 0.4 * len(beats)))
-    for row, rank in enumerate(sorted(beats)):
-        rows = beats[rank]
-        for beat, nxt in zip(rows, [*rows[1:], None], strict=True):
-            stop = nxt["t"] if nxt else end
-            kind = next((k for k in colors if k in beat["event"]), "other")
-            color = colors.get(kind, "tab:gray")
-            ax.barh(row, max(stop - beat["t"], 1e-3), left=beat["t"] - start, color=color)
-        ax.text(end - start, row, f" {rows[-1]['phase']}", va="center", fontsize=8)
-    ax.set_yticks(range(len(beats)), [f"rank {r}" for r in sorted(beats)])
-    ax.set_xlabel("seconds since the first recorded heartbeat")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+  merged.txt     the verdict, then every rank's stacks, identical ones grouped
+  timeline.png   per rank, its phases over the recorded history and where its
+                 progress stopped; the rank that stopped first and its deadline
+                 (needs matplotlib: pip install 'rankguard[report]')
+
+Exit code 0, or 2 when DIR holds no rank<N>.txt or rank<N>.jsonl file."""
+REPORT_EPILOG = """\
+examples:
+  rankguard report ./rankguard_reports
+  rankguard report out/examples/rankguard_reports   # after the post_eval_hang example"""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``rankguard report DIR``: merges per-rank stacks and draws the heartbeat timeline.
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Configures ``parser`` as ``rankguard report``: its help texts and its one argument."""
+    parser.description = REPORT_DESCRIPTION
+    parser.epilog = REPORT_EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "directory",
+        metavar="DIR",
+        type=Path,
+        help="a HangWatchdog report_dir (default ./rankguard_reports), or any folder with its "
+        "rank<N>.txt / rank<N>.jsonl / summary.txt files",
+    )
+    return parser
 
-    Args:
-        argv: Command-line arguments after the program name.
 
-    Returns:
-        The process exit code: 0 on success, 2 when ``DIR`` holds no rank files.
-    """
-    parser = argparse.ArgumentParser(prog="rankguard report", description=main.__doc__)
-    parser.add_argument("directory", type=Path, help="a HangWatchdog report directory")
-    args = parser.parse_args(argv)
+def _report_folders(directory: Path) -> list[Path]:
+    """Folders under ``directory`` that hold report files (e.g. one per restart)."""
+    found = {p.parent for p in directory.rglob("rank*.txt") if _RANK_FILE.match(p.name)}
+    return sorted(found)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``rankguard report`` with parsed arguments; returns the exit code."""
     directory: Path = args.directory
     stacks = {
         int(m.group(1)): p.read_text(encoding="utf-8")
         for p in sorted(directory.glob("rank*.txt"))
         if (m := _RANK_FILE.match(p.name))
     }
-    if not stacks:
-        sys.stderr.write(f"rankguard report: no rank*.txt files in {directory}\n")
+    beats = {rank: rows for rank, rows in _read_heartbeats(directory).items() if rows}
+    if not stacks and not beats:
+        sys.stderr.write(f"rankguard report: no rank<N>.txt or rank<N>.jsonl file in {directory}\n")
+        folders = _report_folders(directory) if directory.is_dir() else []
+        if folders:
+            listed = "".join(f"  {folder}\n" for folder in folders)
+            sys.stderr.write(f"Reports in its subfolders; pass one of them:\n{listed}")
         return 2
     summary = directory / SUMMARY_FILE
     head = summary.read_text(encoding="utf-8") + "\n" if summary.exists() else ""
-    unmarked = "  (training loop not marked: see the rank file)"
-    loops = {rank: loop_stack(text) or unmarked for rank, text in stacks.items()}
-    sys.stdout.write(head + "Training loop stacks, ranks grouped where identical:\n")
-    for ranks, frames in group_ranks(loops):
-        sys.stdout.write(f"== {rank_label(ranks)} ==\n{frames}\n")
-    (directory / MERGED_FILE).write_text(head + merge_stacks(stacks), encoding="utf-8")
-    sys.stdout.write(f"wrote {directory / MERGED_FILE}\n")
-    beats = {rank: rows for rank, rows in _read_heartbeats(directory).items() if rows}
+    if stacks:
+        unmarked = "  (training loop not marked: see the rank file)"
+        loops = {rank: loop_stack(text) or unmarked for rank, text in stacks.items()}
+        sys.stdout.write(head + "Training loop stacks, ranks grouped where identical:\n")
+        for ranks, frames in group_ranks(loops):
+            sys.stdout.write(f"== {rank_label(ranks)} ==\n{frames}\n")
+        (directory / MERGED_FILE).write_text(head + merge_stacks(stacks), encoding="utf-8")
+        sys.stdout.write(f"wrote {directory / MERGED_FILE}\n")
     if beats:
+        from rankguard.callbacks.hang_timeline import plot_timeline
+
         plot_timeline(beats, directory / TIMELINE_FILE)
         sys.stdout.write(f"wrote {directory / TIMELINE_FILE}\n")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``rankguard report DIR`` on its own (``rankguard`` itself dispatches to :func:`run`).
+
+    Args:
+        argv: Command-line arguments after ``rankguard report``.
+
+    Returns:
+        The process exit code: 0 on success, 2 when ``DIR`` holds no rank files.
+    """
+    parser = add_arguments(argparse.ArgumentParser(prog="rankguard report"))
+    return run(parser.parse_args(argv))

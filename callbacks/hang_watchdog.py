@@ -718,7 +718,9 @@ class HangWatchdog(Guard):
         )
         first_line = f"{header}, idle {status.idle_s:.1f} s"
         try:
-            write_incident(report, rank, first_line, beats, text, loop_thread=self._loop_thread)
+            write_incident(
+                report, rank, first_line, beats, text, loop_thread=self._loop_thread, status=status
+            )
         except OSError as exc:
             logger.error("rankguard %s: could not write the report: %s", self.name, exc)
         where = (

@@ -46,6 +46,9 @@ FAULTS: dict[str, str] = {
     "ckpt_over_memory": "a 720k-parameter model with Adam on a node given 1 MiB for the save",
 }
 
+#: Where the examples write checkpoints and hang reports unless ``--workdir`` says
+#: otherwise: ``out/examples`` in the repository (``out/`` is git-ignored).
+WORKDIR = Path(__file__).resolve().parents[1] / "out" / "examples"
 #: Samples per batch, in every loader.
 BATCH_SIZE = 4
 #: Demo deadline (seconds) where a fault must outlast one.
@@ -315,8 +318,9 @@ def parse_args(doc: str, without: tuple[str, ...] = ()) -> argparse.Namespace:
     parser.add_argument("--no-rankguard", action="store_true", help="show the symptom")
     parser.add_argument(
         "--workdir",
-        default="rankguard_example",
-        help="where checkpoints and hang reports go (cleared of the example's own files)",
+        default=str(WORKDIR),
+        help="where checkpoints and hang reports go (default: out/examples in the repository, "
+        "git-ignored; cleared of the example's own files)",
     )
     return parser.parse_args()
 

@@ -2,9 +2,9 @@
 
 Run it with ``torchrun`` (gloo on CPU; both ranks print to this terminal)::
 
-    torchrun --nproc-per-node 2 examples/hf_trainer.py                      # healthy
-    torchrun --nproc-per-node 2 examples/hf_trainer.py --fault unseeded_split
-    torchrun --nproc-per-node 2 examples/hf_trainer.py --fault unseeded_split --no-rankguard
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py         # healthy
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --fault drop_last
+    torchrun --standalone --nproc-per-node 2 examples/hf_trainer.py --fault drop_last --no-rankguard
 
 Faults (``examples/faults.py``; where a deadline must pass, the example sets it
 to 5 s for the demo):

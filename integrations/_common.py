@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 from rankguard.callbacks.guard import Guard
-from rankguard.callbacks.registry import GUARDS, build_guard, build_guards
+from rankguard.callbacks.registry import GUARDS, build_guard, build_guards, unknown_name_error
 
 __all__ = ["bundle_guards", "class_name", "define_callbacks", "single_guard"]
 
@@ -53,6 +53,9 @@ def bundle_guards(
         per_guard_config: The user's settings per guard name.
         defaults: The framework's own defaults per guard name, under the user's.
     """
+    for name in per_guard_config:
+        if name not in GUARDS:  # the bundle's own argument is a valid name too
+            raise unknown_name_error("`RankGuard` argument", name, [*GUARDS, "exchange_timeout_s"])
     names = set(per_guard_config) | set(defaults or {})
     config = {
         name: _with_defaults(name, per_guard_config.get(name, True), defaults) for name in names

@@ -108,6 +108,22 @@ def test_fitting_save_logs_info_and_plans_ok(caplog):
     assert "Checkpoint memory fits" in caplog.text
 
 
+def test_a_sharded_save_estimated_above_the_full_one_says_why_under_the_table():
+    # An unsharded model streams its full save one tensor at a time; a sharded save is
+    # estimated as a copy of each shard: above the full save for a small model.
+    per_rank = {r: RankMemory("host", r, 2048, False, GiB, "MemAvailable", 512) for r in (0, 1)}
+    plan = plan_save(per_rank, overhead=0.0)
+    (node,) = plan.nodes
+    assert (node.full_bytes, node.sharded_bytes) == (512, 2048)
+    assert plan.table().splitlines()[-1] == (
+        "(A sharded save is estimated as a copy of each rank's shard, 1/world_size of the state; "
+        "a full save of this model, which is not sharded, copies one tensor at a time, the "
+        "largest: 512 B.)"
+    )
+    sharded = {r: RankMemory("host", r, 2048, True, GiB, "MemAvailable", 512) for r in (0, 1)}
+    assert "(A sharded save" not in plan_save(sharded, overhead=0.0).table()
+
+
 def _four_ranks(available: int, materialize: str = "rank0", mode: str = "auto", **kwargs):
     per_rank = {
         r: RankMemory(f"host{r // 2}", r % 2, 8 * GiB, True, available, "MemAvailable")

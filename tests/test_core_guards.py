@@ -191,3 +191,35 @@ def test_warn_mode_also_warns_when_a_rank_does_not_arrive():
     rank0 = run_ranks(_rank_missing_at_eval_start, 2, timeout_s=60)[0]
     assert rank0.error is None, rank0.error
     assert any("rank 1 did not reach" in message for message in rank0.value)
+
+
+def _raise_late_on_rank_1(rank, world_size):
+    import logging
+    import time
+
+    from rankguard.callbacks.errors import RankGuardError
+
+    logged = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: logged.append(record.created)
+    logging.getLogger("rankguard").addHandler(handler)
+    guard = DropLastGuard()
+    guard.bind(SideChannel.from_environment(timeout_s=20))
+    times = {}
+    for every_rank in (True, False):
+        if rank == 1:
+            time.sleep(2.0)  # slower to reach the error than rank 0
+        try:
+            guard.raise_on_every_rank(RankGuardError("same verdict"), every_rank=every_rank)
+        except RankGuardError:
+            times[every_rank] = {"logged": logged[-1], "raised": time.time()}
+        guard.channel.barrier("next")
+    return times
+
+
+def test_every_rank_logs_the_error_before_any_rank_raises_it():
+    rank0, rank1 = (o.value for o in run_ranks(_raise_late_on_rank_1, 2))
+    # A launcher that ends the job at the first exit cannot hide rank 1's error.
+    assert rank0[True]["raised"] >= rank1[True]["logged"]
+    # An error only some ranks see (about a rank that never arrived) does not wait.
+    assert rank0[False]["raised"] < rank1[False]["logged"] - 1.0

@@ -36,13 +36,16 @@ SEVEN_FAILURES = [
 ]
 
 
-def composer_example(tmp_path, *args):
-    cmd = [str(LAUNCHER), "-n", "2", str(EXAMPLES / "composer_train.py"), *args]
+def composer_example(tmp_path, *args, per_rank_files=False):
+    script = [str(EXAMPLES / "composer_train.py"), "--workdir", str(tmp_path / "work")]
+    files = ["--stdout", "rank{rank}.out", "--stderr", "rank{rank}.err"] if per_rank_files else []
+    cmd = [str(LAUNCHER), "-n", "2", *files, *script, *args]
     return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180)
 
 
 def lightning_example(tmp_path, *args):
-    cmd = [sys.executable, str(EXAMPLES / "lightning_train.py"), *args]
+    script = [str(EXAMPLES / "lightning_train.py"), "--workdir", str(tmp_path / "work")]
+    cmd = [sys.executable, *script, *args]
     return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180)
 
 
@@ -71,13 +74,23 @@ def test_lightning_example_healthy_run_is_clean_on_both_ranks(tmp_path):
     assert rankguard_warnings(output) == []
 
 
+#: What Composer's launcher reports when it stopped rank 0 with SIGTERM (-15).
+STOPPED_BY_LAUNCHER = 241
+LOGGED_ERROR = "[rank {rank}] ERROR rankguard.callbacks.guard: rankguard {guard}: {message}"
+
+
 @pytest.mark.framework
-def test_composer_example_drop_last_fault_is_caught(tmp_path):
-    proc = composer_example(tmp_path, "--fault", "drop_last")
+def test_composer_example_drop_last_fault_is_caught_and_logged_by_every_rank(tmp_path):
+    proc = composer_example(tmp_path, "--fault", "drop_last", per_rank_files=True)
     output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    # 1 is rank 0's own exit code; 241 when rank 1 ended first and the launcher stopped rank 0.
+    assert proc.returncode in (1, STOPPED_BY_LAUNCHER), output[-3000:]
     assert "DropLastMismatchError" in output
-    assert "loader 'train': drop_last: rank 0: True, rank 1: False" in output
+    message = "Loader settings differ between ranks: loader 'train': drop_last: rank 0: True"
+    # Every rank logged the error before any rank could exit (rank 1's output is in its file).
+    assert LOGGED_ERROR.format(rank=0, guard="drop_last_guard", message=message) in output
+    rank1 = (tmp_path / "rank1.err").read_text()
+    assert LOGGED_ERROR.format(rank=1, guard="drop_last_guard", message=message) in rank1
     assert "trained" not in output  # stopped at fit start, before any batch
 
 
@@ -88,7 +101,7 @@ def test_composer_example_post_eval_hang_aborts_with_75_and_rank_1_stack(tmp_pat
     assert proc.returncode == HANG_EXIT_CODE, output[-3000:]
     assert "rankguard hang_watchdog: Hang:" in output
     assert "after eval of 'eval'" in output and "(deadline 5 s)" in output
-    reports = tmp_path / "rankguard_example" / "rankguard_reports"
+    reports = tmp_path / "work" / "rankguard_reports"
     assert "deadline 5 s" in (reports / "summary.txt").read_text()
     # Rank 1's stack file shows where it stopped: the example's injected sleep.
     stacks = (reports / "rank1.txt").read_text()
@@ -111,27 +124,29 @@ def test_lightning_example_slow_data_names_rank_1_and_finishes(tmp_path):
 def test_lightning_example_ckpt_over_memory_stops_before_training_with_the_table(tmp_path):
     proc = lightning_example(tmp_path, "--fault", "ckpt_over_memory")
     output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    assert proc.returncode == 1  # rank 0 is the launched process itself
+    for rank in (0, 1):  # rank 0 kills its children as its error leaves fit: rank 1 logged first
+        logged = LOGGED_ERROR.format(rank=rank, guard="checkpoint_planner", message="Checkpoint")
+        assert logged + " save will not fit" in output
     assert "CheckpointMemoryError: Checkpoint save will not fit" in output
     assert "and 1.0 MiB is available (host_memory_bytes)" in output
     assert "1.0 MiB (host_memory_bytes)  10.3 MiB !" in output  # the table's row
     assert "trained" not in output
-    assert not list((tmp_path / "rankguard_example" / "checkpoints").glob("*.ckpt"))
+    assert not list((tmp_path / "work" / "checkpoints").glob("*.ckpt"))
 
 
-def test_both_examples_and_the_readme_cover_the_seven_failures():
+def test_both_examples_list_every_fault_and_the_catalogue_shows_each():
     sys.path.insert(0, str(EXAMPLES))
     try:
         faults = import_module("faults")
     finally:
         sys.path.remove(str(EXAMPLES))
     assert set(SEVEN_FAILURES) < set(faults.FAULTS)
-    readme = (ROOT / "README.md").read_text()
+    catalogue = (ROOT / "docs" / "failures.md").read_text()
     for name in faults.FAULTS:
         for script in ("composer_train.py", "lightning_train.py"):
             assert f"    {name} " in (EXAMPLES / script).read_text() or name == "none"
-    for name in SEVEN_FAILURES:
-        assert f"--fault {name}" in readme
+        assert f"`--fault {name}`" in catalogue
 
 
 def build_yaml(path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset
 
-from rankguard.callbacks.guard import Guard
+from rankguard.callbacks.guard import RAISED, Guard
 
 
 @contextmanager
@@ -65,14 +65,18 @@ class LyingSampler(DistributedSampler):
 
 
 class WarningCollector(logging.Handler):
-    """Collects rankguard's warnings (the job configures logging, rankguard never does)."""
+    """Collects rankguard's warnings (the job configures logging, rankguard never does).
+
+    An error a guard logs and then raises is the scenario's outcome, not a warning.
+    """
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+        if not getattr(record, RAISED, False):
+            self.messages.append(record.getMessage())
 
 
 class Recorder:
