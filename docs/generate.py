@@ -361,7 +361,7 @@ def execute(run: Run, timeout_s: float) -> tuple[str, str]:
         _kill_tree(proc.pid)
         output, _ = proc.communicate()
         ended = f"still running after {timeout_s:g} s: stopped by the docs generator"
-    finally:
+    finally:  # also on Ctrl-C or SIGTERM: the run is in a session of its own
         _kill_tree(proc.pid)  # whatever is left of any rank
     log.info("%s: %s (%.0f s)", run.name, ended, time.monotonic() - started)
     for path in _rank_logs():
@@ -812,7 +812,7 @@ _LAUNCHER = re.compile(
 _EXCEPTION = re.compile(r"^(\[rank\d+\]: )?([A-Za-z_][\w.]*)(Error|Exception): ")
 _NOT_CONTINUATION = re.compile(
     r"^(\[rank|Traceback|  |During handling|The above exception|Global rank|ERROR:|WARNING:|"
-    r"Waiting up to|/|\w+Warning)"
+    r"Waiting up to|/|\w+Warning|[IWEF] DATE TIME PID )"
 )
 #: How the catalogue names each example, by the first word of its file name.
 FRAMEWORK_NAMES = {
@@ -1012,6 +1012,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the run in progress too
     if args.list:
         for run in runs():
             sys.stdout.write(f"{'stale' if stale(run) else 'fresh'}  {run.command}\n")
