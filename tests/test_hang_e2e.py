@@ -311,19 +311,26 @@ def test_report_cli_groups_the_real_hangs_stacks_and_draws_the_timeline(composer
         assert picture.size[0] >= 500 and picture.size[1] >= 100
 
 
-def test_timeline_of_the_real_hang_shows_rank_1_stopping_first_and_its_deadline(composer_stall):
+def test_timeline_of_the_real_hang_shows_rank_1_stopping_first_its_deadline_and_ceiling(
+    composer_stall,
+):
     reports = composer_stall.out / "reports_post_eval_stall"
     records = {r: _jsonl(reports / f"rank{r}.jsonl") for r in (0, 1)}
     timeline = plot_timeline(records, composer_stall.out / "timeline_check.png")
     assert timeline.first == 1
     stuck, waiting = timeline.rows[1], timeline.rows[0]
-    # x = 0 is rank 1's last heartbeat, the end of eval; its 4 s deadline is drawn there + 4.
+    # x = 0 is rank 1's last heartbeat, the end of eval; its calibrated deadline is drawn
+    # there + the deadline, the ceiling (8 s), where stage 2 ended the incident, + 8.
+    report = records[1][-1]
     assert timeline.origin == records[1][-2]["t"] and stuck.last_progress == 0.0
     assert stuck.last_phase == "after eval of 'eval'" and stuck.blocked_in is None
-    assert timeline.deadline == pytest.approx(POST_EVAL_DEADLINE_S)
-    assert POST_EVAL_DEADLINE_S <= stuck.stalled.end < POST_EVAL_DEADLINE_S + REPORT_MARGIN_S
+    ceiling = TWO_STAGE["post_eval_timeout_s"]
+    assert TWO_STAGE["floor_s"] <= report["deadline_s"] < ceiling == report["ceiling_s"]
+    assert timeline.deadline == pytest.approx(report["deadline_s"])
+    assert timeline.ceiling == pytest.approx(ceiling) and timeline.ceiling_drawn
+    assert ceiling <= stuck.stalled.end < ceiling + REPORT_MARGIN_S
     assert waiting.blocked_in.startswith("all_reduce")  # rank 0 waits for it, in its next fetch
-    assert waiting.last_phase == "data fetch for train batch 2"
+    assert waiting.last_phase == "data fetch for train batch 4"
     # The whole recorded history: each row starts at that rank's first heartbeat.
     assert stuck.spans[0].start == pytest.approx(records[1][0]["t"] - timeline.origin)
     assert {"startup", "train", "data fetch", "eval"} <= {span.phase for span in stuck.spans}
