@@ -1,16 +1,17 @@
-# `make test` and `make demo` create .venv from nothing (Python >= 3.10 and
-# network access to the package index), then run.
+# `make test`, `make check` and `make demo` create .venv from nothing (Python >= 3.10 and
+# network access to the package index), with the exact versions of requirements.lock.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rankguard-installed
+LOCK := requirements.lock
 
-.PHONY: venv test lint demo docs bench clean
+.PHONY: venv test check lint demo docs bench lock clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade pip setuptools wheel
-	$(BIN)/python -m pip install -e '.[all,test]'
+	$(BIN)/python -m pip install -c $(LOCK) --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install -c $(LOCK) -e '.[all,test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -19,19 +20,34 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Everything: unit tests and every real multi-rank framework run (what CI runs).
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
+
+# The inner loop: lint and every test that starts no framework launcher (about a minute).
+check: lint
+	$(BIN)/python -m pytest -m "not framework" -q
 
 demo: venv
 	$(BIN)/python examples/demo.py
 
 # Regenerates docs/reference.md, docs/failures.md and README.md's failure table; reruns
-# the example runs whose recorded output (docs/outputs/) is older than the code.
+# the example runs whose recorded output (docs/outputs/) no longer matches the code.
 docs: venv
 	$(BIN)/python docs/generate.py
 
 bench: venv
 	$(BIN)/python benchmarks/overhead.py
+
+# The one deliberate way to move to newer releases: resolves the extras' ranges in a
+# scratch environment and rewrites requirements.lock with what it installed.
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install --upgrade pip setuptools wheel
+	.venv-lock/bin/python -m pip install '.[all,test]'
+	{ echo "# Exact versions of the environment make creates (pip -c). Refresh: make lock."; \
+	  .venv-lock/bin/python -m pip freeze --all | grep -v '^rankguard'; } > $(LOCK)
+	rm -rf .venv-lock build *.egg-info
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
