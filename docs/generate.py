@@ -9,19 +9,23 @@
 * The failure table in ``README.md`` (between its ``failures`` markers), from
   the same prose files.
 
-Each recorded output starts with the command that produced it and a digest
-of what produced it (the code it ran, without comments or docstrings, and the
-framework versions; see :func:`run_digest`). Only outputs whose digest no
-longer matches are run again, so a rerun without a code change runs nothing,
-and a change to one integration reruns that integration's example only;
-``--force`` reruns everything. ``tests/test_docs.py`` checks, without running
-anything, that every digest matches and that the pages are what this script
-renders from the recorded outputs.
+Each recorded output starts with the command that produced it, a digest of
+the example's code and the framework versions ``requirements.lock`` pins
+(:func:`example_digest`), and how the run ended; ``docs/outputs/words.json``
+lists, per recording, the words of rankguard's code its rankguard lines quote
+(:func:`quoted_words`). A recording is stale, and rerun, when rerunning it
+could print something else (:func:`staleness`): its example or the pinned
+versions changed, or a message it quotes was reworded. A refactoring that keeps
+every message reruns nothing; a reworded message reruns the recordings that
+quote it; ``--force`` reruns everything. ``tests/test_docs.py`` checks, without
+running anything, that no recording is stale and that the pages are what this
+script renders from the recordings; the example tests rerun a sample and compare
+it with the recordings (:func:`says_otherwise`).
 
 Usage::
 
     .venv/bin/python docs/generate.py            # or: make docs
-    .venv/bin/python docs/generate.py --list     # the runs and whether each is stale
+    .venv/bin/python docs/generate.py --list     # the runs and why each is stale
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import argparse
 import ast
 import functools
 import hashlib
+import json
 import logging
 import os
 import re
@@ -41,7 +46,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,10 +55,17 @@ PROSE = DOCS / "faults"
 EXAMPLES = ROOT / "examples"
 #: The recorded report of the ``post_eval_hang`` run, and the timeline drawn from it.
 HANG_REPORT = DOCS / "hang-report"
-#: rankguard's code (see :func:`run_digest`): an integration's module counts for the
-#: examples that import it only.
+#: rankguard's code: the words (string literals) its recorded lines quote count, see :func:`stale`.
 CODE = ("callbacks", "integrations", "src")
-FRAMEWORKS = ("torch", "mosaicml", "lightning", "transformers")
+#: Besides rankguard's code, the fault injection every example shares: its words count too.
+SHARED_EXAMPLE_CODE = ("examples/faults.py",)
+#: The lock of the environment ``make`` creates: the frameworks' versions an output depends on.
+LOCK = ROOT / "requirements.lock"
+FRAMEWORKS = ("torch", "mosaicml", "lightning", "transformers", "accelerate", "datasets")
+#: Shorter string literals ("rank ", ", ") are too common to tell one message from another.
+MIN_WORDS = 12
+#: Per recording, the words of rankguard's code it quotes (see :func:`stale`).
+WORDS = DOCS / "outputs" / "words.json"
 #: How long one example run with rankguard may take before the generator stops it.
 RUN_TIMEOUT_S = 600
 #: How long one without rankguard may take: the symptom of some faults is a hang (the
@@ -89,67 +100,71 @@ def _code_of(path: Path) -> str:
     return ast.dump(tree, include_attributes=False)
 
 
-def _version(package: str) -> str:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "-"
-
-
-def _rankguard_files(script: Path) -> list[Path]:
-    """The rankguard Python files whose code a run of ``script`` may run.
-
-    Everything under :data:`CODE`, except the integration modules (``composer``,
-    ``lightning``, ...) that ``script`` does not import.
-    """
-    integrations = ROOT / "integrations"
-    source = script.read_text(encoding="utf-8")
-    files = []
-    for path in (p for d in CODE for p in sorted((ROOT / d).rglob("*.py"))):
-        adapter = path.parent == integrations and not path.stem.startswith("_")
-        if adapter and path.stem != "config":
-            if not re.search(rf"\brankguard\.integrations\.{path.stem}\b", source):
-                continue
-        files.append(path)
-    return files
-
-
-def imports_rankguard_always(script: Path) -> bool:
-    """Whether ``script`` imports rankguard at its top level (so ``--no-rankguard`` runs it)."""
-    for node in ast.parse(script.read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.Import) and any(a.name.startswith("rankguard") for a in node.names):
-            return True
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rankguard"):
-            return True
-    return False
+def _pinned(package: str) -> str:
+    """The version of ``package`` that :data:`LOCK` pins (``-`` where it pins none)."""
+    for line in LOCK.read_text(encoding="utf-8").splitlines():
+        name, _, pinned = line.partition("==")
+        if name.strip().lower() == package:
+            return pinned.strip()
+    return "-"
 
 
 @functools.cache
-def _digest(script: str, with_rankguard: bool) -> str:
-    """See :func:`run_digest` (cached per example script and with or without rankguard)."""
-    path = EXAMPLES / script
-    files = [EXAMPLES / "faults.py", path]
-    if with_rankguard or imports_rankguard_always(path):
-        files = [*_rankguard_files(path), *files]
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(str(file.relative_to(ROOT)).encode())
-        digest.update(_code_of(file).encode())
+def example_digest(script: str) -> str:
+    """A digest of what makes a run of ``script`` the run it is.
+
+    The example's code (not its comments or docstrings: outputs quote no line
+    numbers, see :func:`normalise`) and the framework versions :data:`LOCK` pins.
+    A release upstream changes nothing here until the lock is refreshed.
+    """
+    digest = hashlib.sha256(_code_of(EXAMPLES / script).encode())
     for package in FRAMEWORKS:
-        digest.update(f"{package}={_version(package)}".encode())
+        digest.update(f"{package}=={_pinned(package)}".encode())
     return digest.hexdigest()[:16]
 
 
-def run_digest(run: Run) -> str:
-    """A digest of the code a recorded run depends on.
+_PLACEHOLDER = re.compile(r"%[-#0 +]*\d*(?:\.\d+)?[sdfrgixe%]|\{[^{}]*\}")
 
-    Covers the example script and ``examples/faults.py``, the installed framework
-    versions and, for a run with rankguard (or an example that imports it even
-    with ``--no-rankguard``), rankguard's code but the integrations the example
-    does not import: their code, not their comments or docstrings (outputs quote
-    no line numbers, see :func:`normalise`).
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the docstring nodes in ``tree``."""
+    found = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant):
+                found.add(id(body[0].value))
+    return found
+
+
+@functools.cache
+def code_words(root: Path = ROOT) -> frozenset[str]:
+    """Every piece of text rankguard's code (and the examples' shared fault code) can print.
+
+    The string literals of :data:`CODE` and :data:`SHARED_EXAMPLE_CODE` but their
+    docstrings, cut at format placeholders (``%s``, ``{}``) into pieces of at
+    least :data:`MIN_WORDS` characters with a letter in them.
     """
-    return _digest(run.example.script, run.rankguard)
+    files = [p for d in CODE for p in sorted((root / d).rglob("*.py"))]
+    files += [root / f for f in SHARED_EXAMPLE_CODE]
+    words: set[str] = set()
+    for path in files:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skip = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if id(node) in skip:
+                    continue
+                for piece in _PLACEHOLDER.split(node.value):
+                    if len(piece.strip()) >= MIN_WORDS and re.search("[A-Za-z]", piece):
+                        words.add(piece)
+    return frozenset(words)
+
+
+def quoted_words(lines: list[str], root: Path = ROOT) -> list[str]:
+    """The words of the code (:func:`code_words`) that rankguard's lines among ``lines`` quote."""
+    text = "\n".join(line for line in lines if " rankguard" in line)
+    return sorted(word for word in code_words(root) if word in text)
 
 
 # -- the runs -------------------------------------------------------------------------------
@@ -369,18 +384,42 @@ def execute(run: Run, timeout_s: float) -> tuple[str, str]:
     return output, ended
 
 
-def record(run: Run, digest: str, output: str, ended: str) -> Path:
-    """Writes ``docs/outputs/<run>.txt``: a header (command, digest, how it ended), the output."""
+def record(run: Run, output: str, ended: str) -> Path:
+    """Writes ``docs/outputs/<run>.txt`` and the words it quotes (:data:`WORDS`).
+
+    The file holds a header (the command, :func:`example_digest`, how the run
+    ended) and the normalised output.
+    """
     OUTPUTS.mkdir(parents=True, exist_ok=True)
     path = OUTPUTS / f"{run.name}.txt"
-    header = f"$ {run.command}\n# code {digest}\n# {ended}\n"
+    header = f"$ {run.command}\n# example {example_digest(run.example.script)}\n# {ended}\n"
     path.write_text(header + normalise(output).rstrip() + "\n", encoding="utf-8")
+    remember_words(run)
     return path
+
+
+def read_words() -> dict[str, list[str]]:
+    """:data:`WORDS`: per recording, the words of the code it quotes."""
+    return json.loads(WORDS.read_text(encoding="utf-8")) if WORDS.exists() else {}
+
+
+def remember_words(run: Run) -> None:
+    """Writes into :data:`WORDS` the words of the code that ``run``'s recording quotes."""
+    recording = read_recording(run)
+    if recording is None:
+        return
+    lines = recording.lines
+    if records_hang_report(run):  # the report is quoted as well
+        for path in sorted(HANG_REPORT.glob("*.txt")):
+            lines = [*lines, *(f"rankguard {line}" for line in path.read_text().splitlines())]
+    words = read_words()
+    words[run.name] = quoted_words(lines)
+    WORDS.write_text(json.dumps(dict(sorted(words.items())), indent=1) + "\n", encoding="utf-8")
 
 
 @dataclass(frozen=True)
 class Recording:
-    """A recorded output read back: the command, the digest, how it ended, the lines."""
+    """A recorded output read back: the command, the example's digest, how it ended, the lines."""
 
     command: str
     digest: str
@@ -394,14 +433,90 @@ def read_recording(run: Run) -> Recording | None:
     if not path.exists():
         return None
     command, digest, ended, *lines = path.read_text(encoding="utf-8").splitlines()
-    return Recording(command[2:], digest.removeprefix("# code "), ended[2:], lines)
+    return Recording(command[2:], digest.removeprefix("# example "), ended[2:], lines)
+
+
+def staleness(run: Run, root: Path = ROOT) -> str | None:
+    """Why rerunning ``run`` could print something other than its recording, or ``None``.
+
+    A recording is stale when there is none, when its command, its example's
+    code or the frameworks' pinned versions changed (:func:`example_digest`), or
+    when rankguard's lines in it quote words the code no longer has: a message
+    reworded, cut short or extended. A change that leaves every quoted word in
+    place (a renamed variable, a refactoring, a new message elsewhere) leaves the
+    recording as it is; what the code does with the same words is checked by the
+    tests that rerun examples and compare them with their recordings
+    (:func:`says_otherwise`).
+
+    Args:
+        run: The run.
+        root: The repository whose code is compared (a copy, in the tests).
+    """
+    recording = read_recording(run)
+    if recording is None:
+        return "not recorded"
+    if recording.command != run.command:
+        return f"recorded as {recording.command!r}"
+    if recording.digest != example_digest(run.example.script):
+        return f"examples/{run.example.script} or the pinned framework versions changed"
+    gone = [w for w in read_words().get(run.name, []) if w not in code_words(root)]
+    if gone:
+        return "quotes words the code no longer has: " + "; ".join(repr(w) for w in gone)
+    return None
 
 
 def stale(run: Run) -> bool:
-    """Whether ``run`` has no recording from the current code and command."""
+    """Whether ``run`` needs rerunning (see :func:`staleness`)."""
+    return staleness(run) is not None
+
+
+def says_otherwise(run: Run, output: str, workdir: Path | None = None) -> list[str]:
+    """How a fresh run of ``run`` differs from its recording in rankguard's warnings and errors.
+
+    For every rank whose log ``output`` holds (a launcher may show rank 0's
+    only), the rankguard WARNING and ERROR lines must be those the recording
+    holds for that rank, after :func:`normalise`.
+
+    Args:
+        run: The recorded run.
+        output: What the fresh run printed.
+        workdir: Where the fresh run wrote (its ``--workdir``); read as the
+            recording's ``out/examples``.
+    """
     recording = read_recording(run)
-    current = (run.command, run_digest(run))
-    return recording is None or (recording.command, recording.digest) != current
+    if recording is None:
+        return ["not recorded"]
+    if workdir is not None:
+        output = output.replace(str(workdir), WORKDIR)
+    fresh, recorded = _warned(normalise(output).splitlines()), _warned(recording.lines)
+    differences = []
+    for rank, lines in sorted(fresh.items()):
+        before = recorded.get(rank, set())
+        differences += [f"not in the recording: {line}" for line in sorted(lines - before)]
+        differences += [f"recorded, not said now: {line}" for line in sorted(before - lines)]
+    return differences
+
+
+#: Values that differ from run to run by design: the content hashes of an unseeded split.
+_RANDOM = re.compile(r"\bhash [0-9a-f]{8}\b|'[0-9a-f]{16}'")
+
+
+def _warned(lines: list[str]) -> dict[str, set[str]]:
+    """Per rank (``[rank N``), rankguard's WARNING and ERROR lines among ``lines``.
+
+    Content hashes, which differ from run to run where the fault is randomness, are masked.
+    """
+    by_rank: dict[str, set[str]] = {}
+    for line in lines:
+        match = _LOGGED.match(line)
+        if match and match.group(1) != "INFO" and match.group(2).startswith("rankguard"):
+            by_rank.setdefault(line.split("]")[0], set()).add(_RANDOM.sub("#", line))
+    return by_rank
+
+
+def records_hang_report(run: Run) -> bool:
+    """Whether ``run``'s hang report is the one the docs show (:data:`HANG_REPORT`)."""
+    return run.fault == "post_eval_hang" and run.rankguard and run.example.framework == "composer"
 
 
 def record_hang_report(report_dir: Path) -> None:
@@ -990,12 +1105,13 @@ def run_stale(force: bool, only: str | None = None) -> int:
         prose = read_prose(run.fault)
         without = prose.fields.get("stop_without_after_s", STOP_WITHOUT_AFTER_S)
         output, ended = execute(run, float(RUN_TIMEOUT_S if run.rankguard else without))
-        record(run, run_digest(run), output, ended)
+        record(run, output, ended)
         problem = disagreement(run)
         if problem:
             log.warning("%s: %s (rerun: --only %s --force)", run.name, problem, run.name)
-        if run.fault == "post_eval_hang" and run.rankguard and run.example.framework == "composer":
+        if records_hang_report(run):
             record_hang_report(reports)
+            remember_words(run)
     return len(todo)
 
 
@@ -1015,7 +1131,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the run in progress too
     if args.list:
         for run in runs():
-            sys.stdout.write(f"{'stale' if stale(run) else 'fresh'}  {run.command}\n")
+            why = staleness(run)
+            sys.stdout.write(
+                f"{'stale' if why else 'fresh'}  {run.command}{f'  ({why})' if why else ''}\n"
+            )
         return 0
     started = time.monotonic()
     ran = run_stale(args.force, args.only)

@@ -7,28 +7,22 @@ render now, and run the documented commands that finish in seconds.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import re
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from rankguard.callbacks.registry import GUARDS
+from tests.generator import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
-RUN_AGAIN = "run `make docs` (it reruns only the stale example runs, about 30 s each)"
-
-spec = importlib.util.spec_from_file_location("docs_generate", DOCS / "generate.py")
-generate = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = generate  # its dataclasses look their module up
-spec.loader.exec_module(generate)
+RUN_AGAIN = "run `make docs` (it reruns only the stale example runs, about 20 s each)"
 
 
 def _section(page: str, heading: str) -> str:
@@ -52,11 +46,50 @@ def test_reference_is_rendered_from_the_current_guards():
     assert (DOCS / "reference.md").read_text() == generate.render_reference(), RUN_AGAIN
 
 
-def test_every_quoted_output_was_recorded_from_the_current_code():
-    stale = [run.command for run in generate.runs() if generate.stale(run)]
-    assert not stale, (
-        f"{len(stale)} recordings are older than the code: {RUN_AGAIN}:\n" + "\n".join(stale)
-    )
+def test_no_recording_quotes_words_the_code_no_longer_has():
+    stale = [f"{run.name}: {why}" for run in generate.runs() if (why := generate.staleness(run))]
+    assert not stale, f"{len(stale)} recordings are stale: {RUN_AGAIN}:\n" + "\n".join(stale)
+
+
+def _copy_of_the_code(tmp_path: Path) -> Path:
+    for folder in generate.CODE:
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    for file in generate.SHARED_EXAMPLE_CODE:
+        (tmp_path / file).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / file, tmp_path / file)
+    return tmp_path
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{path.name} no longer holds {old!r}: pick another line"
+    path.write_text(text.replace(old, new))
+
+
+def test_a_change_that_keeps_every_message_leaves_every_recording_fresh(tmp_path):
+    root = _copy_of_the_code(tmp_path)
+    guard = root / "callbacks" / "drop_last.py"  # a comment-free line: the variable's name only
+    _edit(guard, 'lines = " | ".join(', 'described = " | ".join(')
+    _edit(guard, "between ranks: {lines}", "between ranks: {described}")
+    assert [run.name for run in generate.runs() if generate.staleness(run, root)] == []
+
+
+def test_a_reworded_message_makes_exactly_the_recordings_that_quote_it_stale(tmp_path):
+    root = _copy_of_the_code(tmp_path)
+    _edit(root / "callbacks" / "drop_last.py", "Loader settings differ", "Loader settings vary")
+    stale = {run.name: generate.staleness(run, root) for run in generate.runs()}
+    stale = {name: why for name, why in stale.items() if why}
+    quoting = {
+        run.name
+        for run in generate.runs()
+        if run.rankguard
+        and any(
+            "Loader settings differ between ranks" in line
+            for line in generate.read_recording(run).lines
+        )
+    }
+    assert set(stale) == quoting and "composer.drop_last.with" in quoting
+    assert all("'Loader settings differ between ranks: '" in why for why in stale.values())
 
 
 def test_catalogue_and_readme_table_are_rendered_from_the_recordings_and_prose():
@@ -195,3 +228,22 @@ def test_outputs_are_normalised_so_a_rerun_elsewhere_compares_equal():
         "W DATE TIME PID torch/distributed/run.py:N] Sending process N (pid: N)"
     )
     assert generate.normalise(generate.normalise(raw)) == generate.normalise(raw)
+
+
+def test_a_rerun_is_compared_with_its_recording_rank_by_rank():
+    (run,) = [r for r in generate.runs() if r.name == "torch.unseeded_split.with"]
+    recorded = "\n".join(generate.read_recording(run).lines)
+    assert generate.says_otherwise(run, recorded) == []
+    # Another rank's split gives other content hashes: not a difference.
+    rehashed = re.sub(r"hash [0-9a-f]{8}", "hash 0badcafe", recorded)
+    assert rehashed != recorded and generate.says_otherwise(run, rehashed) == []
+    # Rank 1 names another loader: a difference, on rank 1 only.
+    reworded = "\n".join(
+        line.replace("loader 'eval'", "loader 'other'") if line.startswith("[rank 1]") else line
+        for line in recorded.splitlines()
+    )
+    differences = generate.says_otherwise(run, reworded)
+    assert differences and all("[rank 1]" in d for d in differences)
+    # Rank 0's log alone (a launcher that shows rank 0's only) is compared for rank 0.
+    rank0 = "\n".join(line for line in recorded.splitlines() if line.startswith("[rank 0]"))
+    assert generate.says_otherwise(run, rank0) == []

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from rankguard.callbacks import HANG_EXIT_CODE
+from tests.generator import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -47,6 +48,13 @@ def lightning_example(tmp_path, *args):
     script = [str(EXAMPLES / "lightning_train.py"), "--workdir", str(tmp_path / "work")]
     cmd = [sys.executable, *script, *args]
     return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180)
+
+
+def says_what_the_docs_quote(name, output, workdir=None):
+    """The run's rankguard warnings and errors are the ones its recording in docs/outputs holds."""
+    (run,) = [run for run in generate.runs() if run.name == name]
+    differences = generate.says_otherwise(run, output, workdir)
+    assert not differences, f"{name}: run `make docs`:\n" + "\n".join(differences)
 
 
 def rankguard_warnings(output):
@@ -92,6 +100,7 @@ def test_composer_example_drop_last_fault_is_caught_and_logged_by_every_rank(tmp
     rank1 = (tmp_path / "rank1.err").read_text()
     assert LOGGED_ERROR.format(rank=1, guard="drop_last_guard", message=message) in rank1
     assert "trained" not in output  # stopped at fit start, before any batch
+    says_what_the_docs_quote("composer.drop_last.with", output + rank1, tmp_path / "work")
 
 
 @pytest.mark.framework
@@ -106,6 +115,7 @@ def test_composer_example_post_eval_hang_aborts_with_75_and_rank_1_stack(tmp_pat
     # Rank 1's stack file shows where it stopped: the example's injected sleep.
     stacks = (reports / "rank1.txt").read_text()
     assert "composer_train.py" in stacks and "in eval_end" in stacks
+    says_what_the_docs_quote("composer.post_eval_hang.with", output, tmp_path / "work")
 
 
 @pytest.mark.framework
@@ -118,6 +128,7 @@ def test_lightning_example_slow_data_names_rank_1_and_finishes(tmp_path):
     for line in warnings:
         assert "Data loading cannot keep up on rank 1: " in line
     assert "training finished" in output
+    says_what_the_docs_quote("lightning.slow_data.with", output, tmp_path / "work")
 
 
 @pytest.mark.framework
@@ -133,6 +144,7 @@ def test_lightning_example_ckpt_over_memory_stops_before_training_with_the_table
     assert "1.0 MiB (host_memory_bytes)  10.3 MiB !" in output  # the table's row
     assert "trained" not in output
     assert not list((tmp_path / "work" / "checkpoints").glob("*.ckpt"))
+    says_what_the_docs_quote("lightning.ckpt_over_memory.with", output, tmp_path / "work")
 
 
 def test_both_examples_list_every_fault_and_the_catalogue_shows_each():
@@ -196,6 +208,7 @@ def test_loop_example_unseeded_train_test_split_stops_every_rank_before_any_batc
     caught = "DataInconsistencyError: Ranks see different data (at fit start): loader 'eval'"
     assert output.count(caught) == 2, output[-3000:]
     assert "trained" not in output  # stopped before any batch
+    says_what_the_docs_quote("torch.unseeded_split.with", output)
     # Without rankguard the same split trains each rank on its own data, silently.
     proc = subprocess.run(
         [*cmd, "--no-rankguard"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180
@@ -203,3 +216,23 @@ def test_loop_example_unseeded_train_test_split_stops_every_rank_before_any_batc
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-3000:]
     assert output.count("training finished") == 2 and "rankguard" not in output.lower()
+
+
+@pytest.mark.framework
+def test_trainer_example_unseeded_split_stops_every_rank_as_the_docs_quote(tmp_path):
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(EXAMPLES / "hf_trainer.py"), "--workdir", str(tmp_path / "work")]
+    proc = subprocess.run(
+        [*cmd, "--fault", "unseeded_split"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    caught = "DataInconsistencyError: Ranks see different data (at fit start): loader 'eval'"
+    assert output.count(caught) == 2, output[-3000:]
+    says_what_the_docs_quote("hf.unseeded_split.with", output, tmp_path / "work")
