@@ -20,13 +20,16 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two workers (-n 2): much of a multi-rank test is waiting; each test file stays on one worker.
+PYTEST := $(BIN)/python -m pytest -n 2 --dist loadfile
+
 # Everything: unit tests and every real multi-rank framework run (what CI runs).
 test: lint
-	$(BIN)/python -m pytest --durations=15
+	$(PYTEST) --durations=15
 
 # The inner loop: lint and every test that starts no framework launcher (about a minute).
 check: lint
-	$(BIN)/python -m pytest -m "not framework" -q
+	$(PYTEST) -m "not framework" -q --durations=5
 
 demo: venv
 	$(BIN)/python examples/demo.py

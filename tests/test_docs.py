@@ -192,6 +192,7 @@ def _names_your_own_script(command: str) -> bool:
     return any("/" not in w and not (ROOT / w).exists() for w in words)
 
 
+@pytest.mark.framework
 def test_every_quick_documented_command_works_as_written(tmp_path):
     """Runs each in a copy of the docs and examples, from a folder laid out like the repository."""
     (tmp_path / ".venv").symlink_to(ROOT / ".venv")

@@ -10,11 +10,14 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.mp import ROOT, run_job
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
+@pytest.mark.framework
 def test_torchrun_job_stopped_by_rankguard_exits_1_after_every_rank_logged_its_error(tmp_path):
     job = ROOT / "tests" / "e2e" / "torchrun_error_job.py"
     command = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(job)]

@@ -348,7 +348,9 @@ def test_ddp_rank_1_with_1_5x_the_forward_is_named_on_every_rank_with_its_score(
         warnings = _straggler_warnings(run)
         assert len(warnings) == 1, (warnings, run["metrics"])
         [(batch, message)] = warnings
-        assert batch == 14  # the third slow interval's verdict, collected 2 batches after
+        # The third slow interval's verdict (batch 12), collected in the background 2 batches
+        # after on an idle machine, later (by the fit's end at the latest) on a loaded one.
+        assert 14 <= batch <= STEPS, batch
         assert message.startswith("rankguard straggler_monitor: Straggler: rank 1 (node ")
         score = float(re.search(r"\(score (\d\.\d\d) < threshold 0.8\)", message).group(1))
         assert 0.55 <= score <= 0.75  # 20 ms against 30 ms: 0.67
