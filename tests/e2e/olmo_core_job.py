@@ -144,7 +144,11 @@ def build_trainer(
     dataset.work_dir = work
     _, size = world()
     loader = NumpyDataLoaderConfig(
-        global_batch_size=PER_RANK * SEQ_LEN * size, seed=0, num_workers=0, work_dir=str(work)
+        global_batch_size=PER_RANK * SEQ_LEN * size,
+        seed=0,
+        num_workers=0,
+        num_threads=1,
+        work_dir=str(work),
     ).build(dataset)
     model = TransformerConfig.llama_like(
         d_model=16, vocab_size=VOCAB, n_layers=1, n_heads=2, hidden_size_multiple_of=16
