@@ -54,7 +54,7 @@ HANG_REPORT = DOCS / "hang-report"
 #: rankguard's code (see :func:`run_digest`): an integration's module counts for the
 #: examples that import it only.
 CODE = ("callbacks", "integrations", "src")
-FRAMEWORKS = ("torch", "mosaicml", "lightning", "transformers", "ai2-olmo-core")
+FRAMEWORKS = ("torch", "mosaicml", "lightning", "transformers")
 #: How long one example run with rankguard may take before the generator stops it.
 RUN_TIMEOUT_S = 600
 #: How long one without rankguard may take: the symptom of some faults is a hang (the
