@@ -3,7 +3,7 @@
 Translation only: OLMo-core ``Callback`` hooks become rankguard core events
 (see :mod:`rankguard.callbacks.events` for the table), through the
 :class:`~rankguard.integrations._driver.EventDriver` that fills in what the
-hooks do not announce. Where each event comes from (ai2-olmo-core 2.4, 2.5):
+hooks do not announce. Where each event comes from (ai2-olmo-core 2.4):
 
 =====================  ================================================================
 core event             OLMo-core
@@ -318,9 +318,11 @@ class _OlmoCoreAdapter(Callback):
     def pre_train(self) -> None:
         """FIT_START with the train loader, every evaluator's batches, model and optimizer."""
         if self.driver.fitting:  # a second fit() on the same Trainer
+            self._unhook()
             self.driver.abandon()
         trainer = self.trainer
         self._train = LoaderFacts("train", trainer.data_loader, is_train=True)
+        watched = evaluators(trainer)
         evals = {
             id(evaluator): LoaderFacts(
                 evaluator.name,
@@ -328,11 +330,10 @@ class _OlmoCoreAdapter(Callback):
                 is_train=False,
                 num_batches=planned_eval_batches(evaluator, callback),
             )
-            for evaluator, callback in evaluators(trainer)
+            for evaluator, callback in watched
         }
-        self._unhooks = hook_trainer(
-            trainer, _Hooks(self.driver, evals), [e for e, _ in evaluators(trainer)]
-        )
+        hooks = _Hooks(self.driver, evals)
+        self._unhooks = hook_trainer(trainer, hooks, [evaluator for evaluator, _ in watched])
         folder = save_folder(trainer)
         module = trainer.train_module
         self.driver.fit_start(
