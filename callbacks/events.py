@@ -58,9 +58,10 @@ FIT_END                 ``FIT_END``                  ``on_fit_end``
 ======================  ===========================  ==============================
 
 The Hugging Face Trainer's hooks are mapped in
-:mod:`rankguard.integrations.transformers`; a hand-written loop's wrappers
+:mod:`rankguard.integrations.transformers`, OLMo-core's in
+:mod:`rankguard.integrations.olmo_core`; a hand-written loop's wrappers
 (``guard.load``, ``guard.fit``, ``run.train``, ``run.eval``,
-``run.checkpoint``) in :mod:`rankguard.integrations.torch`. Both announce less than a framework (a
+``run.checkpoint``) in :mod:`rankguard.integrations.torch`. They announce less than a framework (a
 train batch ends when the next fetch, eval or save starts), and
 ``integrations/_driver.py`` fills that in, in this order.
 """

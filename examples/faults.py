@@ -1,8 +1,8 @@
 """The failures rankguard exists for, as faults the 2-rank examples can inject.
 
-``composer_train.py``, ``lightning_train.py``, ``torch_loop.py`` and
-``hf_trainer.py`` take everything that depends on ``--fault`` from here, so a
-fault means the same in every integration:
+``composer_train.py``, ``lightning_train.py``, ``torch_loop.py``,
+``hf_trainer.py`` and ``olmo_core_train.py`` take everything that depends on
+``--fault`` from here, so a fault means the same in every integration:
 
 * :func:`setup` (the same on every rank): rankguard's settings for the
   fault, the model's width, the number of epochs, the checkpoint folder;

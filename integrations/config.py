@@ -24,7 +24,7 @@ from rankguard.integrations._common import class_name
 __all__ = ["CALLBACK_NAMES", "FRAMEWORKS", "build_callbacks", "callback_class"]
 
 #: The integration modules that build callbacks (``torch``: guards for a hand-written loop).
-FRAMEWORKS = ("composer", "lightning", "torch", "transformers")
+FRAMEWORKS = ("composer", "lightning", "olmo_core", "torch", "transformers")
 
 #: Config name -> class name in each integration module.
 CALLBACK_NAMES: dict[str, str] = {
@@ -54,7 +54,8 @@ def build_callbacks(config: Mapping[str, Mapping[str, Any] | None], framework: s
         config: Callback names (``rank_guard`` or a guard name) to their
             keyword arguments (``None`` or ``{}`` for the defaults).
         framework: ``"composer"``, ``"lightning"``, ``"transformers"`` (the Hugging Face
-            Trainer) or ``"torch"`` (a hand-written loop: ``callback.fit(...)``).
+            Trainer), ``"olmo_core"`` (OLMo-core's Trainer) or ``"torch"`` (a hand-written
+            loop: ``callback.fit(...)``).
 
     Returns:
         The callback objects, ready for ``Trainer(callbacks=...)`` (or, for ``"torch"``,

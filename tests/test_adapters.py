@@ -17,7 +17,14 @@ from rankguard.integrations import transformers as rg_transformers
 from rankguard.integrations._common import class_name
 from tests.e2e.common import Points
 
+try:  # the olmo-core extra
+    from rankguard.integrations import olmo_core as rg_olmo_core
+except ImportError:
+    rg_olmo_core = None
+
 ADAPTERS = [rg_composer, rg_lightning, rg_torch, rg_transformers]
+if rg_olmo_core is not None:
+    ADAPTERS.append(rg_olmo_core)
 
 
 def callback_classes(module):
@@ -29,6 +36,7 @@ GUARD_CLASSES = [class_name(name) for name in GUARDS]
 EXTRAS = {
     rg_torch: {"EvalLoader", "Run", "TrainLoader"},
     rg_transformers: {"calling_trainer"},
+    rg_olmo_core: {"checkpoint_to_load", "hook_trainer"},
 }
 
 
@@ -49,7 +57,7 @@ def test_every_callback_closes_twice_safely(module):
         if module is rg_composer:
             callback.close(None, None)
             callback.close(None, None)
-        elif module in (rg_torch, rg_transformers):
+        elif module in (rg_torch, rg_transformers, rg_olmo_core):
             callback.close()
             callback.close()
         else:

@@ -57,7 +57,9 @@ def test_unknown_names_and_settings_list_the_valid_ones_with_a_suggestion():
         build_callbacks({"rankguard": {}}, "composer")
     with pytest.raises(ValueError, match="Did you mean 'eval_end_timeout_s'"):
         build_callbacks({"batch_parity_guard": {"eval_end_timeout": 5}}, "lightning")
-    with pytest.raises(ValueError, match="valid: composer, lightning, torch, transformers"):
+    with pytest.raises(
+        ValueError, match="valid: composer, lightning, olmo_core, torch, transformers"
+    ):
         build_callbacks({}, "keras")
 
 

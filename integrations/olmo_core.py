@@ -1,0 +1,405 @@
+"""rankguard callbacks for the OLMo-core ``Trainer`` (``olmo_core.train``).
+
+Translation only: OLMo-core ``Callback`` hooks become rankguard core events
+(see :mod:`rankguard.callbacks.events` for the table), through the
+:class:`~rankguard.integrations._driver.EventDriver` that fills in what the
+hooks do not announce. Where each event comes from (ai2-olmo-core 2.4):
+
+=====================  ================================================================
+core event             OLMo-core
+=====================  ================================================================
+CHECKPOINT_LOAD_START  ``Trainer.load_checkpoint`` (wrapped at ``post_attach``): every
+                       rank, before the checkpoint is read (``fit`` loads before any hook)
+FIT_START              ``pre_train`` (train loader, evaluators' batches, model, optimizer,
+                       ``save_folder``), before the checkpointer's pre-train save and
+                       ``eval_on_startup``
+EPOCH_START            ``pre_epoch``
+DATA_FETCH_START       ``pre_load_batch``
+DATA_FETCH_END         ``pre_step`` (the batch arrived)
+TRAIN_BATCH_START      ``pre_step``
+TRAIN_BATCH_END        ``post_train_batch`` (before the checkpointer's save there)
+EVAL_START             ``Evaluator.reset_metrics`` (wrapped): the ``EvaluatorCallback``
+                       resets each evaluator right before iterating it
+EVAL_BATCH_START/END   ``TrainModule.eval_batch`` (wrapped), during those evals
+EVAL_END               ``Evaluator.compute_metrics`` (wrapped): before its reduction
+CHECKPOINT_SAVE_START  ``Trainer.save_checkpoint`` / ``save_checkpoint_async`` (wrapped):
+                       every save, the pre-train and final ones too (``save_folder``)
+CHECKPOINT_SAVE_END    they return (an async save goes on writing in the background)
+EPOCH_END              ``post_epoch`` (no pass fact: the Trainer's iterator is local)
+FIT_END                ``close`` after a successful ``fit`` (after the final save)
+=====================  ================================================================
+
+The "after eval" phase the hang watchdog times runs from the last
+evaluator's ``compute_metrics`` to the next ``pre_load_batch``: the rest of
+``post_step``, the metrics' reduction and any callback after the evaluator.
+:attr:`priority` puts rankguard's hooks before every OLMo-core callback's
+(the checkpointer's is 1), so its fit-start checks run before the first
+save or eval. The wrapped methods are public OLMo-core API, wrapped on the
+instance; :func:`hook_trainer` is the one place that relies on when the
+Trainer and ``EvaluatorCallback`` call them, and ``tests/test_olmo_core.py``
+fails if that changes. Metrics go through ``Trainer.record_metric``
+(unreduced, ``rankguard/...`` keys). The guards' state (the hang watchdog's
+calibration) is saved with each checkpoint's trainer state, so a resumed
+run starts calibrated.
+
+Two defaults differ from the other adapters (:data:`DEFAULTS`): OLMo-core
+needs a save folder every node sees (or a URL), so a node-local save folder
+is an error at fit start (``SharedDirBarrier``'s ``on_node_local="raise"``),
+not a warning; and ``DataConsistencyGuard`` does not compare python
+``random``/numpy states (``check_rng=False``), which differ between ranks in
+a healthy OLMo-core run.
+
+Example::
+
+    from rankguard.integrations.olmo_core import RankGuard
+
+    trainer = trainer_config.with_callback("rankguard", RankGuard()).build(train_module, loader)
+    trainer.fit()
+
+Requires ``pip install 'rankguard[olmo-core]'``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+from rankguard.callbacks.events import LoaderFacts
+from rankguard.callbacks.guard import Guard, GuardRunner
+from rankguard.integrations._common import define_callbacks
+from rankguard.integrations._driver import EventDriver
+
+try:
+    from olmo_core.eval import Evaluator
+    from olmo_core.io import is_url
+    from olmo_core.train import Trainer
+    from olmo_core.train.callbacks import Callback, CheckpointerCallback, EvaluatorCallback
+    from olmo_core.train.common import DurationUnit, MetricMergeStrategy
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "rankguard.integrations.olmo_core needs OLMo-core: pip install 'rankguard[olmo-core]'"
+    ) from exc
+
+logger = logging.getLogger(__name__)
+
+#: Where OLMo-core saves checkpoints every node can read, named in rankguard's messages.
+UPLOAD_SETTING = (
+    "save to remote storage: TrainerConfig(save_folder='s3://...') (or gs://, r2://, weka://), "
+    "or give the resume as TrainerConfig(load_path=<URL>)"
+)
+#: OLMo-core saves through ``torch.distributed.checkpoint``: every rank writes its own part.
+SHARDED_SETTING = "OLMo-core's checkpointer (torch.distributed.checkpoint, always sharded)"
+#: OLMo-core's own guard settings. A local save folder must be shared by every node (its
+#: Trainer refuses one that is not unless ``OLMO_SHARED_FS=1`` says it is). Python ``random``
+#: and numpy states differ between ranks in a healthy run: OLMo-core draws from ``random`` on
+#: the rank that writes its data indices, and a resume restores each rank's own states; its
+#: data order comes from the data loader's ``seed`` (datasets are still compared).
+DEFAULTS = {
+    "shared_dir_barrier": {"on_node_local": "raise"},
+    "data_consistency_guard": {"check_rng": False},
+}
+
+Unhook = Callable[[], None]
+
+
+def _wrap(obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Unhook:
+    """Replaces ``obj.name`` on the instance with ``make(original)``; returns the undo."""
+    original = getattr(obj, name)
+    wrapper = functools.wraps(original)(make(original))
+    setattr(obj, name, wrapper)
+
+    def unhook() -> None:
+        if vars(obj).get(name) is wrapper:
+            delattr(obj, name)
+
+    return unhook
+
+
+def checkpoint_to_load(trainer: Trainer, folder: str) -> str:
+    """The checkpoint ``trainer.load_checkpoint(folder)`` reads, as this rank sees it.
+
+    ``folder`` itself if it is a checkpoint, else its latest ``step<N>``, the
+    way OLMo-core's rank 0 finds it; where this rank finds none, a ``step*``
+    that does not exist (so a node without it is named). A URL is given back
+    as it is (every node reads the same remote storage).
+    """
+    folder = str(folder)
+    checkpointer = trainer.checkpointer
+    if is_url(folder) or checkpointer.dir_is_checkpoint(folder):
+        return folder
+    try:
+        return str(checkpointer.latest_checkpoint(folder))
+    except FileNotFoundError:
+        return os.path.join(folder, "step*")
+
+
+def planned_eval_batches(evaluator: Evaluator, callback: EvaluatorCallback) -> int | None:
+    """The batches ``callback`` runs of ``evaluator``: its length, cut by ``eval_duration``."""
+    total = evaluator.total_batches
+    duration = callback.eval_duration
+    if duration.unit == DurationUnit.steps:
+        return duration.value if total is None else min(total, duration.value)
+    if duration.unit == DurationUnit.epochs and duration.value == 1:
+        return total
+    return None  # a token budget: known only as it runs
+
+
+def evaluators(trainer: Trainer) -> list[tuple[Evaluator, EvaluatorCallback]]:
+    """The evaluators the Trainer's ``EvaluatorCallback`` instances run (none with ``no_evals``)."""
+    if trainer.no_evals:
+        return []
+    return [
+        (evaluator, callback)
+        for callback in trainer.callbacks.values()
+        if isinstance(callback, EvaluatorCallback)
+        for evaluator in callback.evaluators
+    ]
+
+
+def save_folder(trainer: Trainer) -> str | None:
+    """Where the Trainer's checkpoints go, or ``None`` if it saves none."""
+    checkpointers = [c for c in trainer.callbacks.values() if isinstance(c, CheckpointerCallback)]
+    if trainer.no_checkpoints or not any(c.enabled for c in checkpointers):
+        return None
+    return str(trainer.save_folder)
+
+
+class _Hooks:
+    """What :func:`hook_trainer` calls: the driver's events with OLMo-core's facts."""
+
+    def __init__(self, driver: EventDriver, evals: Mapping[int, LoaderFacts]) -> None:
+        self.driver = driver
+        self.evals = evals
+
+    def eval_start(self, evaluator: Evaluator) -> None:
+        facts = self.evals.get(id(evaluator))
+        if facts is not None and self.driver.fitting:
+            if self.driver.evals:  # the previous evaluator never computed its metrics
+                self.driver.eval_end()
+            self.driver.eval_start([facts])
+
+    def eval_end(self) -> None:
+        if self.driver.fitting and self.driver.evals:
+            self.driver.eval_end()
+
+    def eval_batch(self, run: Callable[[], Any]) -> Any:
+        if not (self.driver.fitting and self.driver.evals):
+            return run()
+        self.driver.eval_batch_start()
+        result = run()
+        self.driver.eval_batch_end()
+        return result
+
+    def save(self, trainer: Trainer, run: Callable[[], Any]) -> Any:
+        if not self.driver.fitting or self.driver.saving:
+            return run()
+        # The save folder, not the step's own: OLMo-core renames ``step<N>-tmp`` onto it, and
+        # its other ranks wait for ``step<N>`` to appear before writing into it.
+        self.driver.save_start([str(trainer.save_folder)])
+        result = run()
+        self.driver.save_end()
+        return result
+
+
+def hook_trainer(trainer: Trainer, hooks: _Hooks, watched: Iterable[Evaluator]) -> list[Unhook]:
+    """Wraps, on these instances, the OLMo-core methods whose calls mark evals and saves.
+
+    The one place rankguard relies on how OLMo-core calls its public API:
+    ``Trainer.save_checkpoint`` / ``save_checkpoint_async`` for every save;
+    the ``EvaluatorCallback`` calling each evaluator's ``reset_metrics``
+    before its first batch, ``TrainModule.eval_batch`` per batch and
+    ``compute_metrics`` after its last. ``tests/test_olmo_core.py`` fails if
+    that changes.
+
+    Returns:
+        The functions that remove each wrapper (safe to call twice).
+    """
+
+    def saving(save: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda *a, **k: hooks.save(trainer, lambda: save(*a, **k))
+
+    def batch(eval_batch: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda *a, **k: hooks.eval_batch(lambda: eval_batch(*a, **k))
+
+    def starting(evaluator: Evaluator) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(reset: Callable[..., Any]) -> Callable[..., Any]:
+            def reset_metrics(*a: Any, **k: Any) -> Any:
+                hooks.eval_start(evaluator)
+                return reset(*a, **k)
+
+            return reset_metrics
+
+        return make
+
+    def ending(compute: Callable[..., Any]) -> Callable[..., Any]:
+        def compute_metrics(*a: Any, **k: Any) -> Any:
+            hooks.eval_end()
+            return compute(*a, **k)
+
+        return compute_metrics
+
+    unhooks = [
+        _wrap(trainer, "save_checkpoint", saving),
+        _wrap(trainer, "save_checkpoint_async", saving),
+        _wrap(trainer.train_module, "eval_batch", batch),
+    ]
+    for evaluator in watched:
+        unhooks.append(_wrap(evaluator, "reset_metrics", starting(evaluator)))
+        unhooks.append(_wrap(evaluator, "compute_metrics", ending))
+    return unhooks
+
+
+def hook_load(trainer: Trainer, before_load: Callable[[str], None]) -> Unhook:
+    """Calls ``before_load(path)`` on every rank before ``trainer.load_checkpoint`` reads.
+
+    ``Trainer.fit`` loads its resume checkpoint before any callback hook, through
+    its public ``load_checkpoint(dir, ...)``, wrapped here on the instance.
+    """
+
+    def make(load: Callable[..., Any]) -> Callable[..., Any]:
+        def load_checkpoint(dir: Any, *args: Any, **kwargs: Any) -> Any:
+            before_load(checkpoint_to_load(trainer, dir))
+            return load(dir, *args, **kwargs)
+
+        return load_checkpoint
+
+    return _wrap(trainer, "load_checkpoint", make)
+
+
+class _OlmoCoreAdapter(Callback):
+    """Drives a :class:`GuardRunner` from OLMo-core ``Callback`` hooks."""
+
+    #: Above every OLMo-core callback (the checkpointer's is 1): rankguard's
+    #: fit-start checks run before the pre-train save and ``eval_on_startup``.
+    priority: ClassVar[int] = 10
+
+    def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
+        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
+        self.driver = EventDriver(self.runner, self._log_metrics)
+        self._train: LoaderFacts | None = None
+        self._metrics: dict[str, float] = {}
+        self._unhooks: list[Unhook] = []
+        self._unhook_load: Unhook | None = None
+
+    # -- facts -----------------------------------------------------------------------
+
+    def _log_metrics(self, metrics: Mapping[str, float]) -> None:
+        self._metrics.update(metrics)
+
+    def _flush_metrics(self) -> None:
+        if self._metrics and self._trainer is not None:
+            metrics, self._metrics = self._metrics, {}
+            for name, value in metrics.items():
+                self.trainer.record_metric(
+                    name, float(value), merge_strategy=MetricMergeStrategy.latest
+                )
+
+    def _load_start(self, path: str) -> None:
+        self.driver.load_start(path, upload_setting=UPLOAD_SETTING)
+
+    # -- hooks -----------------------------------------------------------------------
+
+    def post_attach(self) -> None:
+        """Wraps the Trainer's ``load_checkpoint`` so a resume is checked before it is read."""
+        if self._unhook_load is None:
+            self._unhook_load = hook_load(self.trainer, self._load_start)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guards' checkpoint state (the hang watchdog's calibration), saved per rank."""
+        return self.runner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the guards' state from a checkpoint (before ``pre_train``)."""
+        self.runner.load_state_dict(state_dict)
+
+    def pre_train(self) -> None:
+        """FIT_START with the train loader, every evaluator's batches, model and optimizer."""
+        if self.driver.fitting:  # a second fit() on the same Trainer
+            self._unhook()
+            self.driver.abandon()
+        trainer = self.trainer
+        self._train = LoaderFacts("train", trainer.data_loader, is_train=True)
+        watched = evaluators(trainer)
+        evals = {
+            id(evaluator): LoaderFacts(
+                evaluator.name,
+                evaluator.batches,
+                is_train=False,
+                num_batches=planned_eval_batches(evaluator, callback),
+            )
+            for evaluator, callback in watched
+        }
+        hooks = _Hooks(self.driver, evals)
+        self._unhooks = hook_trainer(trainer, hooks, [evaluator for evaluator, _ in watched])
+        folder = save_folder(trainer)
+        module = trainer.train_module
+        self.driver.fit_start(
+            loaders=[self._train, *evals.values()],
+            model=getattr(module, "model", None),
+            optimizer=getattr(module, "optim", None),
+            directories=[folder] if folder else [],
+            state_dict_type="sharded",
+            switch_to_sharded=None,
+            sharded_setting=SHARDED_SETTING,
+            upload_setting=UPLOAD_SETTING,
+        )
+
+    def pre_epoch(self) -> None:
+        """EPOCH_START."""
+        if self.driver.fitting:
+            self.driver.epoch_start(self._train)
+
+    def pre_load_batch(self) -> None:
+        """DATA_FETCH_START (the previous train batch, or eval, is over)."""
+        if self.driver.fitting:
+            self.driver.fetch_start()
+
+    def pre_step(self, batch: dict[str, Any]) -> None:
+        """DATA_FETCH_END, TRAIN_BATCH_START; records the guards' metrics."""
+        if self.driver.fitting:
+            self.driver.train_batch_start()
+            self._flush_metrics()
+
+    def post_train_batch(self) -> None:
+        """TRAIN_BATCH_END (before the checkpointer's save)."""
+        if self.driver.fitting:
+            self.driver.end_train_batch()
+
+    def post_epoch(self) -> None:
+        """EPOCH_END."""
+        if self.driver.fitting:
+            self.driver.epoch_end(self._train)
+
+    def on_error(self, exc: BaseException) -> None:
+        """Lets the guards explain the error, then stops them."""
+        if self.driver.fitting:
+            self._unhook()
+            self.driver.abandon(exc)
+
+    def close(self) -> None:
+        """FIT_END after a successful fit (after the final save); then the guards stop.
+
+        Safe to call twice and after an error.
+        """
+        try:
+            if self.driver.fitting:
+                self.driver.fit_end()
+        finally:
+            self.driver.fitting = False
+            self._unhook()
+            self.runner.close()
+
+    def _unhook(self) -> None:
+        unhooks, self._unhooks = self._unhooks, []
+        for unhook in unhooks:
+            unhook()
+
+
+__all__ = [
+    "checkpoint_to_load",
+    "hook_trainer",
+    *define_callbacks(globals(), _OlmoCoreAdapter, "an OLMo-core ``Callback``", DEFAULTS),
+]

@@ -1,0 +1,331 @@
+"""The OLMo-core ``Trainer`` (a 1-layer Llama-like transformer from a config) with rankguard.
+
+Usage::
+
+    torchrun --standalone --nproc-per-node 2 tests/e2e/olmo_core_job.py OUT_DIR SCENARIO...
+
+Each scenario is a fresh model and ``Trainer`` in the same two processes;
+outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
+``resume`` continues ``healthy``'s run from its last checkpoint, so it comes
+after it; ``post_eval_stall`` never returns (the watchdog ends every rank with
+exit code 75), so it must come last; rank 1 writes the moment its stall starts
+to ``OUT_DIR/stall.json``. Token files are random ids written into ``OUT_DIR``;
+nothing needs the network. :func:`build_trainer` also serves the one-process
+tests in ``tests/test_olmo_core.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import olmo_core.distributed.parallel as olmo_parallel
+import torch
+import torch.distributed as dist
+from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDataset
+from olmo_core.distributed.parallel import DataParallelType
+from olmo_core.eval import Evaluator
+from olmo_core.nn.transformer import TransformerConfig
+from olmo_core.optim import AdamWConfig
+from olmo_core.train import Duration, Trainer, TrainerConfig
+from olmo_core.train.callbacks import Callback, CheckpointerCallback, EvaluatorCallback
+from olmo_core.train.train_module import TransformerTrainModuleConfig
+from olmo_core.train.train_module.transformer.config import TransformerDataParallelConfig
+from olmo_core.utils import seed_all
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tests.e2e.common import own_node, run_scenarios
+from tests.e2e.hang_settings import HANG
+
+COUNTERS: dict[str, Any] = {}
+OUT = Path(".")
+#: Token ids from 1 to VOCAB - 1; sequences of SEQ_LEN; 4 sequences per rank per batch.
+VOCAB, SEQ_LEN, PER_RANK = 64, 8, 4
+#: Calibrates from the third step; exchanges often (defaults: 20 steps, 10 s).
+QUICK = {"hang_watchdog": {"warmup_steps": 2, "exchange_period_s": 0.5}}
+
+
+def world() -> tuple[int, int]:
+    """This process's rank and the world size (0 and 1 without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class SlowTokens(NumpyFSLDataset):
+    """OLMo-core's token dataset, ``delay_s`` slower per sequence (slow remote storage)."""
+
+    delay_s = 0.0
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return super().__getitem__(index)
+
+
+class Perplexity(Evaluator):
+    """Mean cross-entropy over every rank's eval sequences (an ``all_reduce``, as OLMo's own)."""
+
+    def __init__(self, name: str, sequences: int, seed: int = 1) -> None:
+        ids = torch.randint(
+            1, VOCAB, (sequences, SEQ_LEN), generator=torch.Generator().manual_seed(seed)
+        )
+        rank, size = world()
+        sampler = DistributedSampler(range(sequences), num_replicas=size, rank=rank, shuffle=False)
+        rows = [{"input_ids": x} for x in ids]
+        super().__init__(name=name, batches=DataLoader(rows, batch_size=PER_RANK, sampler=sampler))
+        self.totals = torch.zeros(2)
+
+    def update_metrics(self, batch, ce_loss, logits) -> None:
+        self.totals += torch.tensor([float(ce_loss.sum()), ce_loss.numel()])
+
+    def compute_metrics(self) -> dict[str, torch.Tensor]:
+        if dist.is_initialized():
+            dist.all_reduce(self.totals)
+        return {"CE loss": self.totals[0] / self.totals[1]}
+
+    def reset_metrics(self) -> None:
+        self.totals = torch.zeros(2)
+
+
+def token_file(work: Path, sequences: int) -> Path:
+    """A file of ``sequences`` random sequences, written once by rank 0 (the same on every rank)."""
+    path = work / f"tokens{sequences}.npy"
+    if world()[0] == 0 and not path.exists():
+        ids = np.random.default_rng(0).integers(1, VOCAB, sequences * SEQ_LEN, dtype=np.uint16)
+        tmp = path.with_suffix(".tmp")
+        ids.tofile(tmp)
+        tmp.rename(path)
+    while not path.exists():
+        time.sleep(0.05)
+    return path
+
+
+def build_trainer(
+    work: Path,
+    callbacks: dict[str, Callback],
+    *,
+    eval_sequences: int | None = 32,
+    save_folder: Path | None = None,
+    steps: int = 8,
+    eval_interval: int = 4,
+    save_interval: int = 4,
+    data_delay_s: float = 0.0,
+) -> Trainer:
+    """A tiny OLMo-core Trainer: 64 train sequences (8 steps of 8 on 2 ranks), evals, saves.
+
+    Args:
+        work: Its working directory (token files, data loader indices).
+        callbacks: Callbacks to add, by name.
+        eval_sequences: Sequences of this rank's eval set (split over the ranks), or ``None``.
+        save_folder: Where checkpoints go (default: ``work/ckpt``).
+        steps: Train steps (``max_duration``).
+        eval_interval: Steps between evals.
+        save_interval: Steps between saves.
+        data_delay_s: Extra time per train sequence on this rank.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    seed_all(0)  # as OLMo-core's scripts do
+    # OLMo-core builds its device mesh once per process; each scenario is a fresh Trainer.
+    olmo_parallel._WORLD_MESH = None
+    dataset = SlowTokens(
+        token_file(work, 64),
+        sequence_length=SEQ_LEN,
+        pad_token_id=0,
+        eos_token_id=0,
+        vocab_size=VOCAB,
+    )
+    dataset.delay_s = data_delay_s
+    dataset.work_dir = work
+    _, size = world()
+    loader = NumpyDataLoaderConfig(
+        global_batch_size=PER_RANK * SEQ_LEN * size,
+        seed=0,
+        num_workers=0,
+        num_threads=1,
+        work_dir=str(work),
+    ).build(dataset)
+    model = TransformerConfig.llama_like(
+        d_model=16, vocab_size=VOCAB, n_layers=1, n_heads=2, hidden_size_multiple_of=16
+    ).build(init_device="cpu")
+    module = TransformerTrainModuleConfig(
+        rank_microbatch_size=PER_RANK * SEQ_LEN,
+        max_sequence_length=SEQ_LEN,
+        optim=AdamWConfig(lr=1e-3),
+        dp_config=TransformerDataParallelConfig(name=DataParallelType.ddp) if size > 1 else None,
+    ).build(model, device=torch.device("cpu"))
+    olmo_callbacks: dict[str, Callback] = {
+        "checkpointer": CheckpointerCallback(save_interval=save_interval),
+        **callbacks,
+    }
+    if eval_sequences is not None:
+        olmo_callbacks["evaluator"] = EvaluatorCallback(
+            evaluators=[Perplexity("eval", eval_sequences)], eval_interval=eval_interval
+        )
+    config = TrainerConfig(
+        save_folder=str(save_folder or work / "ckpt"),
+        work_dir=str(work),
+        max_duration=Duration.steps(steps),
+        metrics_collect_interval=2,
+        callbacks=olmo_callbacks,
+    )
+    return config.build(module, loader)
+
+
+class Count(Callback):
+    """Counts what actually ran on this rank, and the ``rankguard/...`` metrics logged."""
+
+    def __init__(self) -> None:
+        COUNTERS.clear()
+        COUNTERS.update(steps=0, eval_batches=0, saves=0, rankguard_keys_logged=[])
+
+    def pre_step(self, batch) -> None:
+        COUNTERS["steps"] += 1
+
+    def post_checkpoint_saved(self, path) -> None:
+        COUNTERS["saves"] += 1
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        keys = {k for k in metrics if k.startswith("rankguard/")}
+        COUNTERS["rankguard_keys_logged"] = sorted(keys | set(COUNTERS["rankguard_keys_logged"]))
+
+
+class CountEvalBatches(Callback):
+    """Counts eval batches through the Trainer's train module (wrapped before rankguard's)."""
+
+    def post_attach(self) -> None:
+        module = self.trainer.train_module
+        eval_batch = module.eval_batch
+
+        def counted(*args, **kwargs):
+            COUNTERS["eval_batches"] += 1
+            return eval_batch(*args, **kwargs)
+
+        module.eval_batch = counted
+
+
+class StallAfterEval(Callback):
+    """The bug: rank 1 never comes back from its first evaluation (here a sleep)."""
+
+    priority = -1  # after the evaluator's post_step (0)
+
+    def post_step(self) -> None:
+        if self.step % 4 == 0 and dist.get_rank() == 1:
+            (OUT / "stall.json").write_text(json.dumps({"rank": 1, "t": time.time()}))
+            while True:
+                time.sleep(3600)
+
+
+def fit(trainer: Trainer) -> None:
+    try:
+        trainer.fit()
+    finally:
+        COUNTERS["files"] = sorted(
+            p.name for p in Path(trainer.save_folder).glob("step*") if p.is_dir()
+        )
+
+
+def counting(guard: Callback) -> dict[str, Callback]:
+    return {"rankguard": guard, "count": Count(), "count_eval": CountEvalBatches()}
+
+
+def healthy() -> None:
+    from rankguard.integrations.olmo_core import RankGuard
+
+    fit(build_trainer(OUT / "healthy", counting(RankGuard(**QUICK))))
+
+
+def resume() -> None:
+    """``healthy``'s run continued for 4 more steps from its last checkpoint (step 8)."""
+    from rankguard.integrations.olmo_core import RankGuard
+
+    guard = RankGuard(**QUICK)
+    trainer = build_trainer(OUT / "healthy", counting(guard), steps=12)
+    state = torch.load(
+        OUT / "healthy" / "ckpt" / "step8" / "train" / f"rank{dist.get_rank()}.pt",
+        weights_only=False,
+    )
+    COUNTERS["saved_state"] = sorted(state["callbacks"]["rankguard"])
+    watchdog = next(g for g in guard.runner.guards if g.name == "hang_watchdog")
+    fit(trainer)
+    COUNTERS["resumed_at"] = 8 if trainer.checkpoint_loaded else 0
+    COUNTERS["calibrated_from_checkpoint"] = bool(watchdog._restored)
+
+
+def uneven_eval() -> None:
+    # Each rank built its own eval set (32 and 64 sequences): 4 and 8 eval batches per rank.
+    from rankguard.integrations.olmo_core import RankGuard
+
+    # DataConsistencyGuard would name the sets' lengths at fit start: BatchParityGuard is tested.
+    sequences = 32 if dist.get_rank() == 0 else 64
+    guard = RankGuard(data_consistency_guard=False, **QUICK)
+    fit(build_trainer(OUT / "uneven_eval", counting(guard), eval_sequences=sequences))
+
+
+def slow_data() -> None:
+    """Rank 1's token reads take 25 ms per sequence (100 ms per batch), 16 steps."""
+    from rankguard.integrations.olmo_core import RankGuard
+
+    monitor = {"interval": 4, "window": 3}
+    guard = RankGuard(data_stall_monitor=monitor, **QUICK)
+    delay = 0.025 if dist.get_rank() == 1 else 0.0
+    trainer = build_trainer(
+        OUT / "slow_data",
+        counting(guard),
+        eval_sequences=None,
+        steps=16,
+        save_interval=100,
+        data_delay_s=delay,
+    )
+    fit(trainer)
+
+
+def node_local() -> None:
+    """Each rank plays a node whose local disk is ``node<r>/``; ``OLMO_SHARED_FS=1`` says shared."""
+    from rankguard.integrations.olmo_core import RankGuard
+
+    rank = dist.get_rank()
+    os.environ["OLMO_SHARED_FS"] = "1"
+    try:
+        with own_node(rank, OUT / f"node{rank}") as disk:
+            trainer = build_trainer(
+                OUT / "node_local", counting(RankGuard(**QUICK)), save_folder=disk / "ckpt"
+            )
+            fit(trainer)
+    finally:
+        del os.environ["OLMO_SHARED_FS"]
+
+
+def post_eval_stall() -> None:
+    from rankguard.integrations.olmo_core import RankGuard
+
+    settings = {**HANG, "report_dir": str(OUT / "reports")}
+    callbacks = {**counting(RankGuard(hang_watchdog=settings)), "stall": StallAfterEval()}
+    fit(build_trainer(OUT / "post_eval_stall", callbacks))
+
+
+SCENARIOS = {
+    "healthy": healthy,
+    "resume": resume,
+    "uneven_eval": uneven_eval,
+    "slow_data": slow_data,
+    "node_local": node_local,
+    "post_eval_stall": post_eval_stall,
+}
+
+
+def main() -> None:
+    global OUT
+    OUT = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)  # two ranks on two shared cores
+    run_scenarios(SCENARIOS, COUNTERS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""The OLMo-core adapter: a real Trainer's events in one process, then 2 ranks under torchrun.
+
+One process (no process group): the hooks and wrapped methods fire core events
+in the documented order, a resume is announced before it is read and restores
+the guards' state, the wrappers are gone after the fit, and rankguard's hooks
+run before every OLMo-core callback's. One ``torchrun`` launch
+(``tests/e2e/olmo_core_job.py``) then runs, in one pair of processes: a
+healthy run and its resume (calibrated from the checkpoint), eval sets of
+different sizes, a slow data loader on rank 1, each rank a node with its own
+disk, and rank 1 stalling after its first eval (last: exit code 75).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import socket
+
+import pytest
+
+pytest.importorskip("olmo_core", reason="needs rankguard[olmo-core]")
+
+import olmo_core.train.callbacks as olmo_callbacks
+
+from rankguard.callbacks.guard import Guard
+from rankguard.integrations import olmo_core as rg_olmo
+from rankguard.integrations.olmo_core import RankGuard
+from tests.e2e.common import EventLog
+from tests.e2e.olmo_core_job import build_trainer
+from tests.test_torchrun_e2e import assert_rank_1_named_with_its_stack, launch
+
+
+class LoadLog(Guard):
+    """Records the load path of every CHECKPOINT_LOAD_START, and the state given back."""
+
+    name = "load_log"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str | None] = []
+        self.restored: dict = {}
+
+    def on_checkpoint_load_start(self, facts) -> None:
+        self.paths.append(facts.load_path)
+
+    def state_dict(self) -> dict:
+        return {"saved": True}
+
+    def load_state_dict(self, state) -> None:
+        self.restored = dict(state)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """A fit of 8 steps (eval and save every 4), then a resume to step 12, in this process."""
+    work = tmp_path_factory.mktemp("olmo_one")
+    fits = []
+    for steps in (8, 12):
+        log, loads = EventLog(), LoadLog()
+        adapter = rg_olmo._OlmoCoreAdapter([log, loads])
+        trainer = build_trainer(work, {"rankguard": adapter}, eval_sequences=8, steps=steps)
+        trainer.fit()
+        fits.append((trainer, log, loads))
+    return work, fits
+
+
+def test_olmo_core_hooks_fire_core_events_in_order(one_process):
+    _, [(_, log, _), _] = one_process
+    fetch = [("data_fetch_start", 0, None), ("data_fetch_end", 0, None)]
+    step = [("train_batch_start", 0, None), ("train_batch_end", 0, None)]
+
+    def batch(i: int) -> list[tuple]:
+        return [(e, i, loader) for e, _, loader in fetch + step]
+
+    def save(i: int) -> list[tuple]:
+        return [("checkpoint_save_start", i, None), ("checkpoint_save_end", i, None)]
+
+    # 8 sequences in 2 batches of 4
+    evaluation = [("eval_start", 4, "eval")]
+    evaluation += [("eval_batch_start", 4, "eval"), ("eval_batch_end", 4, "eval")] * 2
+    evaluation.append(("eval_end", 4, "eval"))
+    expected = [("fit_start", 0, None), *save(0), ("epoch_start", 0, "train")]
+    for i in range(4):
+        expected += batch(i)
+    expected += save(4) + evaluation  # the checkpointer saves before the evaluator runs
+    for i in range(4, 8):
+        expected += batch(i)
+    evaluation = [(e, 8, loader) for e, _, loader in evaluation]
+    expected += save(8) + evaluation + [("fit_end", 8, None)]  # max_duration cut the epoch
+    assert log.events == expected
+
+
+def test_olmo_core_resume_is_announced_before_it_is_read_and_restores_the_guards(one_process):
+    work, [(_, _, first), (resumed, log, loads)] = one_process
+    assert first.paths == []  # nothing to resume from
+    assert loads.paths == [str(work / "ckpt" / "step8")]  # the latest checkpoint
+    assert loads.restored == {"saved": True}  # its trainer state held the guards' state
+    assert resumed.global_step == 12
+    assert log.events[0] == ("checkpoint_load_start", 0, None)
+    assert log.events[1] == ("fit_start", 0, None)
+
+
+def test_olmo_core_methods_wrapped_during_the_fit_are_restored_after_it(one_process):
+    # The one reliance on how OLMo-core calls its public API: these are wrapped per instance.
+    _, [(trainer, _, _), _] = one_process
+    [evaluator] = trainer.callbacks["evaluator"].evaluators
+    assert not {"save_checkpoint", "save_checkpoint_async"} & set(vars(trainer))
+    assert "eval_batch" not in vars(trainer.train_module)
+    assert not {"reset_metrics", "compute_metrics"} & set(vars(evaluator))
+
+
+def test_rankguard_hooks_run_before_every_olmo_core_callback():
+    # The checkpointer's pre-train save and eval_on_startup come after the fit-start checks.
+    priorities = [
+        cls.priority
+        for _, cls in inspect.getmembers(olmo_callbacks, inspect.isclass)
+        if issubclass(cls, olmo_callbacks.Callback)
+    ]
+    assert RankGuard.priority > max(priorities)
+
+
+def test_olmo_core_defaults_sit_under_the_users_settings():
+    guards = {g.name: g for g in RankGuard().runner.guards}
+    assert guards["shared_dir_barrier"].on_node_local == "raise"
+    assert guards["data_consistency_guard"].check_rng is False
+    mine = {
+        g.name: g for g in RankGuard(shared_dir_barrier={"on_node_local": "warn"}).runner.guards
+    }
+    assert mine["shared_dir_barrier"].on_node_local == "warn"
+
+
+def test_single_process_fit_logs_no_rankguard_warning(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="rankguard")
+    trainer = build_trainer(tmp_path, {"rankguard": RankGuard()}, eval_sequences=8, steps=4)
+    trainer.fit()
+    assert [r for r in caplog.records if r.name.startswith("rankguard")] == []
+
+
+# -- 2 ranks under torchrun ---------------------------------------------------------------
+
+SCENARIOS = ["healthy", "resume", "uneven_eval", "slow_data", "node_local", "post_eval_stall"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("olmo_core")
+    return (out, *launch("olmo_core_job.py", out, SCENARIOS))
+
+
+@pytest.mark.framework
+def test_olmo_core_healthy_run_is_clean_and_records_metrics_through_the_trainer(job):
+    for rank in job[2]:
+        result = rank["healthy"]
+        assert result["outcome"] == "ok" and result["warnings"] == [], result
+        counters = result["counters"]
+        # 8 steps; evals at steps 4 and 8 (4 batches each); saves at steps 0, 4 and 8.
+        assert (counters["steps"], counters["eval_batches"], counters["saves"]) == (8, 8, 3)
+        assert counters["files"] == ["step0", "step4", "step8"]
+        assert "rankguard/shared_dir_wait_s" in counters["rankguard_keys_logged"]
+
+
+@pytest.mark.framework
+def test_olmo_core_resume_starts_calibrated_from_the_checkpoint(job):
+    for rank in job[2]:
+        result = rank["resume"]
+        assert result["outcome"] == "ok" and result["warnings"] == [], result
+        counters = result["counters"]
+        assert counters["saved_state"] == ["hang_watchdog"]  # in each rank's trainer state
+        assert counters["resumed_at"] == 8 and counters["steps"] == 4
+        assert counters["calibrated_from_checkpoint"] is True
+
+
+@pytest.mark.framework
+def test_olmo_core_uneven_eval_batches_fail_before_the_first_eval_batch(job):
+    for rank in job[2]:
+        result = rank["uneven_eval"]
+        assert result["outcome"] == "BatchCountMismatchError", result
+        assert result["message"].startswith(
+            "Ranks would run different numbers of batches (at fit start): "
+            "loader 'eval': rank 0: 4 batches; rank 1: 8 batches. Fix: "
+        )
+        assert result["counters"]["steps"] == 0 and result["counters"]["eval_batches"] == 0
+
+
+@pytest.mark.framework
+def test_olmo_core_slow_data_on_rank_1_is_named_by_every_rank(job):
+    for rank in job[2]:
+        result = rank["slow_data"]
+        assert result["outcome"] == "ok", result
+        [warning] = result["warnings"]
+        assert warning.startswith(
+            "rankguard data_stall_monitor: Data loading cannot keep up on rank 1: "
+        ), warning
+        assert "rankguard/data_wait_slowest_rank" in result["counters"]["rankguard_keys_logged"]
+
+
+@pytest.mark.framework
+def test_olmo_core_node_local_save_folder_stops_every_rank_before_the_first_save(job):
+    out, _, ranks = job
+    host = socket.gethostname()
+    for r, rank in enumerate(ranks):
+        result = rank["node_local"]
+        assert result["outcome"] == "NodeLocalDirError", result
+        assert result["message"].startswith(
+            f"Checkpoint folder {out}/node{r}/ckpt is node-local: node {host}/node1 (rank 1) "
+            f"does not see what rank 0 ({host}/node0) writes there"
+        )
+        assert "TrainerConfig(save_folder='s3://...')" in result["message"]
+        assert result["counters"]["files"] == [] and result["counters"]["steps"] == 0
+
+
+@pytest.mark.framework
+def test_olmo_core_rank_stalled_after_eval_is_named_with_its_stack_and_every_rank_exits_75(job):
+    out, output, _ = job
+    assert_rank_1_named_with_its_stack(out, output, "in post_step")
