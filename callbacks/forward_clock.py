@@ -45,7 +45,7 @@ all run compiled is then not measured (:attr:`ForwardClock.total_s` stays 0).
 
 Cost: two hook calls per hooked module call, about 3 us on a busy 2-core
 machine (``benchmarks/overhead.py`` prints it); on CUDA two event records more,
-from a pool of reused events (``benchmarks/straggler_cost.py`` prints it).
+from a pool of reused events (``benchmarks/straggler_device.py`` prints it).
 """
 
 from __future__ import annotations
