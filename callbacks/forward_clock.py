@@ -30,27 +30,37 @@ work without the waits) and the optimizer step. For one model and batch shape
 the backward's compute is proportional to the forward's, so a rank whose
 device or host is slower shows it in the forward too.
 
-The clock reads ``time.perf_counter()``: on CPU that is the compute itself.
-On a GPU a forward pass only queues kernels unless something in it waits for
-the device, so there it measures the host's side of the forward.
+Per batch (:meth:`ForwardClock.end_batch`, :meth:`ForwardClock.ready`): on
+CPU the clock reads ``time.perf_counter()``, the compute itself. When the
+model's parameters are on a CUDA device a forward pass only queues kernels,
+so there each hooked forward is timed on the device by an :class:`EventTimer`:
+CUDA events recorded on the device's current stream by the same hooks, kept
+pending and read only once ``query()`` says both have completed; the training
+thread never waits for the device. :attr:`ForwardClock.total_s` stays the
+host's time (the rest of the batch is measured on the host).
 
 Inside a region ``torch.compile`` traces (a model compiled in place), the
 hooks do nothing, so they never break a graph; a model whose hooked modules
 all run compiled is then not measured (:attr:`ForwardClock.total_s` stays 0).
 
 Cost: two hook calls per hooked module call, about 3 us on a busy 2-core
-machine (``benchmarks/overhead.py`` prints it).
+machine (``benchmarks/overhead.py`` prints it); on CUDA two event records more,
+from a pool of reused events (``benchmarks/straggler_device.py`` prints it).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
+from collections.abc import Callable
+from functools import partial
 from time import perf_counter
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.compiler import is_compiling
 
-__all__ = ["ForwardClock", "hook_targets"]
+__all__ = ["EventTimer", "ForwardClock", "TimingEvent", "cuda_events", "hook_targets"]
 
 
 def _sharding_types() -> tuple[type, ...]:
@@ -100,32 +110,174 @@ def hook_targets(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
+class TimingEvent(Protocol):
+    """What :class:`EventTimer` needs of an event: ``torch.cuda.Event``'s methods."""
+
+    def record(self) -> None:
+        """Marks the point the device's stream has reached now."""
+
+    def query(self) -> bool:
+        """Whether the device has passed the mark (never waits)."""
+
+    def elapsed_time(self, end_event: Any) -> float:
+        """Milliseconds from this mark to ``end_event``'s; both must have completed."""
+
+
+class _CudaEvent:
+    """A timing ``torch.cuda.Event`` recorded on ``device``'s current stream."""
+
+    __slots__ = ("_device", "_event")
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._event = torch.cuda.Event(enable_timing=True)
+
+    def record(self) -> None:
+        self._event.record(torch.cuda.current_stream(self._device))
+
+    def query(self) -> bool:
+        return self._event.query()
+
+    def elapsed_time(self, end_event: _CudaEvent) -> float:
+        return self._event.elapsed_time(end_event._event)
+
+
+def cuda_events(model: torch.nn.Module) -> Callable[[], TimingEvent] | None:
+    """Makes timing events for ``model``'s CUDA device, or ``None`` when it is not on one.
+
+    The device is that of the model's first parameter (or buffer): each event
+    is recorded on that device's current stream, the one the forward's
+    kernels are queued on.
+    """
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    if first is None or first.device.type != "cuda":
+        return None
+    return partial(_CudaEvent, first.device)
+
+
+class EventTimer:
+    """Times spans with device events: recorded in the hooks, read once they have completed.
+
+    Each :meth:`record` marks the device stream's current point with an event
+    from a pool; marks pair up as spans (start, end). :meth:`end_batch` closes
+    the spans recorded since :meth:`begin_batch` as one batch, and
+    :meth:`ready` returns, oldest first, the device time of every closed batch
+    whose events have all completed (``query()``), leaving the others pending
+    for a later call; their events go back to the pool. Nothing waits for
+    the device.
+
+    Args:
+        new_event: Makes one event (``torch.cuda.Event(enable_timing=True)``'s
+            ``record``, ``query`` and ``elapsed_time`` in milliseconds).
+        max_pending: Closed batches kept pending at most (>= 1); beyond that
+            the oldest is dropped (counted in :attr:`dropped`) and its events
+            reused: a device that stops completing work cannot grow the pool.
+
+    Attributes:
+        created: Events made so far (the pool's size).
+        dropped: Batches dropped while pending.
+    """
+
+    def __init__(self, new_event: Callable[[], TimingEvent], max_pending: int = 1024) -> None:
+        self.new_event = new_event
+        self.max_pending = max_pending
+        self.created = 0
+        self.dropped = 0
+        self._free: list[TimingEvent] = []
+        self._marks: list[TimingEvent] = []
+        self._pending: deque[list[TimingEvent]] = deque()
+
+    def record(self) -> None:
+        """Marks a span's start or end on the device's stream."""
+        if self._free:
+            event = self._free.pop()
+        else:
+            event = self.new_event()
+            self.created += 1
+        event.record()
+        self._marks.append(event)
+
+    def begin_batch(self) -> None:
+        """Forgets marks made outside a batch (evaluation forwards)."""
+        self._free.extend(self._marks)
+        self._marks = []
+
+    def end_batch(self, keep: bool = True) -> None:
+        """Closes the batch's spans: pending until read when ``keep``, else forgotten."""
+        marks, self._marks = self._marks, []
+        if len(marks) % 2:  # a span left open
+            self._free.append(marks.pop())
+        if not keep:
+            self._free.extend(marks)
+            return
+        self._pending.append(marks)
+        if len(self._pending) > self.max_pending:
+            self._free.extend(self._pending.popleft())
+            self.dropped += 1
+
+    def ready(self) -> list[float]:
+        """Seconds on the device of each closed batch whose events have completed, oldest first."""
+        done: list[float] = []
+        pending = self._pending
+        while pending:
+            marks = pending[0]
+            if marks and not (marks[-1].query() and all(e.query() for e in marks)):
+                break  # batches complete in order: the later ones are not done either
+            pending.popleft()
+            ms = sum(marks[i].elapsed_time(marks[i + 1]) for i in range(0, len(marks), 2))
+            done.append(ms / 1000)
+            self._free.extend(marks)
+        return done
+
+    @property
+    def pending(self) -> int:
+        """Closed batches not read yet."""
+        return len(self._pending)
+
+    def clear(self) -> None:
+        """Forgets every mark and pending batch (keeps the pool)."""
+        self.begin_batch()
+        while self._pending:
+            self._free.extend(self._pending.popleft())
+
+
 class ForwardClock:
-    """Adds up the wall time spent inside the forward of :func:`hook_targets`.
+    """Adds up the time spent inside the forward of :func:`hook_targets`, per batch.
 
     Example::
 
         clock = ForwardClock()
         clock.attach(model)
-        before = clock.total_s
+        clock.begin_batch()
         loss = model(batch).sum()
-        forward_s = clock.total_s - before
+        clock.end_batch()
+        forward_s = clock.ready()  # [seconds]; on CUDA, once the device has run it
         clock.detach()
 
+    Args:
+        new_event: Times forwards with these device events (:class:`TimingEvent`)
+            whatever the model's device; ``None`` (default): CUDA events when
+            the model's parameters are on a CUDA device, else the host's clock.
+
     Attributes:
-        total_s: Seconds spent inside hooked forwards since :meth:`attach`.
+        total_s: Host seconds spent inside hooked forwards since :meth:`attach`.
         calls: Outermost hooked forward calls since :meth:`attach`.
         modules: How many modules are hooked.
         depth: Hooked forwards open now (nested); set it to 0 to forget one that
             raised before its hook could close it.
+        timer: The device timer, or ``None`` when forwards are timed on the host.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, new_event: Callable[[], TimingEvent] | None = None) -> None:
+        self.new_event = new_event
         self.total_s = 0.0
         self.calls = 0
         self.modules = 0
         self.depth = 0
+        self.timer: EventTimer | None = None
         self._started = 0.0
+        self._batch_start = 0.0
+        self._ready: list[float] = []
         self._handles: list[Any] = []
 
     def attach(self, model: torch.nn.Module) -> int:
@@ -135,7 +287,10 @@ class ForwardClock:
             The number of modules hooked.
         """
         self.detach()
-        self.total_s, self.calls, self.depth = 0.0, 0, 0
+        self.total_s, self.calls, self.depth, self._batch_start = 0.0, 0, 0, 0.0
+        self._ready = []
+        new_event = self.new_event or cuda_events(model)
+        self.timer = None if new_event is None else EventTimer(new_event)
         for module in hook_targets(model):
             self._handles.append(module.register_forward_pre_hook(self._enter))
             self._handles.append(module.register_forward_hook(self._leave, always_call=True))
@@ -149,11 +304,37 @@ class ForwardClock:
         self._handles.clear()
         self.modules = 0
 
+    def begin_batch(self) -> None:
+        """Starts a batch: forwards from now until :meth:`end_batch` are its forward."""
+        if self.timer is not None:
+            self.timer.begin_batch()
+        self._batch_start = self.total_s
+
+    def end_batch(self, keep: bool = True) -> None:
+        """Ends the batch; its forward time is handed out by :meth:`ready` when ``keep``."""
+        if self.timer is not None:
+            self.timer.end_batch(keep)
+        elif keep:
+            self._ready.append(self.total_s - self._batch_start)
+
+    def ready(self) -> list[float]:
+        """Forward seconds of each ended batch whose time is known now, oldest first (once).
+
+        On the host that is every ended batch; with device events, those whose
+        events have completed (the rest come in a later call).
+        """
+        if self.timer is not None:
+            return self.timer.ready()
+        ready, self._ready = self._ready, []
+        return ready
+
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         if is_compiling():
             return
         if self.depth == 0:
             self._started = perf_counter()
+            if self.timer is not None:
+                self.timer.record()
         self.depth += 1
 
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -161,5 +342,7 @@ class ForwardClock:
             return
         self.depth -= 1
         if self.depth == 0:
+            if self.timer is not None:
+                self.timer.record()
             self.total_s += perf_counter() - self._started
             self.calls += 1

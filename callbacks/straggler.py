@@ -10,7 +10,10 @@ Per train batch, on each rank (no communication):
 
 * **forward**: time inside the model's forward pass, from forward hooks placed
   below DDP's wrapper and FSDP's sharding units, so no collective is inside
-  (:mod:`~rankguard.callbacks.forward_clock`): the rank's own compute;
+  (:mod:`~rankguard.callbacks.forward_clock`): the rank's own compute. On
+  CUDA it is the device's time (events recorded by the hooks, read at the
+  interval's post once completed; batches not completed yet join the next
+  interval), elsewhere the host's;
 * **rest**: the rest of the batch (TRAIN_BATCH_START to TRAIN_BATCH_END):
   backward, optimizer step, and waiting at collectives for slower ranks;
 * **between**: from a batch's end to the next one's start: loading data
@@ -34,8 +37,9 @@ slow at and what to check; with ``on_violation="raise"`` every rank raises
 
 A rank slow at loading data is not slow at compute: its forward takes as long
 as the others', and this monitor stays silent (``DataStallMonitor`` names it).
-Intervals whose median forward time is under ``min_forward_s`` are not
-scored: timings that small are scheduling noise.
+Noise is judged on the gap: a score below ``threshold`` makes a rank slow only
+when its forward takes at least ``min_excess_s`` per batch longer than the
+reference's (:func:`~rankguard.callbacks.straggler_score.is_slow`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import warnings
 from functools import partial
 from time import perf_counter
 from typing import Any
@@ -74,6 +79,12 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
+def _check_seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f"`{name}` must be a number of seconds >= 0; got {value!r}.")
+    return float(value)
+
+
 def _median(values: list[float]) -> float | None:
     """The median (a sort: ``statistics.median`` costs 3x as much per interval)."""
     if not values:
@@ -87,7 +98,7 @@ class StragglerMonitor(Guard):
     """Names the rank or node whose compute is slower than the others', every rank waiting for it.
 
     Metrics, logged by every rank when a verdict arrives (every ``interval``
-    train batches, once the median forward time reaches ``min_forward_s``):
+    train batches):
 
     ========================================  ==============================================
     key                                       value
@@ -96,7 +107,8 @@ class StragglerMonitor(Guard):
                                               time / that rank's; 1.0 = as fast as the median)
     ``rankguard/straggler_rank``              the rank with that score
     ``rankguard/straggler_score``             this rank's score
-    ``rankguard/straggler_forward_s``         this rank's median forward time per batch (s)
+    ``rankguard/straggler_forward_s``         this rank's median forward time per batch (s;
+                                              the device's on CUDA)
     ``rankguard/straggler_node_score_min``    the lowest node score (2 or more nodes only)
     ``rankguard/straggler_node``              that node's index, nodes ordered by lowest rank
     ========================================  ==============================================
@@ -112,8 +124,16 @@ class StragglerMonitor(Guard):
             together (>= 1).
         warmup_steps: Train batches at the start of each fit that are not
             measured (>= 0).
-        min_forward_s: Intervals whose median forward time per batch is below
-            this (seconds, >= 0) are not scored.
+        min_excess_s: A score below ``threshold`` names a rank or node only when
+            its forward takes at least this much longer per batch than the one
+            it is scored against (seconds, >= 0): smaller gaps are scheduling
+            noise, however large the ratio.
+        min_forward_s: Deprecated (a floor on the median rank's own forward
+            time, which left a rank 200x slower than a fast reference unnamed);
+            ``min_excess_s`` replaces it. ``None`` (default) or 0: every interval
+            is scored; a value > 0 keeps its old meaning (intervals whose median
+            forward time per batch is below it are not scored) and warns once
+            with a ``FutureWarning``.
 
     Errors: :class:`~rankguard.callbacks.errors.StragglerError` (with
     ``on_violation="raise"``). A model whose forward cannot be hooked, or whose
@@ -136,7 +156,8 @@ class StragglerMonitor(Guard):
         window: int = 3,
         interval: int = 50,
         warmup_steps: int = 20,
-        min_forward_s: float = 0.001,
+        min_excess_s: float = 0.001,
+        min_forward_s: float | None = None,
     ) -> None:
         super().__init__(on_violation=on_violation)
         number = isinstance(threshold, int | float) and not isinstance(threshold, bool)
@@ -146,10 +167,19 @@ class StragglerMonitor(Guard):
         self.window = _check_int("window", window, 1)
         self.interval = _check_int("interval", interval, 1)
         self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
-        number = isinstance(min_forward_s, int | float) and not isinstance(min_forward_s, bool)
-        if not number or min_forward_s < 0:
-            raise ValueError(f"`min_forward_s` must be a number >= 0; got {min_forward_s!r}.")
-        self.min_forward_s = float(min_forward_s)
+        self.min_excess_s = _check_seconds("min_excess_s", min_excess_s)
+        self.min_forward_s = (
+            None if min_forward_s is None else _check_seconds("min_forward_s", min_forward_s)
+        )
+        if self.min_forward_s:
+            warnings.warn(
+                "StragglerMonitor's `min_forward_s` is deprecated: noise is now judged on "
+                "the gap (`min_excess_s`, seconds of excess per batch). Remove "
+                "`min_forward_s`; set to a value > 0 it still keeps intervals whose median "
+                "forward is below it from being scored.",
+                FutureWarning,
+                stacklevel=2,
+            )
         self._clock = ForwardClock()
         self._exchange: BackgroundExchange | None = None
         self._reset()
@@ -200,7 +230,10 @@ class StragglerMonitor(Guard):
             return
         self._node = node_identity().key
         decide = partial(
-            straggler_verdict, threshold=self.threshold, min_forward_s=self.min_forward_s
+            straggler_verdict,
+            threshold=self.threshold,
+            min_excess_s=self.min_excess_s,
+            min_forward_s=self.min_forward_s or 0.0,
         )
         self._exchange = BackgroundExchange(self.channel, f"{self.name}/interval", decide)
         self._on = True
@@ -223,19 +256,20 @@ class StragglerMonitor(Guard):
         if batches % self.interval == 0:
             self._post()
             now = perf_counter()
+        self._clock.begin_batch()
         self._forward_at_start = self._clock.total_s
         self._started = now
 
     def on_train_batch_end(self, facts: EventFacts) -> None:
-        """Records the batch's forward time and the rest of it."""
+        """Ends the batch's forward time (read at the post) and records the rest of it."""
         started = self._started
         if started is None:
             return
         now = perf_counter()
-        if self._batches > self.warmup_steps:
-            forward = self._clock.total_s - self._forward_at_start
-            self._forward.append(forward)
-            self._rest.append(now - started - forward)
+        measured = self._batches > self.warmup_steps
+        self._clock.end_batch(measured)
+        if measured:  # the rest: the batch's host time outside the forward's host time
+            self._rest.append(now - started - (self._clock.total_s - self._forward_at_start))
             self._ended = now
         self._started = None
 
@@ -271,7 +305,12 @@ class StragglerMonitor(Guard):
     # --- exchange ----------------------------------------------------------------------------
 
     def _post(self) -> None:
-        """Hands this interval's samples to the exchange thread, which summarizes them."""
+        """Hands this interval's samples to the exchange thread, which summarizes them.
+
+        The forward times are those the clock has ready: on CUDA, the batches
+        whose events have completed; the others join the next interval.
+        """
+        self._forward.extend(self._clock.ready())
         samples = self._forward, self._rest, self._between
         self._forward, self._rest, self._between = [], [], []
         node, baseline = self._node, self._baseline

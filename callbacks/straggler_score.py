@@ -17,11 +17,16 @@ them). The deciding rank applies :func:`straggler_verdict`:
   threshold: when every rank slows down together (longer sequences, the whole
   job's step changed), no rank is the straggler.
 
-A rank or node is *slow* in an interval when a score is below ``threshold``.
-The verdict lists the slow ones (at most :data:`MAX_LISTED`, slowest first)
-with their times, so its size does not grow with the world size; callers
-count consecutive slow intervals themselves (every rank sees the same
-verdicts, so every rank counts the same).
+A rank or node is *slow* in an interval when a score is below ``threshold``
+and its forward time exceeds the one it is scored against (the median rank's
+or node's, or its own baseline) by at least ``min_excess_s`` per batch: noise
+is judged on the gap, not on the reference's size. Two ranks at 0.1 and
+0.4 ms score 0.25 but differ by 0.3 ms, scheduling noise: not slow; a rank at
+20 ms against 0.1 ms is slow, however small the reference. The verdict
+lists the slow ones (at most :data:`MAX_LISTED`, slowest first) with their
+times, so its size does not grow with the world size; callers count
+consecutive slow intervals themselves (every rank sees the same verdicts, so
+every rank counts the same).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ __all__ = [
     "StragglerVerdict",
     "advance_streaks",
     "describe_straggler",
+    "is_slow",
     "straggler_verdict",
 ]
 
@@ -127,8 +133,9 @@ class StragglerVerdict:
 
     Attributes:
         steps: The most train batches any rank measured in the interval.
-        scored: Whether scores were computed (some rank measured a step and the
-            median forward time reached the minimum).
+        scored: Whether scores were computed (some rank measured a step with a
+            forward, and the median forward time reached the deprecated
+            ``min_forward_s``, 0 unless set).
         reference: The times of the median rank: the rank whose forward time is the
             median (the lower middle one, with an even number of ranks).
         score_min: The lowest rank score.
@@ -157,16 +164,40 @@ def _median_rank(measured: Mapping[int, RankTimes]) -> RankTimes:
     return measured[ranks[(len(ranks) - 1) // 2]]
 
 
+def is_slow(
+    score: float, forward_s: float, against_s: float, *, threshold: float, min_excess_s: float
+) -> bool:
+    """Whether a score marks a rank or node slow: below ``threshold`` and not noise.
+
+    Args:
+        score: ``against_s / forward_s``.
+        forward_s: Its forward time per batch (seconds).
+        against_s: The forward time it is scored against: the median rank's or
+            node's, or its own baseline.
+        threshold: Scores below it are slow, in (0, 1).
+        min_excess_s: The least excess of ``forward_s`` over ``against_s``
+            (seconds per batch) that is not scheduling noise.
+    """
+    return score < threshold and forward_s - against_s >= min_excess_s
+
+
 def straggler_verdict(
-    per_rank: Mapping[int, RankTimes], *, threshold: float, min_forward_s: float
+    per_rank: Mapping[int, RankTimes],
+    *,
+    threshold: float,
+    min_excess_s: float,
+    min_forward_s: float = 0.0,
 ) -> StragglerVerdict:
     """Scores every rank and node for one interval (runs on the deciding rank).
 
     Args:
         per_rank: Each rank's times.
         threshold: Scores below it are slow, in (0, 1).
-        min_forward_s: Below this median forward time (seconds) nothing is
-            scored: timings that small are dominated by scheduling noise.
+        min_excess_s: A score below ``threshold`` marks a rank or node slow only
+            when its forward time exceeds the one it is scored against by at
+            least this much (seconds per batch): smaller gaps are scheduling noise.
+        min_forward_s: Deprecated: below this median forward time (seconds)
+            nothing is scored. 0 (default) scores every interval.
 
     Returns:
         The verdict.
@@ -177,7 +208,7 @@ def straggler_verdict(
         return StragglerVerdict(steps=steps)
     reference = _median_rank(measured)
     forward = reference.forward_s
-    if forward < min_forward_s:
+    if forward < min_forward_s:  # deprecated floor on the reference's own time
         return StragglerVerdict(steps=steps, reference=reference)
     if len(measured) == 1:  # nobody to compare with (world size 1)
         [rank] = measured
@@ -206,21 +237,37 @@ def straggler_verdict(
         )
         node_min = node_scores[node_name]
         for name, ranks in node_rows:
-            if node_scores[name] < threshold:
+            if is_slow(
+                node_scores[name],
+                node_times[name].forward_s,
+                node_forward,
+                threshold=threshold,
+                min_excess_s=min_excess_s,
+            ):
                 slow.append(
                     Slow("node", name, tuple(ranks), node_scores[name], None, node_times[name])
                 )
                 absorbed.update(ranks)
     for rank, score in scores.items():
+        times = measured[rank]
         own_score = own.get(rank)
         degraded = (
             own_score is not None
-            and own_score < threshold
+            and times.baseline_s is not None
+            and is_slow(
+                own_score,
+                times.forward_s,
+                times.baseline_s,
+                threshold=threshold,
+                min_excess_s=min_excess_s,
+            )
             and job_own is not None
             and job_own >= threshold
         )
-        if rank not in absorbed and (score < threshold or degraded):
-            times = measured[rank]
+        behind = is_slow(
+            score, times.forward_s, forward, threshold=threshold, min_excess_s=min_excess_s
+        )
+        if rank not in absorbed and (behind or degraded):
             slow.append(Slow("rank", str(rank), (rank,), score, own_score, times))
     slow.sort(key=lambda s: (min(s.score, s.own_score or math.inf), s.ranks[0]))
     return StragglerVerdict(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import statistics
+import warnings
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from rankguard.callbacks import GUARDS, StragglerMonitor
 from rankguard.callbacks.background_exchange import BackgroundExchange
 from rankguard.callbacks.data_stall import DataStallMonitor
 from rankguard.callbacks.events import Event, EventFacts
-from rankguard.callbacks.forward_clock import ForwardClock, hook_targets
+from rankguard.callbacks.forward_clock import EventTimer, ForwardClock, cuda_events, hook_targets
 from rankguard.callbacks.side_channel import SideChannel
 from rankguard.callbacks.straggler_score import (
     MAX_LISTED,
@@ -37,8 +38,8 @@ def times(forward_ms: float, node: str = "host", **kwargs) -> RankTimes:
     return RankTimes(node=node, forward_s=forward_ms * MS, **{**defaults, **kwargs})
 
 
-def verdict(per_rank: dict[int, RankTimes], min_forward_s: float = 0.001):
-    return straggler_verdict(per_rank, threshold=0.7, min_forward_s=min_forward_s)
+def verdict(per_rank: dict[int, RankTimes], **kwargs):
+    return straggler_verdict(per_rank, **{"threshold": 0.7, "min_excess_s": 0.001, **kwargs})
 
 
 # --- settings -------------------------------------------------------------------------------------
@@ -59,6 +60,8 @@ def verdict(per_rank: dict[int, RankTimes], min_forward_s: float = 0.001):
         ("interval", -3),
         ("warmup_steps", -1),
         ("min_forward_s", -0.1),
+        ("min_excess_s", -0.001),
+        ("min_excess_s", "1ms"),
         ("on_violation", "ignore"),
     ],
 )
@@ -138,10 +141,33 @@ def test_every_rank_slowing_down_together_names_nobody():
     assert v.scored and v.slow == ()
 
 
-def test_forward_times_under_the_minimum_are_not_scored():
-    v = verdict({0: times(0.2), 1: times(0.9)})
-    assert not v.scored and v.slow == () and v.reference is not None
+def test_a_rank_200x_slower_than_a_sub_millisecond_reference_is_slow():
+    v = verdict({0: times(0.1), 1: times(20), 2: times(0.12)})
+    assert v.scored and [s.ranks for s in v.slow] == [(1,)]
+    assert v.slow[0].score == pytest.approx(0.12 / 20)  # the median rank: 0.12 ms
+
+
+def test_ranks_within_noise_of_each_other_are_not_slow_however_large_the_ratio():
+    v = verdict({0: times(0.1), 1: times(0.6)})  # 0.17, but 0.5 ms apart
+    assert v.scored and v.slow == () and v.score_min == pytest.approx(1 / 6)
+    assert verdict({0: times(0.1), 1: times(1.2)}).slow  # 1.1 ms apart: not noise
+    nodes = {r: times(0.6 if r >= 2 else 0.1, node=f"n{r // 2}") for r in range(4)}
+    assert verdict(nodes).slow == ()
+    own = {r: times(0.1, baseline_s=0.1 * MS) for r in range(4)}
+    own[2] = times(0.12, baseline_s=0.02 * MS)  # own score 0.17, 0.1 ms slower than it was
+    assert verdict(own).slow == ()
     assert not verdict({0: times(0, steps=0), 1: times(0, steps=0)}).scored
+
+
+def test_deprecated_min_forward_s_keeps_its_old_meaning_and_warns():
+    v = verdict({0: times(0.2), 1: times(20)}, min_forward_s=0.001)
+    assert not v.scored and v.slow == () and v.reference is not None
+    with pytest.warns(FutureWarning, match="`min_forward_s` is deprecated"):
+        assert StragglerMonitor(min_forward_s=0.001).min_forward_s == 0.001
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert StragglerMonitor(min_forward_s=0).min_excess_s == 0.001
+        assert StragglerMonitor().min_forward_s is None
 
 
 def test_ranks_that_measured_nothing_are_left_out():
@@ -220,6 +246,145 @@ def test_hooks_do_nothing_inside_a_compiled_region():
     compiled = torch.compile(model, backend="eager", fullgraph=True)  # a graph break would raise
     compiled(torch.zeros(2, 4))
     assert clock.calls == 0
+
+
+# --- device time (CUDA events), shown with fake events on CPU ----------------------------------
+
+
+class FakeDevice:
+    """A device stream: the host queues work (``queued``), the device runs it later (``done``)."""
+
+    def __init__(self) -> None:
+        self.queued = 0.0
+        self.done = 0.0
+        self.reads = 0
+
+
+class FakeEvent:
+    """``torch.cuda.Event``'s timing API on a :class:`FakeDevice`; reading it unfinished fails."""
+
+    def __init__(self, device: FakeDevice) -> None:
+        self.device = device
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = self.device.queued
+
+    def query(self) -> bool:
+        return self.at is not None and self.device.done >= self.at
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        assert self.query() and end.query(), "read an event the device has not completed"
+        self.device.reads += 1
+        return 1000 * (end.at - self.at)
+
+    def synchronize(self) -> None:
+        raise AssertionError("the training thread waited for the device")
+
+    wait = synchronize
+
+
+class Queues(torch.nn.Module):
+    """A forward that queues ``device_s`` of work on the fake device and returns at once."""
+
+    def __init__(self, device: FakeDevice, device_s: float) -> None:
+        super().__init__()
+        self.device, self.device_s = device, device_s
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.device.queued += self.device_s
+        return self.lin(x)
+
+
+@pytest.fixture
+def no_device_sync(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the training thread synchronised the device")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+
+
+def test_device_clock_reads_a_batch_only_once_its_events_completed(no_device_sync):
+    device = FakeDevice()
+    model = torch.nn.Sequential(Queues(device, 0.005), Queues(device, 0.002))
+    clock = ForwardClock(new_event=lambda: FakeEvent(device))
+    clock.attach(model)
+    for _ in range(3):
+        clock.begin_batch()
+        model(torch.zeros(1, 4))
+        device.queued += 0.010  # backward and optimizer step: outside the forward
+        clock.end_batch()
+    assert clock.ready() == [] and device.reads == 0  # nothing has run on the device yet
+    device.done = 0.017 + 0.003  # batch 1 done, batch 2's forward under way
+    assert clock.ready() == [pytest.approx(0.007)] and clock.timer.pending == 2
+    assert clock.ready() == []
+    device.done = device.queued
+    assert clock.ready() == [pytest.approx(0.007)] * 2 and clock.timer.pending == 0
+    assert clock.total_s < 0.5  # the host's time: it never waited for the device
+
+
+def test_device_clock_reuses_its_events_and_forgets_forwards_outside_a_batch(no_device_sync):
+    device = FakeDevice()
+    model = Queues(device, 0.004)
+    clock = ForwardClock(new_event=lambda: FakeEvent(device))
+    clock.attach(model)
+    read = []
+    for batch in range(200):
+        clock.begin_batch()
+        model(torch.zeros(1, 4))
+        clock.end_batch(keep=batch % 2 == 0)  # odd batches: warm-up, not measured
+        model(torch.zeros(1, 4))  # an evaluation forward between batches
+        if batch % 10 == 9:
+            device.done = device.queued
+            read += clock.ready()
+    assert read == [pytest.approx(0.004)] * 100
+    assert clock.timer.created <= 24  # a pool: not 2 events per forward
+
+
+def test_device_timer_drops_the_oldest_batch_when_the_device_stops_completing():
+    device = FakeDevice()
+    timer = EventTimer(lambda: FakeEvent(device), max_pending=4)
+    for _ in range(10):
+        timer.begin_batch()
+        timer.record()
+        device.queued += 1
+        timer.record()
+        timer.end_batch()
+    assert (timer.pending, timer.dropped, timer.created) == (4, 6, 10)
+
+
+def test_a_cpu_model_is_timed_on_the_host():
+    model = Sleeps(0.002)
+    assert cuda_events(model) is None and cuda_events(torch.nn.ReLU()) is None
+    clock = ForwardClock()
+    clock.attach(model)
+    assert clock.timer is None
+    clock.begin_batch()
+    model(torch.zeros(1, 4))
+    clock.end_batch()
+    [forward] = clock.ready()
+    assert forward == clock.total_s and 0.0015 < forward < 2
+
+
+def test_monitor_scores_device_time_read_after_the_batches_ran(no_device_sync):
+    device = FakeDevice()
+    metrics: list[dict] = []
+    model = Queues(device, 0.006)
+    monitor = StragglerMonitor(interval=4, warmup_steps=0)
+    monitor._clock.new_event = lambda: FakeEvent(device)
+    monitor.bind(SideChannel(None), metrics.append)
+    monitor.on_fit_start(EventFacts(model=model))
+    for step in range(16):
+        monitor.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
+        model(torch.zeros(1, 4))
+        device.queued += 0.01
+        monitor.handle(Event.TRAIN_BATCH_END, EventFacts(step=step))
+        device.done = device.queued - 0.05  # the device runs ~3 batches behind the host
+    monitor.handle(Event.FIT_END, EventFacts(step=16))
+    forward = [m["rankguard/straggler_forward_s"] for m in metrics]
+    assert forward and all(f == pytest.approx(0.006) for f in forward)
+    monitor.close()
 
 
 def test_monitor_without_a_model_says_so_at_info_and_stays_off(caplog):
@@ -304,9 +469,18 @@ def _loop(rank, guards, *, wrap=ddp, slow_forward=1.0, slow_data_s=0.0):
     return train(guards, model, steps=STEPS, slow_data_s=slow_data_s if slow else 0.0)
 
 
+def _sub_ms(rank, slow_s):
+    """Issue 22's run: rank 0's forward ~0.1 ms, rank 1's ``slow_s`` more; 48 batches."""
+    torch.set_num_threads(1)
+    model = ddp(slow_s if rank == 1 else 0.0)
+    return train([StragglerMonitor(interval=8, window=2)], model, steps=48)
+
+
 def _scenarios(rank, world_size):
     stall = {"threshold": 0.5, "window": 3, "interval": 4}
     return {
+        "sub_ms_slow": _sub_ms(rank, 0.02),
+        "sub_ms_healthy": _sub_ms(rank, 0.0),
         "healthy": _loop(rank, [StragglerMonitor(**SETTINGS)]),
         "slow_compute": _loop(rank, [StragglerMonitor(**SETTINGS)], slow_forward=1.5),
         "slow_compute_raise": _loop(
@@ -402,3 +576,21 @@ def test_fsdp2_fast_rank_waiting_in_all_gathers_is_not_counted_as_its_compute(dd
     # Timed around the whole model, rank 0 also waits for rank 1 at the 2nd and 3rd
     # block's all-gather: 6.7 + 2 x 10 ms against 30 ms, 0.89.
     assert runs[0]["root_s"] > 0.8 * runs[1]["root_s"]
+
+
+def test_ddp_rank_200x_slower_than_a_sub_millisecond_reference_is_named(ddp_runs):
+    for run in (r["sub_ms_slow"] for r in ddp_runs):
+        [(batch, message)] = _straggler_warnings(run)
+        # 20 batches of warm-up, posts at 24 and 32: the second slow verdict collected at 36.
+        assert batch == 36, message
+        assert message.startswith("rankguard straggler_monitor: Straggler: rank 1 (node ")
+        assert "slow at compute" in message
+    assert _forward_s(ddp_runs[0]["sub_ms_slow"]) < 0.002  # the reference: under a millisecond
+    assert _forward_s(ddp_runs[1]["sub_ms_slow"]) > 0.018
+
+
+def test_ddp_sub_millisecond_ranks_within_noise_of_each_other_stay_silent(ddp_runs):
+    for run in (r["sub_ms_healthy"] for r in ddp_runs):
+        assert run["outcome"] == "ok" and run["records"] == []
+        assert len(run["metrics"]) == 4  # scored at every verdict (posts at 24, 32, 40, 48)
+        assert _forward_s(run) < 0.002
