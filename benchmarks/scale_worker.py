@@ -128,7 +128,7 @@ def measure_straggler(facts: EventFacts, repeats: int, step_s: float = 0.01) -> 
     """The straggler monitor's interval exchange, posted and collected by the main thread.
 
     Every batch runs the model's forward between TRAIN_BATCH_START and END
-    (``min_forward_s=0``, so every verdict is scored), then takes ``step_s``
+    (every interval is scored), then takes ``step_s``
     more and all-reduces one number, which keeps the ranks in step as a
     training's collectives do. Per exchange: the main thread's wall time at
     the batch that posts it and at the one that collects its verdict
@@ -136,7 +136,7 @@ def measure_straggler(facts: EventFacts, repeats: int, step_s: float = 0.01) -> 
     thread and its store connection), bytes, and rank 0's decide time.
     """
     interval = 10
-    settings = {"interval": interval, "warmup_steps": 0, "min_forward_s": 0}
+    settings = {"interval": interval, "warmup_steps": 0}
     guard = build_guard(GUARDS["straggler_monitor"], settings)
     channel = SideChannel.from_environment(timeout_s=120, name="scale/straggler_monitor")
     guard.bind(channel)
