@@ -42,6 +42,10 @@ fails if that changes. Metrics go through ``Trainer.record_metric``
 calibration) is saved with each checkpoint's trainer state, so a resumed
 run starts calibrated.
 
+``CheckpointPlanner`` is told the save kind by :func:`save_options`: sharded
+(OLMo-core's default) or a full export (``full_state_dict=True``), and whether
+the save copies its state to host memory first (``cpu_offload``).
+
 Two defaults differ from the other adapters (:data:`DEFAULTS`): OLMo-core
 needs a save folder every node sees (or a URL), so a node-local save folder
 is an error at fit start (``SharedDirBarrier``'s ``on_node_local="raise"``),
