@@ -51,6 +51,11 @@ FIX_MORE_MEMORY = (
     "optimizer state; if the memory read is wrong, set `host_memory_bytes`."
 )
 
+FIX_SHARD_MODEL = (
+    "Fix: shard the model (FSDP), so that each rank copies only its 1/world_size of the state, "
+    "or give each node more host memory; if the memory read is wrong, set `host_memory_bytes`."
+)
+
 
 def format_bytes(n: int | None) -> str:
     """Formats bytes as ``"1.5 GiB"`` (``"unknown"`` for ``None``)."""
@@ -159,6 +164,7 @@ def plan_save(
     state_dict_type: str = "full",
     switchable: bool = False,
     setting: str | None = None,
+    host_copy: bool = False,
 ) -> CheckpointPlan:
     """Decides whether a checkpoint save fits in host memory on every node.
 
@@ -172,19 +178,28 @@ def plan_save(
             (``mode="auto"`` raises instead where it cannot).
         setting: The job's framework setting for sharded checkpoints, named in
             the fix (both frameworks' settings when ``None``).
+        host_copy: Whether a save builds its whole state dict in host memory
+            before writing it (OLMo-core's ``cpu_offload=True``): a full save
+            holds a consolidated copy even of a model that is not sharded, and
+            a sharded save of such a model (a replica per rank, DDP) holds the
+            whole state on every rank, not ``1 / world_size`` of it.
 
     Returns:
         The plan (the same on every rank).
     """
     world = len(per_rank)
     lead = per_rank[min(per_rank)]
-    copy = 1.0 if lead.state_sharded else 0.0
+    copied = lead.state_sharded or host_copy
+    copy = 1.0 if copied else 0.0
     factor = copy + overhead
-    streamed = 0 if lead.state_sharded else lead.largest_bytes  # one storage at a time
+    streamed = 0 if copied else lead.largest_bytes  # one storage at a time
     per_copy = int(lead.state_bytes * factor) + streamed
     # A sharded save gathers each rank's shard as a sharded model does, whether or not
-    # the model is sharded yet: the estimate says what switching would need.
-    per_shard = int(-(-lead.state_bytes // world) * (1.0 + overhead))
+    # the model is sharded yet: the estimate says what switching would need. Where the
+    # save copies each rank's state to the host first, a replica is copied whole.
+    replicas = host_copy and not lead.state_sharded
+    local = lead.state_bytes if replicas else -(-lead.state_bytes // world)
+    per_shard = int(local * (1.0 + overhead))
     groups: dict[str, list[int]] = {}
     for rank in sorted(per_rank):
         groups.setdefault(per_rank[rank].node, []).append(rank)
@@ -212,12 +227,25 @@ def plan_save(
         if streamed and kind == "full"
         else ""
     )
+    if kind == "sharded" and host_copy:
+        part = (
+            "its whole replica (the model is not sharded)"
+            if replicas
+            else f"its shard, 1/{world} of it"
+        )
+        how = (
+            f"state {format_bytes(lead.state_bytes)}; each rank copies {part} into host memory "
+            f"before writing, + {overhead:g} serialisation"
+        )
+    else:
+        how = (
+            f"state {format_bytes(lead.state_bytes)} x ({copy:g} consolidated copy + "
+            f"{overhead:g} serialisation){largest}, materialised on "
+            f"{'every local rank' if materialize == 'every_rank' else 'rank 0'}"
+        )
     summary = (
         f"a {kind} checkpoint save needs {format_bytes(worst.needed_bytes)} of host memory on node "
-        f"{worst.node} ({rank_label(worst.ranks)}; state "
-        f"{format_bytes(lead.state_bytes)} x ({copy:g} consolidated copy + {overhead:g} "
-        f"serialisation){largest}, "
-        f"materialised on {'every local rank' if materialize == 'every_rank' else 'rank 0'}) "
+        f"{worst.node} ({rank_label(worst.ranks)}; {how}) "
         f"and {format_bytes(worst.available_bytes)} is available ({worst.source})"
     )
     note = ""
@@ -250,7 +278,9 @@ def plan_save(
             f"{fix}"
         )
         return CheckpointPlan("raise", reason, nodes, note)
-    if not (kind == "full" and shard_fits):
+    if kind == "sharded" and replicas:
+        fix = FIX_SHARD_MODEL
+    elif not (kind == "full" and shard_fits):
         fix = FIX_MORE_MEMORY
     action = "warn" if mode == "warn" else "raise"
     return CheckpointPlan(action, f"Checkpoint save will not fit: {summary}. {fix}", nodes, note)

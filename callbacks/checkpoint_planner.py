@@ -185,6 +185,7 @@ class CheckpointPlanner(Guard):
                 state_dict_type=sdt,
                 switchable=facts.switch_to_sharded is not None,
                 setting=facts.sharded_setting,
+                host_copy=facts.save_copies_to_host,
             ),
         )
         self.plan = plan

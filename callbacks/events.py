@@ -157,6 +157,10 @@ class EventFacts:
             checkpoints (FIT_START).
         sharded_setting: The framework's setting for sharded checkpoints, named
             in messages (FIT_START).
+        save_copies_to_host: Whether a save first builds its whole state dict in
+            host memory (OLMo-core's ``cpu_offload=True``): a full save's
+            consolidated copy on rank 0, or each rank's own part of a sharded save
+            (its whole replica where the model is not sharded) (FIT_START).
         uploads: Per directory of ``directories`` (as given there), the remote
             location the framework also uploads its checkpoints to (FIT_START).
         upload_setting: The framework's way to save or upload checkpoints to
@@ -177,6 +181,7 @@ class EventFacts:
     state_dict_type: str | None = None
     switch_to_sharded: Callable[[], str] | None = None
     sharded_setting: str | None = None
+    save_copies_to_host: bool = False
     uploads: dict[str, str] = field(default_factory=dict)
     upload_setting: str | None = None
     load_path: str | None = None

@@ -15,13 +15,14 @@ to 5 s for the demo):
     straggler         rank 1's forward takes 1.5x as long: StragglerMonitor names rank 1
     post_eval_hang    rank 1 sleeps forever after the first eval: HangWatchdog, exit code 75
     node_local_ckpt   each rank is a node of its own, saving to its own directory (a local disk)
+    ckpt_over_memory  CheckpointPlanner told the node has 1 MiB for a sharded save (722k parameters)
 
 Not offered: OLMo-core's data loader splits one seeded global order of the
 token files between the ranks, so no rank builds a train set, a split or a
 stream of its own (``uneven_train``, ``drop_last``, ``unseeded_split``,
-``short_stream``); and it saves through ``torch.distributed.checkpoint``,
-each rank its own part, never a consolidated copy in host memory
-(``ckpt_over_memory``).
+``short_stream``). In ``ckpt_over_memory`` the model has ``d_model`` 240
+(722,640 parameters, the fault's 720k) and OLMo-core's default sharded save,
+which copies each rank's state (a DDP replica: all of it) to host memory first.
 
 rankguard is one callback: ``TrainerConfig(..., callbacks={"rankguard":
 RankGuard()})``. Train and eval data are random token ids written into the
@@ -56,6 +57,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 log = logging.getLogger("example")
 #: Vocabulary and sequence length of the random token data.
 VOCAB, SEQ_LEN = 64, 8
+#: ``d_model`` in ``ckpt_over_memory``: 722,640 parameters, the fault's 720k-parameter model.
+D_MODEL_720K = 240
 
 
 class Tokens(NumpyFSLDataset):
@@ -148,7 +151,7 @@ def token_file(fault: FaultSetup, rank: int, sequences: int) -> str:
 def main() -> None:
     args = parse_args(
         __doc__,
-        without=("uneven_train", "drop_last", "unseeded_split", "short_stream", "ckpt_over_memory"),
+        without=("uneven_train", "drop_last", "unseeded_split", "short_stream"),
     )
     log_with_rank()
     logging.getLogger("olmo_core").setLevel(logging.WARNING)
@@ -183,8 +186,9 @@ def main() -> None:
     ).build(train)
     steps_per_epoch = len(data.train) // (BATCH_SIZE * 2)
 
+    d_model = D_MODEL_720K if fault.fault == "ckpt_over_memory" else fault.hidden
     model = TransformerConfig.llama_like(
-        d_model=fault.hidden, vocab_size=VOCAB, n_layers=1, n_heads=2, hidden_size_multiple_of=16
+        d_model=d_model, vocab_size=VOCAB, n_layers=1, n_heads=2, hidden_size_multiple_of=16
     ).build(init_device="cpu")
     if fault.forward_s:  # inside the forward: its embeddings take a bigger model's time
         delay = fault.forward_s * (1.5 if rank == fault.slow_rank else 1.0)

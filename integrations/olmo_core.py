@@ -42,6 +42,10 @@ fails if that changes. Metrics go through ``Trainer.record_metric``
 calibration) is saved with each checkpoint's trainer state, so a resumed
 run starts calibrated.
 
+``CheckpointPlanner`` is told the save kind by :func:`save_options`: sharded
+(OLMo-core's default) or a full export (``full_state_dict=True``), and whether
+the save copies its state to host memory first (``cpu_offload``).
+
 Two defaults differ from the other adapters (:data:`DEFAULTS`): OLMo-core
 needs a save folder every node sees (or a URL), so a node-local save folder
 is an error at fit start (``SharedDirBarrier``'s ``on_node_local="raise"``),
@@ -61,6 +65,7 @@ Requires ``pip install 'rankguard[olmo-core]'``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -90,8 +95,11 @@ UPLOAD_SETTING = (
     "save to remote storage: TrainerConfig(save_folder='s3://...') (or gs://, r2://, weka://), "
     "or give the resume as TrainerConfig(load_path=<URL>)"
 )
-#: OLMo-core saves through ``torch.distributed.checkpoint``: every rank writes its own part.
-SHARDED_SETTING = "OLMo-core's checkpointer (torch.distributed.checkpoint, always sharded)"
+#: OLMo-core's setting that makes its checkpointer's saves sharded (the default) or full.
+SHARDED_SETTING = (
+    "TransformerTrainModuleConfig(state_dict_save_opts={'full_state_dict': False, "
+    "'cpu_offload': True, 'flatten_optimizer_state_dict': True})"
+)
 #: OLMo-core's own guard settings. A local save folder must be shared by every node (its
 #: Trainer refuses one that is not unless ``OLMO_SHARED_FS=1`` says it is). Python ``random``
 #: and numpy states differ between ranks in a healthy run: OLMo-core draws from ``random`` on
@@ -165,6 +173,47 @@ def save_folder(trainer: Trainer) -> str | None:
     if trainer.no_checkpoints or not any(c.enabled for c in checkpointers):
         return None
     return str(trainer.save_folder)
+
+
+def save_options(train_module: Any) -> tuple[str, bool]:
+    """What the checkpointer's saves are, from the train module's public save options.
+
+    OLMo-core's checkpointer always writes through ``torch.distributed.checkpoint``;
+    what it writes is ``train_module.state_dict_to_save()``, built with the
+    ``state_dict_save_opts`` of ``TransformerTrainModuleConfig`` (default
+    ``full_state_dict=False, cpu_offload=True``): a sharded save, each rank its own
+    part. ``full_state_dict=True`` makes it a full (unsharded) model export,
+    consolidated on rank 0. The one place rankguard reads that attribute;
+    ``tests/test_olmo_core.py`` fails if OLMo-core changes it.
+
+    Returns:
+        ``("full" | "sharded", copies_to_host)``: ``copies_to_host`` when
+        ``cpu_offload`` builds the whole state dict in host memory before writing.
+        A train module without those options (``BasicTrainModule``) saves sharded,
+        offloaded to the host.
+    """
+    options = getattr(train_module, "state_dict_save_opts", None)
+    if options is None:
+        return "sharded", True
+    kind = "full" if options.full_state_dict else "sharded"
+    return kind, bool(options.cpu_offload)
+
+
+def sharded_switch(train_module: Any) -> Callable[[], str] | None:
+    """Makes the train module's later saves sharded, for ``CheckpointPlanner(mode="auto")``.
+
+    ``None`` where it has no ``state_dict_save_opts`` to change. OLMo-core reads
+    them at every save.
+    """
+    if getattr(train_module, "state_dict_save_opts", None) is None:
+        return None
+
+    def switch() -> str:
+        options = train_module.state_dict_save_opts
+        train_module.state_dict_save_opts = dataclasses.replace(options, full_state_dict=False)
+        return f"set {type(train_module).__name__}.state_dict_save_opts.full_state_dict to False"
+
+    return switch
 
 
 class _Hooks:
@@ -336,14 +385,16 @@ class _OlmoCoreAdapter(Callback):
         self._unhooks = hook_trainer(trainer, hooks, [evaluator for evaluator, _ in watched])
         folder = save_folder(trainer)
         module = trainer.train_module
+        kind, to_host = save_options(module)
         self.driver.fit_start(
             loaders=[self._train, *evals.values()],
             model=getattr(module, "model", None),
             optimizer=getattr(module, "optim", None),
             directories=[folder] if folder else [],
-            state_dict_type="sharded",
-            switch_to_sharded=None,
+            state_dict_type=kind,
+            switch_to_sharded=sharded_switch(module),
             sharded_setting=SHARDED_SETTING,
+            save_copies_to_host=to_host,
             upload_setting=UPLOAD_SETTING,
         )
 
@@ -401,5 +452,6 @@ class _OlmoCoreAdapter(Callback):
 __all__ = [
     "checkpoint_to_load",
     "hook_trainer",
+    "save_options",
     *define_callbacks(globals(), _OlmoCoreAdapter, "an OLMo-core ``Callback``", DEFAULTS),
 ]

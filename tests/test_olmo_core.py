@@ -7,7 +7,8 @@ run before every OLMo-core callback's. One ``torchrun`` launch
 (``tests/e2e/olmo_core_job.py``) then runs, in one pair of processes: a
 healthy run and its resume (calibrated from the checkpoint), eval sets of
 different sizes, a slow data loader on rank 1, each rank a node with its own
-disk, and rank 1 stalling after its first eval (last: exit code 75).
+disk, a sharded save and a full export on a node given 16 KiB, and rank 1
+stalling after its first eval (last: exit code 75).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ pytest.importorskip("olmo_core", reason="needs rankguard[olmo-core]")
 
 import olmo_core.train.callbacks as olmo_callbacks
 
+from rankguard.callbacks.checkpoint_plan import RankMemory, plan_save
 from rankguard.callbacks.guard import Guard
 from rankguard.integrations import olmo_core as rg_olmo
 from rankguard.integrations.olmo_core import RankGuard
@@ -136,9 +138,50 @@ def test_single_process_fit_logs_no_rankguard_warning(tmp_path, caplog):
     assert [r for r in caplog.records if r.name.startswith("rankguard")] == []
 
 
+def test_save_kind_comes_from_the_train_modules_public_save_options(tmp_path):
+    # The one reach into OLMo-core's checkpointing: fails if it renames or drops the option.
+    sharded = build_trainer(tmp_path / "a", {}, eval_sequences=None).train_module
+    assert rg_olmo.save_options(sharded) == ("sharded", True)  # OLMo-core's default
+    full = {"full_state_dict": True, "cpu_offload": True}
+    module = build_trainer(
+        tmp_path / "b", {}, eval_sequences=None, state_dict_save_opts=full
+    ).train_module
+    assert rg_olmo.save_options(module) == ("full", True)
+    switch = rg_olmo.sharded_switch(module)
+    assert switch is not None and "full_state_dict to False" in switch()
+    assert rg_olmo.save_options(module) == ("sharded", True)
+    assert module.state_dict_to_save(optim=False)["model"]  # still what OLMo-core saves
+
+
+def test_a_save_that_copies_each_replica_to_the_host_is_sized_per_rank():
+    per_rank = {
+        r: RankMemory(
+            "n0", r, state_bytes=1000, state_sharded=False, available_bytes=1500, source="s"
+        )
+        for r in (0, 1)
+    }
+    copied = plan_save(per_rank, state_dict_type="sharded", host_copy=True, mode="raise")
+    assert copied.action == "raise" and copied.nodes[0].needed_bytes == 2000  # 1000 per rank
+    assert "each rank copies its whole replica (the model is not sharded)" in copied.reason
+    assert "Fix: shard the model (FSDP)" in copied.reason
+    streamed = plan_save(per_rank, state_dict_type="sharded", mode="raise")
+    assert streamed.action == "ok" and streamed.nodes[0].needed_bytes == 1000  # 500 per rank
+    full = plan_save(per_rank, state_dict_type="full", host_copy=True, mode="raise")
+    assert full.action == "ok" and full.nodes[0].needed_bytes == 1000  # one copy, on rank 0
+
+
 # -- 2 ranks under torchrun ---------------------------------------------------------------
 
-SCENARIOS = ["healthy", "resume", "uneven_eval", "slow_data", "node_local", "post_eval_stall"]
+SCENARIOS = [
+    "healthy",
+    "resume",
+    "uneven_eval",
+    "slow_data",
+    "node_local",
+    "ckpt_over_memory",
+    "full_export_over_memory",
+    "post_eval_stall",
+]
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +250,34 @@ def test_olmo_core_node_local_save_folder_stops_every_rank_before_the_first_save
         )
         assert "TrainerConfig(save_folder='s3://...')" in result["message"]
         assert result["counters"]["files"] == [] and result["counters"]["steps"] == 0
+
+
+@pytest.mark.framework
+@pytest.mark.parametrize(
+    ("scenario", "needs", "how"),
+    [
+        (
+            "ckpt_over_memory",
+            "a sharded checkpoint save needs 127.2 KiB",
+            "each rank copies its whole replica (the model is not sharded)",
+        ),
+        (
+            "full_export_over_memory",
+            "a full checkpoint save needs 63.6 KiB",
+            "(1 consolidated copy + 0 serialisation), materialised on rank 0",
+        ),
+    ],
+)
+def test_olmo_core_save_over_host_memory_stops_every_rank_at_fit_start(job, scenario, needs, how):
+    for rank in job[2]:
+        result = rank[scenario]
+        assert result["outcome"] == "CheckpointMemoryError", result
+        message = result["message"]
+        assert message.startswith(f"Checkpoint save will not fit: {needs} of host memory"), message
+        assert how in message
+        assert "and 16.0 KiB is available (host_memory_bytes)" in message
+        assert "16.0 KiB (host_memory_bytes)  63.6 KiB !  127.2 KiB !" in message  # the table
+        assert result["counters"]["steps"] == 0 and result["counters"]["files"] == []
 
 
 @pytest.mark.framework

@@ -116,6 +116,7 @@ def build_trainer(
     eval_interval: int = 4,
     save_interval: int = 4,
     data_delay_s: float = 0.0,
+    state_dict_save_opts: dict[str, Any] | None = None,
 ) -> Trainer:
     """A tiny OLMo-core Trainer: 64 train sequences (8 steps of 8 on 2 ranks), evals, saves.
 
@@ -128,6 +129,7 @@ def build_trainer(
         eval_interval: Steps between evals.
         save_interval: Steps between saves.
         data_delay_s: Extra time per train sequence on this rank.
+        state_dict_save_opts: The train module's save options (OLMo-core's default if ``None``).
     """
     work.mkdir(parents=True, exist_ok=True)
     seed_all(0)  # as OLMo-core's scripts do
@@ -158,6 +160,7 @@ def build_trainer(
         max_sequence_length=SEQ_LEN,
         optim=AdamWConfig(lr=1e-3),
         dp_config=TransformerDataParallelConfig(name=DataParallelType.ddp) if size > 1 else None,
+        state_dict_save_opts=state_dict_save_opts,
     ).build(model, device=torch.device("cpu"))
     olmo_callbacks: dict[str, Callback] = {
         "checkpointer": CheckpointerCallback(save_interval=save_interval),
@@ -301,6 +304,30 @@ def node_local() -> None:
         del os.environ["OLMO_SHARED_FS"]
 
 
+#: Host memory the planner is told each node has: less than the 1-layer model's state.
+TINY_HOST_BYTES = 16 * 1024
+
+
+def ckpt_over_memory() -> None:
+    """OLMo-core's default sharded save, on a node given 16 KiB: stopped at fit start."""
+    from rankguard.integrations.olmo_core import RankGuard
+
+    planner = {"host_memory_bytes": TINY_HOST_BYTES, "mode": "raise"}
+    guard = RankGuard(checkpoint_planner=planner, **QUICK)
+    fit(build_trainer(OUT / "ckpt_over_memory", counting(guard)))
+
+
+def full_export_over_memory() -> None:
+    """``state_dict_save_opts={'full_state_dict': True}``: a full export, planned as one."""
+    from rankguard.integrations.olmo_core import RankGuard
+
+    planner = {"host_memory_bytes": TINY_HOST_BYTES, "mode": "raise"}
+    guard = RankGuard(checkpoint_planner=planner, **QUICK)
+    options = {"full_state_dict": True, "cpu_offload": True}
+    trainer = build_trainer(OUT / "full_export", counting(guard), state_dict_save_opts=options)
+    fit(trainer)
+
+
 def post_eval_stall() -> None:
     from rankguard.integrations.olmo_core import RankGuard
 
@@ -315,6 +342,8 @@ SCENARIOS = {
     "uneven_eval": uneven_eval,
     "slow_data": slow_data,
     "node_local": node_local,
+    "ckpt_over_memory": ckpt_over_memory,
+    "full_export_over_memory": full_export_over_memory,
     "post_eval_stall": post_eval_stall,
 }
 
