@@ -163,6 +163,10 @@ class EventFacts:
         load_path: The checkpoint about to be loaded (CHECKPOINT_LOAD_START).
         loader_pass: What this rank's pass over ``loader`` did (EVAL_END,
             EPOCH_END), where the adapter could see the loader's iterator.
+        decisions: Decisions that can split the ranks, as the framework holds
+            them now (TRAIN_BATCH_END, EVAL_END): ``should_stop`` (Lightning's
+            ``trainer.should_stop``, the HF Trainer's ``should_training_stop``),
+            ``sync_dist_keys`` (metric names logged with cross-rank sync in the step).
     """
 
     step: int = 0
@@ -180,6 +184,7 @@ class EventFacts:
     upload_setting: str | None = None
     load_path: str | None = None
     loader_pass: LoaderPass | None = None
+    decisions: dict[str, Any] = field(default_factory=dict)
 
     @staticmethod
     def for_loaders(loaders: Iterable[LoaderFacts], **kwargs: Any) -> EventFacts:
