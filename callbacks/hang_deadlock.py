@@ -229,6 +229,8 @@ def _tell(name: str, value: object, step: int | None, who: str) -> str:
     if name == "sync_dist_keys":
         keys = ", ".join(sorted(value)) if value else "none"
         return f"{who} logged with sync_dist=True{at}: {keys}"
+    if name == "save" and value is True:
+        return f"{who} entered a checkpoint save{at}"
     if value is True:
         return f"{who} set {name}{at}"
     if value in (False, None):

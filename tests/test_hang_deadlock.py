@@ -1,0 +1,107 @@
+"""The pure rules of a proven deadlock: wait points, the user's frame, the split, the verdict."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rankguard.callbacks import side_channel
+from rankguard.callbacks.hang_deadlock import (
+    deadlock_key,
+    library_paths,
+    odd_rank,
+    rendezvous,
+    split_sentence,
+    user_frame,
+)
+from rankguard.callbacks.hang_diagnosis import RankStatus, diagnose
+
+TORCH = os.path.dirname(torch.__file__)
+C10D = os.path.join(TORCH, "distributed", "distributed_c10d.py")
+BACKWARD = os.path.join(TORCH, "autograd", "graph.py")
+DCP = os.path.join(TORCH, "distributed", "checkpoint", "filesystem.py")
+TRAIN = "/home/me/project/train.py"
+
+
+def _status(
+    waits_at=None, frame="train.py:107 (epoch_end)", settled=True, progress=5, **kw
+) -> RankStatus:
+    return RankStatus(
+        phase=kw.pop("phase", "epoch end"),
+        step=80,
+        idle_s=kw.pop("idle_s", 4.0),
+        deadline_s=30.0,
+        host="h",
+        pid=1,
+        user_frame=frame,
+        waits_at=waits_at,
+        wait_s=4.0,
+        settled=settled,
+        progress=progress,
+        **kw,
+    )
+
+
+def test_rendezvous_is_a_collective_backward_or_rankguard_exchange_not_other_distributed_code():
+    assert rendezvous([(C10D, 10, "all_reduce"), (TRAIN, 107, "epoch_end")]) == "all_reduce"
+    assert rendezvous([(BACKWARD, 5, "_engine_run_backward"), (TRAIN, 1, "f")]) == "backward"
+    assert rendezvous([(side_channel.__file__, 5, "_decide")]) == "rankguard exchange"
+    assert rendezvous([(DCP, 5, "write_data"), (TRAIN, 1, "save")]) is None  # writing: busy
+    assert rendezvous([(TRAIN, 107, "epoch_end")]) is None  # the user's own code: busy
+
+
+def test_user_frame_is_the_innermost_frame_outside_libraries_with_its_source_line():
+    here = os.path.abspath(__file__)
+    stack = [(C10D, 10, "all_reduce"), (here, 1, "caller"), (TRAIN, 9, "main")]
+    assert user_frame(stack, library_paths()).startswith("test_hang_deadlock.py:1 (caller): ")
+    assert user_frame([(C10D, 10, "all_reduce")], library_paths()) is None
+
+
+def test_every_rank_at_a_different_rendezvous_is_a_deadlock_a_slow_rank_never_is():
+    split = {0: _status("all_reduce"), 1: _status("backward", frame="train.py:150 (step)")}
+    assert deadlock_key(split) is not None
+    # Rank 0 busy in its own code (writing a file, logging) while rank 1 waits: slow, not stuck.
+    slow = {0: _status(None), 1: _status("barrier", frame="train.py:90 (save)")}
+    assert deadlock_key(slow) is None
+    same = {0: _status("all_reduce"), 1: _status("all_reduce")}  # one slow collective
+    assert deadlock_key(same) is None
+    fresh = {0: _status("all_reduce"), 1: _status("backward", frame="x.py:1 (f)", settled=False)}
+    assert deadlock_key(fresh) is None  # a collective on its way
+
+
+def test_a_deadlock_is_proven_by_two_exchanges_without_progress_then_ends_now():
+    statuses = {0: _status("all_reduce"), 1: _status("backward", frame="train.py:150 (step)")}
+    first = diagnose(statuses)
+    assert not first.deadlock and first.suspect is not None and not first.stuck
+    second = diagnose(statuses, suspect=first.suspect)
+    assert second.deadlock and second.end and second.stuck == ((0, 1),)
+    assert second.summary.startswith("deadlock, every rank waits at a rendezvous")
+    moved = {**statuses, 1: _status("backward", frame="train.py:150 (step)", progress=6)}
+    assert not diagnose(moved, suspect=first.suspect).deadlock  # rank 1 made progress
+
+
+def test_next_points_at_the_rank_whose_wait_point_is_not_the_usual_one():
+    usual = _status("backward", frame="model.py:150 (training_step)", usual=True)
+    odd = _status("barrier", frame="model.py:152 (training_step): self.log(...)")
+    assert odd_rank({0: usual, 1: odd}) == 1
+    assert odd_rank({0: odd, 1: usual}) == 0
+    many = {r: _status("backward", frame="a.py:1 (f)") for r in range(4)}
+    assert odd_rank({**many, 2: odd}) == 2
+
+
+def test_the_decision_that_split_the_ranks_is_said_in_one_sentence():
+    stop = _status(decisions=(("should_stop", True, 83),))
+    go = _status(decisions=(("should_stop", False, 0),))
+    assert split_sentence({0: stop, 1: go}) == "rank 0 set should_stop at step 83; rank 1 did not."
+    keys = _status(decisions=(("sync_dist_keys", ("extra", "loss"), 12),))
+    base = _status(decisions=(("sync_dist_keys", ("loss",), 12),))
+    assert split_sentence({0: base, 1: keys}) == (
+        "rank 0 logged with sync_dist=True at step 12: loss; "
+        "rank 1 logged with sync_dist=True at step 12: extra, loss."
+    )
+    save = _status(decisions=(("save", True, 40),))
+    assert split_sentence({0: save, 1: _status()}) == (
+        "rank 0 entered a checkpoint save at step 40; rank 1 did not."
+    )
+    assert split_sentence({0: go, 1: go}) is None
