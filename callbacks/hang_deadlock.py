@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEADLOCK_EXIT_CODE",
     "RENDEZVOUS_CALLS",
+    "called_from_user",
     "deadlock_key",
     "describe_deadlock",
     "library_paths",
@@ -65,6 +66,7 @@ RENDEZVOUS_CALLS = frozenset(
     }
 )
 _C10D = os.path.join("torch", "distributed", "")
+_TORCH = os.path.join("", "torch", "")
 _BACKWARD = (os.path.join("torch", "autograd", "graph.py"), "_engine_run_backward")
 _RANKGUARD = (
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
@@ -144,6 +146,21 @@ def user_frame(stack: Frames, libraries: Iterable[str], source: bool = True) -> 
     return None
 
 
+def called_from_user(stack: Frames, libraries: Iterable[str]) -> bool:
+    """Whether the rendezvous is called by the user's own code, not by a framework.
+
+    A framework's collectives (a data fetch's, DDP's, a metric sync) are where
+    every rank waits, step after step; one the user's code calls under a
+    condition is the likely odd one.
+    """
+    libraries = tuple(libraries)
+    for filename, _, _ in _skip_machinery(stack):
+        if filename == side_channel.__file__ or _TORCH in filename:
+            continue
+        return not (filename.startswith("<") or os.path.abspath(filename).startswith(libraries))
+    return False
+
+
 def _point(status: RankStatus) -> str:
     where = f" at {status.user_frame}" if status.user_frame else ""
     return f"{status.waits_at}{where}"
@@ -178,18 +195,19 @@ def odd_rank(statuses: Mapping[int, RankStatus]) -> int:
     """The rank to look at first: its wait point differs from the others' usual one.
 
     The smallest group of ranks sharing a wait point is the odd one; among
-    equal groups, one whose wait point its own rank had seen before in a
+    equal groups, one whose rendezvous the user's own code calls (``direct``),
+    then one whose wait point its own rank had seen before in a
     healthy sample (``usual``) is less likely the cause, and so are backward
     and rankguard's own exchanges, where ranks wait every step or epoch.
     """
     groups = group_ranks({r: _point(s) for r, s in statuses.items()})
 
-    def score(group: tuple[list[int], str]) -> tuple[int, int, int, int]:
+    def score(group: tuple[list[int], str]) -> tuple[int, int, int, int, int]:
         ranks, _ = group
         sample = statuses[ranks[0]]
         routine = sample.waits_at in ("backward", "rankguard exchange")
         usual = all(statuses[r].usual for r in ranks)
-        return (len(ranks), int(usual), int(routine), ranks[0])
+        return (len(ranks), int(not sample.direct), int(usual), int(routine), ranks[0])
 
     return min(groups, key=score)[0][0]
 

@@ -94,6 +94,7 @@ class RankStatus:
             this long is no longer a collective on its way.
         progress: Heartbeats so far (unchanged between two samples: no progress).
         usual: Whether this rank had seen its wait point before, healthy.
+        direct: Whether the user's own code calls the rendezvous (not a framework).
         decisions: ``(name, value, step)`` of the decisions that can split the
             ranks (``should_stop``, ``sync_dist_keys``, ``save``), as last reported.
     """
@@ -113,6 +114,7 @@ class RankStatus:
     settled: bool = False
     progress: int = 0
     usual: bool = False
+    direct: bool = False
     decisions: tuple[tuple[str, Any, int | None], ...] = ()
 
     @property

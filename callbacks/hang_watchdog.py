@@ -54,6 +54,7 @@ from rankguard.callbacks.hang_calibration import (
 )
 from rankguard.callbacks.hang_deadlock import (
     DEADLOCK_EXIT_CODE,
+    called_from_user,
     library_paths,
     rendezvous,
     user_frame,
@@ -333,6 +334,7 @@ class HangWatchdog(Guard):
         self._usual: set[str] = set()
         self._decisions: dict[str, tuple[Any, int | None]] = {}
         self._settle_s = self.deadlock_after_s
+        self._decision_probe: Any = None  # the adapter's, from FIT_START
         self._probed: tuple | None = None  # (wait, when) of the last early exchange
         self.exchange_timeout_s = max(2.0, self.exchange_period_s)
         self.incidents = 0
@@ -420,13 +422,26 @@ class HangWatchdog(Guard):
 
     def _note_decisions(self, event: str, facts: EventFacts) -> None:
         """Keeps the decisions that can split the ranks, with the step each was last changed."""
-        for name, value in facts.decisions.items():
-            if self._decisions.get(name, (None,))[0] != value:
-                self._decisions[name] = (value, facts.step)
+        self._update_decisions(facts.decisions, facts.step)
         if event == "checkpoint_save_start":
             self._decisions["save"] = (True, facts.step)
         elif event == "checkpoint_save_end":
             self._decisions.pop("save", None)
+
+    def _update_decisions(self, decisions: Mapping[str, Any], step: int) -> None:
+        for name, value in decisions.items():
+            if self._decisions.get(name, (None,))[0] != value:
+                self._decisions[name] = (value, step)
+
+    def _probe_decisions(self) -> None:
+        """Reads the adapter's decisions now (watchdog thread, at each status): never raises."""
+        probe, beat = self._decision_probe, self._beat
+        if probe is None or beat is None:
+            return
+        try:
+            self._update_decisions(probe(), beat[1])
+        except Exception as exc:  # a framework's state read from another thread
+            logger.debug("rankguard %s: decision probe failed: %s", self.name, exc)
 
     def _kind(self, event: str) -> str:
         if event == "fit_end":
@@ -455,6 +470,7 @@ class HangWatchdog(Guard):
         self._reset()
         params = _num_params(facts.model) if facts.model is not None else None
         self._save_estimate = None if params is None else save_estimate_s(params, self.floor_s)
+        self._decision_probe = facts.decision_probe
         self._heartbeat("fit_start", facts)
 
     def on_epoch_start(self, facts: EventFacts) -> None:
@@ -679,6 +695,7 @@ class HangWatchdog(Guard):
         event, step, batch_index, loader, since, kind = self._beat  # set before the thread starts
         done = kind == "done"
         stack, waits_at, wait_s = self._sample()
+        self._probe_decisions()
         key = self._wait[0] if self._wait else None
         settled = waits_at is not None and wait_s >= self._settle_s
         if key and not settled and len(self._usual) < MAX_USUAL:
@@ -699,6 +716,7 @@ class HangWatchdog(Guard):
             settled=settled,
             progress=self._progress,
             usual=key in self._usual,
+            direct=waits_at is not None and called_from_user(stack, self._libraries),
             decisions=tuple((n, v, s) for n, (v, s) in sorted(self._decisions.items())),
         )
 

@@ -86,6 +86,10 @@ def test_next_points_at_the_rank_whose_wait_point_is_not_the_usual_one():
     odd = _status("barrier", frame="model.py:152 (training_step): self.log(...)")
     assert odd_rank({0: usual, 1: odd}) == 1
     assert odd_rank({0: odd, 1: usual}) == 0
+    # Two ranks, two collectives: the one the user's own code calls, not the framework's.
+    fetch = _status("all_reduce", frame="train.py:146 (fit): trainer.fit()")
+    side = _status("all_reduce", frame="cb.py:84 (epoch_end): dist.all_reduce(t)", direct=True)
+    assert odd_rank({0: fetch, 1: side}) == 1
     many = {r: _status("backward", frame="a.py:1 (f)") for r in range(4)}
     assert odd_rank({**many, 2: odd}) == 2
 
