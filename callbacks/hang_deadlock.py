@@ -229,7 +229,8 @@ def split_sentence(statuses: Mapping[int, RankStatus]) -> str | None:
         groups = group_ranks({r: v for r, (v, _) in values.items()})
         parts = []
         for ranks, value in groups[:4]:
-            step = values[ranks[0]][1]
+            # The keys logged in the step each rank is in now, not when they last changed.
+            step = statuses[ranks[0]].step if name == "sync_dist_keys" else values[ranks[0]][1]
             parts.append(_tell(name, value, step, rank_label(ranks)))
         return "; ".join(parts) + "."
     return None

@@ -332,6 +332,7 @@ class HangWatchdog(Guard):
         self._progress = 0  # heartbeats so far
         self._wait: tuple[str, float, int] | None = None  # (wait point, since, progress)
         self._usual: set[str] = set()
+        self._pending_usual: tuple[str | None, int] = (None, 0)
         self._decisions: dict[str, tuple[Any, int | None]] = {}
         self._settle_s = self.deadlock_after_s
         self._decision_probe: Any = None  # the adapter's, from FIT_START
@@ -698,8 +699,9 @@ class HangWatchdog(Guard):
         self._probe_decisions()
         key = self._wait[0] if self._wait else None
         settled = waits_at is not None and wait_s >= self._settle_s
-        if key and not settled and len(self._usual) < MAX_USUAL:
-            self._usual.add(key)
+        pending, self._pending_usual = self._pending_usual, (key, self._progress)
+        if pending[0] and self._progress > pending[1] and len(self._usual) < MAX_USUAL:
+            self._usual.add(pending[0])  # a wait the loop came out of: a healthy one
         return RankStatus(
             phase=phase_label(event, step, batch_index, loader),
             step=step,

@@ -101,8 +101,8 @@ def test_the_decision_that_split_the_ranks_is_said_in_one_sentence():
     keys = _status(decisions=(("sync_dist_keys", ("extra", "loss"), 12),))
     base = _status(decisions=(("sync_dist_keys", ("loss",), 12),))
     assert split_sentence({0: base, 1: keys}) == (
-        "rank 0 logged with sync_dist=True at step 12: loss; "
-        "rank 1 logged with sync_dist=True at step 12: extra, loss."
+        "rank 0 logged with sync_dist=True at step 80: loss; "
+        "rank 1 logged with sync_dist=True at step 80: extra, loss."
     )
     save = _status(decisions=(("save", True, 40),))
     assert split_sentence({0: save, 1: _status()}) == (
