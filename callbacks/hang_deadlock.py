@@ -66,7 +66,7 @@ RENDEZVOUS_CALLS = frozenset(
     }
 )
 _C10D = os.path.join("torch", "distributed", "")
-_TORCH = os.path.join("", "torch", "")
+_TORCH = os.sep + os.path.join("torch", "")
 _BACKWARD = (os.path.join("torch", "autograd", "graph.py"), "_engine_run_backward")
 _RANKGUARD = (
     os.path.dirname(os.path.abspath(__file__)) + os.sep,

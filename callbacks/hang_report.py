@@ -11,7 +11,7 @@ file              written by   content
 ``rank{N}.jsonl`` rank N       the last heartbeats, one JSON object a line (``t``: Unix
                                time, ``event``, ``phase``, ``step``), then one ``report``
                                record: ``idle_s``, ``deadline_s``, ``ceiling_s``,
-                               ``blocked_in``
+                               ``blocked_in``, ``user_frame``, ``waits_at``, ...
 ``merged.txt``    the CLI      the summary, then ranks grouped by identical stacks
 ``timeline.png``  the CLI      per rank: phases over time, where its progress stopped;
                                the rank that stopped first and its deadline (needs the
@@ -159,6 +159,11 @@ def write_incident(
                 "deadline_s": status.deadline_s,
                 "ceiling_s": status.ceiling_s,
                 "blocked_in": status.blocked_in,
+                "user_frame": status.user_frame,
+                "waits_at": status.waits_at,
+                "wait_s": status.wait_s,
+                "usual": status.usual,
+                "direct": status.direct,
             }
         )
     write_heartbeats(directory, rank, records)

@@ -8,6 +8,7 @@ import torch
 
 from rankguard.callbacks import side_channel
 from rankguard.callbacks.hang_deadlock import (
+    called_from_user,
     deadlock_key,
     library_paths,
     odd_rank,
@@ -109,3 +110,15 @@ def test_the_decision_that_split_the_ranks_is_said_in_one_sentence():
         "rank 0 entered a checkpoint save at step 40; rank 1 did not."
     )
     assert split_sentence({0: go, 1: go}) is None
+
+
+def test_a_rendezvous_reached_through_a_framework_is_not_called_from_the_users_code():
+    site = os.path.dirname(TORCH)
+    lightning = os.path.join(site, "lightning", "pytorch", "core", "module.py")
+    stack = [
+        (BACKWARD, 824, "_engine_run_backward"),
+        (lightning, 1137, "backward"),
+        (TRAIN, 9, "f"),
+    ]
+    assert not called_from_user(stack, library_paths())
+    assert called_from_user([(C10D, 10, "all_reduce"), (TRAIN, 107, "epoch_end")], library_paths())
