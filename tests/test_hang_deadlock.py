@@ -1,12 +1,14 @@
-"""The pure rules of a proven deadlock: wait points, the user's frame, the split, the verdict."""
+"""Proven deadlocks: the pure rules (wait points, user frame, split, verdict), then 2 real ranks."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
 from rankguard.callbacks import side_channel
+from rankguard.callbacks.events import EventFacts
 from rankguard.callbacks.hang_deadlock import (
     called_from_user,
     deadlock_key,
@@ -17,6 +19,7 @@ from rankguard.callbacks.hang_deadlock import (
     user_frame,
 )
 from rankguard.callbacks.hang_diagnosis import RankStatus, diagnose
+from tests.mp import run_ranks
 
 TORCH = os.path.dirname(torch.__file__)
 C10D = os.path.join(TORCH, "distributed", "distributed_c10d.py")
@@ -122,3 +125,75 @@ def test_a_rendezvous_reached_through_a_framework_is_not_called_from_the_users_c
     ]
     assert not called_from_user(stack, library_paths())
     assert called_from_user([(C10D, 10, "all_reduce"), (TRAIN, 107, "epoch_end")], library_paths())
+
+
+# -- the watchdog on two real ranks (gloo, spawned processes) ------------------------------
+
+
+def _watchdog(report_dir: str):
+    from rankguard.callbacks.hang_watchdog import HangWatchdog
+    from rankguard.callbacks.side_channel import SideChannel
+
+    watchdog = HangWatchdog(
+        report_dir=report_dir, timeout_s=60, deadlock_after_s=1.5, exchange_period_s=5
+    )
+    watchdog.bind(SideChannel.from_environment(timeout_s=10))
+    watchdog.on_fit_start(EventFacts())
+    for step in range(3):
+        watchdog.on_train_batch_start(EventFacts(step=step))
+        watchdog.on_train_batch_end(EventFacts(step=step + 1))
+    return watchdog
+
+
+def write_samples_on_rank0(seconds: float) -> None:
+    """Rank-0-only work in the user's code (writing a file), as a healthy job does."""
+    time.sleep(seconds)
+
+
+def _rank0_works_alone_while_rank1_waits(rank, world_size, report_dir):
+    import torch.distributed as dist
+
+    watchdog = _watchdog(report_dir)
+    if rank == 0:
+        write_samples_on_rank0(5.0)  # more than 3 x deadlock_after_s
+    dist.barrier()
+    watchdog.on_train_batch_start(EventFacts(step=3))
+    watchdog.on_train_batch_end(EventFacts(step=4))
+    watchdog.on_fit_end(EventFacts(step=4))
+    watchdog.close()
+    return watchdog.incidents
+
+
+def test_rank0_only_work_while_the_others_wait_in_a_barrier_is_never_a_deadlock(tmp_path):
+    outcomes = run_ranks(_rank0_works_alone_while_rank1_waits, 2, str(tmp_path), timeout_s=60)
+    assert [(o.error, o.value) for o in outcomes] == [(None, 0), (None, 0)], outcomes
+    assert not (tmp_path / "summary.txt").exists()
+
+
+def reduce_under_if_rank_0(group) -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1), group=group)
+
+
+def _split_collectives(rank, world_size, report_dir):
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")
+    _watchdog(report_dir)
+    if rank == 0:
+        reduce_under_if_rank_0(group)  # the bug: rank 1 never calls it
+    dist.barrier()
+
+
+def test_collective_on_one_rank_is_a_proven_deadlock_ending_every_rank_with_70(tmp_path):
+    from rankguard.callbacks.hang_watchdog import DEADLOCK_EXIT_CODE
+
+    start = time.monotonic()
+    outcomes = run_ranks(_split_collectives, 2, str(tmp_path), timeout_s=60)
+    assert [o.exitcode for o in outcomes] == [DEADLOCK_EXIT_CODE] * 2, outcomes
+    assert time.monotonic() - start < 30  # seconds after the split, not the harness's kill
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "rank 0: your code at test_hang_deadlock.py:" in summary
+    assert "(reduce_under_if_rank_0): dist.all_reduce(torch.ones(1), group=group)" in summary
+    assert "Next: fix the code path at rank 0's wait point" in summary, summary
