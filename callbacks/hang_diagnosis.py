@@ -164,7 +164,9 @@ class Verdict:
             waiting for it in another check's exchange.
         ceiling_slack_s: As ``slack_s``, up to the ceilings.
         deadlock: Whether this is a proven deadlock (see
-            :func:`~rankguard.callbacks.hang_deadlock.deadlock_key`): it ends now.
+            :func:`~rankguard.callbacks.hang_deadlock.deadlock_key`): the watchdog
+            ends the job now (``deadlock_action="abort"``); ``end`` still says
+            whether a ceiling has passed.
         suspect: The fingerprint of a deadlock seen once, to confirm at the
             next exchange (which then comes at once), or ``None``.
     """
@@ -322,7 +324,8 @@ def diagnose(
         summary=summary,
         details=(*details, *where_lines(statuses)),
         first=first,
-        end=True,
+        # Ends the incident: at once when the deadlock ends the job, else at the ceiling.
+        end=verdict.end or any(s.past_ceiling for s in statuses.values()),
         deadlock=True,
     )
 

@@ -719,7 +719,7 @@ class HangWatchdog(Guard):
             progress=self._progress,
             usual=key in self._usual,
             direct=waits_at is not None and called_from_user(stack, self._libraries),
-            decisions=tuple((n, v, s) for n, (v, s) in sorted(self._decisions.items())),
+            decisions=tuple((n, v, s) for n, (v, s) in sorted(dict(self._decisions).items())),
         )
 
     def _loop_stack(self) -> list[tuple[str, int, str]]:
@@ -786,7 +786,7 @@ class HangWatchdog(Guard):
         again before another settle time has passed.
         """
         beat = self._beat
-        if beat is None or beat[5] in ("done", "startup") or self._ended.is_set():
+        if beat is None or beat[5] == "done" or self._ended.is_set():
             return False
         if time.monotonic() - beat[4] < PROBE_PERIOD_S:
             return False
@@ -804,12 +804,18 @@ class HangWatchdog(Guard):
         return True
 
     def _on_deadlock(self, verdict: Verdict) -> None:
-        """A proven deadlock: report at once; with ``deadlock_action="abort"`` end the job."""
+        """A proven deadlock: report at once; with ``deadlock_action="abort"`` end the job.
+
+        With ``"report"`` it is reported once and the incident ends at the
+        ceiling as any other (stage 2, :data:`HANG_EXIT_CODE` with ``action="abort"``).
+        """
         self._incident = verdict.stuck
         if self.deadlock_action == "abort":
             self._report(verdict.summary, verdict.details, [], final=True, deadlock=True)
         elif not self._reported:
             self._report(verdict.summary, verdict.details, [], final=False, deadlock=True)
+        elif verdict.end and not self._ended.is_set():
+            self._report(verdict.summary, verdict.details, [], final=True)
 
     def _on_missing(self, missing: list[int]) -> None:
         waited = self.exchange_period_s + self._failures * self.exchange_timeout_s

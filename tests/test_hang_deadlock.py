@@ -74,12 +74,12 @@ def test_every_rank_at_a_different_rendezvous_is_a_deadlock_a_slow_rank_never_is
     assert deadlock_key(fresh) is None  # a collective on its way
 
 
-def test_a_deadlock_is_proven_by_two_exchanges_without_progress_then_ends_now():
+def test_a_deadlock_is_proven_by_two_exchanges_without_progress():
     statuses = {0: _status("all_reduce"), 1: _status("backward", frame="train.py:150 (step)")}
     first = diagnose(statuses)
     assert not first.deadlock and first.suspect is not None and not first.stuck
     second = diagnose(statuses, suspect=first.suspect)
-    assert second.deadlock and second.end and second.stuck == ((0, 1),)
+    assert second.deadlock and second.stuck == ((0, 1),)
     assert second.summary.startswith("deadlock, every rank waits at a rendezvous")
     moved = {**statuses, 1: _status("backward", frame="train.py:150 (step)", progress=6)}
     assert not diagnose(moved, suspect=first.suspect).deadlock  # rank 1 made progress
@@ -197,3 +197,12 @@ def test_collective_on_one_rank_is_a_proven_deadlock_ending_every_rank_with_70(t
     assert "rank 0: your code at test_hang_deadlock.py:" in summary
     assert "(reduce_under_if_rank_0): dist.all_reduce(torch.ones(1), group=group)" in summary
     assert "Next: fix the code path at rank 0's wait point" in summary, summary
+
+
+def test_with_deadlock_action_report_the_deadlock_still_ends_at_the_ceiling():
+    past = {r: _status("all_reduce" if r else "barrier", idle_s=700.0) for r in (0, 1)}
+    first = diagnose(past)
+    verdict = diagnose(past, suspect=first.suspect)
+    assert verdict.deadlock and verdict.end  # past the 30 s deadline (no ceiling given)
+    young = {r: _status("all_reduce" if r else "barrier", idle_s=4.0) for r in (0, 1)}
+    assert not diagnose(young, suspect=diagnose(young).suspect).end
