@@ -18,7 +18,17 @@ model and optimizer facts) the Composer and Lightning adapters send
 - ``unmatched collective``: after the first eval, calls an ``all_reduce`` on
   a second group that rank 0 never calls;
 - ``frozen rank``: its whole process stops (SIGSTOP) after train step 90
-  (after the first eval), watchdog thread included.
+  (after the first eval), watchdog thread included;
+- ``desync: rank-0 collective`` (the loop): after the first eval, rank 0
+  alone calls an ``all_reduce`` (``if rank == 0:``); rank 1 goes on and waits
+  in DDP's backward or rankguard's epoch-start check: a proven deadlock,
+  ended at once with exit code 70. Here rank 0 hangs; "stack" reads its file.
+
+``--frameworks`` adds "desync" rows from the real trainers' test jobs, every
+watchdog setting at its default: Composer (``composer -n 2``, a collective on
+rank 0 only at epoch end) and Lightning (``ddp``, rank 1 alone logs a key with
+``sync_dist=True``): time from the split to the first report and to the job's
+end, the exit code, the rank "Next" names and the user line it names.
 
 Three ways to run each:
 
@@ -64,6 +74,7 @@ SCENARIOS = {
     "train_step_stall": "train-step stall",
     "unmatched_collective": "unmatched collective",
     "frozen_rank": "frozen rank",
+    "desync_collective": "desync: rank-0 coll.",
 }
 #: The function rank 1 hangs in (its stack file must show it); none for a frozen process.
 CULPRITS = {
@@ -72,7 +83,10 @@ CULPRITS = {
     "train_step_stall": "stall",
     "unmatched_collective": "unmatched_all_reduce",
     "frozen_rank": None,
+    "desync_collective": "rank0_all_reduce",
 }
+#: The rank that hangs first (its stack file is read); rank 1 unless named here.
+CULPRIT_RANK = {"desync_collective": 0}
 WATCHDOG = {
     "timeout_s": 10.0,
     "eval_timeout_s": 10.0,
@@ -85,6 +99,7 @@ DEADLINE_S = {  # the deadline of the phase rank 1 hangs in, short settings
     "train_step_stall": WATCHDOG["timeout_s"],
     "unmatched_collective": WATCHDOG["post_eval_timeout_s"],
     "frozen_rank": WATCHDOG["timeout_s"],
+    "desync_collective": WATCHDOG["post_eval_timeout_s"],
 }
 MODES = ("defaults", "short", "none")
 # The freeze comes after status exchanges (every 10 s by default) have seen train steps: a
@@ -94,7 +109,9 @@ EPOCHS, EPOCH_STEPS, FREEZE_AFTER, TRAIN_STALL_AT, STEP_S = 3, 60, 90, 30, 0.05
 STARTUP_TIMEOUT_S = 240
 STAGGER_S = 15.0  # between the starts of runs side by side
 EXIT_GRACE_S = 10.0  # a frozen rank never exits: it is killed (-9) this long after the others
-_HANG_LINE = re.compile(r"^(\d+\.\d+) .*rankguard hang_watchdog: (Hang suspected|Hang): (.*)$")
+_HANG_LINE = re.compile(
+    r"^(\d+\.\d+) .*rankguard hang_watchdog: (Hang suspected|Hang|Deadlock): (.*)$"
+)
 
 
 # -- worker (one rank) -------------------------------------------------------------------
@@ -149,6 +166,11 @@ def worker(scenario: str, out: Path, mode: str) -> None:
         mark_hang()
         dist.all_reduce(torch.ones(1), group=side_group)
 
+    def rank0_all_reduce() -> None:
+        # On its own group: on the training group gloo may pair it with rank 1's next one.
+        mark_hang()
+        dist.all_reduce(torch.ones(1), group=side_group)
+
     def evaluate(step: int, epoch: int) -> None:
         fire(Event.EVAL_START, step=step, epoch=epoch, loader=eval_loader)
         total = torch.zeros(1)
@@ -166,6 +188,8 @@ def worker(scenario: str, out: Path, mode: str) -> None:
             stall()
         if rank == 1 and scenario == "unmatched_collective":
             unmatched_all_reduce()
+        if rank == 0 and scenario == "desync_collective" and epoch == 0:
+            rank0_all_reduce()
 
     fire(
         Event.FIT_START,
@@ -257,7 +281,7 @@ def watch(procs: list[subprocess.Popen], out: Path, cap_s: float) -> dict:
         proc.wait()
     logs = [(out / f"rank{r}.log").read_text() for r in range(len(procs))]
     hangs = sorted(m.groups() for log in logs for m in map(_HANG_LINE.match, log.splitlines()) if m)
-    rank1 = out / "reports" / "rank1.txt"
+    rank1 = out / "reports" / f"rank{CULPRIT_RANK.get(out.name.rsplit('-', 1)[0], 1)}.txt"
     return {
         "hang_t": hang_t,
         "exits": {r: t - hang_t for r, t in exits.items()} if hang_t else {},
@@ -267,6 +291,50 @@ def watch(procs: list[subprocess.Popen], out: Path, cap_s: float) -> dict:
         "rank1_stack": rank1.read_text() if rank1.exists() else "",
         "errors": [line for log in logs for line in log.splitlines() if "rror" in line],
     }
+
+
+#: The "desync" rows from the real trainers (see ``--frameworks``): (label, command, scenario).
+FRAMEWORK_DESYNC = (
+    ("Composer: rank-0 collective", "composer", "composer_hang_job.py", "rank0_collective"),
+    ("Lightning: sync_dist key", "python", "lightning_hang_job.py", "sync_dist_key"),
+)
+
+
+def framework_desync(label: str, launcher: str, job: str, scenario: str, cap_s: float) -> str:
+    """Runs one test job with the watchdog's defaults; one table row from its report."""
+    bin_dir = Path(sys.executable).parent
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        script = str(ROOT / "tests" / "e2e" / job)
+        head = [str(bin_dir / "composer"), "-n", "2"] if launcher == "composer" else []
+        cmd = [*head, *([] if head else [sys.executable]), script, tmp, scenario]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.pop(name, None)
+        proc = subprocess.Popen(
+            cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            proc.communicate(timeout=cap_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        ended = time.time()
+        split_file, summary = out / "split.json", out / f"reports_{scenario}" / "summary.txt"
+        if not split_file.exists():
+            return f"{label:<28} | did not reach the split (exit {proc.returncode})"
+        split = json.loads(split_file.read_text())["t"]
+        if not summary.exists():
+            return f"{label:<28} | no report within {cap_s:g} s (exit {proc.returncode})"
+        text = summary.read_text()
+        named = re.search(r"Next: fix the code path at rank (\d+)|Next: read rank(\d+)", text)
+        rank = next((g for g in named.groups() if g), "?") if named else "?"
+        line = re.search(rf"^rank {rank}: your code at (.*?)(; blocked in|$)", text, re.M)
+        return (
+            f"{label:<28} | {summary.stat().st_mtime - split:>6.1f} s | {ended - split:>6.1f} s "
+            f"({proc.returncode}) | rank {rank} | {line.group(1) if line else '-'}"
+        )
 
 
 def _ends(result: dict) -> str:
@@ -298,7 +366,20 @@ def main() -> None:
     )
     parser.add_argument("--modes", default=",".join(MODES), help="which of: " + ", ".join(MODES))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="which scenarios")
+    parser.add_argument(
+        "--frameworks", action="store_true", help="add the desync rows of Composer and Lightning"
+    )
+    parser.add_argument(
+        "--frameworks-only", action="store_true", help="only the desync rows of the trainers"
+    )
     args = parser.parse_args()
+    if args.frameworks or args.frameworks_only:
+        print("desync, real trainers, every watchdog setting at its default; from the split:")
+        print(f"{'case':<28} | report   | job ends (code) | Next | user line named")
+        for case in FRAMEWORK_DESYNC:
+            print(framework_desync(*case, cap_s=args.cap + 60))
+        if args.frameworks_only:
+            return
     modes = args.modes.split(",")
     scenarios = {name: SCENARIOS[name] for name in args.scenarios.split(",")}
     results: dict[tuple[str, str], dict] = {}

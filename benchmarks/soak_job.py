@@ -10,7 +10,9 @@ launcher starts rank 1). Steps of ~50 ms with:
 - a checkpoint save every 30 steps;
 - rank 1 slowed 2x for steps 100-160 (a straggler, not a hang);
 - train and eval loaders with 2 worker processes, re-created each epoch/eval;
-- a user callback that takes 3 s at every eval end.
+- a user callback that takes 3 s at every eval end, then 5 s of work on rank 0
+  only (writing a file) while the other ranks wait in a barrier: slow, not a
+  deadlock.
 
 Each rank writes ``OUT/rank{N}.json``: steps, rankguard's warnings and
 errors, and the watchdog's closest call (the healthy interval that came
@@ -33,6 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 FRAMEWORK, OUT, SEED = sys.argv[1], sys.argv[2], int(sys.argv[3])
 WATCHDOG: dict[str, Any] = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
 STEP_S, EVAL_BATCH_S, FIRST_STEP_S, EVAL_END_S = 0.05, 0.05, 3.0, 3.0
+RANK0_ONLY_S = 5.0  # rank-0-only work at eval end while the others wait in a barrier
 EPOCHS, STEPS_PER_EPOCH, EVAL_EVERY, EVAL_BATCHES, SAVE_EVERY = 3, 80, 40, 4, 30
 GC_PAUSE_P, GC_PAUSE_S = 1 / 40, (0.2, 1.0)
 STRAGGLER_RANK, STRAGGLER_STEPS = 1, range(100, 160)
@@ -73,6 +76,14 @@ class Pace:
     def eval_end(self) -> None:
         self.evals += 1
         time.sleep(EVAL_END_S)  # a user callback: samples, uploads, a slow logger
+        if self.rank == 0:  # writes a file on rank 0 only, the others wait for it
+            path = os.path.join(OUT, f"samples{self.evals}.txt")
+            with open(path, "w") as file:
+                deadline = time.monotonic() + RANK0_ONLY_S
+                while time.monotonic() < deadline:
+                    file.write("sample\n")
+                    time.sleep(0.01)
+        torch.distributed.barrier()
 
 
 def dataset(batches_per_rank: int) -> TensorDataset:

@@ -27,7 +27,7 @@ from rankguard.callbacks.errors import (
 )
 from rankguard.callbacks.events import Event, EventFacts, LoaderFacts, LoaderPass
 from rankguard.callbacks.guard import Guard, GuardRunner
-from rankguard.callbacks.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
+from rankguard.callbacks.hang_watchdog import DEADLOCK_EXIT_CODE, HANG_EXIT_CODE, HangWatchdog
 from rankguard.callbacks.registry import GUARDS, build_guards
 from rankguard.callbacks.shared_dirs import SharedDirBarrier, ensure_shared_dirs
 from rankguard.callbacks.side_channel import SideChannel
@@ -35,6 +35,7 @@ from rankguard.callbacks.state_size import estimate_state_size
 from rankguard.callbacks.straggler import StragglerMonitor
 
 __all__ = [
+    "DEADLOCK_EXIT_CODE",
     "GUARDS",
     "HANG_EXIT_CODE",
     "BatchCountMismatchError",

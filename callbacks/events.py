@@ -168,6 +168,13 @@ class EventFacts:
         load_path: The checkpoint about to be loaded (CHECKPOINT_LOAD_START).
         loader_pass: What this rank's pass over ``loader`` did (EVAL_END,
             EPOCH_END), where the adapter could see the loader's iterator.
+        decisions: Decisions that can split the ranks, as the framework holds
+            them now (TRAIN_BATCH_END, EVAL_END): ``should_stop`` (Lightning's
+            ``trainer.should_stop``, the HF Trainer's ``should_training_stop``),
+            ``sync_dist_keys`` (metric names logged with cross-rank sync in the step).
+        decision_probe: Returns ``decisions`` as they are now (FIT_START), for a
+            guard's background thread to read while the loop is blocked (the
+            decision that split the ranks may be made inside the step that hangs).
     """
 
     step: int = 0
@@ -186,6 +193,8 @@ class EventFacts:
     upload_setting: str | None = None
     load_path: str | None = None
     loader_pass: LoaderPass | None = None
+    decisions: dict[str, Any] = field(default_factory=dict)
+    decision_probe: Callable[[], dict[str, Any]] | None = None
 
     @staticmethod
     def for_loaders(loaders: Iterable[LoaderFacts], **kwargs: Any) -> EventFacts:

@@ -13,9 +13,11 @@ import math
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from rankguard.callbacks import side_channel
+from rankguard.callbacks.hang_deadlock import deadlock_key, describe_deadlock, split_sentence
 from rankguard.callbacks.ranks import group_ranks, rank_label
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "next_step",
     "phase_label",
     "to_runs",
+    "where_lines",
 ]
 
 #: Phase kinds, each with its own deadline. ``done`` (after fit end) has none.
@@ -81,6 +84,19 @@ class RankStatus:
             the incident ends (abort); ``None`` means the same as ``deadline_s``.
         gave_up: A rankguard exchange this rank stopped waiting in because some
             ranks never came, or ``None``: those ranks are stuck, now.
+        user_frame: The innermost frame of the user's own code in the training
+            loop, with its source line (see
+            :func:`~rankguard.callbacks.hang_deadlock.user_frame`), or ``None``.
+        waits_at: The rendezvous the training loop waits at (see
+            :func:`~rankguard.callbacks.hang_deadlock.rendezvous`), or ``None``.
+        wait_s: How long it has been seen waiting there (sampled).
+        settled: Whether ``wait_s`` is past this rank's settle time: a wait
+            this long is no longer a collective on its way.
+        progress: Heartbeats so far (unchanged between two samples: no progress).
+        usual: Whether this rank had seen its wait point before, healthy.
+        direct: Whether the user's own code calls the rendezvous (not a framework).
+        decisions: ``(name, value, step)`` of the decisions that can split the
+            ranks (``should_stop``, ``sync_dist_keys``, ``save``), as last reported.
     """
 
     phase: str
@@ -92,6 +108,14 @@ class RankStatus:
     blocked_in: str | None = None
     ceiling_s: float | None = None
     gave_up: GaveUp | None = None
+    user_frame: str | None = None
+    waits_at: str | None = None
+    wait_s: float = 0.0
+    settled: bool = False
+    progress: int = 0
+    usual: bool = False
+    direct: bool = False
+    decisions: tuple[tuple[str, Any, int | None], ...] = ()
 
     @property
     def overdue(self) -> bool:
@@ -139,6 +163,12 @@ class Verdict:
             report): a stuck rank is past its ceiling, or a rank gave up
             waiting for it in another check's exchange.
         ceiling_slack_s: As ``slack_s``, up to the ceilings.
+        deadlock: Whether this is a proven deadlock (see
+            :func:`~rankguard.callbacks.hang_deadlock.deadlock_key`): the watchdog
+            ends the job now (``deadlock_action="abort"``); ``end`` still says
+            whether a ceiling has passed.
+        suspect: The fingerprint of a deadlock seen once, to confirm at the
+            next exchange (which then comes at once), or ``None``.
     """
 
     stuck: Runs
@@ -150,6 +180,8 @@ class Verdict:
     first: int | None = None
     end: bool = False
     ceiling_slack_s: float = math.inf
+    deadlock: bool = False
+    suspect: str | None = None
 
 
 def phase_label(event: str, step: int, batch_index: int | None, loader: str | None) -> str:
@@ -245,7 +277,9 @@ def _grouped(statuses: Mapping[int, RankStatus], template: str) -> list[str]:
     return parts
 
 
-def diagnose(statuses: Mapping[int, RankStatus], incident: Runs = ()) -> Verdict:
+def diagnose(
+    statuses: Mapping[int, RankStatus], incident: Runs = (), suspect: str | None = None
+) -> Verdict:
     """The ``decide`` function of the status exchange (runs on rank 0).
 
     Ranks past their phase deadline are stuck; the stuck group that stopped
@@ -266,14 +300,51 @@ def diagnose(statuses: Mapping[int, RankStatus], incident: Runs = ()) -> Verdict
     frame) are listed as waiting. Ranks another rank gave up waiting for in
     a rankguard exchange are stuck, and end the incident at once.
 
+    Every rank waiting at a rendezvous, not all at the same one, for two
+    exchanges in a row without progress (``suspect`` is the first one's
+    fingerprint) is a proven deadlock: every rank is named, and it ends now.
+
     Args:
         statuses: Every rank's status.
         incident: The stuck ranks of the open incident (``()`` when none).
+        suspect: :attr:`Verdict.suspect` of the previous exchange.
 
     Returns:
         A verdict whose summary reads e.g. ``"rank 1 stuck 61 s in eval batch
         3 of 'eval' (deadline 60 s); ranks 0,2,3 waiting 58 s in train batch 2001"``.
     """
+    key = deadlock_key(statuses)
+    verdict = _diagnose(statuses, incident)
+    if key is None or key != suspect:
+        return replace(verdict, suspect=key)
+    summary, details, first = describe_deadlock(statuses)
+    return replace(
+        verdict,
+        stuck=to_runs(statuses),
+        summary=summary,
+        details=(*details, *where_lines(statuses)),
+        first=first,
+        # Ends the incident: at once when the deadlock ends the job, else at the ceiling.
+        end=verdict.end or any(s.past_ceiling for s in statuses.values()),
+        deadlock=True,
+    )
+
+
+def where_lines(statuses: Mapping[int, RankStatus]) -> tuple[str, ...]:
+    """Per group of ranks: the user's own frame and the framework call it is blocked in."""
+    groups = group_ranks({r: (s.user_frame, s.blocked_in) for r, s in statuses.items()})
+    lines = []
+    for ranks, (frame, blocked) in groups[:MAX_GROUPS]:
+        if frame is None and blocked is None:
+            continue
+        own = f"your code at {frame}" if frame else "no frame of your own code"
+        lines.append(f"{rank_label(ranks)}: {own}" + (f"; blocked in {blocked}" if blocked else ""))
+    if len(groups) > MAX_GROUPS:
+        lines.append(f"... {len(groups) - MAX_GROUPS} more groups")
+    return tuple(lines)
+
+
+def _diagnose(statuses: Mapping[int, RankStatus], incident: Runs) -> Verdict:
     gave_up = sorted({s.gave_up for s in statuses.values() if s.gave_up is not None})
     missing = {r for _, ranks, _ in gave_up for r in ranks if r in statuses}
     overdue = {r: s for r, s in statuses.items() if s.overdue}
@@ -312,6 +383,9 @@ def diagnose(statuses: Mapping[int, RankStatus], incident: Runs = ()) -> Verdict
         + (f", blocked in {s.blocked_in}" if s.blocked_in else "")
         for r, s in sorted(stuck.items())[:MAX_DETAILED]
     )
+    if stuck:
+        split = split_sentence(statuses)
+        details += (*where_lines(statuses), *([f"What split them: {split}"] if split else []))
     running = [s for s in statuses.values() if s.deadline_s is not None]
     return Verdict(
         stuck=to_runs(stuck),

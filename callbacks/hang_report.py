@@ -11,7 +11,7 @@ file              written by   content
 ``rank{N}.jsonl`` rank N       the last heartbeats, one JSON object a line (``t``: Unix
                                time, ``event``, ``phase``, ``step``), then one ``report``
                                record: ``idle_s``, ``deadline_s``, ``ceiling_s``,
-                               ``blocked_in``
+                               ``blocked_in``, ``user_frame``, ``waits_at``, ...
 ``merged.txt``    the CLI      the summary, then ranks grouped by identical stacks
 ``timeline.png``  the CLI      per rank: phases over time, where its progress stopped;
                                the rank that stopped first and its deadline (needs the
@@ -159,6 +159,11 @@ def write_incident(
                 "deadline_s": status.deadline_s,
                 "ceiling_s": status.ceiling_s,
                 "blocked_in": status.blocked_in,
+                "user_frame": status.user_frame,
+                "waits_at": status.waits_at,
+                "wait_s": status.wait_s,
+                "usual": status.usual,
+                "direct": status.direct,
             }
         )
     write_heartbeats(directory, rank, records)
@@ -200,14 +205,58 @@ def merge_stacks(stacks: dict[int, str]) -> str:
     return "\n".join(sections)
 
 
-def _read_heartbeats(directory: Path) -> dict[int, list[dict]]:
+def _read_heartbeats(directory: Path) -> tuple[dict[int, list[dict]], list[str]]:
+    """Each rank's records, and one note per file that was cut or could not be read.
+
+    A rank killed while writing (the OOM killer, SIGKILL) leaves a truncated
+    last line: the lines before it are kept.
+    """
     beats: dict[int, list[dict]] = {}
-    for path in directory.glob("rank*.jsonl"):
+    notes: list[str] = []
+    for path in sorted(directory.glob("rank*.jsonl")):
         match = re.match(r"^rank(\d+)\.jsonl$", path.name)
-        if match:
-            lines = path.read_text(encoding="utf-8").splitlines()
-            beats[int(match.group(1))] = [json.loads(line) for line in lines if line.strip()]
-    return beats
+        if not match:
+            continue
+        rank = int(match.group(1))
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError as exc:
+            notes.append(f"rank {rank}: {path.name} could not be read ({exc.strerror or exc}).")
+            continue
+        rows, cut = [], 0
+        for line in filter(str.strip, lines):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                cut += 1
+        if cut:
+            notes.append(
+                f"rank {rank}: {path.name} was cut ({cut} unreadable line(s), e.g. the rank was "
+                f"killed while writing); read the {len(rows)} record(s) before."
+            )
+        beats[rank] = [row for row in rows if isinstance(row, dict)]
+    return beats, notes
+
+
+def _missing_ranks(stacks: dict[int, str], beats: dict[int, list[dict]]) -> list[str]:
+    """Ranks below the highest one seen whose files are both absent."""
+    seen = set(stacks) | set(beats)
+    absent = [r for r in range(max(seen) + 1) if r not in seen] if seen else []
+    return [f"rank {r}: no rank{r}.txt or rank{r}.jsonl (never written, or lost)." for r in absent]
+
+
+def _read_stacks(directory: Path) -> tuple[dict[int, str], list[str]]:
+    stacks: dict[int, str] = {}
+    notes: list[str] = []
+    for path in sorted(directory.glob("rank*.txt")):
+        match = _RANK_FILE.match(path.name)
+        if not match:
+            continue
+        try:
+            stacks[int(match.group(1))] = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            notes.append(f"rank {match.group(1)}: {path.name} could not be read ({exc.strerror}).")
+    return stacks, notes
 
 
 #: ``rankguard report --help``: what it does, with examples.
@@ -222,6 +271,9 @@ ranks that stopped in the same place, and writes two files into DIR:
   timeline.png   per rank, its phases over the recorded history and where its
                  progress stopped; the rank that stopped first and its deadline
                  (needs matplotlib: pip install 'rankguard[report]')
+
+A rank's file cut mid-line (the rank was killed while writing) or missing is
+named under "Incomplete report:"; the rest is read and the verdict given.
 
 Exit code 0, or 2 when DIR holds no rank<N>.txt or rank<N>.jsonl file."""
 REPORT_EPILOG = """\
@@ -254,12 +306,10 @@ def _report_folders(directory: Path) -> list[Path]:
 def run(args: argparse.Namespace) -> int:
     """Runs ``rankguard report`` with parsed arguments; returns the exit code."""
     directory: Path = args.directory
-    stacks = {
-        int(m.group(1)): p.read_text(encoding="utf-8")
-        for p in sorted(directory.glob("rank*.txt"))
-        if (m := _RANK_FILE.match(p.name))
-    }
-    beats = {rank: rows for rank, rows in _read_heartbeats(directory).items() if rows}
+    stacks, notes = _read_stacks(directory)
+    records, cut = _read_heartbeats(directory)
+    beats = {rank: rows for rank, rows in records.items() if rows}
+    notes += cut + _missing_ranks(stacks, records)
     if not stacks and not beats:
         sys.stderr.write(f"rankguard report: no rank<N>.txt or rank<N>.jsonl file in {directory}\n")
         folders = _report_folders(directory) if directory.is_dir() else []
@@ -268,7 +318,13 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"Reports in its subfolders; pass one of them:\n{listed}")
         return 2
     summary = directory / SUMMARY_FILE
-    head = summary.read_text(encoding="utf-8") + "\n" if summary.exists() else ""
+    try:
+        head = summary.read_text(encoding="utf-8") + "\n" if summary.exists() else ""
+    except OSError as exc:
+        head = ""
+        notes.append(f"{SUMMARY_FILE} could not be read ({exc.strerror}).")
+    if notes:
+        head += "Incomplete report:\n" + "".join(f"  {note}\n" for note in notes) + "\n"
     if stacks:
         unmarked = "  (training loop not marked: see the rank file)"
         loops = {rank: loop_stack(text) or unmarked for rank, text in stacks.items()}

@@ -45,10 +45,19 @@ from rankguard.callbacks.guard import Guard, check_choice, check_positive
 from rankguard.callbacks.hang_calibration import (
     KIND_LABELS,
     MIN_SAMPLES,
+    QUANTILE,
     IntervalHistory,
     calibrate,
     describe,
+    quantile,
     save_estimate_s,
+)
+from rankguard.callbacks.hang_deadlock import (
+    DEADLOCK_EXIT_CODE,
+    called_from_user,
+    library_paths,
+    rendezvous,
+    user_frame,
 )
 from rankguard.callbacks.hang_diagnosis import (
     GaveUp,
@@ -67,7 +76,14 @@ from rankguard.callbacks.hang_diagnosis import (
 from rankguard.callbacks.hang_report import write_incident
 from rankguard.callbacks.side_channel import own_missing_ranks
 
-__all__ = ["HANG_EXIT_CODE", "RESTART_ENV", "HangWatchdog", "attempt_dir", "process_group_timeout"]
+__all__ = [
+    "DEADLOCK_EXIT_CODE",
+    "HANG_EXIT_CODE",
+    "RESTART_ENV",
+    "HangWatchdog",
+    "attempt_dir",
+    "process_group_timeout",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +97,10 @@ STATUS_EXCHANGE = "hang_watchdog/status"
 ABORT_BARRIER = "hang_watchdog/abort"
 HISTORY = 256  # heartbeats kept per rank for rank{N}.jsonl
 MAX_FRAMES = 64  # frames of the training loop read at each exchange
+#: While this rank makes no progress, its own stack is sampled this often (seconds).
+PROBE_PERIOD_S = 0.5
+#: Wait points seen healthy, kept per rank (to tell the usual one from the odd one).
+MAX_USUAL = 64
 #: Events that end a phase after eval: back in the train loop, or a checkpoint save.
 _LEAVE_OR_END_EVAL = {
     "eval_end": "post_eval",
@@ -197,6 +217,17 @@ class HangWatchdog(Guard):
     not fit gets a warning with the fix. Under torchrun with restarts the report
     of each attempt goes to ``report_dir/attempt{N}``.
 
+    A proven deadlock does not wait for either stage: while a rank makes no
+    progress its watchdog thread samples the training loop's stack every
+    :data:`PROBE_PERIOD_S`; once its loop has waited at a rendezvous (a
+    collective, a barrier, backward, a rankguard exchange) for
+    ``deadlock_after_s`` it exchanges statuses at once. When every rank waits
+    at a rendezvous, not all at the same one, twice in a row without
+    progress, no rank can ever go on: every rank reports it and, with
+    ``deadlock_action="abort"``, exits with :data:`DEADLOCK_EXIT_CODE` (70:
+    fix the code, a restart replays it). A rank that is only slow is never at
+    a rendezvous, so it keeps the two stages.
+
     The calibration is saved with checkpoints (:meth:`state_dict`), so a
     resumed job starts calibrated.
 
@@ -222,6 +253,12 @@ class HangWatchdog(Guard):
         calibration_factor: A deadline is at least this multiple of the 99th
             percentile of its phase's recent intervals (> 1).
         floor_s: Lowest calibrated deadline.
+        deadlock_action: ``"abort"`` (a proven deadlock ends the job at once with
+            :data:`DEADLOCK_EXIT_CODE`) or ``"report"`` (report it at once, keep
+            the two stages).
+        deadlock_after_s: How long a rank's loop must wait at one rendezvous
+            before it counts toward a deadlock (at least ``calibration_factor``
+            x the train steps' 99th percentile once calibrated).
 
     Attributes:
         exchange_timeout_s: How long rank 0 waits for every rank's status,
@@ -263,6 +300,8 @@ class HangWatchdog(Guard):
         warmup_steps: int = 10,
         calibration_factor: float = 10.0,
         floor_s: float = 30.0,
+        deadlock_action: str = "abort",
+        deadlock_after_s: float = 3.0,
     ) -> None:
         super().__init__()
         given = {
@@ -287,6 +326,17 @@ class HangWatchdog(Guard):
         if self.calibration_factor <= 1:
             raise ValueError(f"`calibration_factor` must be > 1; got {calibration_factor!r}.")
         self.floor_s = check_positive("floor_s", floor_s)
+        self.deadlock_action = check_choice("deadlock_action", deadlock_action, ("abort", "report"))
+        self.deadlock_after_s = check_positive("deadlock_after_s", deadlock_after_s)
+        self._libraries = library_paths()
+        self._progress = 0  # heartbeats so far
+        self._wait: tuple[str, float, int] | None = None  # (wait point, since, progress)
+        self._usual: set[str] = set()
+        self._pending_usual: tuple[str | None, int] = (None, 0)
+        self._decisions: dict[str, tuple[Any, int | None]] = {}
+        self._settle_s = self.deadlock_after_s
+        self._decision_probe: Any = None  # the adapter's, from FIT_START
+        self._probed: tuple | None = None  # (wait, when) of the last early exchange
         self.exchange_timeout_s = max(2.0, self.exchange_period_s)
         self.incidents = 0
         self.ceilings_reached = 0
@@ -334,6 +384,8 @@ class HangWatchdog(Guard):
         self._told_calibrated = False
         self._last: Verdict | None = None
         self._failures = 0
+        self._decisions = {}
+        self._wait = None
         self.closest_call: tuple[float, str, float, float] | None = None
 
     # -- checkpoint state ---------------------------------------------------------------
@@ -362,10 +414,35 @@ class HangWatchdog(Guard):
             if deadline and (closest is None or interval > closest[0] * deadline):
                 self.closest_call = (interval / deadline, kind, interval, deadline)
         loader = facts.loader.name if facts.loader is not None else None
+        self._progress += 1
+        self._note_decisions(event, facts)
         self._beat = (event, facts.step, facts.batch_index, loader, now, self._kind(event))
         self._history.append((time.time(), event, facts.step, facts.batch_index, loader))
         if self._thread is None:
             self._start()
+
+    def _note_decisions(self, event: str, facts: EventFacts) -> None:
+        """Keeps the decisions that can split the ranks, with the step each was last changed."""
+        self._update_decisions(facts.decisions, facts.step)
+        if event == "checkpoint_save_start":
+            self._decisions["save"] = (True, facts.step)
+        elif event == "checkpoint_save_end":
+            self._decisions.pop("save", None)
+
+    def _update_decisions(self, decisions: Mapping[str, Any], step: int) -> None:
+        for name, value in decisions.items():
+            if self._decisions.get(name, (None,))[0] != value:
+                self._decisions[name] = (value, step)
+
+    def _probe_decisions(self) -> None:
+        """Reads the adapter's decisions now (watchdog thread, at each status): never raises."""
+        probe, beat = self._decision_probe, self._beat
+        if probe is None or beat is None:
+            return
+        try:
+            self._update_decisions(probe(), beat[1])
+        except Exception as exc:  # a framework's state read from another thread
+            logger.debug("rankguard %s: decision probe failed: %s", self.name, exc)
 
     def _kind(self, event: str) -> str:
         if event == "fit_end":
@@ -394,6 +471,7 @@ class HangWatchdog(Guard):
         self._reset()
         params = _num_params(facts.model) if facts.model is not None else None
         self._save_estimate = None if params is None else save_estimate_s(params, self.floor_s)
+        self._decision_probe = facts.decision_probe
         self._heartbeat("fit_start", facts)
 
     def on_epoch_start(self, facts: EventFacts) -> None:
@@ -586,6 +664,10 @@ class HangWatchdog(Guard):
         if not self.auto_calibrate or not ready:
             return
         calibrated = self._calibrated()
+        train = self.history.snapshot()["train"]
+        if len(train) >= MIN_SAMPLES:
+            step_p99 = quantile(train, QUANTILE)
+            self._settle_s = max(self.deadlock_after_s, self.calibration_factor * step_p99)
         self._deadline_s = {"startup": self.first_step_timeout_s}
         self._deadline_s.update({kind: d.seconds for kind, d in calibrated.items()})
         if not self._told_calibrated and self.history.count("train") >= MIN_SAMPLES:
@@ -597,9 +679,29 @@ class HangWatchdog(Guard):
                 describe(calibrated),
             )
 
+    def _sample(self) -> tuple[list, str | None, float]:
+        """Reads the loop's stack; tracks how long it has waited at one rendezvous."""
+        stack = self._loop_stack()
+        point = rendezvous(stack)
+        now = time.monotonic()
+        if point is None:
+            self._wait = None
+            return stack, None, 0.0
+        key = f"{point} at {user_frame(stack, self._libraries, source=False)}"
+        if self._wait is None or self._wait[0] != key or self._wait[2] != self._progress:
+            self._wait = (key, now, self._progress)
+        return stack, point, now - self._wait[1]
+
     def _status(self) -> RankStatus:
         event, step, batch_index, loader, since, kind = self._beat  # set before the thread starts
         done = kind == "done"
+        stack, waits_at, wait_s = self._sample()
+        self._probe_decisions()
+        key = self._wait[0] if self._wait else None
+        settled = waits_at is not None and wait_s >= self._settle_s
+        pending, self._pending_usual = self._pending_usual, (key, self._progress)
+        if pending[0] and self._progress > pending[1] and len(self._usual) < MAX_USUAL:
+            self._usual.add(pending[0])  # a wait the loop came out of: a healthy one
         return RankStatus(
             phase=phase_label(event, step, batch_index, loader),
             step=step,
@@ -607,9 +709,17 @@ class HangWatchdog(Guard):
             deadline_s=None if done else self._deadline_s[kind],
             host=self._host,
             pid=os.getpid(),
-            blocked_in=blocked_in(self._loop_stack()),
+            blocked_in=blocked_in(stack),
             ceiling_s=None if done else self.ceilings[kind],
             gave_up=self._gave_up,
+            user_frame=user_frame(stack, self._libraries),
+            waits_at=waits_at,
+            wait_s=round(wait_s, 3),
+            settled=settled,
+            progress=self._progress,
+            usual=key in self._usual,
+            direct=waits_at is not None and called_from_user(stack, self._libraries),
+            decisions=tuple((n, v, s) for n, (v, s) in sorted(dict(self._decisions).items())),
         )
 
     def _loop_stack(self) -> list[tuple[str, int, str]]:
@@ -624,7 +734,8 @@ class HangWatchdog(Guard):
     def _run(self) -> None:
         while not self._stop.is_set():
             self._recalibrate()
-            decide = functools.partial(diagnose, incident=self._incident)
+            suspect = self._last.suspect if self._last is not None else None
+            decide = functools.partial(diagnose, incident=self._incident, suspect=suspect)
             try:
                 verdict = self.channel.exchange(
                     STATUS_EXCHANGE, self._status(), decide, timeout_s=self.exchange_timeout_s
@@ -639,8 +750,13 @@ class HangWatchdog(Guard):
                 self._sleep()
                 continue
             self._failures = 0
+            confirm = verdict.suspect is not None and (
+                self._last is None or self._last.suspect != verdict.suspect
+            )
             self._last = verdict
-            if verdict.stuck:
+            if verdict.deadlock:
+                self._on_deadlock(verdict)
+            elif verdict.stuck:
                 self._incident = verdict.stuck
                 details = (*verdict.details, next_step(verdict.first, []))
                 self._stage(verdict.summary, details, frozen=[], end=verdict.end)
@@ -648,11 +764,58 @@ class HangWatchdog(Guard):
                 self._recovered()
             if verdict.done == ((0, self.channel.world_size - 1),):
                 return  # every rank's fit ended: every thread ends after this same exchange
-            self._sleep()
+            if not confirm:  # a deadlock seen once is confirmed by the next exchange, at once
+                self._sleep()
 
     def _sleep(self) -> None:
-        self._wake.wait(self.exchange_period_s)
+        """Waits for the next exchange; sooner when this rank's loop settles at a rendezvous."""
+        until = time.monotonic() + self.exchange_period_s
+        while not self._wake.is_set():
+            left = until - time.monotonic()
+            if left <= 0 or self._wake.wait(min(left, PROBE_PERIOD_S)):
+                break
+            if self._settled_at_rendezvous():
+                break
         self._wake.clear()
+
+    def _settled_at_rendezvous(self) -> bool:
+        """Whether the loop, without progress, has waited at one rendezvous for its settle time.
+
+        Cheap while training goes on: the stack is read only once no heartbeat
+        came for a probe period. A wait already exchanged is not exchanged
+        again before another settle time has passed.
+        """
+        beat = self._beat
+        if beat is None or beat[5] == "done" or self._ended.is_set():
+            return False
+        if time.monotonic() - beat[4] < PROBE_PERIOD_S:
+            return False
+        _, point, wait_s = self._sample()
+        if point is None or wait_s < self._settle_s:
+            return False
+        probed = self._probed
+        if (
+            probed is not None
+            and probed[0] == self._wait
+            and time.monotonic() - probed[1] < (self._settle_s)
+        ):
+            return False
+        self._probed = (self._wait, time.monotonic())
+        return True
+
+    def _on_deadlock(self, verdict: Verdict) -> None:
+        """A proven deadlock: report at once; with ``deadlock_action="abort"`` end the job.
+
+        With ``"report"`` it is reported once and the incident ends at the
+        ceiling as any other (stage 2, :data:`HANG_EXIT_CODE` with ``action="abort"``).
+        """
+        self._incident = verdict.stuck
+        if self.deadlock_action == "abort":
+            self._report(verdict.summary, verdict.details, [], final=True, deadlock=True)
+        elif not self._reported:
+            self._report(verdict.summary, verdict.details, [], final=False, deadlock=True)
+        elif verdict.end and not self._ended.is_set():
+            self._report(verdict.summary, verdict.details, [], final=True)
 
     def _on_missing(self, missing: list[int]) -> None:
         waited = self.exchange_period_s + self._failures * self.exchange_timeout_s
@@ -696,7 +859,12 @@ class HangWatchdog(Guard):
         self._ended.clear()
 
     def _report(
-        self, summary: str, details: tuple[str, ...], frozen: list[int], final: bool
+        self,
+        summary: str,
+        details: tuple[str, ...],
+        frozen: list[int],
+        final: bool,
+        deadlock: bool = False,
     ) -> None:
         rank, status = self.channel.rank, self._status()
         header = f"rank {rank}, host {status.host}, pid {status.pid}: {status.phase}"
@@ -711,6 +879,12 @@ class HangWatchdog(Guard):
             if final
             else "Stage 1: reported at the calibrated deadline; training goes on."
         )
+        if deadlock:
+            stage = (
+                f"Proven deadlock: the job ends now with exit code {DEADLOCK_EXIT_CODE}."
+                if final
+                else "Proven deadlock (deadlock_action='report'): the two stages go on."
+            )
         text = (
             "\n".join([summary, "", *details, stage, "", self._nccl_note])
             if rank == writer
@@ -731,8 +905,9 @@ class HangWatchdog(Guard):
             self.incidents += 1  # counted once per incident (tests wait on it)
         self._reported = True
         if not final:
+            heading = "Deadlock" if deadlock else "Hang suspected"
             self.last_incident = HangDetectedError(
-                "\n".join([f"Hang suspected: {summary}.", *details, where])
+                "\n".join([f"{heading}: {summary}.", *details, where])
             )
             then = "aborts" if self.action == "abort" else "reports again"
             logger.warning(
@@ -743,16 +918,21 @@ class HangWatchdog(Guard):
                 then,
             )
             return
-        self.last_incident = HangDetectedError("\n".join([f"Hang: {summary}.", *details, where]))
+        heading = "Deadlock" if deadlock else "Hang"
+        self.last_incident = HangDetectedError(
+            "\n".join([f"{heading}: {summary}.", *details, where])
+        )
         self.ceilings_reached += 1
         self._gave_up = None
-        then = f"aborting with exit code {HANG_EXIT_CODE}" if self.action == "abort" else "waiting"
+        code = DEADLOCK_EXIT_CODE if deadlock else HANG_EXIT_CODE
+        aborts = deadlock or self.action == "abort"
+        then = f"aborting with exit code {code}" if aborts else "waiting"
         logger.error("rankguard %s: %s Now %s.", self.name, self.last_incident, then)
         self._ended.set()
-        if self.action == "abort":
-            self._abort()
+        if aborts:
+            self._abort(code)
 
-    def _abort(self) -> None:
+    def _abort(self, code: int = HANG_EXIT_CODE) -> None:
         for handler in logging.getLogger().handlers:
             handler.flush()
         try:  # every rank has read the verdict before any exits
@@ -760,7 +940,7 @@ class HangWatchdog(Guard):
             self._leave_store_last()
         except Exception:
             logger.debug("rankguard %s: abort barrier incomplete", self.name)
-        os._exit(HANG_EXIT_CODE)
+        os._exit(code)
 
     def _leave_store_last(self) -> None:
         """Rank 0 exits last, once every other rank has made its last store request.

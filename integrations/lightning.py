@@ -185,6 +185,21 @@ def hook_checkpoint_io(
     return unhook
 
 
+def split_decisions(trainer: pl.Trainer) -> dict[str, Any]:
+    """Decisions that can split the ranks, as this rank's trainer holds them now.
+
+    ``should_stop`` is public; the metric names logged with ``sync_dist=True``
+    are read from ``trainer._results`` (the running loop's logged values), a
+    private attribute: this is the one place (``tests/test_adapters.py`` fails
+    when Lightning changes it). Called from the hang watchdog's thread, so it
+    copies what it reads and lets the caller catch a change under its feet.
+    """
+    results = getattr(trainer, "_results", None)
+    metrics = list(results.values()) if results else []
+    keys = sorted({m.meta.name for m in metrics if m.meta.sync.should})
+    return {"should_stop": bool(trainer.should_stop), "sync_dist_keys": tuple(keys)}
+
+
 class _LightningAdapter(Callback):
     """Drives a :class:`GuardRunner` from Lightning hooks."""
 
@@ -251,6 +266,7 @@ class _LightningAdapter(Callback):
             switch_to_sharded=switch,
             sharded_setting=setting,
             upload_setting=UPLOAD_SETTING,
+            decision_probe=functools.partial(split_decisions, trainer),
         )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -272,8 +288,9 @@ class _LightningAdapter(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """TRAIN_BATCH_END, then DATA_FETCH_START for the next batch."""
-        self._fire(trainer, Event.TRAIN_BATCH_END, batch_index=batch_idx)
+        """TRAIN_BATCH_END (with ``should_stop``), then DATA_FETCH_START for the next batch."""
+        stop = {"should_stop": bool(trainer.should_stop)}
+        self._fire(trainer, Event.TRAIN_BATCH_END, batch_index=batch_idx, decisions=stop)
         self._fire(trainer, Event.DATA_FETCH_START, batch_index=batch_idx + 1)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -310,9 +327,10 @@ class _LightningAdapter(Callback):
         return {"loader": loader, "batch_index": batch_idx}
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """EVAL_END for every val loader."""
+        """EVAL_END for every val loader (with ``should_stop``: early stopping decides here)."""
+        stop = {"should_stop": bool(trainer.should_stop)}
         for loader in self._val:
-            self._fire(trainer, Event.EVAL_END, loader=loader)
+            self._fire(trainer, Event.EVAL_END, loader=loader, decisions=stop)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EPOCH_END with the train loader."""

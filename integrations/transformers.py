@@ -203,6 +203,16 @@ def hook_resume(trainer: Trainer, before_load: Callable[[str], None]) -> Callabl
     return unhook
 
 
+def stop_decision(control: TrainerControl) -> dict[str, Any]:
+    """``control.should_training_stop`` as a decision that can split the ranks.
+
+    Read by the hang watchdog's thread while a rank is blocked: early stopping
+    decided from one rank's un-gathered metric stops that rank alone
+    (transformers #17478). The Trainer keeps one ``TrainerControl`` per run.
+    """
+    return {"should_stop": bool(control.should_training_stop)}
+
+
 class _TrainerAdapter(TrainerCallback):
     """Drives a :class:`GuardRunner` from ``TrainerCallback`` hooks."""
 
@@ -287,6 +297,7 @@ class _TrainerAdapter(TrainerCallback):
             state_dict_type=state_dict_type(self._trainer),
             switch_to_sharded=None,
             sharded_setting=SHARDED_SETTING,
+            decision_probe=functools.partial(stop_decision, control),
         )
         if args.eval_on_start and evals:
             self.driver.eval_start(evals)

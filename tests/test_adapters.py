@@ -305,3 +305,49 @@ def test_lightning_every_save_and_resume_pass_through_rankguard(tmp_path):
     trainer.save_checkpoint(path)  # a full checkpoint (weights-only ones cannot resume)
     fit(resumed, max_epochs=2, ckpt_path=path)
     assert resumed.seen[0][0] == "load" and resumed.seen[0][1].load_path == path
+
+
+def test_lightning_split_decisions_read_should_stop_and_the_synced_keys_of_the_running_step():
+    """The one private reach of ``split_decisions`` (``trainer._results``): fails if it changes."""
+    import lightning as L
+
+    from rankguard.integrations.lightning import split_decisions
+
+    seen = []
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+            self.log("synced", loss, sync_dist=True)
+            self.log("local", loss)
+            if batch_idx == 1:
+                self.trainer.should_stop = True
+            results = self.trainer._results.values()
+            names = {m.meta.name: m.meta.sync.should for m in results}
+            seen.append((split_decisions(self.trainer), names))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Module(), DataLoader(Points(16), batch_size=4))
+    # One process: Lightning syncs nothing (sync_dist only applies when distributed); the
+    # 2-rank run in tests/test_deadlock_e2e.py reads the synced key.
+    assert seen[0] == (
+        {"should_stop": False, "sync_dist_keys": ()},
+        {"synced": False, "local": False},
+    )
+    assert seen[1][0] == {"should_stop": True, "sync_dist_keys": ()}

@@ -155,3 +155,46 @@ def test_a_normal_install_holds_one_rankguard_package_with_both_subpackages(tmp_
         .read(next(n for n in names if n.endswith("entry_points.txt")))
         .decode()
     )
+
+
+def _incident(directory: Path, ranks: int = 3) -> None:
+    """A real report folder: what write_incident leaves for each rank."""
+    from rankguard.callbacks.hang_report import write_incident
+
+    for rank in range(ranks):
+        summary = "rank 1 stuck 40 s in train batch 12 (deadline 30 s)" if rank == 0 else None
+        beats = [{"t": 100.0 + i, "event": "train_batch_end", "phase": f"after train batch {i}",
+                  "step": i} for i in range(12)]  # fmt: skip
+        write_incident(
+            directory, rank, f"rank {rank}, host h, pid 1: train batch 12", beats, summary
+        )
+
+
+def test_report_with_a_rank_file_cut_mid_line_reads_the_rest_and_names_the_cut_rank(
+    tmp_path, capsys
+):
+    _incident(tmp_path)
+    path = tmp_path / "rank1.jsonl"
+    text = path.read_text()
+    path.write_text(text[: len(text) - 25])  # killed mid-write: the last line is cut
+    assert cli.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("rank 1 stuck 40 s in train batch 12"), out  # the verdict
+    assert "Incomplete report:\n  rank 1: rank1.jsonl was cut (1 unreadable line(s)" in out
+    assert "read the 11 record(s) before." in out
+    assert (tmp_path / "timeline.png").exists()
+
+
+def test_report_with_a_rank_missing_or_unreadable_names_it_and_still_gives_the_verdict(
+    tmp_path, capsys
+):
+    _incident(tmp_path)
+    (tmp_path / "rank1.jsonl").unlink()
+    (tmp_path / "rank1.txt").unlink()
+    (tmp_path / "rank2.jsonl").write_bytes(b"\xff\xfe{not json\n")
+    assert cli.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("rank 1 stuck 40 s in train batch 12"), out
+    assert "rank 1: no rank1.txt or rank1.jsonl (never written, or lost)." in out
+    assert "rank 2: rank2.jsonl was cut (1 unreadable line(s)" in out
+    assert "wrote" in out and (tmp_path / "merged.txt").read_text().count("Incomplete") == 1

@@ -170,3 +170,14 @@ def test_accelerate_sharded_loaders_are_distributed_for_the_content_check():
     fingerprint = fingerprint_loader(loader, sample_items=4)
     assert fingerprint.sharded and fingerprint.content_kind == "items"
     assert not fingerprint_loader(DataLoader(data, batch_size=4), sample_items=4).sharded
+
+
+def test_stop_decision_reads_should_training_stop_for_the_deadlock_report():
+    from transformers import TrainerControl
+
+    from rankguard.integrations.transformers import stop_decision
+
+    control = TrainerControl()
+    assert stop_decision(control) == {"should_stop": False}
+    control.should_training_stop = True  # what EarlyStoppingCallback sets, on one rank
+    assert stop_decision(control) == {"should_stop": True}

@@ -98,6 +98,31 @@ class UnmatchedCollective(Callback):
             reduce_on_side_group(self.group)
 
 
+def reduce_on_rank0_only(group) -> None:
+    """The bug: a collective under ``if rank == 0`` (a metric summed "on the main process")."""
+    with open(os.path.join(OUT, "split.json"), "w") as file:
+        json.dump({"rank": 0, "t": time.time()}, file)
+    torch.distributed.all_reduce(torch.ones(3), group=group)
+
+
+class Rank0Collective(Callback):
+    """At the first epoch's end, rank 0 alone reduces a tensor.
+
+    On its own gloo group: on the training group gloo would pair it with
+    Composer's next collective on rank 1 and crash on the size mismatch.
+    """
+
+    def __init__(self) -> None:
+        self.group = None
+
+    def fit_start(self, state, logger):
+        self.group = torch.distributed.new_group(backend="gloo")
+
+    def epoch_end(self, state, logger):
+        if dist.get_global_rank() == 0:
+            reduce_on_rank0_only(self.group)
+
+
 def sharded(n: int) -> DataLoader:
     data = Points(n)
     return DataLoader(data, batch_size=4, sampler=dist.get_sampler(data))
@@ -148,6 +173,8 @@ SCENARIOS = {
     "healthy_slow_eval": healthy_slow_eval,
     # 4 train steps before the first eval calibrate the deadlines: two stages.
     "post_eval_stall": lambda: hang("post_eval_stall", StallAfterEval(), TWO_STAGE, "4ba"),
+    # Every watchdog setting at its default: the proven deadlock ends the job (exit 70).
+    "rank0_collective": lambda: hang("rank0_collective", Rank0Collective(), {}, "4ba"),
     "unmatched_collective": lambda: hang(
         "unmatched_collective", UnmatchedCollective(), HANG, "2ba"
     ),

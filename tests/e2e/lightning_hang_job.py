@@ -164,10 +164,30 @@ def stall_after_validation_end() -> dict[str, Any]:
     raise AssertionError("the fit ended; the watchdog should have ended the process")
 
 
+class ExtraSyncedKey(PacedModule):
+    """The bug (Lightning #19106): rank 1 alone logs a key with ``sync_dist=True`` at step 5."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and self.global_step == 5:
+            with open(os.path.join(OUT, "split.json"), "w") as file:
+                json.dump({"rank": 1, "t": time.time()}, file)
+            self.log("extra", loss.detach(), sync_dist=True)
+        return loss
+
+
+def sync_dist_key() -> dict[str, Any]:
+    """Every watchdog setting at its default: the proven deadlock ends the job (exit 70)."""
+    job = trainer([HangWatchdog(report_dir=reports("sync_dist_key"))], max_epochs=2)
+    job.fit(ExtraSyncedKey(), loader(32), loader(16))
+    raise AssertionError("the fit ended; the watchdog should have ended the process")
+
+
 SCENARIOS = {
     "healthy_slow_eval": healthy_slow_eval,
     "resume_calibrated": resume_calibrated,
     "stall_after_validation": stall_after_validation_end,
+    "sync_dist_key": sync_dist_key,
 }
 
 

@@ -10,7 +10,9 @@ per-rank streams), loaders and ``guard.fit`` in the same two processes;
 outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
 ``post_eval_stall`` never returns (the watchdog ends every rank with exit code
 75), so it must come last; rank 1 writes the moment its stall starts to
-``OUT_DIR/stall.json``.
+``OUT_DIR/stall.json``. ``rank0_collective`` (a collective on rank 0 only
+after the first eval) never returns either: the deadlock ends every rank with
+exit code 70; rank 0 writes the moment of the split to ``OUT_DIR/split.json``.
 """
 
 from __future__ import annotations
@@ -267,6 +269,19 @@ def post_eval_stall() -> None:
     fit(RankGuard(hang_watchdog=settings), *seeded_split(), after_eval=stall_after_eval)
 
 
+def reduce_on_rank0_only() -> None:
+    """The bug: a collective under ``if rank == 0`` (a metric summed "on the main process")."""
+    if dist.get_rank() == 0:
+        (OUT / "split.json").write_text(json.dumps({"rank": 0, "t": time.time()}))
+        dist.all_reduce(torch.ones(3))
+
+
+def rank0_collective() -> None:
+    """Every setting at its default: the deadlock is proven and ends the job (exit code 70)."""
+    guard = RankGuard(hang_watchdog={"report_dir": str(OUT / "reports_rank0_collective")})
+    fit(guard, *seeded_split(), after_eval=reduce_on_rank0_only)
+
+
 SCENARIOS = {
     "healthy": healthy,
     "unseeded_split": unseeded,
@@ -278,6 +293,7 @@ SCENARIOS = {
     "resume_node_local": resume_node_local,
     "straggler": straggler,
     "post_eval_stall": post_eval_stall,
+    "rank0_collective": rank0_collective,
 }
 
 

@@ -1,0 +1,122 @@
+"""Proven deadlocks in real 2-rank jobs: a collective that only rank 0 calls, settings at defaults.
+
+Two launches, each ending the job with :data:`DEADLOCK_EXIT_CODE` on every
+rank within seconds of the split, naming the user's own line:
+
+- a hand-written DDP loop under torchrun (``tests/e2e/torch_loop_job.py``);
+- Composer (``composer -n 2``, ``tests/e2e/composer_hang_job.py``);
+- Lightning ``ddp``: rank 1 alone logs a key with ``sync_dist=True``
+  (``tests/e2e/lightning_hang_job.py``): rank 0 waits in DDP's backward.
+
+On gloo a mismatched collective may pair with the wrong partner instead of
+hanging; the tests assert that rankguard names it, not how the hang looks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from rankguard.callbacks.hang_watchdog import DEADLOCK_EXIT_CODE
+from tests.mp import ROOT, run_job
+
+pytestmark = pytest.mark.framework
+
+BIN = Path(sys.executable).parent
+LAUNCH_TIMEOUT_S = 150
+#: The issue's target: reported within 10 s of the split (a 2-core machine under load).
+REPORT_WITHIN_S = 10.0
+
+
+def _launch(cmd: list[str], out: Path) -> tuple[str, int, float]:
+    job = run_job(cmd, timeout_s=LAUNCH_TIMEOUT_S, cwd=out)
+    return job.output, job.returncode, job.ended_at
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    out = tmp_path_factory.mktemp("loop_deadlock")
+    job = ROOT / "tests" / "e2e" / "torch_loop_job.py"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(job), str(out)]
+    return out, *_launch([*cmd, "rank0_collective"], out)
+
+
+@pytest.fixture(scope="module")
+def composer(tmp_path_factory):
+    out = tmp_path_factory.mktemp("composer_deadlock")
+    job = ROOT / "tests" / "e2e" / "composer_hang_job.py"
+    return out, *_launch(
+        [str(BIN / "composer"), "-n", "2", str(job), str(out), "rank0_collective"], out
+    )
+
+
+@pytest.fixture(scope="module")
+def lightning(tmp_path_factory):
+    pytest.importorskip("lightning", reason="needs rankguard[lightning]")
+    out = tmp_path_factory.mktemp("lightning_deadlock")
+    job = ROOT / "tests" / "e2e" / "lightning_hang_job.py"
+    return out, *_launch([sys.executable, str(job), str(out), "sync_dist_key"], out)
+
+
+def _check(
+    out: Path,
+    output: str,
+    ended_at: float,
+    job: str,
+    function: str,
+    scenario: str = "rank0_collective",
+    rank: int = 0,
+    call: str = r"(torch\.distributed|dist)\.",
+) -> str:
+    reports = out / f"reports_{scenario}"
+    summary = (reports / "summary.txt").read_text()
+    split = json.loads((out / "split.json").read_text())
+    assert summary.startswith("deadlock, every rank waits at a rendezvous"), summary
+    # The user's own line on rank 0, beside the collective it is blocked in.
+    where = rf"rank {rank}: your code at {job}:\d+ \({function}\): {call}"
+    assert re.search(where, summary), summary
+    assert f"Next: fix the code path at rank {rank}'s wait point" in summary, summary
+    assert f"exit code {DEADLOCK_EXIT_CODE}, do not restart" in summary
+    latency = (reports / "summary.txt").stat().st_mtime - split["t"]
+    assert latency < REPORT_WITHIN_S, latency
+    assert ended_at - split["t"] < REPORT_WITHIN_S + 5, ended_at - split["t"]
+    assert output.count(f"Now aborting with exit code {DEADLOCK_EXIT_CODE}.") == 2, output[-6000:]
+    return summary
+
+
+def test_loop_collective_on_rank0_only_is_a_proven_deadlock_ended_with_exit_70(loop):
+    out, output, returncode, ended_at = loop
+    assert returncode != 0
+    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", output))
+    assert codes == {str(DEADLOCK_EXIT_CODE)}, output[-6000:]
+    _check(out, output, ended_at, "torch_loop_job.py", "reduce_on_rank0_only")
+
+
+def test_composer_collective_on_rank0_only_is_a_proven_deadlock_ended_with_exit_70(composer):
+    out, output, returncode, ended_at = composer
+    assert returncode == DEADLOCK_EXIT_CODE, output[-6000:]
+    for rank in (0, 1):
+        assert re.search(rf"Global rank {rank} \(PID \d+\) exited with code 70", output)
+    _check(out, output, ended_at, "composer_hang_job.py", "reduce_on_rank0_only")
+
+
+def test_lightning_sync_dist_key_on_one_rank_is_a_proven_deadlock_naming_the_log_call(lightning):
+    out, output, returncode, ended_at = lightning
+    assert returncode == DEADLOCK_EXIT_CODE, output[-6000:]  # rank 0, this process's child
+    summary = _check(
+        out,
+        output,
+        ended_at,
+        "lightning_hang_job.py",
+        "training_step",
+        scenario="sync_dist_key",
+        rank=1,
+        call=r'self\.log\("extra"',
+    )
+    assert "rank 0: your code at lightning_hang_job.py:" in summary  # in backward
+    split = "What split them: rank 0 logged with sync_dist=True at step 5: none; "
+    assert split + "rank 1 logged with sync_dist=True at step 5: extra." in summary, summary

@@ -1,0 +1,208 @@
+"""Proven deadlocks: the pure rules (wait points, user frame, split, verdict), then 2 real ranks."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from rankguard.callbacks import side_channel
+from rankguard.callbacks.events import EventFacts
+from rankguard.callbacks.hang_deadlock import (
+    called_from_user,
+    deadlock_key,
+    library_paths,
+    odd_rank,
+    rendezvous,
+    split_sentence,
+    user_frame,
+)
+from rankguard.callbacks.hang_diagnosis import RankStatus, diagnose
+from tests.mp import run_ranks
+
+TORCH = os.path.dirname(torch.__file__)
+C10D = os.path.join(TORCH, "distributed", "distributed_c10d.py")
+BACKWARD = os.path.join(TORCH, "autograd", "graph.py")
+DCP = os.path.join(TORCH, "distributed", "checkpoint", "filesystem.py")
+TRAIN = "/home/me/project/train.py"
+
+
+def _status(
+    waits_at=None, frame="train.py:107 (epoch_end)", settled=True, progress=5, **kw
+) -> RankStatus:
+    return RankStatus(
+        phase=kw.pop("phase", "epoch end"),
+        step=80,
+        idle_s=kw.pop("idle_s", 4.0),
+        deadline_s=30.0,
+        host="h",
+        pid=1,
+        user_frame=frame,
+        waits_at=waits_at,
+        wait_s=4.0,
+        settled=settled,
+        progress=progress,
+        **kw,
+    )
+
+
+def test_rendezvous_is_a_collective_backward_or_rankguard_exchange_not_other_distributed_code():
+    assert rendezvous([(C10D, 10, "all_reduce"), (TRAIN, 107, "epoch_end")]) == "all_reduce"
+    assert rendezvous([(BACKWARD, 5, "_engine_run_backward"), (TRAIN, 1, "f")]) == "backward"
+    assert rendezvous([(side_channel.__file__, 5, "_decide")]) == "rankguard exchange"
+    assert rendezvous([(DCP, 5, "write_data"), (TRAIN, 1, "save")]) is None  # writing: busy
+    assert rendezvous([(TRAIN, 107, "epoch_end")]) is None  # the user's own code: busy
+
+
+def test_user_frame_is_the_innermost_frame_outside_libraries_with_its_source_line():
+    here = os.path.abspath(__file__)
+    stack = [(C10D, 10, "all_reduce"), (here, 1, "caller"), (TRAIN, 9, "main")]
+    assert user_frame(stack, library_paths()).startswith("test_hang_deadlock.py:1 (caller): ")
+    assert user_frame([(C10D, 10, "all_reduce")], library_paths()) is None
+
+
+def test_every_rank_at_a_different_rendezvous_is_a_deadlock_a_slow_rank_never_is():
+    split = {0: _status("all_reduce"), 1: _status("backward", frame="train.py:150 (step)")}
+    assert deadlock_key(split) is not None
+    # Rank 0 busy in its own code (writing a file, logging) while rank 1 waits: slow, not stuck.
+    slow = {0: _status(None), 1: _status("barrier", frame="train.py:90 (save)")}
+    assert deadlock_key(slow) is None
+    same = {0: _status("all_reduce"), 1: _status("all_reduce")}  # one slow collective
+    assert deadlock_key(same) is None
+    fresh = {0: _status("all_reduce"), 1: _status("backward", frame="x.py:1 (f)", settled=False)}
+    assert deadlock_key(fresh) is None  # a collective on its way
+
+
+def test_a_deadlock_is_proven_by_two_exchanges_without_progress():
+    statuses = {0: _status("all_reduce"), 1: _status("backward", frame="train.py:150 (step)")}
+    first = diagnose(statuses)
+    assert not first.deadlock and first.suspect is not None and not first.stuck
+    second = diagnose(statuses, suspect=first.suspect)
+    assert second.deadlock and second.stuck == ((0, 1),)
+    assert second.summary.startswith("deadlock, every rank waits at a rendezvous")
+    moved = {**statuses, 1: _status("backward", frame="train.py:150 (step)", progress=6)}
+    assert not diagnose(moved, suspect=first.suspect).deadlock  # rank 1 made progress
+
+
+def test_next_points_at_the_rank_whose_wait_point_is_not_the_usual_one():
+    usual = _status("backward", frame="model.py:150 (training_step)", usual=True)
+    odd = _status("barrier", frame="model.py:152 (training_step): self.log(...)")
+    assert odd_rank({0: usual, 1: odd}) == 1
+    assert odd_rank({0: odd, 1: usual}) == 0
+    # Two ranks, two collectives: the one the user's own code calls, not the framework's.
+    fetch = _status("all_reduce", frame="train.py:146 (fit): trainer.fit()")
+    side = _status("all_reduce", frame="cb.py:84 (epoch_end): dist.all_reduce(t)", direct=True)
+    assert odd_rank({0: fetch, 1: side}) == 1
+    many = {r: _status("backward", frame="a.py:1 (f)") for r in range(4)}
+    assert odd_rank({**many, 2: odd}) == 2
+
+
+def test_the_decision_that_split_the_ranks_is_said_in_one_sentence():
+    stop = _status(decisions=(("should_stop", True, 83),))
+    go = _status(decisions=(("should_stop", False, 0),))
+    assert split_sentence({0: stop, 1: go}) == "rank 0 set should_stop at step 83; rank 1 did not."
+    keys = _status(decisions=(("sync_dist_keys", ("extra", "loss"), 12),))
+    base = _status(decisions=(("sync_dist_keys", ("loss",), 12),))
+    assert split_sentence({0: base, 1: keys}) == (
+        "rank 0 logged with sync_dist=True at step 80: loss; "
+        "rank 1 logged with sync_dist=True at step 80: extra, loss."
+    )
+    save = _status(decisions=(("save", True, 40),))
+    assert split_sentence({0: save, 1: _status()}) == (
+        "rank 0 entered a checkpoint save at step 40; rank 1 did not."
+    )
+    assert split_sentence({0: go, 1: go}) is None
+
+
+def test_a_rendezvous_reached_through_a_framework_is_not_called_from_the_users_code():
+    site = os.path.dirname(TORCH)
+    lightning = os.path.join(site, "lightning", "pytorch", "core", "module.py")
+    stack = [
+        (BACKWARD, 824, "_engine_run_backward"),
+        (lightning, 1137, "backward"),
+        (TRAIN, 9, "f"),
+    ]
+    assert not called_from_user(stack, library_paths())
+    assert called_from_user([(C10D, 10, "all_reduce"), (TRAIN, 107, "epoch_end")], library_paths())
+
+
+# -- the watchdog on two real ranks (gloo, spawned processes) ------------------------------
+
+
+def _watchdog(report_dir: str):
+    from rankguard.callbacks.hang_watchdog import HangWatchdog
+    from rankguard.callbacks.side_channel import SideChannel
+
+    watchdog = HangWatchdog(
+        report_dir=report_dir, timeout_s=60, deadlock_after_s=1.5, exchange_period_s=5
+    )
+    watchdog.bind(SideChannel.from_environment(timeout_s=10))
+    watchdog.on_fit_start(EventFacts())
+    for step in range(3):
+        watchdog.on_train_batch_start(EventFacts(step=step))
+        watchdog.on_train_batch_end(EventFacts(step=step + 1))
+    return watchdog
+
+
+def write_samples_on_rank0(seconds: float) -> None:
+    """Rank-0-only work in the user's code (writing a file), as a healthy job does."""
+    time.sleep(seconds)
+
+
+def _rank0_works_alone_while_rank1_waits(rank, world_size, report_dir):
+    import torch.distributed as dist
+
+    watchdog = _watchdog(report_dir)
+    if rank == 0:
+        write_samples_on_rank0(5.0)  # more than 3 x deadlock_after_s
+    dist.barrier()
+    watchdog.on_train_batch_start(EventFacts(step=3))
+    watchdog.on_train_batch_end(EventFacts(step=4))
+    watchdog.on_fit_end(EventFacts(step=4))
+    watchdog.close()
+    return watchdog.incidents
+
+
+def test_rank0_only_work_while_the_others_wait_in_a_barrier_is_never_a_deadlock(tmp_path):
+    outcomes = run_ranks(_rank0_works_alone_while_rank1_waits, 2, str(tmp_path), timeout_s=60)
+    assert [(o.error, o.value) for o in outcomes] == [(None, 0), (None, 0)], outcomes
+    assert not (tmp_path / "summary.txt").exists()
+
+
+def reduce_under_if_rank_0(group) -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1), group=group)
+
+
+def _split_collectives(rank, world_size, report_dir):
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo")
+    _watchdog(report_dir)
+    if rank == 0:
+        reduce_under_if_rank_0(group)  # the bug: rank 1 never calls it
+    dist.barrier()
+
+
+def test_collective_on_one_rank_is_a_proven_deadlock_ending_every_rank_with_70(tmp_path):
+    from rankguard.callbacks.hang_watchdog import DEADLOCK_EXIT_CODE
+
+    start = time.monotonic()
+    outcomes = run_ranks(_split_collectives, 2, str(tmp_path), timeout_s=60)
+    assert [o.exitcode for o in outcomes] == [DEADLOCK_EXIT_CODE] * 2, outcomes
+    assert time.monotonic() - start < 30  # seconds after the split, not the harness's kill
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "rank 0: your code at test_hang_deadlock.py:" in summary
+    assert "(reduce_under_if_rank_0): dist.all_reduce(torch.ones(1), group=group)" in summary
+    assert "Next: fix the code path at rank 0's wait point" in summary, summary
+
+
+def test_with_deadlock_action_report_the_deadlock_still_ends_at_the_ceiling():
+    past = {r: _status("all_reduce" if r else "barrier", idle_s=700.0) for r in (0, 1)}
+    first = diagnose(past)
+    verdict = diagnose(past, suspect=first.suspect)
+    assert verdict.deadlock and verdict.end  # past the 30 s deadline (no ceiling given)
+    young = {r: _status("all_reduce" if r else "barrier", idle_s=4.0) for r in (0, 1)}
+    assert not diagnose(young, suspect=diagnose(young).suspect).end
