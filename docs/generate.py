@@ -502,15 +502,26 @@ _RANDOM = re.compile(r"\bhash [0-9a-f]{8}\b|'[0-9a-f]{16}'")
 
 
 def _warned(lines: list[str]) -> dict[str, set[str]]:
-    """Per rank (``[rank N``), rankguard's WARNING and ERROR lines among ``lines``.
+    """Per rank (``[rank N``), rankguard's WARNING and ERROR messages among ``lines``.
 
-    Content hashes, which differ from run to run where the fault is randomness, are masked.
+    A message is its logged line with the continuation lines that follow it (a
+    hang report's per-rank lines). Content hashes, which differ from run to run
+    where the fault is randomness, are masked.
     """
     by_rank: dict[str, set[str]] = {}
-    for line in lines:
+    message: list[str] = []
+    for line in [*lines, "[rank end]"]:
+        if message and line.strip() and not _NOT_CONTINUATION.match(line):
+            message.append(line)
+            continue
+        if message:
+            by_rank.setdefault(message[0].split("]")[0], set()).add(
+                _RANDOM.sub("#", "\n".join(message))
+            )
+            message = []
         match = _LOGGED.match(line)
         if match and match.group(1) != "INFO" and match.group(2).startswith("rankguard"):
-            by_rank.setdefault(line.split("]")[0], set()).add(_RANDOM.sub("#", line))
+            message = [line]
     return by_rank
 
 
@@ -1096,9 +1107,11 @@ def run_stale(force: bool, only: str | None = None) -> int:
 
     Args:
         force: Rerun every run, stale or not.
-        only: Only the runs whose :attr:`Run.name` holds this text.
+        only: Only the runs whose :attr:`Run.name` holds these whole dot-separated parts
+            (``post_eval_hang.with`` is not ``post_eval_hang.without``).
     """
-    todo = [run for run in runs() if (force or stale(run)) and (only or "") in run.name]
+    part = f".{(only or '').strip('.')}." if only else "."
+    todo = [run for run in runs() if (force or stale(run)) and part in f".{run.name}."]
     for i, run in enumerate(todo, 1):
         log.info("[%d/%d] %s", i, len(todo), run.command)
         reports = ROOT / "out" / "examples" / "rankguard_reports"
@@ -1124,7 +1137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         metavar="TEXT",
-        help="run (if stale, or with --force) only the runs whose file name holds TEXT, "
+        help="run (if stale, or with --force) only the runs whose file name holds the whole "
+        "dot-separated parts TEXT, "
         "e.g. torch.drop_last or .with",
     )
     args = parser.parse_args(argv)

@@ -145,8 +145,8 @@ def _documented_commands(langs: str = "bash|console") -> list[str]:
     return sorted(set(commands))
 
 
-#: Commands that take minutes: run by ``make docs`` (the example runs) or by hand.
-LONG = re.compile(r"^make (demo|test|docs|bench)$|^pip install ")
+#: Commands that take minutes or rewrite the lock: run by ``make docs`` or by hand.
+LONG = re.compile(r"^make (demo|test|check|docs|bench|lock)$|^pip install ")
 
 
 def _recorded() -> set[str]:
@@ -248,3 +248,12 @@ def test_a_rerun_is_compared_with_its_recording_rank_by_rank():
     # Rank 0's log alone (a launcher that shows rank 0's only) is compared for rank 0.
     rank0 = "\n".join(line for line in recorded.splitlines() if line.startswith("[rank 0]"))
     assert generate.says_otherwise(run, rank0) == []
+
+
+def test_a_rerun_whose_message_has_a_line_more_or_less_is_told_apart():
+    (run,) = [r for r in generate.runs() if r.name == "composer.post_eval_hang.with"]
+    recorded = generate.read_recording(run).lines
+    assert generate.says_otherwise(run, "\n".join(recorded)) == []
+    continuation = next(i for i, line in enumerate(recorded) if "your code at" in line)
+    shorter = recorded[:continuation] + recorded[continuation + 1 :]
+    assert generate.says_otherwise(run, "\n".join(shorter))
