@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEADLOCK_EXIT_CODE",
+    "LEFT_LOOP",
     "RENDEZVOUS_CALLS",
     "called_from_user",
     "deadlock_key",
     "describe_deadlock",
+    "left_at",
     "library_paths",
     "odd_rank",
     "rendezvous",
@@ -39,6 +41,10 @@ __all__ = [
 #: Exit code of every rank on a proven deadlock: the code path differs between ranks, so a
 #: restart replays it; 70 is EX_SOFTWARE ("fix the code", where 75 says "restart me").
 DEADLOCK_EXIT_CODE = 70
+
+#: The wait point of a rank whose fit ended (``waits_at``): it left the training loop and
+#: can never reach a rendezvous the others wait at in it.
+LEFT_LOOP = "left the training loop"
 
 #: ``torch.distributed`` functions whose frame, innermost, means the thread waits for peers.
 RENDEZVOUS_CALLS = frozenset(
@@ -66,6 +72,11 @@ RENDEZVOUS_CALLS = frozenset(
     }
 )
 _C10D = os.path.join("torch", "distributed", "")
+#: DDP's buffer broadcast at the start of each forward (``broadcast_buffers=True``).
+_DDP_BROADCAST = (
+    os.path.join("torch", "nn", "parallel", "distributed.py"),
+    "_distributed_broadcast_coalesced",
+)
 _TORCH = os.sep + os.path.join("torch", "")
 _BACKWARD = (os.path.join("torch", "autograd", "graph.py"), "_engine_run_backward")
 _RANKGUARD = (
@@ -90,7 +101,8 @@ def rendezvous(stack: Frames) -> str | None:
     a ``torch.distributed`` collective or barrier (not, say, a checkpoint
     writer under ``torch/distributed``), rankguard's own exchange, or
     autograd's engine (under DDP and FSDP, backward all-reduces gradients)
-    count, since only these can wait forever for a rank that went elsewhere.
+    or DDP's buffer broadcast before a forward count, since only these can
+    wait forever for a rank that went elsewhere.
 
     Args:
         stack: The thread's frames ``(file, line, function)``, innermost first.
@@ -108,6 +120,8 @@ def rendezvous(stack: Frames) -> str | None:
         return "backward"
     if _C10D in filename and function in RENDEZVOUS_CALLS:
         return function
+    if filename.endswith(_DDP_BROADCAST[0]) and function == _DDP_BROADCAST[1]:
+        return "broadcast"
     return None
 
 
@@ -161,7 +175,17 @@ def called_from_user(stack: Frames, libraries: Iterable[str]) -> bool:
     return False
 
 
+def _left(status: RankStatus) -> bool:
+    return status.waits_at == LEFT_LOOP
+
+
+def _stopped(status: RankStatus) -> bool:
+    return any(name == "should_stop" and value is True for name, value, _ in status.decisions)
+
+
 def _point(status: RankStatus) -> str:
+    if _left(status):  # wherever its code went since: the same wait point at every exchange
+        return LEFT_LOOP
     where = f" at {status.user_frame}" if status.user_frame else ""
     return f"{status.waits_at}{where}"
 
@@ -172,6 +196,9 @@ def deadlock_key(statuses: Mapping[int, RankStatus]) -> str | None:
     Every rank must be waiting at a rendezvous (``waits_at``) for at least its
     settle time (``settled``), and the ranks must not all wait at the same one
     (wait point and the user's frame): then no rank can ever go on. A rank
+    whose fit ended (:data:`LEFT_LOOP`) counts as waiting elsewhere: while
+    another rank waits at a rendezvous of the loop it left, that rendezvous
+    never completes (every rank having left is a normal end). A rank
     that computes, loads, saves or runs user code is not at a rendezvous, so
     a slow rank never makes a deadlock. Two exchanges in a row with the same
     fingerprint (same progress counters, same wait points) prove it; one is
@@ -191,15 +218,33 @@ def deadlock_key(statuses: Mapping[int, RankStatus]) -> str | None:
     return hashlib.sha1(state.encode()).hexdigest()[:16]
 
 
+def left_at(status: RankStatus) -> str:
+    """A rank that left the loop, in words, with the decisions it holds set (a save excepted).
+
+    E.g. ``"left the training loop at step 5 (should_stop set)"``.
+    """
+    reasons = [f"{name} set" for name, value, _ in status.decisions if value is True]
+    reasons = [r for r in reasons if r != "save set"]
+    why = f" ({', '.join(reasons)})" if reasons else ""
+    return f"{LEFT_LOOP} at step {status.step}{why}"
+
+
 def odd_rank(statuses: Mapping[int, RankStatus]) -> int:
     """The rank to look at first: its wait point differs from the others' usual one.
 
-    The smallest group of ranks sharing a wait point is the odd one; among
+    A rank that left the training loop while the others wait in it comes
+    first, then one that set ``should_stop`` while others did not (its stop
+    decision split them). Else the smallest group of ranks
+    sharing a wait point is the odd one; among
     equal groups, one whose rendezvous the user's own code calls (``direct``),
     then one whose wait point its own rank had seen before in a
     healthy sample (``usual``) is less likely the cause, and so are backward
     and rankguard's own exchanges, where ranks wait every step or epoch.
     """
+    for alone in (_left, _stopped):
+        ranks = sorted(r for r, s in statuses.items() if alone(s))
+        if ranks and len(ranks) < len(statuses):
+            return ranks[0]
     groups = group_ranks({r: _point(s) for r, s in statuses.items()})
 
     def score(group: tuple[list[int], str]) -> tuple[int, int, int, int, int]:
@@ -259,19 +304,45 @@ def _tell(name: str, value: object, step: int | None, who: str) -> str:
 
 def describe_deadlock(statuses: Mapping[int, RankStatus]) -> tuple[str, tuple[str, ...], int]:
     """The summary, detail lines and the rank to look at first for a proven deadlock."""
-    groups = group_ranks({r: (s.phase, _point(s)) for r, s in statuses.items()})
+    left = {r: s for r, s in statuses.items() if _left(s)}
+    groups = group_ranks({r: (s.phase, _point(s)) for r, s in statuses.items() if r not in left})
     parts = [
         f"{rank_label(ranks)} waiting {statuses[ranks[0]].wait_s:.0f} s in {point} ({phase})"
         for ranks, (phase, point) in groups[:8]
     ]
-    summary = "deadlock, every rank waits at a rendezvous the others never reach: " + "; ".join(
-        parts
-    )
     first = odd_rank(statuses)
-    details = []
     split = split_sentence(statuses)
+    if left:
+        gone = group_ranks({r: left_at(s) for r, s in left.items()})
+        parts = [
+            f"{rank_label(ranks)} {where} {left[ranks[0]].wait_s:.0f} s ago"
+            for ranks, where in gone[:8]
+        ] + parts
+        summary = (
+            f"deadlock, {rank_label(sorted(left))} left the training loop while the others wait "
+            "at a rendezvous in it: " + "; ".join(parts)
+        )
+    else:
+        summary = "deadlock, every rank waits at a rendezvous the others never reach: " + (
+            "; ".join(parts)
+        )
+    details = []
     if split:
         details.append(f"What split them: {split}")
+    if first in left or _stopped(statuses[first]):
+        status = statuses[first]
+        did = left_at(status)
+        if first not in left:
+            step = next(step for name, _, step in status.decisions if name == "should_stop")
+            did = f"set should_stop at step {step}"
+        details.append(
+            f"Next: fix the stop decision of rank {first}: it {did} while "
+            "the others went on, so their next collective never completes. Decide to stop on "
+            "every rank alike (reduce the decision across ranks, e.g. Lightning's "
+            "`trainer.strategy.reduce_boolean_decision`, or base it on a metric synced across "
+            f"ranks). A restart would replay it: exit code {DEADLOCK_EXIT_CODE}, do not restart."
+        )
+        return summary, tuple(details), first
     details.append(
         f"Next: fix the code path at rank {first}'s wait point ({_point(statuses[first])}): it "
         "runs on some ranks only (a collective under `if rank == 0`, a metric or a stop "

@@ -88,7 +88,8 @@ class RankStatus:
             loop, with its source line (see
             :func:`~rankguard.callbacks.hang_deadlock.user_frame`), or ``None``.
         waits_at: The rendezvous the training loop waits at (see
-            :func:`~rankguard.callbacks.hang_deadlock.rendezvous`), or ``None``.
+            :func:`~rankguard.callbacks.hang_deadlock.rendezvous`), or ``None``;
+            :data:`~rankguard.callbacks.hang_deadlock.LEFT_LOOP` once fit ended.
         wait_s: How long it has been seen waiting there (sampled).
         settled: Whether ``wait_s`` is past this rank's settle time: a wait
             this long is no longer a collective on its way.

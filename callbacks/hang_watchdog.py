@@ -35,6 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,9 @@ from rankguard.callbacks.hang_calibration import (
 )
 from rankguard.callbacks.hang_deadlock import (
     DEADLOCK_EXIT_CODE,
+    LEFT_LOOP,
     called_from_user,
+    left_at,
     library_paths,
     rendezvous,
     user_frame,
@@ -225,8 +228,12 @@ class HangWatchdog(Guard):
     at a rendezvous, not all at the same one, twice in a row without
     progress, no rank can ever go on: every rank reports it and, with
     ``deadlock_action="abort"``, exits with :data:`DEADLOCK_EXIT_CODE` (70:
-    fix the code, a restart replays it). A rank that is only slow is never at
-    a rendezvous, so it keeps the two stages.
+    fix the code, a restart replays it). A rank whose fit ended while others
+    have not (``should_stop`` or early stopping decided on one rank) keeps its
+    thread until every rank ended fit or a verdict came, and says it left the
+    training loop: another rank waiting at a rendezvous in that loop can never
+    go on, which proves the deadlock the same way. A rank that is only slow is
+    never at a rendezvous, so it keeps the two stages.
 
     The calibration is saved with checkpoints (:meth:`state_dict`), so a
     resumed job starts calibrated.
@@ -549,8 +556,11 @@ class HangWatchdog(Guard):
             return
         if self._beat is not None and self._beat[5] == "done":
             # Fit ended here: let the exchange that finds every rank done end all threads
-            # together, so no rank is left waiting for a rank that already left.
-            thread.join(timeout=2 * self.exchange_period_s + self.exchange_timeout_s)
+            # together, so no rank is left waiting for a rank that already left. Until then
+            # this rank's status says it left the loop: a rank that waits at a rendezvous
+            # in it for its settle time proves a deadlock (the thread then ends the job).
+            limit = 2 * self.exchange_period_s + self.exchange_timeout_s + self._settle_s
+            thread.join(timeout=limit)
         self._stop.set()
         self._wake.set()
         # An exchange in flight ends within its timeout (+ the followers' grace).
@@ -702,7 +712,7 @@ class HangWatchdog(Guard):
         pending, self._pending_usual = self._pending_usual, (key, self._progress)
         if pending[0] and self._progress > pending[1] and len(self._usual) < MAX_USUAL:
             self._usual.add(pending[0])  # a wait the loop came out of: a healthy one
-        return RankStatus(
+        status = RankStatus(
             phase=phase_label(event, step, batch_index, loader),
             step=step,
             idle_s=round(time.monotonic() - since, 3),
@@ -721,6 +731,12 @@ class HangWatchdog(Guard):
             direct=waits_at is not None and called_from_user(stack, self._libraries),
             decisions=tuple((n, v, s) for n, (v, s) in sorted(dict(self._decisions).items())),
         )
+        if not done:
+            return status
+        # Fit ended here: this rank left the training loop and never comes back to a
+        # rendezvous in it; while another rank waits at one, that is a proven deadlock.
+        left = replace(status, waits_at=LEFT_LOOP, wait_s=status.idle_s, settled=True)
+        return replace(left, phase=left_at(left), direct=False, usual=False)
 
     def _loop_stack(self) -> list[tuple[str, int, str]]:
         """The training loop thread's frames (innermost first), read from the watchdog thread."""
@@ -764,6 +780,10 @@ class HangWatchdog(Guard):
                 self._recovered()
             if verdict.done == ((0, self.channel.world_size - 1),):
                 return  # every rank's fit ended: every thread ends after this same exchange
+            if self._beat[5] == "done":
+                # This rank left the loop, the others not yet: meet their next exchange (it
+                # waits for them, at no cost to their steps) until they end fit or a verdict.
+                continue
             if not confirm:  # a deadlock seen once is confirmed by the next exchange, at once
                 self._sleep()
 

@@ -8,6 +8,17 @@ rank within seconds of the split, naming the user's own line:
 - Lightning ``ddp``: rank 1 alone logs a key with ``sync_dist=True``
   (``tests/e2e/lightning_hang_job.py``): rank 0 waits in DDP's backward.
 
+Two more launches, one rank leaving the training loop while the other goes on, every
+setting at its default (reports in ``./rankguard_reports``):
+
+- Lightning ``ddp`` with the hang watchdog alone: rank 0 alone sets
+  ``trainer.should_stop`` (Lightning #379) and leaves fit; rank 1 waits in its next
+  step's collective (with ``RankGuard()`` rank 0 waits in the batch-parity check at
+  its epoch end instead: proven the usual way);
+- the HF Trainer under torchrun with ``RankGuard()``: rank 0 alone sets
+  ``control.should_training_stop`` (transformers #17478); it waits in the batch-parity
+  check at its epoch end, rank 1 in DDP's buffer broadcast before its next forward.
+
 On gloo a mismatched collective may pair with the wrong partner instead of
 hanging; the tests assert that rankguard names it, not how the hang looks.
 """
@@ -30,6 +41,8 @@ BIN = Path(sys.executable).parent
 LAUNCH_TIMEOUT_S = 150
 #: The issue's target: reported within 10 s of the split (a 2-core machine under load).
 REPORT_WITHIN_S = 10.0
+#: A rank that left the loop: reported and ended well before any stage (generous bound).
+LEFT_WITHIN_S = 30.0
 
 
 def _launch(cmd: list[str], out: Path) -> tuple[str, int, float]:
@@ -120,3 +133,59 @@ def test_lightning_sync_dist_key_on_one_rank_is_a_proven_deadlock_naming_the_log
     assert "rank 0: your code at lightning_hang_job.py:" in summary  # in backward
     split = "What split them: rank 0 logged with sync_dist=True at step 5: none; "
     assert split + "rank 1 logged with sync_dist=True at step 5: extra." in summary, summary
+
+
+@pytest.fixture(scope="module")
+def lightning_stop(tmp_path_factory):
+    pytest.importorskip("lightning", reason="needs rankguard[lightning]")
+    out = tmp_path_factory.mktemp("lightning_should_stop")
+    job = ROOT / "tests" / "e2e" / "lightning_hang_job.py"
+    return out, *_launch([sys.executable, str(job), str(out), "should_stop_leaves_fit"], out)
+
+
+@pytest.fixture(scope="module")
+def hf_stop(tmp_path_factory):
+    pytest.importorskip("transformers", reason="needs rankguard[transformers]")
+    out = tmp_path_factory.mktemp("hf_early_stop")
+    job = ROOT / "tests" / "e2e" / "hf_trainer_job.py"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(job), str(out)]
+    return out, *_launch([*cmd, "early_stop_one_rank"], out)
+
+
+def _check_stop(out: Path, output: str, ended_at: float, step: int) -> str:
+    summary = (out / "rankguard_reports" / "summary.txt").read_text()
+    split = json.loads((out / "split.json").read_text())
+    assert summary.startswith("deadlock, "), summary
+    decision = f"What split them: rank 0 set should_stop at step {step}; rank 1 did not."
+    assert decision in summary, summary
+    assert f"exit code {DEADLOCK_EXIT_CODE}, do not restart" in summary
+    latency = (out / "rankguard_reports" / "summary.txt").stat().st_mtime - split["t"]
+    assert latency < LEFT_WITHIN_S, latency
+    assert ended_at - split["t"] < LEFT_WITHIN_S, ended_at - split["t"]
+    assert output.count(f"Now aborting with exit code {DEADLOCK_EXIT_CODE}.") == 2, output[-6000:]
+    assert not list(out.glob("*_returned*.json")), "a rank's fit returned"
+    return summary
+
+
+def test_lightning_should_stop_on_one_rank_is_a_proven_deadlock_ended_with_exit_70(
+    lightning_stop,
+):
+    out, output, returncode, ended_at = lightning_stop
+    assert returncode == DEADLOCK_EXIT_CODE, output[-6000:]  # rank 0, this process's child
+    summary = _check_stop(out, output, ended_at, step=5)
+    assert summary.startswith(
+        "deadlock, rank 0 left the training loop while the others wait at a rendezvous in it: "
+        "rank 0 left the training loop at step 5 (should_stop set)"
+    ), summary
+    # Lightning broadcasts a SIGTERM flag before each step: rank 1 waits there, or in backward.
+    assert re.search(r"rank 1 waiting \d+ s in (broadcast|backward) at lightning_hang_job", summary)
+    assert "Next: fix the stop decision of rank 0" in summary, summary
+
+
+def test_hf_early_stop_on_one_rank_is_a_proven_deadlock_ended_with_exit_70(hf_stop):
+    out, output, returncode, ended_at = hf_stop
+    assert returncode != 0
+    codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", output))
+    assert codes == {str(DEADLOCK_EXIT_CODE)}, output[-6000:]
+    summary = _check_stop(out, output, ended_at, step=3)
+    assert re.search(r"Next: fix the (stop decision|code path at rank 0)", summary), summary

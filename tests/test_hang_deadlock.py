@@ -10,6 +10,7 @@ import torch
 from rankguard.callbacks import side_channel
 from rankguard.callbacks.events import EventFacts
 from rankguard.callbacks.hang_deadlock import (
+    LEFT_LOOP,
     called_from_user,
     deadlock_key,
     library_paths,
@@ -51,6 +52,9 @@ def test_rendezvous_is_a_collective_backward_or_rankguard_exchange_not_other_dis
     assert rendezvous([(C10D, 10, "all_reduce"), (TRAIN, 107, "epoch_end")]) == "all_reduce"
     assert rendezvous([(BACKWARD, 5, "_engine_run_backward"), (TRAIN, 1, "f")]) == "backward"
     assert rendezvous([(side_channel.__file__, 5, "_decide")]) == "rankguard exchange"
+    ddp = os.path.join(TORCH, "nn", "parallel", "distributed.py")
+    sync = [(ddp, 2107, "_distributed_broadcast_coalesced"), (ddp, 2170, "_sync_module_buffers")]
+    assert rendezvous(sync) == "broadcast"  # DDP's buffer broadcast before each forward
     assert rendezvous([(DCP, 5, "write_data"), (TRAIN, 1, "save")]) is None  # writing: busy
     assert rendezvous([(TRAIN, 107, "epoch_end")]) is None  # the user's own code: busy
 
@@ -113,6 +117,66 @@ def test_the_decision_that_split_the_ranks_is_said_in_one_sentence():
         "rank 0 entered a checkpoint save at step 40; rank 1 did not."
     )
     assert split_sentence({0: go, 1: go}) is None
+
+
+def _left(step=83, stop=True) -> RankStatus:
+    """A rank whose fit ended, as its watchdog sends it (no deadline, settled at once)."""
+    return RankStatus(
+        phase=f"{LEFT_LOOP} at step {step}" + (" (should_stop set)" if stop else ""),
+        step=step,
+        idle_s=4.0,
+        deadline_s=None,
+        host="h",
+        pid=1,
+        user_frame="train.py:160 (main): trainer.fit(model)",
+        waits_at=LEFT_LOOP,
+        wait_s=4.0,
+        settled=True,
+        progress=9,
+        decisions=(("should_stop", stop, step),),
+    )
+
+
+def test_a_rank_that_left_the_loop_while_another_waits_in_it_is_a_proven_deadlock():
+    waits = _status("backward", frame="model.py:150 (training_step)", usual=True)
+    waits = RankStatus(**{**vars(waits), "decisions": (("should_stop", False, 0),)})
+    statuses = {0: _left(), 1: waits}
+    first = diagnose(statuses)
+    assert not first.deadlock and first.suspect is not None  # seen once: a suspicion
+    verdict = diagnose(statuses, suspect=first.suspect)
+    assert verdict.deadlock and verdict.stuck == ((0, 1),) and verdict.first == 0
+    assert verdict.summary.startswith(
+        "deadlock, rank 0 left the training loop while the others wait at a rendezvous in it: "
+        "rank 0 left the training loop at step 83 (should_stop set) 4 s ago; "
+        "rank 1 waiting 4 s in backward at model.py:150 (training_step)"
+    ), verdict.summary
+    text = "\n".join(verdict.details)
+    assert "What split them: rank 0 set should_stop at step 83; rank 1 did not." in text, text
+    assert "Next: fix the stop decision of rank 0: it left the training loop at step 83" in text
+    assert "exit code 70, do not restart" in text
+    # Its code moved on since (another frame): still the same wait point, still proven.
+    moved = {**statuses, 0: RankStatus(**{**vars(_left()), "user_frame": "train.py:170 (main)"})}
+    assert diagnose(moved, suspect=first.suspect).deadlock
+
+
+def test_ranks_leaving_the_loop_together_or_one_still_working_are_never_a_deadlock():
+    assert deadlock_key({0: _left(), 1: _left(step=84, stop=False)}) is None  # a normal end
+    assert deadlock_key({0: _left(), 1: _status(None)}) is None  # rank 1 computes: slow
+    young = _status("backward", frame="model.py:150 (training_step)", settled=False)
+    assert deadlock_key({0: _left(), 1: young}) is None  # its collective may be on its way
+    assert odd_rank({0: _status("all_reduce"), 1: _left()}) == 1
+
+
+def test_a_rank_that_set_should_stop_alone_is_named_first_with_its_stop_decision():
+    stop = _status("rankguard exchange", decisions=(("should_stop", True, 3),))
+    go = _status("broadcast", frame="t.py:9 (main)", decisions=(("should_stop", False, 0),))
+    statuses = {0: stop, 1: go}
+    assert odd_rank(statuses) == 0
+    verdict = diagnose(statuses, suspect=diagnose(statuses).suspect)
+    assert verdict.deadlock and verdict.first == 0
+    assert "Next: fix the stop decision of rank 0: it set should_stop at step 3" in "\n".join(
+        verdict.details
+    )
 
 
 def test_a_rendezvous_reached_through_a_framework_is_not_called_from_the_users_code():
@@ -197,6 +261,42 @@ def test_collective_on_one_rank_is_a_proven_deadlock_ending_every_rank_with_70(t
     assert "rank 0: your code at test_hang_deadlock.py:" in summary
     assert "(reduce_under_if_rank_0): dist.all_reduce(torch.ones(1), group=group)" in summary
     assert "Next: fix the code path at rank 0's wait point" in summary, summary
+
+
+def _rank0_leaves_the_loop(rank, world_size, report_dir, split):
+    import torch.distributed as dist
+
+    watchdog = _watchdog(report_dir)
+    if rank == 0 and split:  # the bug: rank 0 alone decided to stop after step 3
+        watchdog.on_fit_end(EventFacts(step=3))
+        started = time.monotonic()
+        watchdog.close()  # the watchdog ends the process from here
+        return time.monotonic() - started
+    dist.barrier()  # rank 1 goes on into its next collective (both ranks when healthy)
+    watchdog.on_fit_end(EventFacts(step=3))
+    started = time.monotonic()
+    watchdog.close()
+    return watchdog.incidents, time.monotonic() - started
+
+
+def test_a_rank_leaving_the_loop_alone_ends_every_rank_with_70_together_is_silent(tmp_path):
+    from rankguard.callbacks.hang_watchdog import DEADLOCK_EXIT_CODE
+
+    start = time.monotonic()
+    outcomes = run_ranks(_rank0_leaves_the_loop, 2, str(tmp_path), True, timeout_s=60)
+    assert [o.exitcode for o in outcomes] == [DEADLOCK_EXIT_CODE] * 2, outcomes
+    assert time.monotonic() - start < 30  # seconds after the split, not the harness's kill
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("deadlock, rank 0 left the training loop while the others"), summary
+    assert "rank 0 left the training loop at step 3" in summary
+    assert "rank 1 waiting" in summary and "in barrier at test_hang_deadlock.py:" in summary
+    assert "Next: fix the stop decision of rank 0" in summary, summary
+    healthy = tmp_path / "healthy"
+    healthy.mkdir()
+    outcomes = run_ranks(_rank0_leaves_the_loop, 2, str(healthy), False, timeout_s=60)
+    assert [o.error for o in outcomes] == [None, None], outcomes
+    assert [o.value[0] for o in outcomes] == [0, 0] and not any(healthy.iterdir())
+    assert max(o.value[1] for o in outcomes) < 1.0, outcomes  # close() does not hold the exit
 
 
 def test_with_deadlock_action_report_the_deadlock_still_ends_at_the_ceiling():

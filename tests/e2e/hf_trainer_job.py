@@ -8,8 +8,10 @@ Usage::
 Each scenario is a fresh model and ``Trainer`` in the same two processes;
 outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
 ``post_eval_stall`` never returns (the watchdog ends every rank with exit code
-75), so it must come last; rank 1 writes the moment its stall starts to
-``OUT_DIR/stall.json``. Nothing needs the network: the model is built from a config.
+75), nor does ``early_stop_one_rank`` (a proven deadlock: exit code 70), so either
+must come last; rank 1 writes the moment its stall starts to ``OUT_DIR/stall.json``,
+rank 0 the moment it decides to stop to ``OUT_DIR/split.json``. Nothing needs the
+network: the model is built from a config.
 """
 
 from __future__ import annotations
@@ -180,6 +182,45 @@ def post_eval_stall() -> None:
     train("post_eval_stall", RankGuard(hang_watchdog=settings), *seeded_split(), StallAfterEval())
 
 
+class StopOnRank0(TrainerCallback):
+    """The bug (transformers #17478): early stopping decided on rank 0 alone, at step 3.
+
+    As ``EarlyStoppingCallback`` does when the metric it reads was not gathered.
+    """
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if dist.get_rank() == 0 and state.global_step == 3:
+            (OUT / "split.json").write_text(json.dumps({"rank": 0, "t": time.time()}))
+            control.should_training_stop = True
+
+
+def early_stop_one_rank() -> None:
+    """``RankGuard()`` with every setting at its default; reports in ``./rankguard_reports``."""
+    seed_everything(0)
+    train_set, _ = seeded_split()
+    args = TrainingArguments(
+        output_dir=str(OUT / "early_stop_one_rank"),
+        use_cpu=True,
+        ddp_backend="gloo",
+        per_device_train_batch_size=4,
+        max_steps=12,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+    )
+    guard = RankGuard()
+    trainer = Trainer(
+        model=tiny_bert(), args=args, train_dataset=train_set, callbacks=[guard, StopOnRank0()]
+    )
+    try:
+        trainer.train()
+    finally:
+        guard.close()
+    (OUT / f"train_returned{dist.get_rank()}.json").write_text(json.dumps({"t": time.time()}))
+
+
 SCENARIOS = {
     "healthy": healthy,
     "unseeded_split": unseeded,
@@ -187,6 +228,7 @@ SCENARIOS = {
     "node_local_resume": node_local_resume,
     "straggler": straggler,
     "post_eval_stall": post_eval_stall,
+    "early_stop_one_rank": early_stop_one_rank,
 }
 
 

@@ -11,12 +11,15 @@ checkpoint ``healthy_slow_eval`` saves, so it must follow it. Each rank writes i
 ``OUT_DIR/pid{rank}`` at start and, after every scenario that returns,
 ``OUT_DIR/rank{rank}.json`` (outcome, rankguard warnings, counters). A hang
 scenario never returns: the watchdog reports into ``OUT_DIR/reports_<scenario>/``
-and ends every rank with exit code 75, so it must come last. Rank 1 writes
-the moment it starts to stall (Unix time) to ``OUT_DIR/stall_<scenario>.json``.
+and ends every rank with exit code 75 (70 for a proven deadlock: ``sync_dist_key``,
+``should_stop_one_rank``), so it must come last. Rank 1 writes the moment it starts to
+stall (Unix time) to ``OUT_DIR/stall_<scenario>.json``; the rank that splits the
+others off writes it to ``OUT_DIR/split.json``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -183,11 +186,43 @@ def sync_dist_key() -> dict[str, Any]:
     raise AssertionError("the fit ended; the watchdog should have ended the process")
 
 
+class StopOnRank0(L.Callback):
+    """The bug (Lightning #379): rank 0 alone sets ``trainer.should_stop`` at step 5.
+
+    As early stopping does when it decides from one rank's un-synced metric.
+    """
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 0 and trainer.global_step == 5:
+            with open(os.path.join(OUT, "split.json"), "w") as file:
+                json.dump({"rank": 0, "t": time.time()}, file)
+            trainer.should_stop = True
+
+
+def should_stop_one_rank(alone: bool = False) -> dict[str, Any]:
+    """``RankGuard()`` with every setting at its default; reports in ``./rankguard_reports``.
+
+    Rank 0 stops after step 5, so the batch-parity check at its epoch end waits for rank 1,
+    which goes on into step 6. With ``alone``, the hang watchdog alone (at its defaults):
+    rank 0 leaves fit, while rank 1 waits in the next step's collective.
+    """
+    from rankguard.integrations.lightning import RankGuard
+
+    guard = HangWatchdog() if alone else RankGuard()
+    job = trainer([guard, StopOnRank0()], max_epochs=2)
+    job.fit(PacedModule(), loader(32))
+    with open(os.path.join(OUT, f"fit_returned{job.global_rank}.json"), "w") as file:
+        json.dump({"t": time.time()}, file)
+    return {}
+
+
 SCENARIOS = {
     "healthy_slow_eval": healthy_slow_eval,
     "resume_calibrated": resume_calibrated,
     "stall_after_validation": stall_after_validation_end,
     "sync_dist_key": sync_dist_key,
+    "should_stop_one_rank": should_stop_one_rank,
+    "should_stop_leaves_fit": functools.partial(should_stop_one_rank, alone=True),
 }
 
 
