@@ -22,7 +22,7 @@ lint: venv
 	$(BIN)/ruff format --check .
 
 # Everything: unit tests and every real multi-rank framework run (what CI runs), one at a
-# time. Two workers (-n 2 --dist loadfile) finish in about 16 min instead of about 25, but
+# time. Two workers (-n 2 --dist loadfile) finish in about 16 min instead of about 21, but
 # under their doubled load a timing test failed (the FSDP2 straggler verdict): serial until
 # such tests hold under load.
 test: lint
