@@ -87,17 +87,22 @@ log = logging.getLogger("docs")
 def _code_of(path: Path) -> str:
     """A Python file's code without comments, docstrings or layout (its AST)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (
-            isinstance(body, list)
-            and body
-            and isinstance(body[0], ast.Expr)
-            and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)
-        ):
-            body[0] = ast.Pass()
+    for node in _documented(tree):
+        node.body[0] = ast.Pass()
     return ast.dump(tree, include_attributes=False)
+
+
+def _documented(tree: ast.AST) -> list[ast.AST]:
+    """The nodes of ``tree`` (module, classes, functions) whose body starts with a docstring."""
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(body := getattr(node, "body", None), list)
+        and body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ]
 
 
 def _pinned(package: str) -> str:
@@ -128,13 +133,7 @@ _PLACEHOLDER = re.compile(r"%[-#0 +]*\d*(?:\.\d+)?[sdfrgixe%]|\{[^{}]*\}")
 
 def _docstrings(tree: ast.AST) -> set[int]:
     """The ids of the docstring nodes in ``tree``."""
-    found = set()
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
-            if isinstance(body[0].value, ast.Constant):
-                found.add(id(body[0].value))
-    return found
+    return {id(node.body[0].value) for node in _documented(tree)}
 
 
 @functools.cache
@@ -1119,13 +1118,12 @@ def run_stale(force: bool, only: str | None = None) -> int:
         prose = read_prose(run.fault)
         without = prose.fields.get("stop_without_after_s", STOP_WITHOUT_AFTER_S)
         output, ended = execute(run, float(RUN_TIMEOUT_S if run.rankguard else without))
+        if records_hang_report(run):  # before record(), which reads its words too
+            record_hang_report(reports)
         record(run, output, ended)
         problem = disagreement(run)
         if problem:
             log.warning("%s: %s (rerun: --only %s --force)", run.name, problem, run.name)
-        if records_hang_report(run):
-            record_hang_report(reports)
-            remember_words(run)
     return len(todo)
 
 
