@@ -200,9 +200,10 @@ def deadlock_key(statuses: Mapping[int, RankStatus]) -> str | None:
     another rank waits at a rendezvous of the loop it left, that rendezvous
     never completes (every rank having left is a normal end). A rank
     that computes, loads, saves or runs user code is not at a rendezvous, so
-    a slow rank never makes a deadlock. Two exchanges in a row with the same
-    fingerprint (same progress counters, same wait points) prove it; one is
-    only a suspicion, since a rank's status may be older than another's.
+    a slow rank never makes a deadlock. Two exchanges in a row, a second
+    apart, with the same fingerprint (same progress counters, same wait
+    points) prove it; one is only a suspicion, since a rank's status may be
+    older than another's.
 
     Args:
         statuses: Every rank's status.

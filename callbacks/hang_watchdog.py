@@ -102,6 +102,10 @@ HISTORY = 256  # heartbeats kept per rank for rank{N}.jsonl
 MAX_FRAMES = 64  # frames of the training loop read at each exchange
 #: While this rank makes no progress, its own stack is sampled this often (seconds).
 PROBE_PERIOD_S = 0.5
+#: A deadlock seen at one exchange is confirmed by the next, this long after (seconds): ranks
+#: leave one collective a few milliseconds apart, so a status sampled just before one rank
+#: returned from it must not confirm it.
+CONFIRM_AFTER_S = 1.0
 #: Wait points seen healthy, kept per rank (to tell the usual one from the odd one).
 MAX_USUAL = 64
 #: Events that end a phase after eval: back in the train loop, or a checkpoint save.
@@ -225,8 +229,9 @@ class HangWatchdog(Guard):
     :data:`PROBE_PERIOD_S`; once its loop has waited at a rendezvous (a
     collective, a barrier, backward, a rankguard exchange) for
     ``deadlock_after_s`` it exchanges statuses at once. When every rank waits
-    at a rendezvous, not all at the same one, twice in a row without
-    progress, no rank can ever go on: every rank reports it and, with
+    at a rendezvous, not all at the same one, at two exchanges
+    :data:`CONFIRM_AFTER_S` apart without progress, no rank can ever go on:
+    every rank reports it and, with
     ``deadlock_action="abort"``, exits with :data:`DEADLOCK_EXIT_CODE` (70:
     fix the code, a restart replays it). A rank whose fit ended while others
     have not (``should_stop`` or early stopping decided on one rank) keeps its
@@ -784,7 +789,9 @@ class HangWatchdog(Guard):
                 # This rank left the loop, the others not yet: meet their next exchange (it
                 # waits for them, at no cost to their steps) until they end fit or a verdict.
                 continue
-            if not confirm:  # a deadlock seen once is confirmed by the next exchange, at once
+            if confirm:  # a deadlock seen once is confirmed by the next exchange, soon
+                self._stop.wait(CONFIRM_AFTER_S)
+            else:
                 self._sleep()
 
     def _sleep(self) -> None:
