@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,8 +70,19 @@ def _worker(fn, rank, world_size, init_file, args, queue):
         os._exit(0)  # skip process-group teardown, which can block on a missing peer
 
 
-def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 60.0) -> list[Outcome]:
-    """Runs ``fn`` on ``world_size`` spawned ranks; kills them all after ``timeout_s``."""
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    *args,
+    timeout_s: float = 60.0,
+    until: Collection[int] | None = None,
+) -> list[Outcome]:
+    """Runs ``fn`` on ``world_size`` spawned ranks; kills them all after ``timeout_s``.
+
+    ``until``: the ranks whose outcomes the test reads; once they all reported,
+    the others (e.g. a rank made to stay stuck) are killed instead of awaited.
+    """
+    wanted = set(range(world_size) if until is None else until)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,15 +95,15 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout_s: float = 60.0) -> 
             p.start()
         outcomes: dict[int, Outcome] = {}
         deadline = time.monotonic() + timeout_s
-        while len(outcomes) < world_size and time.monotonic() < deadline:
+        while not wanted <= outcomes.keys() and time.monotonic() < deadline:
             try:
                 o = queue.get(timeout=0.2)
                 outcomes[o.rank] = o
             except queue_mod.Empty:
                 if all(not p.is_alive() for p in procs) and queue.empty():
                     break
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for rank, p in enumerate(procs):
+            p.join(timeout=max(0.0, deadline - time.monotonic()) if rank in wanted else 0)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -143,12 +143,12 @@ def _rank_never_finishes_eval(rank, world_size):
     facts = EventFacts(loader=LoaderFacts("val", DataLoader(Points(8), batch_size=4), False))
     guard.handle(Event.EVAL_START, facts)
     if rank == 1:
-        time.sleep(15)  # stuck in eval
+        time.sleep(60)  # stuck in eval (killed once rank 0 reported)
     guard.handle(Event.EVAL_END, facts)
 
 
 def test_after_eval_check_names_the_rank_stuck_in_eval_instead_of_hanging():
-    outcomes = run_ranks(_rank_never_finishes_eval, 2, timeout_s=60)
+    outcomes = run_ranks(_rank_never_finishes_eval, 2, timeout_s=60, until=[0])
     assert outcomes[0].error_type == "BatchCountMismatchError"
     assert "rank 1 did not finish eval loader 'val' within 2 s" in outcomes[0].error
     assert outcomes[0].elapsed_s < 10
@@ -181,14 +181,14 @@ def _rank_missing_at_eval_start(rank, world_size):
     guard = BatchParityGuard(on_violation="warn")
     guard.bind(SideChannel.from_environment(timeout_s=2))
     if rank == 1:
-        time.sleep(12)  # never arrives in time
+        time.sleep(60)  # never arrives in time (killed once rank 0 reported)
     loader = DataLoader(Points(8), batch_size=4)
     guard.handle(Event.EVAL_START, EventFacts(loader=LoaderFacts("val", loader, False)))
     return records
 
 
 def test_warn_mode_also_warns_when_a_rank_does_not_arrive():
-    rank0 = run_ranks(_rank_missing_at_eval_start, 2, timeout_s=60)[0]
+    rank0 = run_ranks(_rank_missing_at_eval_start, 2, timeout_s=60, until=[0])[0]
     assert rank0.error is None, rank0.error
     assert any("rank 1 did not reach" in message for message in rank0.value)
 
