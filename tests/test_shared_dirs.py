@@ -386,3 +386,26 @@ def test_a_per_rank_folder_never_seen_names_the_rank_that_created_it():
         "Directory /ckpt/rank1 (created by rank 1 on gpu-1) was not visible to rank 1 (gpu-1) "
         "after they waited 5 s (`timeout_s`); ranks 0,2 see it."
     )
+
+
+def test_a_folder_the_framework_made_is_waited_for_not_created_and_a_late_rank_is_named():
+    # create=False (OLMo-core's rank 0 made step4-tmp): nothing to probe, rank 1 waits.
+    planner = BarrierPlanner(timeout_s=600)
+    states = {
+        r: (NodeId(f"gpu-{r}", None, None), [PathState("/nfs/ckpt/step4-tmp", state, e, "nfs4")])
+        for r, state, e in ((0, "dir", "/nfs/ckpt/step4-tmp"), (1, "missing", "/nfs/ckpt"))
+    }
+    look = planner.awaited(states)
+    assert (look.pending, look.probe, look.error) == ([0], [], None)
+    timeout = planner.visible({0: {0: 0.0}, 1: {0: None}})
+    assert timeout.error.startswith(
+        "Directory /nfs/ckpt/step4-tmp (created by rank 0 on gpu-0) was not visible to rank 1 "
+        "(gpu-1) after they waited 600 s (`timeout_s`); rank 0 sees it. Filesystem: rank 1: nfs4. "
+        "Fix: if the filesystem is shared but shows new directories late"
+    )
+    late = planner.visible({0: {0: 0.0}, 1: {0: 12.5}})
+    assert late.error is None and late.max_waited_s == 12.5
+    assert late.summary == (
+        "/nfs/ckpt/step4-tmp: made by rank 0, not seen at first by rank 1; filesystem ranks "
+        "0,1: nfs4; every rank saw it within 12.50 s"
+    )
