@@ -22,6 +22,8 @@ import pytest
 pytest.importorskip("olmo_core", reason="needs rankguard[olmo-core]")
 
 import olmo_core.train.callbacks as olmo_callbacks
+import olmo_core.train.checkpoint as olmo_checkpoint
+import olmo_core.utils
 
 from rankguard.callbacks.checkpoint_plan import RankMemory, plan_save
 from rankguard.callbacks.guard import Guard
@@ -151,6 +153,33 @@ def test_save_kind_comes_from_the_train_modules_public_save_options(tmp_path):
     assert switch is not None and "full_state_dict to False" in switch()
     assert rg_olmo.save_options(module) == ("sharded", True)
     assert module.state_dict_to_save(optim=False)["model"]  # still what OLMo-core saves
+
+
+def test_olmo_core_checkpoint_folder_polls_go_through_rankguard_and_are_restored(tmp_path):
+    # The one reach into OLMo-core's private code: fails if its checkpointer stops polling
+    # for step<N>-tmp, its train/ and step<N> with olmo_core.train.checkpoint.wait_for.
+    trainer = build_trainer(tmp_path, {}, eval_sequences=None)
+    polled: list[str] = []
+    unhook = rg_olmo.route_checkpoint_dir_waits(lambda path: polled.append(path) or True)
+    try:
+        step = tmp_path / "ckpt" / "step3"
+        trainer.checkpointer.save(step, trainer.train_module, {})
+    finally:
+        unhook()
+        unhook()
+    assert polled == [f"{step}-tmp", f"{step}-tmp/train", str(step)]
+    assert olmo_checkpoint.wait_for is olmo_core.utils.wait_for
+
+
+def test_olmo_core_without_its_wait_for_is_left_alone(monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG, logger="rankguard")
+    monkeypatch.delattr(olmo_checkpoint, "wait_for")
+    monkeypatch.setattr(rg_olmo, "_NOT_ROUTED", set())
+    for _ in range(2):
+        rg_olmo.route_checkpoint_dir_waits(lambda path: True)()
+    assert not hasattr(olmo_checkpoint, "wait_for")
+    [record] = [r for r in caplog.records if "wait_for" in r.getMessage()]
+    assert record.levelno == logging.DEBUG
 
 
 def test_a_save_that_copies_each_replica_to_the_host_is_sized_per_rank():
