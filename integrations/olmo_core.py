@@ -79,9 +79,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import PurePath
 from typing import Any, ClassVar
 
+from rankguard.callbacks import shared_dirs
 from rankguard.callbacks.events import LoaderFacts
 from rankguard.callbacks.guard import Guard, GuardRunner
-from rankguard.callbacks.shared_dirs import SharedDirBarrier
 from rankguard.integrations._common import define_callbacks
 from rankguard.integrations._driver import EventDriver
 
@@ -291,7 +291,7 @@ class _Hooks:
         self,
         driver: EventDriver,
         evals: Mapping[int, LoaderFacts],
-        barrier: SharedDirBarrier | None = None,
+        barrier: shared_dirs.SharedDirBarrier | None = None,
     ) -> None:
         self.driver = driver
         self.evals = evals
@@ -462,7 +462,9 @@ class _OlmoCoreAdapter(Callback):
             )
             for evaluator, callback in watched
         }
-        barrier = next((g for g in self.runner.guards if isinstance(g, SharedDirBarrier)), None)
+        # The core guard (``SharedDirBarrier`` here is the OLMo-core callback of that name).
+        core = shared_dirs.SharedDirBarrier
+        barrier = next((g for g in self.runner.guards if isinstance(g, core)), None)
         hooks = _Hooks(self.driver, evals, barrier)
         self._unhooks = hook_trainer(trainer, hooks, [evaluator for evaluator, _ in watched])
         if barrier is not None:
