@@ -4,10 +4,8 @@ Two nodes of 2 ranks are simulated on one machine with two launcher
 invocations, one torchrun per node (``benchmarks/launch.py``), so each rank's
 node and local rank come from torchrun. Each node has its own local directory.
 A lagging shared filesystem is a pair of directories, node 0's view and node
-1's view, kept in step by a mirror thread in the test process: marker files
-(fresh names, which a real NFS client looks up on the server at once) are
-copied at once, directories only after a lag, as NFS shows a directory that a
-polling client has already cached as missing.
+1's view, kept in step by a mirror thread in the test process
+(:class:`tests.e2e.common.Mirror`).
 """
 
 from __future__ import annotations
@@ -16,10 +14,8 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -39,44 +35,12 @@ from rankguard.callbacks.shared_dirs import SharedDirBarrier, ensure_shared_dirs
 from rankguard.callbacks.shared_dirs_plan import BarrierPlanner
 from rankguard.callbacks.side_channel import SideChannel
 from tests.e2e.ckpt_dirs_worker import LAG_BAD_TIMEOUT_S, TIMEOUT_S
+from tests.e2e.common import Mirror
 from tests.mp import run_ranks
 
 WORKER = Path(__file__).parent / "e2e" / "ckpt_dirs_worker.py"
 HOST = socket.gethostname()
 LAG_OK_S, LAG_BAD_S = 1.0, 60.0
-
-
-class Mirror(threading.Thread):
-    """Copies node 0's view into node 1's: markers at once, directories after ``lag_s``."""
-
-    def __init__(self, pairs: list[tuple[str, str, float]]) -> None:
-        super().__init__(daemon=True)
-        self.pairs, self.stop, self.first_seen = pairs, threading.Event(), {}
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            for src, dst, lag in self.pairs:
-                self._sync(src, dst, lag)
-            time.sleep(0.02)
-
-    def _sync(self, src: str, dst: str, lag: float) -> None:
-        now = time.monotonic()
-        for here, dirs, files in os.walk(src):
-            rel = os.path.relpath(here, src)
-            for d in dirs:
-                key = os.path.join(src, rel, d)
-                if now - self.first_seen.setdefault(key, now) >= lag:
-                    os.makedirs(os.path.join(dst, rel, d), exist_ok=True)
-            for f in files:
-                target = os.path.join(dst, rel, f)
-                if f.startswith(MARKER_PREFIX) and os.path.isdir(os.path.dirname(target)):
-                    if not os.path.exists(target):
-                        shutil.copyfile(os.path.join(here, f), target)
-        for here, _, files in os.walk(dst):
-            for f in files:
-                rel = os.path.relpath(os.path.join(here, f), dst)
-                if f.startswith(MARKER_PREFIX) and not os.path.exists(os.path.join(src, rel)):
-                    os.remove(os.path.join(here, f))
 
 
 @pytest.fixture(scope="module")
