@@ -30,7 +30,7 @@ from rankguard.callbacks.guard import Guard
 from rankguard.integrations import olmo_core as rg_olmo
 from rankguard.integrations.olmo_core import RankGuard
 from tests.e2e.common import EventLog
-from tests.e2e.olmo_core_job import build_trainer
+from tests.e2e.olmo_core_job import LATE_S, NEVER_TIMEOUT_S, build_trainer
 from tests.test_torchrun_e2e import assert_rank_1_named_with_its_stack, launch
 
 
@@ -135,9 +135,14 @@ def test_olmo_core_defaults_sit_under_the_users_settings():
 
 def test_single_process_fit_logs_no_rankguard_warning(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="rankguard")
-    trainer = build_trainer(tmp_path, {"rankguard": RankGuard()}, eval_sequences=8, steps=4)
+    guard = RankGuard()
+    trainer = build_trainer(tmp_path, {"rankguard": guard}, eval_sequences=8, steps=4)
     trainer.fit()
     assert [r for r in caplog.records if r.name.startswith("rankguard")] == []
+    # The last poll of the last save, for the renamed step4, went through the barrier.
+    [barrier] = [g for g in guard.runner.guards if g.name == "shared_dir_barrier"]
+    assert barrier.last_report.paths == [str(tmp_path / "ckpt" / "step4")]
+    assert olmo_checkpoint.wait_for is olmo_core.utils.wait_for  # restored at close
 
 
 def test_save_kind_comes_from_the_train_modules_public_save_options(tmp_path):
@@ -207,6 +212,8 @@ SCENARIOS = [
     "uneven_eval",
     "slow_data",
     "node_local",
+    "late_checkpoint_folder",
+    "checkpoint_folder_never_seen",
     "ckpt_over_memory",
     "full_export_over_memory",
     "post_eval_stall",
@@ -279,6 +286,37 @@ def test_olmo_core_node_local_save_folder_stops_every_rank_before_the_first_save
         )
         assert "TrainerConfig(save_folder='s3://...')" in result["message"]
         assert result["counters"]["files"] == [] and result["counters"]["steps"] == 0
+
+
+@pytest.mark.framework
+def test_olmo_core_checkpoint_folder_seen_12_s_late_on_rank_1_is_waited_for_and_saved(job):
+    # OLMo-core's own wait_for would have raised "timed out Waiting for checkpoint directory".
+    for rank in job[2]:
+        result = rank["late_checkpoint_folder"]
+        assert result["outcome"] == "ok" and result["warnings"] == [], result
+        counters = result["counters"]
+        assert (counters["steps"], counters["saves"]) == (2, 2)
+        assert {"step0", "step2"} <= set(counters["files"])
+        waits = counters["folder_waits"]
+        assert 10.0 < waits["step0-tmp"] < LATE_S + 5, waits  # the slowest rank's wait
+        assert waits["step0-tmp/train"] < 5 and waits["step0"] < 5, waits
+
+
+@pytest.mark.framework
+def test_olmo_core_checkpoint_folder_rank_1_never_sees_is_named_on_every_rank(job):
+    out, _, ranks = job
+    node = f"{socket.gethostname()}/node0"
+    for rank in ranks:
+        result = rank["checkpoint_folder_never_seen"]
+        assert result["outcome"] == "SharedDirTimeoutError", result
+        message = result["message"]
+        assert message.startswith(
+            f"Directory {out}/never_seen/view1/ckpt/step0-tmp (created by rank 0 on {node}) was "
+            f"not visible to rank 1 ({node}) after they waited {NEVER_TIMEOUT_S:g} s "
+            "(`timeout_s`); rank 0 sees it. Filesystem: "
+        ), message
+        assert "Fix: if the filesystem is shared but shows new directories late" in message
+        assert result["counters"]["steps"] == 0 and result["counters"]["saves"] == 0
 
 
 @pytest.mark.framework
