@@ -28,11 +28,6 @@ share the filesystem at all. :func:`ensure_shared_dirs` does instead:
    by one exchange. A rank that never saw a path is named, with its host,
    the time it waited, the filesystem type and the fix.
 
-With ``create=False`` (a framework's rank 0 made the folder and its other
-ranks poll for it, as OLMo-core's checkpointer does) only steps 1 and 4 run:
-nothing is probed or created, a rank that does not see the folder waits up to
-``timeout_s``, and one that never sees it is named.
-
 Nothing it did not create is ever deleted or overwritten. Node identity: see
 :mod:`~rankguard.callbacks.dir_probe`.
 
@@ -176,8 +171,9 @@ def ensure_shared_dirs(
         probe_existing: Also probe the paths every rank already sees, when the
             ranks run on more than one node: an existing folder may still be
             each node's own (a local disk, ``/tmp``, a folder made per node).
-        create: ``False`` for folders the framework creates itself on the ranks
-            that see them first: only wait until every rank sees them.
+        create: ``False`` for folders the framework creates itself (its rank 0
+            made them; its other ranks poll): only steps 1 and 4, nothing is
+            probed or created.
         name: Prefix of the side-channel exchange names.
 
     Returns:
