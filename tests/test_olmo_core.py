@@ -7,7 +7,8 @@ run before every OLMo-core callback's. One ``torchrun`` launch
 (``tests/e2e/olmo_core_job.py``) then runs, in one pair of processes: a
 healthy run and its resume (calibrated from the checkpoint), eval sets of
 different sizes, a slow data loader on rank 1, each rank a node with its own
-disk, a sharded save and a full export on a node given 16 KiB, and rank 1
+disk, rank 1's view of the save folder showing ``step0-tmp`` 12 s late or
+never, a sharded save and a full export on a node given 16 KiB, and rank 1
 stalling after its first eval (last: exit code 75).
 """
 
