@@ -43,7 +43,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rankguard.callbacks.dir_probe import (
     Marker,
@@ -149,6 +149,7 @@ def ensure_shared_dirs(
     poll_s: float = 0.05,
     probe_wait_s: float = 2.0,
     probe_existing: bool = False,
+    create: bool = True,
     name: str = "shared_dirs",
 ) -> DirReport:
     """Creates ``paths`` where needed and returns once every rank sees every one.
@@ -170,6 +171,9 @@ def ensure_shared_dirs(
         probe_existing: Also probe the paths every rank already sees, when the
             ranks run on more than one node: an existing folder may still be
             each node's own (a local disk, ``/tmp``, a folder made per node).
+        create: ``False`` for folders the framework creates itself (its rank 0
+            made them; its other ranks poll): only steps 1 and 4, nothing is
+            probed or created.
         name: Prefix of the side-channel exchange names.
 
     Returns:
@@ -183,10 +187,14 @@ def ensure_shared_dirs(
     absolute = [s.path for s in states]
     # Its decide methods run on rank 0 only.
     planner = BarrierPlanner(timeout_s, probe_existing=probe_existing)
-    look = channel.exchange(f"{name}/look", (node_identity(), states), planner.look)
+    decide = planner.look if create else planner.awaited
+    look = channel.exchange(f"{name}/look", (node_identity(), states), decide)
     _raise(look)
-    if not look.probe:
-        return DirReport(absolute, dict.fromkeys(absolute), {p: [] for p in absolute}, 0.0, 0.0)
+    unprobed = DirReport(absolute, dict.fromkeys(absolute), {p: [] for p in absolute}, 0.0, 0.0)
+    if not look.probe:  # every rank sees every path, or create=False: nothing to probe
+        if not look.pending:
+            return unprobed
+        return _released(channel, planner, look.pending, unprobed, (timeout_s, poll_s, name))
     markers: dict[int, Marker | None] = {}
     written: list[str] = []
     try:
@@ -230,7 +238,21 @@ def ensure_shared_dirs(
             except OSError as exc:
                 errors[i] = f"{type(exc).__name__}: {exc}"
     _raise(channel.exchange(f"{name}/created", errors, planner.created))
-    waited = _wait(absolute, look.pending, timeout_s, poll_s)
+    creators = {p: sorted(plan.creators.get(i, [])) for i, p in enumerate(absolute)}
+    report = DirReport(absolute, shared, creators, 0.0, 0.0, node_local)
+    return _released(channel, planner, look.pending, report, (timeout_s, poll_s, name))
+
+
+def _released(
+    channel: SideChannel,
+    planner: BarrierPlanner,
+    pending: list[int],
+    report: DirReport,
+    settings: tuple[float, float, str],
+) -> DirReport:
+    """Step 4: polls for the pending paths, then releases every rank together (or names some)."""
+    timeout_s, poll_s, name = settings
+    waited = _wait(report.paths, pending, timeout_s, poll_s)
     mine = max((w if w is not None else timeout_s) for w in waited.values())
     done = channel.exchange(
         f"{name}/visible", waited, planner.visible, timeout_s=timeout_s + max(30.0, timeout_s / 4)
@@ -238,14 +260,7 @@ def ensure_shared_dirs(
     _raise(done)
     if channel.is_leader:
         logger.info("rankguard %s: %s", name, done.summary)
-    return DirReport(
-        absolute,
-        shared,
-        {p: sorted(plan.creators.get(i, [])) for i, p in enumerate(absolute)},
-        mine,
-        done.max_waited_s,
-        node_local,
-    )
+    return replace(report, waited_s=mine, max_waited_s=done.max_waited_s)
 
 
 class SharedDirBarrier(Guard):
@@ -325,9 +340,19 @@ class SharedDirBarrier(Guard):
         self.run(facts.directories, "checkpoint_save_start")
 
     def run(
-        self, directories: Sequence[str], where: str, probe_existing: bool = False
+        self,
+        directories: Sequence[str],
+        where: str,
+        probe_existing: bool = False,
+        create: bool = True,
     ) -> DirReport | None:
-        """Runs the barrier (every rank, even with no directories, to stay in step)."""
+        """Runs the barrier (every rank, even with no directories, to stay in step).
+
+        An adapter calls it with ``create=False`` where the framework's rank 0
+        makes a folder and its other ranks poll for it (OLMo-core's
+        ``step<N>-tmp``): they wait up to ``timeout_s``, and one that never sees
+        it is named.
+        """
         if not directories and not self.channel.is_distributed:
             return None
         try:
@@ -338,6 +363,7 @@ class SharedDirBarrier(Guard):
                 poll_s=self.poll_s,
                 probe_wait_s=self.probe_wait_s,
                 probe_existing=probe_existing,
+                create=create,
                 name=f"{self.name}/{where}",
             )
         except (SharedDirTimeoutError, SharedDirCreateError) as error:

@@ -126,6 +126,25 @@ class BarrierPlanner:
         probe = list(range(n_paths)) if self.probe_existing and several_nodes else pending
         return Verdict(pending=pending, probe=probe)
 
+    def awaited(self, per_rank: Mapping[int, tuple[NodeId, list[PathState]]]) -> Verdict:
+        """:meth:`look` for folders the framework creates itself: nothing is probed or created.
+
+        A path some rank does not see yet is waited for; the lowest rank that
+        sees it is named as its creator (the framework's rank 0 made it).
+        """
+        verdict = self.look(per_rank)
+        for i in verdict.pending:
+            seeing = [r for r in sorted(self.states) if self.states[r][i].state == "dir"]
+            late = sorted(set(self.states) - set(seeing))
+            self.made_by[i] = dict.fromkeys(self.states, seeing[0]) if seeing else {}
+            fs = format_groups({r: s[i].fs for r, s in self.states.items()})
+            made = f"made by {rank_label(seeing[:1])}" if seeing else "seen by no rank"
+            self.described[i] = (
+                f"{self._where(i)}: {made}, not seen at first by {rank_label(late)}; "
+                f"filesystem {fs}"
+            )
+        return replace(verdict, probe=[])
+
     def folders(self, i: int, seen: Mapping[int, bool], levels: int | None) -> dict[int, tuple]:
         """Which ranks name the same directory at path ``i``: a key per rank, equal for those.
 

@@ -46,6 +46,12 @@ run starts calibrated.
 (OLMo-core's default) or a full export (``full_state_dict=True``), and whether
 the save copies its state to host memory first (``cpu_offload``).
 
+OLMo-core's rank 0 makes each save's ``step<N>-tmp`` folder (and ``train/``, and the
+renamed ``step<N>``) while the other ranks poll for it for 10 s; those polls go through
+``SharedDirBarrier`` instead (:func:`route_checkpoint_dir_waits`, the one reach into
+OLMo-core's private code): a folder a shared filesystem shows late is waited for up to its
+``timeout_s``, and a rank that never sees it is named.
+
 Two defaults differ from the other adapters (:data:`DEFAULTS`): OLMo-core
 needs a save folder every node sees (or a URL), so a node-local save folder
 is an error at fit start (``SharedDirBarrier``'s ``on_node_local="raise"``),
@@ -70,14 +76,17 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import PurePath
 from typing import Any, ClassVar
 
+from rankguard.callbacks import shared_dirs
 from rankguard.callbacks.events import LoaderFacts
 from rankguard.callbacks.guard import Guard, GuardRunner
 from rankguard.integrations._common import define_callbacks
 from rankguard.integrations._driver import EventDriver
 
 try:
+    import olmo_core.train.checkpoint as olmo_checkpoint
     from olmo_core.eval import Evaluator
     from olmo_core.io import is_url
     from olmo_core.train import Trainer
@@ -216,12 +225,84 @@ def sharded_switch(train_module: Any) -> Callable[[], str] | None:
     return switch
 
 
+#: Why :func:`route_checkpoint_dir_waits` left OLMo-core alone, once per process.
+_NOT_ROUTED: set[str] = set()
+
+
+def route_checkpoint_dir_waits(wait: Callable[[str], bool]) -> Unhook:
+    """Makes OLMo-core's checkpointer poll for its checkpoint folders through ``wait(path)``.
+
+    The one place rankguard reaches into OLMo-core's private code. It targets
+    ai2-olmo-core 2.x (2.4.0 read): ``Checkpointer._get_tmp_dir``,
+    ``_save_train_state`` and ``_teardown_tmp_dir`` (``olmo_core/train/checkpoint.py``)
+    make ``step<N>-tmp``, its ``train/`` and the renamed ``step<N>`` on the
+    filesystem-local rank 0, and then every rank polls for the folder with
+    ``wait_for(condition, description, timeout=10.0)`` (that module's name for
+    ``olmo_core.utils.wait_for``): a folder a shared filesystem shows late on some
+    node is ``TimeoutError: timed out Waiting for checkpoint directory``. That name is
+    replaced here, module-wide, until the returned undo: a poll for a folder (a
+    ``Path.exists`` bound method, or a lambda over one path) first calls ``wait`` on
+    every rank, which may exchange across ranks; OLMo-core's own ``wait_for`` runs
+    where ``wait`` declines (returns ``False``), for any other condition, and when the
+    folder is still missing after ``wait``. Where that name is absent (another
+    OLMo-core version) nothing is changed (logged once at DEBUG).
+    ``tests/test_olmo_core.py`` fails if these polls change.
+
+    Returns:
+        The undo (safe to call twice).
+    """
+    original = getattr(olmo_checkpoint, "wait_for", None)
+    if not callable(original):
+        if "wait_for" not in _NOT_ROUTED:
+            _NOT_ROUTED.add("wait_for")
+            logger.debug(
+                "rankguard: olmo_core.train.checkpoint has no wait_for; its checkpointer's "
+                "folder polls keep OLMo-core's own timeout"
+            )
+        return lambda: None
+
+    def polled_folder(condition: Callable[[], bool]) -> str | None:
+        owner = getattr(condition, "__self__", None)  # ``train_dir.exists``
+        if isinstance(owner, PurePath):
+            return str(owner)
+        cells = [c.cell_contents for c in getattr(condition, "__closure__", None) or ()]
+        paths = [c for c in cells if isinstance(c, str | PurePath)]  # ``lambda: dir.exists()``
+        return str(paths[0]) if len(paths) == 1 else None
+
+    def wait_for(condition: Callable[[], bool], description: str, timeout: float = 10.0) -> None:
+        folder = polled_folder(condition)
+        if folder is not None and wait(folder) and condition():
+            return
+        original(condition, description, timeout)
+
+    olmo_checkpoint.wait_for = wait_for
+
+    def unhook() -> None:
+        if olmo_checkpoint.wait_for is wait_for:
+            olmo_checkpoint.wait_for = original
+
+    return unhook
+
+
 class _Hooks:
     """What :func:`hook_trainer` calls: the driver's events with OLMo-core's facts."""
 
-    def __init__(self, driver: EventDriver, evals: Mapping[int, LoaderFacts]) -> None:
+    def __init__(
+        self,
+        driver: EventDriver,
+        evals: Mapping[int, LoaderFacts],
+        barrier: shared_dirs.SharedDirBarrier | None = None,
+    ) -> None:
         self.driver = driver
         self.evals = evals
+        self.barrier = barrier
+
+    def checkpoint_folder(self, path: str) -> bool:
+        """During a save, waits with the barrier for a folder OLMo-core's rank 0 made."""
+        if self.barrier is None or not (self.driver.fitting and self.driver.saving):
+            return False
+        self.barrier.run([path], "checkpoint_folder", create=False)
+        return True
 
     def eval_start(self, evaluator: Evaluator) -> None:
         facts = self.evals.get(id(evaluator))
@@ -381,8 +462,13 @@ class _OlmoCoreAdapter(Callback):
             )
             for evaluator, callback in watched
         }
-        hooks = _Hooks(self.driver, evals)
+        # The core guard (``SharedDirBarrier`` here is the OLMo-core callback of that name).
+        core = shared_dirs.SharedDirBarrier
+        barrier = next((g for g in self.runner.guards if isinstance(g, core)), None)
+        hooks = _Hooks(self.driver, evals, barrier)
         self._unhooks = hook_trainer(trainer, hooks, [evaluator for evaluator, _ in watched])
+        if barrier is not None:
+            self._unhooks.append(route_checkpoint_dir_waits(hooks.checkpoint_folder))
         folder = save_folder(trainer)
         module = trainer.train_module
         kind, to_host = save_options(module)
@@ -452,6 +538,7 @@ class _OlmoCoreAdapter(Callback):
 __all__ = [
     "checkpoint_to_load",
     "hook_trainer",
+    "route_checkpoint_dir_waits",
     "save_options",
     *define_callbacks(globals(), _OlmoCoreAdapter, "an OLMo-core ``Callback``", DEFAULTS),
 ]

@@ -7,7 +7,8 @@ run before every OLMo-core callback's. One ``torchrun`` launch
 (``tests/e2e/olmo_core_job.py``) then runs, in one pair of processes: a
 healthy run and its resume (calibrated from the checkpoint), eval sets of
 different sizes, a slow data loader on rank 1, each rank a node with its own
-disk, a sharded save and a full export on a node given 16 KiB, and rank 1
+disk, rank 1's view of the save folder showing ``step0-tmp`` 12 s late or
+never, a sharded save and a full export on a node given 16 KiB, and rank 1
 stalling after its first eval (last: exit code 75).
 """
 
@@ -22,13 +23,15 @@ import pytest
 pytest.importorskip("olmo_core", reason="needs rankguard[olmo-core]")
 
 import olmo_core.train.callbacks as olmo_callbacks
+import olmo_core.train.checkpoint as olmo_checkpoint
+import olmo_core.utils
 
 from rankguard.callbacks.checkpoint_plan import RankMemory, plan_save
 from rankguard.callbacks.guard import Guard
 from rankguard.integrations import olmo_core as rg_olmo
 from rankguard.integrations.olmo_core import RankGuard
 from tests.e2e.common import EventLog
-from tests.e2e.olmo_core_job import build_trainer
+from tests.e2e.olmo_core_job import LATE_S, NEVER_TIMEOUT_S, build_trainer
 from tests.test_torchrun_e2e import assert_rank_1_named_with_its_stack, launch
 
 
@@ -133,9 +136,14 @@ def test_olmo_core_defaults_sit_under_the_users_settings():
 
 def test_single_process_fit_logs_no_rankguard_warning(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="rankguard")
-    trainer = build_trainer(tmp_path, {"rankguard": RankGuard()}, eval_sequences=8, steps=4)
+    guard = RankGuard()
+    trainer = build_trainer(tmp_path, {"rankguard": guard}, eval_sequences=8, steps=4)
     trainer.fit()
     assert [r for r in caplog.records if r.name.startswith("rankguard")] == []
+    # The last poll of the last save, for the renamed step4, went through the barrier.
+    [barrier] = [g for g in guard.runner.guards if g.name == "shared_dir_barrier"]
+    assert barrier.last_report.paths == [str(tmp_path / "ckpt" / "step4")]
+    assert olmo_checkpoint.wait_for is olmo_core.utils.wait_for  # restored at close
 
 
 def test_save_kind_comes_from_the_train_modules_public_save_options(tmp_path):
@@ -151,6 +159,33 @@ def test_save_kind_comes_from_the_train_modules_public_save_options(tmp_path):
     assert switch is not None and "full_state_dict to False" in switch()
     assert rg_olmo.save_options(module) == ("sharded", True)
     assert module.state_dict_to_save(optim=False)["model"]  # still what OLMo-core saves
+
+
+def test_olmo_core_checkpoint_folder_polls_go_through_rankguard_and_are_restored(tmp_path):
+    # The one reach into OLMo-core's private code: fails if its checkpointer stops polling
+    # for step<N>-tmp, its train/ and step<N> with olmo_core.train.checkpoint.wait_for.
+    trainer = build_trainer(tmp_path, {}, eval_sequences=None)
+    polled: list[str] = []
+    unhook = rg_olmo.route_checkpoint_dir_waits(lambda path: polled.append(path) or True)
+    try:
+        step = tmp_path / "ckpt" / "step3"
+        trainer.checkpointer.save(step, trainer.train_module, {})
+    finally:
+        unhook()
+        unhook()
+    assert polled == [f"{step}-tmp", f"{step}-tmp/train", str(step)]
+    assert olmo_checkpoint.wait_for is olmo_core.utils.wait_for
+
+
+def test_olmo_core_without_its_wait_for_is_left_alone(monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG, logger="rankguard")
+    monkeypatch.delattr(olmo_checkpoint, "wait_for")
+    monkeypatch.setattr(rg_olmo, "_NOT_ROUTED", set())
+    for _ in range(2):
+        rg_olmo.route_checkpoint_dir_waits(lambda path: True)()
+    assert not hasattr(olmo_checkpoint, "wait_for")
+    [record] = [r for r in caplog.records if "wait_for" in r.getMessage()]
+    assert record.levelno == logging.DEBUG
 
 
 def test_a_save_that_copies_each_replica_to_the_host_is_sized_per_rank():
@@ -178,6 +213,8 @@ SCENARIOS = [
     "uneven_eval",
     "slow_data",
     "node_local",
+    "late_checkpoint_folder",
+    "checkpoint_folder_never_seen",
     "ckpt_over_memory",
     "full_export_over_memory",
     "post_eval_stall",
@@ -250,6 +287,37 @@ def test_olmo_core_node_local_save_folder_stops_every_rank_before_the_first_save
         )
         assert "TrainerConfig(save_folder='s3://...')" in result["message"]
         assert result["counters"]["files"] == [] and result["counters"]["steps"] == 0
+
+
+@pytest.mark.framework
+def test_olmo_core_checkpoint_folder_seen_12_s_late_on_rank_1_is_waited_for_and_saved(job):
+    # OLMo-core's own wait_for would have raised "timed out Waiting for checkpoint directory".
+    for rank in job[2]:
+        result = rank["late_checkpoint_folder"]
+        assert result["outcome"] == "ok" and result["warnings"] == [], result
+        counters = result["counters"]
+        assert (counters["steps"], counters["saves"]) == (2, 2)
+        assert {"step0", "step2"} <= set(counters["files"])
+        waits = counters["folder_waits"]
+        assert 10.0 < waits["step0-tmp"] < LATE_S + 5, waits  # the slowest rank's wait
+        assert waits["step0-tmp/train"] < 5 and waits["step0"] < 5, waits
+
+
+@pytest.mark.framework
+def test_olmo_core_checkpoint_folder_rank_1_never_sees_is_named_on_every_rank(job):
+    out, _, ranks = job
+    node = f"{socket.gethostname()}/node0"
+    for rank in ranks:
+        result = rank["checkpoint_folder_never_seen"]
+        assert result["outcome"] == "SharedDirTimeoutError", result
+        message = result["message"]
+        assert message.startswith(
+            f"Directory {out}/never_seen/view1/ckpt/step0-tmp (created by rank 0 on {node}) was "
+            f"not visible to rank 1 ({node}) after they waited {NEVER_TIMEOUT_S:g} s "
+            "(`timeout_s`); rank 0 sees it. Filesystem: "
+        ), message
+        assert "Fix: if the filesystem is shared but shows new directories late" in message
+        assert result["counters"]["steps"] == 0 and result["counters"]["saves"] == 0
 
 
 @pytest.mark.framework

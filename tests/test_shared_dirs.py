@@ -4,10 +4,8 @@ Two nodes of 2 ranks are simulated on one machine with two launcher
 invocations, one torchrun per node (``benchmarks/launch.py``), so each rank's
 node and local rank come from torchrun. Each node has its own local directory.
 A lagging shared filesystem is a pair of directories, node 0's view and node
-1's view, kept in step by a mirror thread in the test process: marker files
-(fresh names, which a real NFS client looks up on the server at once) are
-copied at once, directories only after a lag, as NFS shows a directory that a
-polling client has already cached as missing.
+1's view, kept in step by a mirror thread in the test process
+(:class:`tests.e2e.common.Mirror`).
 """
 
 from __future__ import annotations
@@ -16,10 +14,8 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -39,44 +35,12 @@ from rankguard.callbacks.shared_dirs import SharedDirBarrier, ensure_shared_dirs
 from rankguard.callbacks.shared_dirs_plan import BarrierPlanner
 from rankguard.callbacks.side_channel import SideChannel
 from tests.e2e.ckpt_dirs_worker import LAG_BAD_TIMEOUT_S, TIMEOUT_S
+from tests.e2e.common import Mirror
 from tests.mp import run_ranks
 
 WORKER = Path(__file__).parent / "e2e" / "ckpt_dirs_worker.py"
 HOST = socket.gethostname()
 LAG_OK_S, LAG_BAD_S = 1.0, 60.0
-
-
-class Mirror(threading.Thread):
-    """Copies node 0's view into node 1's: markers at once, directories after ``lag_s``."""
-
-    def __init__(self, pairs: list[tuple[str, str, float]]) -> None:
-        super().__init__(daemon=True)
-        self.pairs, self.stop, self.first_seen = pairs, threading.Event(), {}
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            for src, dst, lag in self.pairs:
-                self._sync(src, dst, lag)
-            time.sleep(0.02)
-
-    def _sync(self, src: str, dst: str, lag: float) -> None:
-        now = time.monotonic()
-        for here, dirs, files in os.walk(src):
-            rel = os.path.relpath(here, src)
-            for d in dirs:
-                key = os.path.join(src, rel, d)
-                if now - self.first_seen.setdefault(key, now) >= lag:
-                    os.makedirs(os.path.join(dst, rel, d), exist_ok=True)
-            for f in files:
-                target = os.path.join(dst, rel, f)
-                if f.startswith(MARKER_PREFIX) and os.path.isdir(os.path.dirname(target)):
-                    if not os.path.exists(target):
-                        shutil.copyfile(os.path.join(here, f), target)
-        for here, _, files in os.walk(dst):
-            for f in files:
-                rel = os.path.relpath(os.path.join(here, f), dst)
-                if f.startswith(MARKER_PREFIX) and not os.path.exists(os.path.join(src, rel)):
-                    os.remove(os.path.join(here, f))
 
 
 @pytest.fixture(scope="module")
@@ -385,4 +349,27 @@ def test_a_per_rank_folder_never_seen_names_the_rank_that_created_it():
     assert timeout.error.startswith(
         "Directory /ckpt/rank1 (created by rank 1 on gpu-1) was not visible to rank 1 (gpu-1) "
         "after they waited 5 s (`timeout_s`); ranks 0,2 see it."
+    )
+
+
+def test_a_folder_the_framework_made_is_waited_for_not_created_and_a_late_rank_is_named():
+    # create=False (OLMo-core's rank 0 made step4-tmp): nothing to probe, rank 1 waits.
+    planner = BarrierPlanner(timeout_s=600)
+    states = {
+        r: (NodeId(f"gpu-{r}", None, None), [PathState("/nfs/ckpt/step4-tmp", state, e, "nfs4")])
+        for r, state, e in ((0, "dir", "/nfs/ckpt/step4-tmp"), (1, "missing", "/nfs/ckpt"))
+    }
+    look = planner.awaited(states)
+    assert (look.pending, look.probe, look.error) == ([0], [], None)
+    timeout = planner.visible({0: {0: 0.0}, 1: {0: None}})
+    assert timeout.error.startswith(
+        "Directory /nfs/ckpt/step4-tmp (created by rank 0 on gpu-0) was not visible to rank 1 "
+        "(gpu-1) after they waited 600 s (`timeout_s`); rank 0 sees it. Filesystem: rank 1: nfs4. "
+        "Fix: if the filesystem is shared but shows new directories late"
+    )
+    late = planner.visible({0: {0: 0.0}, 1: {0: 12.5}})
+    assert late.error is None and late.max_waited_s == 12.5
+    assert late.summary == (
+        "/nfs/ckpt/step4-tmp: made by rank 0, not seen at first by rank 1; filesystem ranks "
+        "0,1: nfs4; every rank saw it within 12.50 s"
     )

@@ -1,19 +1,23 @@
-"""Tiny data and a per-rank outcome recorder shared by the end-to-end jobs."""
+"""Tiny data, a per-rank outcome recorder and a lagging shared folder for the end-to-end jobs."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shutil
 import sys
+import threading
+import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset
 
+from rankguard.callbacks.dir_probe import MARKER_PREFIX
 from rankguard.callbacks.guard import RAISED, Guard
 
 
@@ -33,6 +37,51 @@ def own_node(rank: int, disk: Path) -> Iterator[Path]:
             del os.environ["NODE_RANK"]
         else:
             os.environ["NODE_RANK"] = previous
+
+
+class Mirror(threading.Thread):
+    """Shows one view of a shared folder in another, as a lagging NFS client would.
+
+    Each pair is ``(src, dst, lag)``: marker files (fresh names, which a real NFS
+    client looks up on the server at once) are copied at once, directories only
+    after ``lag`` seconds, or ``lag(path relative to src)`` (``math.inf``: never),
+    as NFS shows a directory that a polling client has already cached as missing;
+    never before its parent. Other files are not copied.
+    """
+
+    def __init__(self, pairs: list[tuple[str, str, float | Callable[[str], float]]]) -> None:
+        super().__init__(daemon=True)
+        self.pairs, self.stop, self.first_seen = pairs, threading.Event(), {}
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for src, dst, lag in self.pairs:
+                try:
+                    self._sync(src, dst, lag)
+                except OSError:  # src changed under the walk: look again
+                    pass
+            time.sleep(0.02)
+
+    def _sync(self, src: str, dst: str, lag: float | Callable[[str], float]) -> None:
+        now = time.monotonic()
+        for here, dirs, files in os.walk(src):
+            rel = os.path.relpath(here, src)
+            for d in dirs:
+                key = os.path.join(src, rel, d)
+                wait = lag(os.path.normpath(os.path.join(rel, d))) if callable(lag) else lag
+                shown = now - self.first_seen.setdefault(key, now) >= wait
+                if shown and os.path.isdir(os.path.join(dst, rel)):  # its parent is shown
+                    os.makedirs(os.path.join(dst, rel, d), exist_ok=True)
+            for f in files:
+                target = os.path.join(dst, rel, f)
+                if f.startswith(MARKER_PREFIX) and os.path.isdir(os.path.dirname(target)):
+                    if not os.path.exists(target):
+                        shutil.copyfile(os.path.join(here, f), target)
+        for here, _, files in os.walk(dst):
+            for f in files:
+                rel = os.path.relpath(os.path.join(here, f), dst)
+                if f.startswith(MARKER_PREFIX) and not os.path.exists(os.path.join(src, rel)):
+                    os.remove(os.path.join(here, f))
 
 
 class Points(Dataset):

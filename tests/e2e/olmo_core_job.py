@@ -17,6 +17,7 @@ tests in ``tests/test_olmo_core.py``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -39,7 +40,7 @@ from olmo_core.train.train_module.transformer.config import TransformerDataParal
 from olmo_core.utils import seed_all
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.e2e.common import own_node, run_scenarios
+from tests.e2e.common import Mirror, own_node, run_scenarios
 from tests.e2e.hang_settings import HANG
 
 COUNTERS: dict[str, Any] = {}
@@ -304,6 +305,72 @@ def node_local() -> None:
         del os.environ["OLMO_SHARED_FS"]
 
 
+#: How late rank 1's view of the shared folder shows ``step0-tmp``: past OLMo-core's 10 s.
+LATE_S = 12.0
+#: The barrier's ``timeout_s`` where rank 1 never sees ``step0-tmp``.
+NEVER_TIMEOUT_S = 2.0
+
+
+def lagging_view(name: str, late_s: float, guard: Callback) -> None:
+    """Rank 0 saves into ``view0/ckpt``, rank 1 into ``view1/ckpt``: its view of one folder.
+
+    A mirror thread in rank 1 shows rank 0's ``step0-tmp`` there ``late_s`` after rank 0
+    makes it (``math.inf``: never), every other folder at once. 2 steps, saved at steps 0
+    and 2 (OLMo-core's pre-train and final saves); the time each folder poll took, by path
+    below the save folder, goes to the ``folder_waits`` counter.
+    """
+    rank = dist.get_rank()
+    base = OUT / name
+    view = base / f"view{rank}"
+    view.mkdir(parents=True)  # each node's mount point
+    barrier = next(g for g in guard.runner.guards if g.name == "shared_dir_barrier")
+    run = barrier.run
+    waits: dict[str, float] = {}
+
+    def timed(directories, where, *args, **kwargs):
+        report = run(directories, where, *args, **kwargs)
+        if where == "checkpoint_folder" and report is not None:
+            below = os.path.relpath(report.paths[0], view / "ckpt")
+            waits[below] = round(report.max_waited_s, 1)
+            COUNTERS["folder_waits"] = dict(waits)
+        return report
+
+    barrier.run = timed
+    late = {"ckpt/step0-tmp": late_s}
+    mirror = Mirror([(str(base / "view0"), str(view), lambda rel: late.get(rel, 0.0))])
+    if rank == 1:
+        mirror.start()
+    try:
+        trainer = build_trainer(
+            base,
+            counting(guard),
+            eval_sequences=None,
+            save_folder=view / "ckpt",
+            steps=2,
+            save_interval=100,
+        )
+        fit(trainer)
+    finally:
+        mirror.stop.set()
+        if rank == 1:
+            mirror.join()
+
+
+def late_checkpoint_folder() -> None:
+    """Rank 1 sees ``step0-tmp`` 12 s late: OLMo-core would give up after 10 s."""
+    from rankguard.integrations.olmo_core import RankGuard
+
+    lagging_view("late_folder", LATE_S, RankGuard(**QUICK))
+
+
+def checkpoint_folder_never_seen() -> None:
+    """Rank 1 never sees ``step0-tmp``: named after the barrier's 2 s ``timeout_s``."""
+    from rankguard.integrations.olmo_core import RankGuard
+
+    barrier = {"timeout_s": NEVER_TIMEOUT_S}
+    lagging_view("never_seen", math.inf, RankGuard(shared_dir_barrier=barrier, **QUICK))
+
+
 #: Host memory the planner is told each node has: less than the 1-layer model's state.
 TINY_HOST_BYTES = 16 * 1024
 
@@ -342,6 +409,8 @@ SCENARIOS = {
     "uneven_eval": uneven_eval,
     "slow_data": slow_data,
     "node_local": node_local,
+    "late_checkpoint_folder": late_checkpoint_folder,
+    "checkpoint_folder_never_seen": checkpoint_folder_never_seen,
     "ckpt_over_memory": ckpt_over_memory,
     "full_export_over_memory": full_export_over_memory,
     "post_eval_stall": post_eval_stall,
