@@ -84,7 +84,10 @@ def test_healthy_run_with_eval_and_saves_scores_every_interval_and_never_warns(j
         assert result["outcome"] == "ok", result
         assert result.get("logged", []) == []
         scores = _metric(result, "rankguard/straggler_score_min")
-        assert len(scores) == VERDICTS and min(scores) > 0.8
+        # Above the default threshold (0.7) at every interval, near 1 at most: one interval
+        # of a loaded 2-core machine scored 0.78.
+        assert len(scores) == VERDICTS and min(scores) > 0.7, scores
+        assert statistics.median(scores) > 0.9, scores
 
 
 def test_rank_1_computing_1_5x_longer_is_named_by_every_rank_with_its_score(job):
