@@ -287,9 +287,9 @@ def split_sentence(statuses: Mapping[int, RankStatus]) -> str | None:
 
     Each status carries ``decisions``: ``(name, value, step)`` of the facts an
     adapter reports cheaply (``should_stop``, ``should_training_stop``, the
-    metric names logged with cross-rank sync in a step, ``save`` entered). The first name whose value
-    differs between ranks is told, e.g. ``"rank 0 set should_stop at step 83;
-    rank 1 did not."``
+    metric names logged with cross-rank sync in a step, ``save`` entered).
+    The first name whose value differs between ranks is told, e.g. ``"rank 0
+    set should_stop at step 83; rank 1 did not."``
     """
     names = sorted({name for s in statuses.values() for name, _, _ in s.decisions})
     for name in names:
