@@ -291,8 +291,11 @@ def split_sentence(statuses: Mapping[int, RankStatus]) -> str | None:
     The first name whose value differs between ranks is told, e.g. ``"rank 0
     set should_stop at step 83; rank 1 did not."``
     """
-    names = sorted({name for s in statuses.values() for name, _, _ in s.decisions})
-    for name in names:
+    names = {name for s in statuses.values() for name, _, _ in s.decisions}
+    for name in sorted(names - set(_CONTEXT.values())):
+        context = _CONTEXT.get(name)
+        if context and len({_decision(s, context)[0] for s in statuses.values()}) > 1:
+            continue  # read in different loops (training, validation): not comparable
         values = {r: _decision(s, name) for r, s in statuses.items()}
         # Not set and not reported read alike ("did not"): no split between them.
         said = {r: None if v is False or v == () else v for r, (v, _) in values.items()}
@@ -306,6 +309,11 @@ def split_sentence(statuses: Mapping[int, RankStatus]) -> str | None:
             parts.append(_tell(name, value, step, rank_label(ranks)))
         return "; ".join(parts) + "."
     return None
+
+
+#: Decisions told only between ranks that agree on their context (``sync_dist_loop``: the
+#: loop the keys were logged in); the context itself is never told.
+_CONTEXT = {"sync_dist_keys": "sync_dist_loop"}
 
 
 def _decision(status: RankStatus, name: str) -> tuple[object, int | None]:

@@ -179,6 +179,20 @@ def test_a_rank_that_set_should_stop_alone_is_named_first_with_its_stop_decision
     )
 
 
+def test_metric_keys_read_in_different_loops_are_no_split():
+    def logged(keys, loop, waits_at):
+        decisions = (("sync_dist_keys", keys, 8), ("sync_dist_loop", loop, 8))
+        return _status(waits_at, decisions=decisions)
+
+    # Rank 0 still in validation (val_loss synced), rank 1 back in training: nothing split them.
+    train = logged((), "train", "broadcast")
+    assert split_sentence({0: logged(("val_loss",), "validate", "all_gather"), 1: train}) is None
+    assert split_sentence({0: train, 1: logged(("extra",), "train", "barrier")}) == (
+        "rank 0 logged with sync_dist=True at step 80: none; "
+        "rank 1 logged with sync_dist=True at step 80: extra."
+    )
+
+
 def test_the_stop_advice_names_the_framework_whose_decision_split_the_ranks():
     def advice(name):
         stop = _status("rankguard exchange", decisions=((name, True, 3),))
