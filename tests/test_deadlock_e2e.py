@@ -165,8 +165,8 @@ def _check_stop(
     summary = (out / "rankguard_reports" / "summary.txt").read_text()
     split = json.loads((out / "split.json").read_text())
     assert summary.startswith("deadlock, "), summary
-    split = f"What split them: rank 0 set {decision} at step {step}; rank 1 did not."
-    assert split in summary, summary
+    told = f"What split them: rank 0 set {decision} at step {step}; rank 1 did not."
+    assert told in summary, summary
     assert f"exit code {DEADLOCK_EXIT_CODE}, do not restart" in summary
     latency = (out / "rankguard_reports" / "summary.txt").stat().st_mtime - split["t"]
     assert latency < LEFT_WITHIN_S, latency
