@@ -5,9 +5,12 @@ Run: ``composer -n 2 composer_hang_job.py OUT SCENARIO...``.
 Scenarios run in order, each a fresh Trainer in the same processes. Healthy
 ones record their outcome per rank in ``OUT/rank{N}.json`` (see
 tests/e2e/common.py); a hang scenario never returns: the watchdog reports
-into ``OUT/reports_<scenario>/`` and ends every rank with exit code 75, so it
-must come last. The moment rank 1 starts to stall is written (Unix time) to
-``OUT/stall_<scenario>.json`` just before it stalls.
+into ``OUT/reports_<scenario>/`` and ends every rank with exit code 75 (70 for
+a proven deadlock: ``rank0_collective``, ``metric_on_rank0``,
+``epoch_end_all_gather``, ``save_on_rank0``; ``stop_one_rank`` on gloo ends in
+gloo's own abort first), so it must come last. The moment rank 1 starts to
+stall is written (Unix time) to ``OUT/stall_<scenario>.json`` just before it
+stalls; the rank that splits the others off writes it to ``OUT/split.json``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ checkpoint ``healthy_slow_eval`` saves, so it must follow it. Each rank writes i
 ``OUT_DIR/rank{rank}.json`` (outcome, rankguard warnings, counters). A hang
 scenario never returns: the watchdog reports into ``OUT_DIR/reports_<scenario>/``
 and ends every rank with exit code 75 (70 for a proven deadlock: ``sync_dist_key``,
-``should_stop_one_rank``), so it must come last. Rank 1 writes the moment it starts to
+``should_stop_one_rank``, ``rank0_collective``, ``epoch_end_all_gather``,
+``save_on_rank0``), so it must come last. Rank 1 writes the moment it starts to
 stall (Unix time) to ``OUT_DIR/stall_<scenario>.json``; the rank that splits the
 others off writes it to ``OUT_DIR/split.json``.
 """
