@@ -24,11 +24,18 @@ model and optimizer facts) the Composer and Lightning adapters send
   in DDP's backward or rankguard's epoch-start check: a proven deadlock,
   ended at once with exit code 70. Here rank 0 hangs; "stack" reads its file.
 
-``--frameworks`` adds "desync" rows from the real trainers' test jobs, every
-watchdog setting at its default: Composer (``composer -n 2``, a collective on
-rank 0 only at epoch end) and Lightning (``ddp``, rank 1 alone logs a key with
-``sync_dist=True``): time from the split to the first report and to the job's
-end, the exit code, the rank "Next" names and the user line it names.
+``--frameworks`` adds "desync" rows from the real trainers' test jobs, one per
+tracker case, every watchdog setting at its default: in Composer (``composer
+-n 2``) and Lightning (``ddp``) a collective under ``if rank == 0`` at epoch end,
+a metric synced on one rank only (Lightning: a key logged with
+``sync_dist=True``; Composer: a torchmetrics metric computed on rank 0),
+an ``all_gather`` at epoch end on a path rank 1 skips, training stopped on one
+rank, a collective save on rank 0 only; the HF Trainer's early stop on one rank
+and the loop's rank-0 collective (torchrun). From the split: the first report,
+the job's end with each rank's exit code (Lightning: rank 0's), the rank "Next"
+names and the user line it names. On gloo a collective left unmatched may pair
+with another rank's next one instead of hanging (NCCL would hang); the jobs put
+their own collectives on a group of their own, so the rows show the hang.
 
 Three ways to run each:
 
@@ -293,47 +300,100 @@ def watch(procs: list[subprocess.Popen], out: Path, cap_s: float) -> dict:
     }
 
 
-#: The "desync" rows from the real trainers (see ``--frameworks``): (label, command, scenario).
+#: The "desync" rows from the real trainers (see ``--frameworks``): (label, launcher, job,
+#: scenario), one per tracker case and framework. The launcher is ``composer`` (``composer -n
+#: 2``), ``torchrun`` (2 processes) or ``python`` (Lightning starts rank 1 itself).
 FRAMEWORK_DESYNC = (
     ("Composer: rank-0 collective", "composer", "composer_hang_job.py", "rank0_collective"),
+    ("Composer: metric on rank 0", "composer", "composer_hang_job.py", "metric_on_rank0"),
+    ("Composer: all_gather skipped", "composer", "composer_hang_job.py", "epoch_end_all_gather"),
+    ("Composer: stop on one rank", "composer", "composer_hang_job.py", "stop_one_rank"),
+    ("Composer: save on rank 0", "composer", "composer_hang_job.py", "save_on_rank0"),
+    ("Lightning: rank-0 collective", "python", "lightning_hang_job.py", "rank0_collective"),
     ("Lightning: sync_dist key", "python", "lightning_hang_job.py", "sync_dist_key"),
+    ("Lightning: all_gather skipped", "python", "lightning_hang_job.py", "epoch_end_all_gather"),
+    ("Lightning: should_stop 1 rank", "python", "lightning_hang_job.py", "should_stop_leaves_fit"),
+    ("Lightning: save is_global_zero", "python", "lightning_hang_job.py", "save_on_rank0"),
+    ("HF: early stop on one rank", "torchrun", "hf_trainer_job.py", "early_stop_one_rank"),
+    ("loop: rank-0 collective", "torchrun", "torch_loop_job.py", "rank0_collective"),
 )
+#: Each rank's exit code in a launcher's output: Composer's, then torchrun's.
+_RANK_CODES = (
+    re.compile(r"Global rank (\d+) \(PID \d+\) exited with code (-?\d+)"),
+    re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\n\s*exitcode\s*: (-?\d+)"),
+)
+_SOURCE_PATH = re.compile(r"\[[^]]*\]\s*")  # "[enforce fail at .../pair.cc:446] "
+_NEXT_RANK = re.compile(r"Next: (?:fix the code path at|fix the stop decision of|read) rank ?(\d+)")
+
+
+def _launch(launcher: str, script: str, out: str, scenario: str) -> list[str]:
+    bin_dir = Path(sys.executable).parent
+    head = {
+        "composer": [str(bin_dir / "composer"), "-n", "2"],
+        "torchrun": [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", "2"],
+        "python": [sys.executable],
+    }[launcher]
+    return [*head, script, out, scenario]
+
+
+def _codes(output: str, returncode: int) -> str:
+    """The ranks' exit codes where the launcher prints them, else the launcher's own."""
+    for pattern in _RANK_CODES:
+        codes = dict(pattern.findall(output))
+        if codes:
+            return ",".join(codes[r] for r in sorted(codes))
+    return str(returncode)
+
+
+def _summary(out: Path, scenario: str) -> Path | None:
+    for folder in (f"reports_{scenario}", "rankguard_reports"):
+        if (out / folder / "summary.txt").exists():
+            return out / folder / "summary.txt"
+    return None
 
 
 def framework_desync(label: str, launcher: str, job: str, scenario: str, cap_s: float) -> str:
     """Runs one test job with the watchdog's defaults; one table row from its report."""
-    bin_dir = Path(sys.executable).parent
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        script = str(ROOT / "tests" / "e2e" / job)
-        head = [str(bin_dir / "composer"), "-n", "2"] if launcher == "composer" else []
-        cmd = [*head, *([] if head else [sys.executable]), script, tmp, scenario]
+        cmd = _launch(launcher, str(ROOT / "tests" / "e2e" / job), tmp, scenario)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(name, None)
         proc = subprocess.Popen(
             cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, text=True,
         )  # fmt: skip
         try:
-            proc.communicate(timeout=cap_s)
+            output, _ = proc.communicate(timeout=cap_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            output, _ = proc.communicate()
         ended = time.time()
-        split_file, summary = out / "split.json", out / f"reports_{scenario}" / "summary.txt"
+        codes = _codes(output, proc.returncode)
+        split_file, summary = out / "split.json", _summary(out, scenario)
         if not split_file.exists():
-            return f"{label:<28} | did not reach the split (exit {proc.returncode})"
+            return f"{label:<30} | did not reach the split (exit {codes})"
         split = json.loads(split_file.read_text())["t"]
-        if not summary.exists():
-            return f"{label:<28} | no report within {cap_s:g} s (exit {proc.returncode})"
+        if summary is None:
+            errors = [
+                line.strip()
+                for line in output.splitlines()
+                if "what():" in line or line.startswith("RuntimeError")
+            ]
+            # gloo's own words, without the source path: "op.preamble.length <= ... 12 vs 4".
+            error = f"; {_SOURCE_PATH.sub('', errors[0])[:70]}" if errors else ""
+            return (
+                f"{label:<30} | {'none':>6}   | {ended - split:>6.1f} s ({codes}) | - | "
+                f"no report{error}"
+            )
         text = summary.read_text()
-        named = re.search(r"Next: fix the code path at rank (\d+)|Next: read rank(\d+)", text)
-        rank = next((g for g in named.groups() if g), "?") if named else "?"
+        named = _NEXT_RANK.search(text)
+        rank = named.group(1) if named else "?"
         line = re.search(rf"^rank {rank}: your code at (.*?)(; blocked in|$)", text, re.M)
         return (
-            f"{label:<28} | {summary.stat().st_mtime - split:>6.1f} s | {ended - split:>6.1f} s "
-            f"({proc.returncode}) | rank {rank} | {line.group(1) if line else '-'}"
+            f"{label:<30} | {summary.stat().st_mtime - split:>6.1f} s | {ended - split:>6.1f} s "
+            f"({codes}) | rank {rank} | {line.group(1) if line else '-'}"
         )
 
 
@@ -367,7 +427,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="which of: " + ", ".join(MODES))
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="which scenarios")
     parser.add_argument(
-        "--frameworks", action="store_true", help="add the desync rows of Composer and Lightning"
+        "--frameworks", action="store_true", help="add the desync rows of the real trainers"
     )
     parser.add_argument(
         "--frameworks-only", action="store_true", help="only the desync rows of the trainers"
@@ -375,7 +435,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.frameworks or args.frameworks_only:
         print("desync, real trainers, every watchdog setting at its default; from the split:")
-        print(f"{'case':<28} | report   | job ends (code) | Next | user line named")
+        print(f"{'case':<30} | report   | job ends (codes) | Next   | user line named")
         for case in FRAMEWORK_DESYNC:
             print(framework_desync(*case, cap_s=args.cap + 60))
         if args.frameworks_only:

@@ -169,8 +169,9 @@ class EventFacts:
         loader_pass: What this rank's pass over ``loader`` did (EVAL_END,
             EPOCH_END), where the adapter could see the loader's iterator.
         decisions: Decisions that can split the ranks, as the framework holds
-            them now (TRAIN_BATCH_END, EVAL_END): ``should_stop`` (Lightning's
-            ``trainer.should_stop``, the HF Trainer's ``should_training_stop``),
+            them now (TRAIN_BATCH_END, EVAL_END): a stop decision under the
+            framework's name for it (Lightning's ``should_stop``, the HF
+            Trainer's ``should_training_stop``),
             ``sync_dist_keys`` (metric names logged with cross-rank sync in the step).
         decision_probe: Returns ``decisions`` as they are now (FIT_START), for a
             guard's background thread to read while the loop is blocked (the

@@ -27,6 +27,7 @@ __all__ = [
     "DEADLOCK_EXIT_CODE",
     "LEFT_LOOP",
     "RENDEZVOUS_CALLS",
+    "STOP_FIXES",
     "called_from_user",
     "deadlock_key",
     "describe_deadlock",
@@ -45,6 +46,21 @@ DEADLOCK_EXIT_CODE = 70
 #: The wait point of a rank whose fit ended (``waits_at``): it left the training loop and
 #: can never reach a rendezvous the others wait at in it.
 LEFT_LOOP = "left the training loop"
+
+#: Per stop decision (its name in ``decisions``, as each framework calls it), how to make
+#: it on every rank alike; a rank that left the loop with none set gets the general advice.
+STOP_FIXES = {
+    "should_stop": (
+        "reduce the decision across ranks, e.g. Lightning's "
+        "`trainer.strategy.reduce_boolean_decision`, or base it on a metric synced across ranks"
+    ),
+    "should_training_stop": (
+        "reduce the metric across ranks before deciding, e.g. `EarlyStoppingCallback` on the "
+        "metrics `trainer.evaluate()` returns, already gathered from every rank, or set "
+        "`control.should_training_stop` on every rank alike"
+    ),
+}
+_STOP_FIX = "reduce the decision across ranks, or base it on a metric synced across ranks"
 
 #: ``torch.distributed`` functions whose frame, innermost, means the thread waits for peers.
 RENDEZVOUS_CALLS = frozenset(
@@ -179,8 +195,16 @@ def _left(status: RankStatus) -> bool:
     return status.waits_at == LEFT_LOOP
 
 
+def _stop(status: RankStatus) -> tuple[str, int | None] | None:
+    """The stop decision this rank holds set (its name and step), or ``None``."""
+    for name, value, step in status.decisions:
+        if name in STOP_FIXES and value is True:
+            return name, step
+    return None
+
+
 def _stopped(status: RankStatus) -> bool:
-    return any(name == "should_stop" and value is True for name, value, _ in status.decisions)
+    return _stop(status) is not None
 
 
 def _point(status: RankStatus) -> str:
@@ -234,9 +258,9 @@ def odd_rank(statuses: Mapping[int, RankStatus]) -> int:
     """The rank to look at first: its wait point differs from the others' usual one.
 
     A rank that left the training loop while the others wait in it comes
-    first, then one that set ``should_stop`` while others did not (its stop
-    decision split them). Else the smallest group of ranks
-    sharing a wait point is the odd one; among
+    first, then one that set a stop decision (:data:`STOP_FIXES`) while
+    others did not (its stop decision split them). Else the smallest group of
+    ranks sharing a wait point is the odd one; among
     equal groups, one whose rendezvous the user's own code calls (``direct``),
     then one whose wait point its own rank had seen before in a
     healthy sample (``usual``) is less likely the cause, and so are backward
@@ -262,17 +286,22 @@ def split_sentence(statuses: Mapping[int, RankStatus]) -> str | None:
     """The decision that split the ranks, in one sentence, where the adapters saw one.
 
     Each status carries ``decisions``: ``(name, value, step)`` of the facts an
-    adapter reports cheaply (``should_stop``, the metric names logged with
-    cross-rank sync in a step, ``save`` entered). The first name whose value
-    differs between ranks is told, e.g. ``"rank 0 set should_stop at step 83;
-    rank 1 did not."``
+    adapter reports cheaply (``should_stop``, ``should_training_stop``, the
+    metric names logged with cross-rank sync in a step, ``save`` entered).
+    The first name whose value differs between ranks is told, e.g. ``"rank 0
+    set should_stop at step 83; rank 1 did not."``
     """
-    names = sorted({name for s in statuses.values() for name, _, _ in s.decisions})
-    for name in names:
+    names = {name for s in statuses.values() for name, _, _ in s.decisions}
+    for name in sorted(names - set(_CONTEXT.values())):
+        context = _CONTEXT.get(name)
+        if context and len({_decision(s, context)[0] for s in statuses.values()}) > 1:
+            continue  # read in different loops (training, validation): not comparable
         values = {r: _decision(s, name) for r, s in statuses.items()}
-        if len({v for v, _ in values.values()}) < 2:
+        # Not set and not reported read alike ("did not"): no split between them.
+        said = {r: None if v is False or v == () else v for r, (v, _) in values.items()}
+        if len(set(said.values())) < 2:
             continue
-        groups = group_ranks({r: v for r, (v, _) in values.items()})
+        groups = group_ranks(said)
         parts = []
         for ranks, value in groups[:4]:
             # The keys logged in the step each rank is in now, not when they last changed.
@@ -280,6 +309,11 @@ def split_sentence(statuses: Mapping[int, RankStatus]) -> str | None:
             parts.append(_tell(name, value, step, rank_label(ranks)))
         return "; ".join(parts) + "."
     return None
+
+
+#: Decisions told only between ranks that agree on their context (``sync_dist_loop``: the
+#: loop the keys were logged in); the context itself is never told.
+_CONTEXT = {"sync_dist_keys": "sync_dist_loop"}
 
 
 def _decision(status: RankStatus, name: str) -> tuple[object, int | None]:
@@ -332,16 +366,16 @@ def describe_deadlock(statuses: Mapping[int, RankStatus]) -> tuple[str, tuple[st
         details.append(f"What split them: {split}")
     if first in left or _stopped(statuses[first]):
         status = statuses[first]
+        stop = _stop(status)
         did = left_at(status)
-        if first not in left:
-            step = next(step for name, _, step in status.decisions if name == "should_stop")
-            did = f"set should_stop at step {step}"
+        if first not in left and stop is not None:
+            did = f"set {stop[0]} at step {stop[1]}"
+        fix = STOP_FIXES[stop[0]] if stop is not None else _STOP_FIX
         details.append(
             f"Next: fix the stop decision of rank {first}: it {did} while "
             "the others went on, so their next collective never completes. Decide to stop on "
-            "every rank alike (reduce the decision across ranks, e.g. Lightning's "
-            "`trainer.strategy.reduce_boolean_decision`, or base it on a metric synced across "
-            f"ranks). A restart would replay it: exit code {DEADLOCK_EXIT_CODE}, do not restart."
+            f"every rank alike ({fix}). A restart would replay it: exit code "
+            f"{DEADLOCK_EXIT_CODE}, do not restart."
         )
         return summary, tuple(details), first
     details.append(

@@ -97,7 +97,8 @@ class RankStatus:
         usual: Whether this rank had seen its wait point before, healthy.
         direct: Whether the user's own code calls the rendezvous (not a framework).
         decisions: ``(name, value, step)`` of the decisions that can split the
-            ranks (``should_stop``, ``sync_dist_keys``, ``save``), as last reported.
+            ranks (``should_stop``, ``should_training_stop``, ``sync_dist_keys``,
+            ``save``), as last reported.
     """
 
     phase: str

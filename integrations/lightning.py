@@ -197,7 +197,14 @@ def split_decisions(trainer: pl.Trainer) -> dict[str, Any]:
     results = getattr(trainer, "_results", None)
     metrics = list(results.values()) if results else []
     keys = sorted({m.meta.name for m in metrics if m.meta.sync.should})
-    return {"should_stop": bool(trainer.should_stop), "sync_dist_keys": tuple(keys)}
+    stage = trainer.state.stage
+    return {
+        "should_stop": bool(trainer.should_stop),
+        "sync_dist_keys": tuple(keys),
+        # The loop those keys were logged in: a rank in validation and one in training log
+        # different keys without any split between them.
+        "sync_dist_loop": stage.value if stage is not None else None,
+    }
 
 
 class _LightningAdapter(Callback):

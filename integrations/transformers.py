@@ -210,7 +210,7 @@ def stop_decision(control: TrainerControl) -> dict[str, Any]:
     decided from one rank's un-gathered metric stops that rank alone
     (transformers #17478). The Trainer keeps one ``TrainerControl`` per run.
     """
-    return {"should_stop": bool(control.should_training_stop)}
+    return {"should_training_stop": bool(control.should_training_stop)}
 
 
 class _TrainerAdapter(TrainerCallback):

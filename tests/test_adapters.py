@@ -347,7 +347,7 @@ def test_lightning_split_decisions_read_should_stop_and_the_synced_keys_of_the_r
     # One process: Lightning syncs nothing (sync_dist only applies when distributed); the
     # 2-rank run in tests/test_deadlock_e2e.py reads the synced key.
     assert seen[0] == (
-        {"should_stop": False, "sync_dist_keys": ()},
+        {"should_stop": False, "sync_dist_keys": (), "sync_dist_loop": "train"},
         {"synced": False, "local": False},
     )
-    assert seen[1][0] == {"should_stop": True, "sync_dist_keys": ()}
+    assert seen[1][0] == {"should_stop": True, "sync_dist_keys": (), "sync_dist_loop": "train"}

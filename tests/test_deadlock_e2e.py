@@ -1,12 +1,19 @@
 """Proven deadlocks in real 2-rank jobs: a collective that only rank 0 calls, settings at defaults.
 
-Two launches, each ending the job with :data:`DEADLOCK_EXIT_CODE` on every
+Three launches, each ending the job with :data:`DEADLOCK_EXIT_CODE` on every
 rank within seconds of the split, naming the user's own line:
 
 - a hand-written DDP loop under torchrun (``tests/e2e/torch_loop_job.py``);
 - Composer (``composer -n 2``, ``tests/e2e/composer_hang_job.py``);
 - Lightning ``ddp``: rank 1 alone logs a key with ``sync_dist=True``
   (``tests/e2e/lightning_hang_job.py``): rank 0 waits in DDP's backward.
+
+Two launches of the tracker cases most likely to regress (the others are rows of
+``benchmarks/detection.py --frameworks``):
+
+- Lightning: ``trainer.save_checkpoint`` under ``if trainer.is_global_zero``: rank 0
+  waits in the save's closing barrier, and the report says it entered a save alone;
+- Composer: an ``all_gather`` at the epoch's end on a path rank 1 skips.
 
 Two more launches, one rank leaving the training loop while the other goes on, every
 setting at its default (reports in ``./rankguard_reports``):
@@ -152,12 +159,14 @@ def hf_stop(tmp_path_factory):
     return out, *_launch([*cmd, "early_stop_one_rank"], out)
 
 
-def _check_stop(out: Path, output: str, ended_at: float, step: int) -> str:
+def _check_stop(
+    out: Path, output: str, ended_at: float, step: int, decision: str = "should_stop"
+) -> str:
     summary = (out / "rankguard_reports" / "summary.txt").read_text()
     split = json.loads((out / "split.json").read_text())
     assert summary.startswith("deadlock, "), summary
-    decision = f"What split them: rank 0 set should_stop at step {step}; rank 1 did not."
-    assert decision in summary, summary
+    told = f"What split them: rank 0 set {decision} at step {step}; rank 1 did not."
+    assert told in summary, summary
     assert f"exit code {DEADLOCK_EXIT_CODE}, do not restart" in summary
     latency = (out / "rankguard_reports" / "summary.txt").stat().st_mtime - split["t"]
     assert latency < LEFT_WITHIN_S, latency
@@ -187,5 +196,61 @@ def test_hf_early_stop_on_one_rank_is_a_proven_deadlock_ended_with_exit_70(hf_st
     assert returncode != 0
     codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", output))
     assert codes == {str(DEADLOCK_EXIT_CODE)}, output[-6000:]
-    summary = _check_stop(out, output, ended_at, step=3)
-    assert re.search(r"Next: fix the (stop decision|code path at rank 0)", summary), summary
+    summary = _check_stop(out, output, ended_at, step=3, decision="should_training_stop")
+    assert "Next: fix the stop decision of rank 0" in summary, summary
+    assert "`EarlyStoppingCallback`" in summary and "reduce_boolean_decision" not in summary
+
+
+@pytest.fixture(scope="module")
+def lightning_save(tmp_path_factory):
+    pytest.importorskip("lightning", reason="needs rankguard[lightning]")
+    out = tmp_path_factory.mktemp("lightning_save_on_rank0")
+    job = ROOT / "tests" / "e2e" / "lightning_hang_job.py"
+    return out, *_launch([sys.executable, str(job), str(out), "save_on_rank0"], out)
+
+
+@pytest.fixture(scope="module")
+def composer_gather(tmp_path_factory):
+    out = tmp_path_factory.mktemp("composer_all_gather")
+    job = ROOT / "tests" / "e2e" / "composer_hang_job.py"
+    return out, *_launch(
+        [str(BIN / "composer"), "-n", "2", str(job), str(out), "epoch_end_all_gather"], out
+    )
+
+
+def test_lightning_save_checkpoint_on_global_zero_only_is_a_proven_deadlock_naming_the_save(
+    lightning_save,
+):
+    out, output, returncode, ended_at = lightning_save
+    assert returncode == DEADLOCK_EXIT_CODE, output[-6000:]  # rank 0, this process's child
+    summary = _check(
+        out,
+        output,
+        ended_at,
+        "lightning_hang_job.py",
+        "on_train_batch_end",
+        scenario="save_on_rank0",
+        call=r"trainer\.save_checkpoint\(",
+    )
+    assert "rank 0 waiting" in summary and "s in barrier at lightning_hang_job.py:" in summary
+    split = "What split them: rank 0 entered a checkpoint save at step 5; rank 1 did not."
+    assert split in summary, summary
+
+
+def test_composer_all_gather_on_a_path_one_rank_skips_is_a_proven_deadlock_ended_with_exit_70(
+    composer_gather,
+):
+    out, output, returncode, ended_at = composer_gather
+    assert returncode == DEADLOCK_EXIT_CODE, output[-6000:]
+    for rank in (0, 1):
+        assert re.search(rf"Global rank {rank} \(PID \d+\) exited with code 70", output)
+    summary = _check(
+        out,
+        output,
+        ended_at,
+        "composer_hang_job.py",
+        "epoch_end",
+        scenario="epoch_end_all_gather",
+        call=r"dist\.all_gather\(",
+    )
+    assert "What split them" not in summary, summary  # Composer tells no decision here

@@ -179,6 +179,46 @@ def test_a_rank_that_set_should_stop_alone_is_named_first_with_its_stop_decision
     )
 
 
+def test_metric_keys_read_in_different_loops_are_no_split():
+    def logged(keys, loop, waits_at):
+        decisions = (("sync_dist_keys", keys, 8), ("sync_dist_loop", loop, 8))
+        return _status(waits_at, decisions=decisions)
+
+    # Rank 0 still in validation (val_loss synced), rank 1 back in training: nothing split them.
+    train = logged((), "train", "broadcast")
+    assert split_sentence({0: logged(("val_loss",), "validate", "all_gather"), 1: train}) is None
+    assert split_sentence({0: train, 1: logged(("extra",), "train", "barrier")}) == (
+        "rank 0 logged with sync_dist=True at step 80: none; "
+        "rank 1 logged with sync_dist=True at step 80: extra."
+    )
+
+
+def test_the_stop_advice_names_the_framework_whose_decision_split_the_ranks():
+    def advice(name):
+        stop = _status("rankguard exchange", decisions=((name, True, 3),))
+        go = _status("broadcast", frame="t.py:9 (main)", decisions=((name, False, 0),))
+        statuses = {0: stop, 1: go}
+        verdict = diagnose(statuses, suspect=diagnose(statuses).suspect)
+        assert verdict.deadlock and verdict.first == 0
+        return "\n".join(verdict.details)
+
+    hf = advice("should_training_stop")  # the HF Trainer's control.should_training_stop
+    assert "What split them: rank 0 set should_training_stop at step 3; rank 1 did not." in hf
+    assert "Next: fix the stop decision of rank 0: it set should_training_stop at step 3" in hf
+    assert "`EarlyStoppingCallback`" in hf and "`control.should_training_stop` on every" in hf
+    assert "Lightning" not in hf
+    assert "`trainer.strategy.reduce_boolean_decision`" in advice("should_stop")
+    # A rank that left with no stop decision told (Composer's stop_training): general advice.
+    composer = RankStatus(**{**vars(_left(stop=False)), "decisions": ()})
+    gone = {0: composer, 1: _status("backward", frame="model.py:150 (training_step)")}
+    verdict = diagnose(gone, suspect=diagnose(gone).suspect)
+    text = "\n".join(verdict.details)
+    assert verdict.deadlock and "Next: fix the stop decision of rank 0: it left" in text, text
+    assert "(reduce the decision across ranks, or base it on a metric synced" in text
+    assert "Lightning" not in text and "EarlyStopping" not in text
+    assert "What split them" not in text  # not set and not reported: no split told
+
+
 def test_a_rendezvous_reached_through_a_framework_is_not_called_from_the_users_code():
     site = os.path.dirname(TORCH)
     lightning = os.path.join(site, "lightning", "pytorch", "core", "module.py")

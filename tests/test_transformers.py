@@ -178,6 +178,6 @@ def test_stop_decision_reads_should_training_stop_for_the_deadlock_report():
     from rankguard.integrations.transformers import stop_decision
 
     control = TrainerControl()
-    assert stop_decision(control) == {"should_stop": False}
+    assert stop_decision(control) == {"should_training_stop": False}
     control.should_training_stop = True  # what EarlyStoppingCallback sets, on one rank
-    assert stop_decision(control) == {"should_stop": True}
+    assert stop_decision(control) == {"should_training_stop": True}

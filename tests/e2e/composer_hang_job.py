@@ -5,9 +5,12 @@ Run: ``composer -n 2 composer_hang_job.py OUT SCENARIO...``.
 Scenarios run in order, each a fresh Trainer in the same processes. Healthy
 ones record their outcome per rank in ``OUT/rank{N}.json`` (see
 tests/e2e/common.py); a hang scenario never returns: the watchdog reports
-into ``OUT/reports_<scenario>/`` and ends every rank with exit code 75, so it
-must come last. The moment rank 1 starts to stall is written (Unix time) to
-``OUT/stall_<scenario>.json`` just before it stalls.
+into ``OUT/reports_<scenario>/`` and ends every rank with exit code 75 (70 for
+a proven deadlock: ``rank0_collective``, ``metric_on_rank0``,
+``epoch_end_all_gather``, ``save_on_rank0``; ``stop_one_rank`` on gloo ends in
+gloo's own abort first), so it must come last. The moment rank 1 starts to
+stall is written (Unix time) to ``OUT/stall_<scenario>.json`` just before it
+stalls; the rank that splits the others off writes it to ``OUT/split.json``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 import time
 
 import torch
+import torchmetrics
 from composer import Callback, Evaluator, Trainer
 from composer.models import ComposerClassifier
 from composer.utils import dist
@@ -123,12 +127,85 @@ class Rank0Collective(Callback):
             reduce_on_rank0_only(self.group)
 
 
+def mark_split(rank: int) -> None:
+    """Records the moment (Unix time) ``rank`` takes the path the others do not."""
+    with open(os.path.join(OUT, "split.json"), "w") as file:
+        json.dump({"rank": rank, "t": time.time()}, file)
+
+
+class MetricOnRank0(Callback):
+    """Composer's nearest to a key logged with ``sync_dist=True`` on one rank (Composer
+    logs no per-key sync): a torchmetrics metric updated on every rank, computed (which
+    gathers its state from every rank) on rank 0 only, to log it "on the main process".
+
+    Its sync on a gloo group of its own, as :class:`Rank0Collective` does.
+    """
+
+    def fit_start(self, state, logger):
+        group = torch.distributed.new_group(backend="gloo")
+        self.metric = torchmetrics.MeanMetric(process_group=group)
+
+    def batch_end(self, state, logger):
+        self.metric.update(state.loss.detach())
+
+    def epoch_end(self, state, logger):
+        if dist.get_global_rank() == 0:
+            mark_split(0)
+            logger.log_metrics({"train/mean_loss": self.metric.compute()})
+
+
+class GatherKept(Callback):
+    """The bug (Lightning #19680, here in Composer): an ``all_gather`` at the epoch's end on
+    a path one rank skips: only ranks that kept outputs gather them (rank 1 kept none).
+
+    On a gloo group of its own, as :class:`Rank0Collective` does.
+    """
+
+    def fit_start(self, state, logger):
+        self.group = torch.distributed.new_group(backend="gloo")
+        self.kept: list[torch.Tensor] = []
+
+    def batch_end(self, state, logger):
+        if dist.get_global_rank() == 0:  # e.g. the outputs above a threshold: none on rank 1
+            self.kept.append(state.loss.detach())
+
+    def epoch_end(self, state, logger):
+        if self.kept:
+            mark_split(0)
+            dist.all_gather(torch.stack(self.kept), group=self.group)
+        self.kept.clear()
+
+
+class StopOnRank0(Callback):
+    """The bug (transformers #17478, here in Composer): rank 0 alone stops training at batch 5,
+    as an early stopper does when it decides from one rank's un-gathered metric."""
+
+    def batch_end(self, state, logger):
+        if dist.get_global_rank() == 0 and int(state.timestamp.batch) == 5:
+            mark_split(0)
+            state.stop_training()
+
+
+class SaveOnRank0(Callback):
+    """The bug: ``trainer.save_checkpoint`` on rank 0 only (at batch 5); Composer's save
+    gathers from every rank."""
+
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+
+    def batch_end(self, state, logger):
+        if dist.get_global_rank() == 0 and int(state.timestamp.batch) == 5:
+            mark_split(0)
+            self.trainer.save_checkpoint(os.path.join(OUT, "rank0_only.pt"))
+
+
 def sharded(n: int) -> DataLoader:
     data = Points(n)
     return DataLoader(data, batch_size=4, sampler=dist.get_sampler(data))
 
 
 def fit(callbacks: list[Callback], **trainer_kwargs) -> None:
+    """Fits a fresh Trainer; a callback with a ``trainer`` attribute is given the Trainer."""
     COUNTERS.clear()
     torch.manual_seed(0)
     trainer = Trainer(
@@ -142,6 +219,9 @@ def fit(callbacks: list[Callback], **trainer_kwargs) -> None:
         callbacks=callbacks,
         **trainer_kwargs,
     )
+    for callback in callbacks:
+        if hasattr(callback, "trainer"):
+            callback.trainer = trainer
     try:
         trainer.fit()
     finally:
@@ -175,6 +255,10 @@ SCENARIOS = {
     "post_eval_stall": lambda: hang("post_eval_stall", StallAfterEval(), TWO_STAGE, "4ba"),
     # Every watchdog setting at its default: the proven deadlock ends the job (exit 70).
     "rank0_collective": lambda: hang("rank0_collective", Rank0Collective(), {}, "4ba"),
+    "metric_on_rank0": lambda: hang("metric_on_rank0", MetricOnRank0(), {}, "4ba"),
+    "epoch_end_all_gather": lambda: hang("epoch_end_all_gather", GatherKept(), {}, "4ba"),
+    "stop_one_rank": lambda: hang("stop_one_rank", StopOnRank0(), {}, "4ba"),
+    "save_on_rank0": lambda: hang("save_on_rank0", SaveOnRank0(), {}, "4ba"),
     "unmatched_collective": lambda: hang(
         "unmatched_collective", UnmatchedCollective(), HANG, "2ba"
     ),

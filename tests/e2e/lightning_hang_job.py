@@ -12,7 +12,8 @@ checkpoint ``healthy_slow_eval`` saves, so it must follow it. Each rank writes i
 ``OUT_DIR/rank{rank}.json`` (outcome, rankguard warnings, counters). A hang
 scenario never returns: the watchdog reports into ``OUT_DIR/reports_<scenario>/``
 and ends every rank with exit code 75 (70 for a proven deadlock: ``sync_dist_key``,
-``should_stop_one_rank``), so it must come last. Rank 1 writes the moment it starts to
+``should_stop_one_rank``, ``rank0_collective``, ``epoch_end_all_gather``,
+``save_on_rank0``), so it must come last. Rank 1 writes the moment it starts to
 stall (Unix time) to ``OUT_DIR/stall_<scenario>.json``; the rank that splits the
 others off writes it to ``OUT_DIR/split.json``.
 """
@@ -216,6 +217,93 @@ def should_stop_one_rank(alone: bool = False) -> dict[str, Any]:
     return {}
 
 
+def mark_split(rank: int) -> None:
+    """Records the moment (Unix time) ``rank`` takes the path the others do not."""
+    with open(os.path.join(OUT, "split.json"), "w") as file:
+        json.dump({"rank": rank, "t": time.time()}, file)
+
+
+def reduce_on_rank0_only(group: Any) -> None:
+    """The bug (Composer #239, here in Lightning): a collective under ``if rank == 0``."""
+    mark_split(0)
+    torch.distributed.all_reduce(torch.ones(3), group=group)
+
+
+class Rank0Collective(L.Callback):
+    """At the first train epoch's end, rank 0 alone reduces a tensor.
+
+    On its own gloo group, as :mod:`tests.e2e.composer_hang_job` does: on the
+    training group gloo pairs it with rank 1's next one (DDP's gradient
+    all-reduce) and fails on the size mismatch, where NCCL would hang.
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.group = torch.distributed.new_group(backend="gloo")
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero and trainer.current_epoch == 0:
+            reduce_on_rank0_only(self.group)
+
+
+def rank0_collective() -> dict[str, Any]:
+    """Every watchdog setting at its default: the proven deadlock ends the job (exit 70)."""
+    job = trainer(
+        [HangWatchdog(report_dir=reports("rank0_collective")), Rank0Collective()], max_epochs=2
+    )
+    job.fit(PacedModule(), loader(32))
+    raise AssertionError("the fit ended; the watchdog should have ended the process")
+
+
+class GatherKept(PacedModule):
+    """The bug (Lightning #19680): ``self.all_gather`` at the validation epoch's end on a path
+    one rank skips: only ranks that kept predictions gather them (rank 1 kept none).
+
+    On a gloo group of its own (``self.all_gather(..., group=...)``), for the reason
+    :class:`Rank0Collective` gives.
+    """
+
+    def setup(self, stage: str) -> None:
+        self.group = torch.distributed.new_group(backend="gloo")
+        self.kept: list[torch.Tensor] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        if self.global_rank == 0:  # e.g. the predictions above a threshold: none on rank 1
+            self.kept.append(self.layer(batch[0]).detach().mean())
+
+    def on_validation_epoch_end(self) -> None:
+        if self.kept and not self.trainer.sanity_checking:
+            mark_split(0)
+            self.all_gather(torch.stack(self.kept), group=self.group)
+        self.kept.clear()
+
+
+def epoch_end_all_gather() -> dict[str, Any]:
+    """Every watchdog setting at its default: the proven deadlock ends the job (exit 70)."""
+    job = trainer([HangWatchdog(report_dir=reports("epoch_end_all_gather"))], max_epochs=2)
+    job.fit(GatherKept(), loader(32), loader(16))
+    raise AssertionError("the fit ended; the watchdog should have ended the process")
+
+
+class SaveOnRank0(L.Callback):
+    """The bug: ``trainer.save_checkpoint`` under ``if trainer.is_global_zero`` at step 5.
+
+    Lightning's save is collective (it ends in ``strategy.barrier``): rank 0 waits there.
+    """
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.is_global_zero and trainer.global_step == 5:
+            mark_split(0)
+            trainer.save_checkpoint(os.path.join(OUT, "rank0_only.ckpt"))
+
+
+def save_on_rank0() -> dict[str, Any]:
+    """Every watchdog setting at its default: the proven deadlock ends the job (exit 70)."""
+    job = trainer([HangWatchdog(report_dir=reports("save_on_rank0")), SaveOnRank0()], max_epochs=2)
+    job.fit(PacedModule(), loader(32))
+    raise AssertionError("the fit ended; the watchdog should have ended the process")
+
+
 SCENARIOS = {
     "healthy_slow_eval": healthy_slow_eval,
     "resume_calibrated": resume_calibrated,
@@ -223,6 +311,9 @@ SCENARIOS = {
     "sync_dist_key": sync_dist_key,
     "should_stop_one_rank": should_stop_one_rank,
     "should_stop_leaves_fit": functools.partial(should_stop_one_rank, alone=True),
+    "rank0_collective": rank0_collective,
+    "epoch_end_all_gather": epoch_end_all_gather,
+    "save_on_rank0": save_on_rank0,
 }
 
 
