@@ -538,7 +538,6 @@ class _OlmoCoreAdapter(Callback):
 __all__ = [
     "checkpoint_to_load",
     "hook_trainer",
-    "route_checkpoint_dir_waits",
     "save_options",
     *define_callbacks(globals(), _OlmoCoreAdapter, "an OLMo-core ``Callback``", DEFAULTS),
 ]
