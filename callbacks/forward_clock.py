@@ -22,7 +22,9 @@ waits for a slow one:
   those modules (a residual add) is not counted.
 * With no sharding unit it hooks the model and its direct children: the
   Lightning loop calls ``training_step``, which usually calls submodules
-  rather than the module's own ``forward``.
+  rather than the module's own ``forward``. Once the loop has run
+  (:meth:`ForwardClock.keep_entered`, after the straggler monitor's warm-up),
+  only the modules it called from outside every hooked one keep their hooks.
 
 What it does not hold: the backward pass (DDP's gradient all-reduce and
 FSDP's reduce-scatters run inside it, so it cannot be timed as a rank's own
@@ -43,9 +45,10 @@ Inside a region ``torch.compile`` traces (a model compiled in place), the
 hooks do nothing, so they never break a graph; a model whose hooked modules
 all run compiled is then not measured (:attr:`ForwardClock.total_s` stays 0).
 
-Cost: two hook calls per hooked module call, about 3 us on a busy 2-core
-machine (``benchmarks/overhead.py`` prints it); on CUDA two event records more,
-from a pool of reused events (``benchmarks/straggler_device.py`` prints it).
+Cost: two hook calls per hooked module call plus PyTorch's slower call path
+for a module with hooks (``benchmarks/overhead.py`` prints both, in real
+fits); on CUDA two event records more, from a pool of reused events
+(``benchmarks/straggler_device.py`` prints it).
 """
 
 from __future__ import annotations
