@@ -54,7 +54,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
-from rankguard.callbacks.background_exchange import BackgroundExchange
 from rankguard.callbacks.data_fetch import LoaderReturnClock
 from rankguard.callbacks.data_worker import worker_failure
 from rankguard.callbacks.errors import DataStallError, RanksMissingError
@@ -200,7 +199,6 @@ class DataStallMonitor(Guard):
         self.interval = _check_int("interval", interval)
         self.batch_size: int | None = None
         self._clock = LoaderReturnClock()
-        self._exchanger: BackgroundExchange | None = None
         self._watch = False
         self._reset_interval(run=0)
         self._discard()
@@ -315,36 +313,17 @@ class DataStallMonitor(Guard):
         return False
 
     def close(self) -> None:
-        """Stops watching the loader and the exchange thread; safe to call twice, after an error."""
+        """Stops watching the loader; safe to call twice and after an error."""
         self._clock.disarm()
-        exchanger, self._exchanger = self._exchanger, None
-        if exchanger is not None:
-            exchanger.close()
-
-    def _exchanger_on(self) -> BackgroundExchange:
-        """The exchange thread of this guard's channel (a new one once it is bound to another)."""
-        exchanger = self._exchanger
-        if exchanger is None or exchanger.channel is not self.channel:
-            if exchanger is not None:
-                exchanger.close()
-            decide = partial(stall_verdict, window=self.window)
-            exchanger = BackgroundExchange(self.channel, f"{self.name}/interval", decide)
-            self._exchanger = exchanger
-        return exchanger
 
     def _exchange(self) -> None:
-        """Exchanges the interval's totals and acts on the verdict, at this same batch.
-
-        The exchange (pickling, the store's requests, rank 0's decision) runs on
-        a background thread, so its CPU time is not the training loop's; the
-        loop waits for the verdict here, as every rank does at the same batch.
-        """
         stats = IntervalStats(
             self._sum_wait, self._sum_step, self._steps, self._longest, self.batch_size
         )
         self._reset_interval(run=self._run)
+        decide = partial(stall_verdict, window=self.window)
         try:
-            verdict: StallVerdict = self._exchanger_on().post(lambda: stats).result()
+            verdict: StallVerdict = self.channel.exchange(f"{self.name}/interval", stats, decide)
         except RanksMissingError as missing:
             self.warn_once("missing", "skipping a data-wait exchange: %s", missing)
             return
