@@ -120,7 +120,7 @@ def save_estimate_s(num_params: int, floor_s: float) -> float:
 class IntervalHistory:
     """The intervals a rank has seen per phase kind: the state saved with checkpoints.
 
-    ``record`` runs on the watchdog thread, for the heartbeats it reads (a deque
+    ``record`` runs on the training loop's thread at every heartbeat (a deque
     append and a comparison); the watchdog thread reads :meth:`snapshot`.
 
     Attributes:

@@ -365,11 +365,6 @@ class HangWatchdog(Guard):
         self._nccl_note = ""
         self._host = socket.gethostname()
         self._beat: tuple | None = None  # (event, step, batch_index, loader, monotonic, kind)
-        # Heartbeats not yet read: (monotonic, event, step, batch_index, loader facts).
-        self._beats: deque = deque()
-        self._absorbing = threading.Lock()
-        self._wall_offset = time.time() - time.monotonic()
-        self._train_ends = 0  # TRAIN_BATCH_ENDs this fit (the loop's own count)
         self._loop_thread: int | None = None  # ident of the thread that sends the events
         self._reset()
 
@@ -393,7 +388,6 @@ class HangWatchdog(Guard):
     def _reset(self) -> None:
         self._deadline_s: dict[str, float] = self.ceilings
         self._steps_done = 0
-        self._train_ends = 0
         self._after_eval = False
         self._incident: Runs = ()
         self._reported = False
@@ -410,7 +404,6 @@ class HangWatchdog(Guard):
 
     def state_dict(self) -> dict[str, Any]:
         """The calibration (recent intervals per phase), saved with checkpoints."""
-        self._absorb()
         if not self.auto_calibrate or not any(self.history.snapshot().values()):
             return {}
         return {"calibration": self.history.state_dict()}
@@ -423,55 +416,26 @@ class HangWatchdog(Guard):
     # -- main thread: heartbeats only -------------------------------------------------
 
     def _heartbeat(self, event: str, facts: EventFacts) -> None:
-        """Notes a heartbeat: a timestamp appended to a queue (the watchdog thread reads it)."""
-        self._beats.append((time.monotonic(), event, facts.step, facts.batch_index, facts.loader))
+        now = time.monotonic()
+        previous = self._beat
+        if previous is not None and self.auto_calibrate and self._steps_done >= self.warmup_steps:
+            interval, kind = now - previous[4], previous[5]
+            self.history.record(kind, interval)
+            deadline = self._deadline_s.get(kind)
+            closest = self.closest_call
+            if deadline and (closest is None or interval > closest[0] * deadline):
+                self.closest_call = (interval / deadline, kind, interval, deadline)
+        loader = facts.loader
+        if loader is not None:
+            loader = loader.name
+        step, batch_index, decisions = facts.step, facts.batch_index, facts.decisions
         self._progress += 1
-        decisions = facts.decisions
         if decisions:  # none at most events
-            self._update_decisions(decisions, facts.step)
-        if event == "train_batch_end":
-            self._train_ends += 1
-            if self._train_ends in (1, self.warmup_steps + MIN_SAMPLES // 3 + 1):
-                # Exchange now, not a period later: the other ranks learn this rank left
-                # start-up, then its calibrated deadlines (3 train intervals a step), which
-                # bound how long it may go silent (a rank that freezes next is judged by them).
-                self._wake.set()
+            self._update_decisions(decisions, step)
+        self._beat = (event, step, batch_index, loader, now, self._kind(event))
+        self._history.append((time.time(), event, step, batch_index, loader))
         if self._thread is None:
-            self._absorb()
             self._start()
-        elif self._progress & 8191 == 0:
-            self._absorb()  # bounds the queue when the watchdog thread reads it rarely
-
-    def _absorb(self) -> None:
-        """Reads the heartbeats queued since the last call, in order (either thread).
-
-        Sets the latest heartbeat with its phase kind, records each interval for
-        the calibration and the closest call, and keeps the recent heartbeats for
-        the incident reports.
-        """
-        beats = self._beats
-        if not beats:
-            return
-        with self._absorbing:
-            offset = self._wall_offset
-            while beats:
-                now, event, step, batch_index, loader = beats.popleft()
-                previous = self._beat
-                if (
-                    previous is not None
-                    and self.auto_calibrate
-                    and self._steps_done >= self.warmup_steps
-                ):
-                    interval, kind = now - previous[4], previous[5]
-                    self.history.record(kind, interval)
-                    deadline = self._deadline_s.get(kind)
-                    closest = self.closest_call
-                    if deadline and (closest is None or interval > closest[0] * deadline):
-                        self.closest_call = (interval / deadline, kind, interval, deadline)
-                if loader is not None:
-                    loader = loader.name
-                self._beat = (event, step, batch_index, loader, now, self._kind(event))
-                self._history.append((now + offset, event, step, batch_index, loader))
 
     def _update_decisions(self, decisions: Mapping[str, Any], step: int) -> None:
         """Keeps the decisions that can split the ranks, with the step each was last changed."""
@@ -494,6 +458,11 @@ class HangWatchdog(Guard):
             return "done"
         if event == "train_batch_end":
             self._steps_done += 1
+            if self._steps_done in (1, self.warmup_steps + MIN_SAMPLES // 3 + 1):
+                # Exchange now, not a period later: the other ranks learn this rank left
+                # start-up, then its calibrated deadlines (3 train intervals a step), which
+                # bound how long it may go silent (a rank that freezes next is judged by them).
+                self._wake.set()
         if self._steps_done == 0:
             return "startup"
         if event in ("eval_start", "eval_batch_start", "eval_batch_end"):
@@ -508,7 +477,6 @@ class HangWatchdog(Guard):
         """Starts the watchdog thread (a new fit starts a new incident state, same calibration)."""
         if self._thread is not None and not self._thread.is_alive():
             self._thread = None  # it ended with the previous fit
-        self._absorb()
         self._reset()
         params = _num_params(facts.model) if facts.model is not None else None
         self._save_estimate = None if params is None else save_estimate_s(params, self.floor_s)
@@ -568,7 +536,6 @@ class HangWatchdog(Guard):
     def on_fit_end(self, facts: EventFacts) -> None:
         """Records the end of fit: no deadline from here on; tells the other ranks at once."""
         self._heartbeat("fit_end", facts)
-        self._absorb()
         closest = self.closest_call
         if closest is not None:
             share, kind, seconds, deadline = closest
@@ -586,7 +553,6 @@ class HangWatchdog(Guard):
     def close(self) -> None:
         """Stops and joins the watchdog thread; safe to call twice and after an error."""
         self._release_owner()
-        self._absorb()
         thread, self._thread = self._thread, None
         if thread is None or thread is threading.current_thread():
             self._stop.set()
@@ -618,7 +584,6 @@ class HangWatchdog(Guard):
         thread = self._thread
         if error.name.startswith(f"{self.name}/") or thread is None or not thread.is_alive():
             return  # the watchdog's own exchanges, or no watchdog running: the caller's error
-        self._absorb()
         if self._stop.is_set() or (self._beat is not None and self._beat[5] == "done"):
             return
         self._gave_up = (error.name, tuple(error.missing), error.timeout_s)
@@ -742,7 +707,6 @@ class HangWatchdog(Guard):
         return stack, point, now - self._wait[1]
 
     def _status(self) -> RankStatus:
-        self._absorb()
         event, step, batch_index, loader, since, kind = self._beat  # set before the thread starts
         done = kind == "done"
         stack, waits_at, wait_s = self._sample()
@@ -789,7 +753,6 @@ class HangWatchdog(Guard):
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._absorb()
             self._recalibrate()
             suspect = self._last.suspect if self._last is not None else None
             decide = functools.partial(diagnose, incident=self._incident, suspect=suspect)
@@ -848,7 +811,6 @@ class HangWatchdog(Guard):
         came for a probe period. A wait already exchanged is not exchanged
         again before another settle time has passed.
         """
-        self._absorb()
         beat = self._beat
         if beat is None or beat[5] == "done" or self._ended.is_set():
             return False
