@@ -4,9 +4,9 @@ Composer: ``composer -n 2 overhead_job.py composer ROUNDS STEPS OUT``.
 Lightning: ``python overhead_job.py lightning ROUNDS STEPS OUT`` (ddp re-launches rank 1).
 A hand-written DDP loop and the Hugging Face Trainer:
 ``torchrun --standalone --nproc-per-node 2 overhead_job.py torch|transformers ROUNDS STEPS OUT``.
-Rank 0 writes the wall time of every fit to OUT as JSON, with the time spent inside
-rankguard: in its event dispatch, and in the adapter's entry points (which include the
-dispatch and the adapter's own translation; not the guards' close at the end of a fit).
+Rank 0 writes the wall time of every fit to OUT as JSON and, per guarded fit, the CPU time
+rankguard took from it (see ``INSIDE``). With ``RANKGUARD_BENCH_PROFILE=DIR``, rank 0's
+training thread is profiled instead (cProfile; ``DIR/<framework>-with.prof``, ``-without``).
 """
 
 from __future__ import annotations
@@ -168,11 +168,12 @@ def transformers_fit(guarded: bool, steps: int) -> float:
         return time.perf_counter() - start
 
 
-#: Per fit, seconds inside rankguard: its event dispatch (everything, wall time), the
-#: adapter's per-step entry points (dispatch and translation, without fit start and end;
-#: CPU time of the training thread), and the straggler monitor's forward hooks (CPU time
-#: of the training thread; they run inside the model's forward, not in a dispatch).
-RANKGUARD_S = {"dispatch": 0.0, "adapter": 0.0, "hooks": 0.0}
+#: Per fit on this rank, CPU seconds inside rankguard (``adapter``: the adapter's per-step
+#: entry points, dispatch and guards included, fit start and end left out; ``hooks``: the
+#: straggler monitor's forward hooks, which run inside the model's forward), each with
+#: the timer's own cost in them (``*_timer``, subtracted), on the training thread;
+#: ``background``: CPU seconds of rankguard's own threads.
+INSIDE = {"adapter": 0.0, "adapter_timer": 0.0, "hooks": 0.0, "hooks_timer": 0.0, "background": 0.0}
 #: RankGuard's settings (``overhead.py --config``); all guards with defaults if unset.
 CONFIG = json.loads(os.environ.get("RANKGUARD_BENCH_CONFIG") or "{}")
 #: Where the framework enters each adapter during the steps: (module, class, methods
@@ -195,6 +196,10 @@ ENTRY_POINTS = {
         ("on_epoch_begin", "on_step_begin", "on_step_end", "on_log", "on_epoch_end"),
     ),
 }
+#: Calls of hooked modules in the fit (each takes PyTorch's slower path for hooked modules).
+HOOK_CALLS = [0]
+#: rankguard's threads are named ``rankguard-<guard>``.
+THREAD_PREFIX = "rankguard-"
 
 
 def _fit_boundary(args: tuple) -> bool:
@@ -204,42 +209,128 @@ def _fit_boundary(args: tuple) -> bool:
     return len(args) > 1 and args[1] in (Event.FIT_START, Event.FIT_END)
 
 
-def _timed(method, key: str, depth: list[int], skip=None, clock=time.perf_counter):
+def _timed(method, key: str, depth: list[int], skip=None):
+    """``method`` with the training thread's CPU time inside it added to ``INSIDE[key]``.
+
+    CPU time of the thread (``time.thread_time``): what a call costs the training loop,
+    robust to other processes taking the cores in the middle of it (wall time is not).
+    Reading that clock costs about a microsecond, more in a real fit than in a tight
+    loop, and one reading's worth falls inside each measure: right after each measure,
+    the wrapper times an empty span the same way and adds it to ``INSIDE[key + "_timer"]``,
+    which is subtracted.
+    """
+    timer = f"{key}_timer"
+
     def timed(*args, **kwargs):
         if skip is not None and skip(args):
             return method(*args, **kwargs)
         depth[0] += 1
-        start = clock()
+        start = time.thread_time()
         try:
             return method(*args, **kwargs)
         finally:
+            end = time.thread_time()
             depth[0] -= 1
             if depth[0] == 0:  # nested entry points count once
-                RANKGUARD_S[key] += clock() - start
+                INSIDE[key] += end - start
+                empty = time.thread_time()
+                INSIDE[timer] += time.thread_time() - empty
 
     return timed
 
 
+def hook_dispatch_s(calls: int = 20000) -> float:
+    """CPU seconds a module call costs more in PyTorch when it has forward hooks (no-op ones).
+
+    ``torch.nn.Module.__call__`` takes a slower path for a module with hooks; that
+    cost is the straggler monitor's, but it runs in PyTorch, outside the hooks timed.
+    """
+    import torch
+
+    module, x = torch.nn.Identity(), torch.zeros(1)
+
+    def loop() -> float:
+        start = time.thread_time()
+        for _ in range(calls):
+            module(x)
+        return (time.thread_time() - start) / calls
+
+    bare = min(loop() for _ in range(5))
+    module.register_forward_pre_hook(lambda m, a: None)
+    module.register_forward_hook(lambda m, a, o: None, always_call=True)
+    return max(0.0, min(loop() for _ in range(5)) - bare)
+
+
+def count_rankguard_threads() -> None:
+    """Adds the CPU time of each ``rankguard-*`` thread to ``INSIDE["background"]`` as it ends.
+
+    Read in the thread itself (``time.thread_time``) when its ``run`` returns: a
+    per-thread clock, which other threads and processes do not inflate.
+    """
+    import threading
+
+    run = threading.Thread.run
+
+    def counted_run(self: threading.Thread) -> None:
+        try:
+            run(self)
+        finally:
+            if self.name.startswith(THREAD_PREFIX):
+                INSIDE["background"] += time.thread_time()
+
+    threading.Thread.run = counted_run
+
+
+def join_rankguard_threads(timeout_s: float = 10.0) -> None:
+    """Waits for rankguard's threads of the fit that ended (closed, finishing their last job)."""
+    import threading
+
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread.name.startswith(THREAD_PREFIX):
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
 def time_rankguard(framework: str) -> None:
-    """Accumulates the time spent inside rankguard on this rank (see RANKGUARD_S)."""
+    """Accumulates the CPU time spent inside rankguard on this rank (see INSIDE)."""
     import importlib
 
     from rankguard.callbacks.forward_clock import ForwardClock
-    from rankguard.callbacks.guard import GuardRunner
 
-    GuardRunner.fire = _timed(GuardRunner.fire, "dispatch", [0])
     # Bound as hooks when a fit starts, so timing the methods here times the hooks.
-    ForwardClock._enter = _timed(ForwardClock._enter, "hooks", [0], clock=time.thread_time)
-    ForwardClock._leave = _timed(ForwardClock._leave, "hooks", [0], clock=time.thread_time)
+    enter = _timed(ForwardClock._enter, "hooks", [0])
+
+    def counted_enter(*args):
+        HOOK_CALLS[0] += 1  # hooked module calls: PyTorch's slower path, once each
+        return enter(*args)
+
+    ForwardClock._enter = counted_enter
+    ForwardClock._leave = _timed(ForwardClock._leave, "hooks", [0])
     module, name, methods = ENTRY_POINTS[framework]
     cls = getattr(importlib.import_module(module), name)
     depth = [0]
     skip = _fit_boundary if framework == "composer" else None
     for method in methods:
-        # CPU time of the training thread: what the hooks cost it, robust to other processes
-        # taking the cores in the middle of a hook (wall time is, on a shared machine, not).
-        timed = _timed(getattr(cls, method), "adapter", depth, skip, time.thread_time)
-        setattr(cls, method, timed)
+        setattr(cls, method, _timed(getattr(cls, method), "adapter", depth, skip))
+    count_rankguard_threads()
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is rank 0 (known before the process group exists)."""
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+
+
+def profiled(fit, guarded: bool, steps: int, path: str) -> float:
+    """Runs ``fit`` under cProfile (this thread only) and writes its stats to ``path``."""
+    import cProfile
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        return fit(guarded, steps)
+    finally:
+        profile.disable()
+        profile.dump_stats(path)
 
 
 def main() -> None:
@@ -256,17 +347,29 @@ def main() -> None:
         "transformers": transformers_fit,
     }[framework]
     fit(False, 5)  # warm-up: imports, process group, allocator
-    time_rankguard(framework)
-    times: dict[str, list[float]] = {"without": [], "with": [], "inside_rankguard": []}
-    times["inside_adapter"], times["inside_hooks"] = [], []
+    profile_dir = os.environ.get("RANKGUARD_BENCH_PROFILE")
+    if not profile_dir:  # a profile times every call its own way
+        time_rankguard(framework)
+    times: dict[str, list[float]] = {"without": [], "with": []}
+    for key in ("adapter", "hooks", "background", "hook_calls"):
+        times[key] = []
     for i in range(2 * rounds):
         guarded = i % 2 == (i // 2) % 2  # ABBA order cancels drift
-        RANKGUARD_S.update(dispatch=0.0, adapter=0.0, hooks=0.0)
-        times["with" if guarded else "without"].append(fit(guarded, steps))
+        INSIDE.update(dict.fromkeys(INSIDE, 0.0))
+        HOOK_CALLS[0] = 0
+        if profile_dir and is_rank_zero():
+            path = f"{profile_dir}/{framework}-{'with' if guarded else 'without'}.prof"
+            elapsed = profiled(fit, guarded, steps, path)
+        else:
+            elapsed = fit(guarded, steps)
+        times["with" if guarded else "without"].append(elapsed)
         if guarded:
-            times["inside_rankguard"].append(RANKGUARD_S["dispatch"])
-            times["inside_adapter"].append(RANKGUARD_S["adapter"])
-            times["inside_hooks"].append(RANKGUARD_S["hooks"])
+            join_rankguard_threads()
+            times["adapter"].append(INSIDE["adapter"] - INSIDE["adapter_timer"])
+            times["hooks"].append(INSIDE["hooks"] - INSIDE["hooks_timer"])
+            times["hook_calls"].append(HOOK_CALLS[0])
+            times["background"].append(INSIDE["background"])
+    times["hook_dispatch_s"] = [hook_dispatch_s()]
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(out, "w") as f:

@@ -22,7 +22,9 @@ waits for a slow one:
   those modules (a residual add) is not counted.
 * With no sharding unit it hooks the model and its direct children: the
   Lightning loop calls ``training_step``, which usually calls submodules
-  rather than the module's own ``forward``.
+  rather than the module's own ``forward``. Once the loop has run
+  (:meth:`ForwardClock.keep_entered`, after the straggler monitor's warm-up),
+  only the modules it called from outside every hooked one keep their hooks.
 
 What it does not hold: the backward pass (DDP's gradient all-reduce and
 FSDP's reduce-scatters run inside it, so it cannot be timed as a rank's own
@@ -43,9 +45,10 @@ Inside a region ``torch.compile`` traces (a model compiled in place), the
 hooks do nothing, so they never break a graph; a model whose hooked modules
 all run compiled is then not measured (:attr:`ForwardClock.total_s` stays 0).
 
-Cost: two hook calls per hooked module call, about 3 us on a busy 2-core
-machine (``benchmarks/overhead.py`` prints it); on CUDA two event records more,
-from a pool of reused events (``benchmarks/straggler_device.py`` prints it).
+Cost: two hook calls per hooked module call plus PyTorch's slower call path
+for a module with hooks (``benchmarks/overhead.py`` prints both, in real
+fits); on CUDA two event records more, from a pool of reused events
+(``benchmarks/straggler_device.py`` prints it).
 """
 
 from __future__ import annotations
@@ -278,7 +281,8 @@ class ForwardClock:
         self._started = 0.0
         self._batch_start = 0.0
         self._ready: list[float] = []
-        self._handles: list[Any] = []
+        self._hooked: list[tuple[torch.nn.Module, Any, Any]] = []
+        self._entered: set[int] = set()
 
     def attach(self, model: torch.nn.Module) -> int:
         """Hooks ``model``'s :func:`hook_targets` (after removing earlier hooks).
@@ -292,17 +296,45 @@ class ForwardClock:
         new_event = self.new_event or cuda_events(model)
         self.timer = None if new_event is None else EventTimer(new_event)
         for module in hook_targets(model):
-            self._handles.append(module.register_forward_pre_hook(self._enter))
-            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
-        self.modules = len(self._handles) // 2
+            enter = module.register_forward_pre_hook(self._enter)
+            leave = module.register_forward_hook(self._leave, always_call=True)
+            self._hooked.append((module, enter, leave))
+        self.modules = len(self._hooked)
         return self.modules
 
     def detach(self) -> None:
         """Removes every hook; safe to call twice."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        for _, enter, leave in self._hooked:
+            enter.remove()
+            leave.remove()
+        self._hooked.clear()
+        self._entered.clear()
         self.modules = 0
+
+    def keep_entered(self) -> int:
+        """Removes the hooks of modules never called from outside every hooked module.
+
+        The model and its children are hooked because a loop may call either
+        (Lightning's ``training_step`` calls submodules); once the loop has run a
+        few batches, the hooks of modules only ever called inside another hooked
+        one only count depth, yet each makes PyTorch take its slower call path.
+        Nothing is removed before a hooked forward has run.
+
+        Returns:
+            The number of modules still hooked.
+        """
+        if not self._entered:
+            return self.modules
+        kept = []
+        for module, enter, leave in self._hooked:
+            if id(module) in self._entered:
+                kept.append((module, enter, leave))
+            else:
+                enter.remove()
+                leave.remove()
+        self._hooked = kept
+        self.modules = len(kept)
+        return self.modules
 
     def begin_batch(self) -> None:
         """Starts a batch: forwards from now until :meth:`end_batch` are its forward."""
@@ -332,6 +364,7 @@ class ForwardClock:
         if is_compiling():
             return
         if self.depth == 0:
+            self._entered.add(id(module))
             self._started = perf_counter()
             if self.timer is not None:
                 self.timer.record()

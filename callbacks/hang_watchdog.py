@@ -425,23 +425,20 @@ class HangWatchdog(Guard):
             closest = self.closest_call
             if deadline and (closest is None or interval > closest[0] * deadline):
                 self.closest_call = (interval / deadline, kind, interval, deadline)
-        loader = facts.loader.name if facts.loader is not None else None
+        loader = facts.loader
+        if loader is not None:
+            loader = loader.name
+        step, batch_index, decisions = facts.step, facts.batch_index, facts.decisions
         self._progress += 1
-        self._note_decisions(event, facts)
-        self._beat = (event, facts.step, facts.batch_index, loader, now, self._kind(event))
-        self._history.append((time.time(), event, facts.step, facts.batch_index, loader))
+        if decisions:  # none at most events
+            self._update_decisions(decisions, step)
+        self._beat = (event, step, batch_index, loader, now, self._kind(event))
+        self._history.append((time.time(), event, step, batch_index, loader))
         if self._thread is None:
             self._start()
 
-    def _note_decisions(self, event: str, facts: EventFacts) -> None:
-        """Keeps the decisions that can split the ranks, with the step each was last changed."""
-        self._update_decisions(facts.decisions, facts.step)
-        if event == "checkpoint_save_start":
-            self._decisions["save"] = (True, facts.step)
-        elif event == "checkpoint_save_end":
-            self._decisions.pop("save", None)
-
     def _update_decisions(self, decisions: Mapping[str, Any], step: int) -> None:
+        """Keeps the decisions that can split the ranks, with the step each was last changed."""
         for name, value in decisions.items():
             if self._decisions.get(name, (None,))[0] != value:
                 self._decisions[name] = (value, step)
@@ -524,10 +521,12 @@ class HangWatchdog(Guard):
 
     def on_checkpoint_save_start(self, facts: EventFacts) -> None:
         """Records a heartbeat; the checkpoint deadline applies."""
+        self._decisions["save"] = (True, facts.step)
         self._heartbeat("checkpoint_save_start", facts)
 
     def on_checkpoint_save_end(self, facts: EventFacts) -> None:
         """Records a heartbeat."""
+        self._decisions.pop("save", None)
         self._heartbeat("checkpoint_save_end", facts)
 
     def on_epoch_end(self, facts: EventFacts) -> None:

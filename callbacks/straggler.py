@@ -181,6 +181,8 @@ class StragglerMonitor(Guard):
                 stacklevel=2,
             )
         self._clock = ForwardClock()
+        #: The batch after which only the hooked modules the loop called keep their hooks.
+        self._learned_at = max(1, self.warmup_steps)
         self._exchange: BackgroundExchange | None = None
         self._reset()
 
@@ -266,8 +268,11 @@ class StragglerMonitor(Guard):
         if started is None:
             return
         now = perf_counter()
-        measured = self._batches > self.warmup_steps
+        batches = self._batches
+        measured = batches > self.warmup_steps
         self._clock.end_batch(measured)
+        if batches == self._learned_at:  # warm-up showed which hooked modules the loop calls
+            self._clock.keep_entered()
         if measured:  # the rest: the batch's host time outside the forward's host time
             self._rest.append(now - started - (self._clock.total_s - self._forward_at_start))
             self._ended = now

@@ -219,12 +219,15 @@ class _LightningAdapter(Callback):
         self._val: list[LoaderFacts] = []
         self._unhook: Callable[[], None] | None = None
 
-    def _fire(self, trainer: pl.Trainer, event: Event, **facts: Any) -> None:
+    def _fire(
+        self, trainer: pl.Trainer, event: Event, at: tuple[int, int] | None = None, **facts: Any
+    ) -> None:
+        """Fires ``event`` at ``at`` (step, epoch), read from ``trainer`` when not given."""
         if not self.runner.handles(event):
             return
         self._trainer = trainer
-        event_facts = EventFacts(step=trainer.global_step, epoch=trainer.current_epoch, **facts)
-        self.runner.fire(event, event_facts, self._log_metrics)
+        step, epoch = (trainer.global_step, trainer.current_epoch) if at is None else at
+        self.runner.fire(event, EventFacts(step=step, epoch=epoch, **facts), self._log_metrics)
 
     def _log_metrics(self, metrics: Mapping[str, float]) -> None:
         trainer = self._trainer
@@ -283,9 +286,10 @@ class _LightningAdapter(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """DATA_FETCH_END then TRAIN_BATCH_START."""
-        self._fire(trainer, Event.DATA_FETCH_END, batch_index=batch_idx)
-        self._fire(trainer, Event.TRAIN_BATCH_START, batch_index=batch_idx)
+        """DATA_FETCH_END then TRAIN_BATCH_START (the trainer's step and epoch read once)."""
+        at = (trainer.global_step, trainer.current_epoch)
+        self._fire(trainer, Event.DATA_FETCH_END, at, batch_index=batch_idx)
+        self._fire(trainer, Event.TRAIN_BATCH_START, at, batch_index=batch_idx)
 
     def on_train_batch_end(
         self,
@@ -296,9 +300,10 @@ class _LightningAdapter(Callback):
         batch_idx: int,
     ) -> None:
         """TRAIN_BATCH_END (with ``should_stop``), then DATA_FETCH_START for the next batch."""
+        at = (trainer.global_step, trainer.current_epoch)
         stop = {"should_stop": bool(trainer.should_stop)}
-        self._fire(trainer, Event.TRAIN_BATCH_END, batch_index=batch_idx, decisions=stop)
-        self._fire(trainer, Event.DATA_FETCH_START, batch_index=batch_idx + 1)
+        self._fire(trainer, Event.TRAIN_BATCH_END, at, batch_index=batch_idx, decisions=stop)
+        self._fire(trainer, Event.DATA_FETCH_START, at, batch_index=batch_idx + 1)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EVAL_START for every val loader, in Lightning's order."""

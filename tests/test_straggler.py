@@ -226,6 +226,30 @@ def test_clock_counts_nested_calls_once_and_calls_outside_the_root():
     assert clock.calls == 2
 
 
+def test_clock_keeps_only_the_hooks_of_modules_the_loop_calls_from_outside():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    clock = ForwardClock()
+    assert clock.attach(model) == 3
+    assert clock.keep_entered() == 3  # nothing ran yet: nothing is removed
+    model(torch.zeros(1, 4))
+    assert clock.keep_entered() == 1  # the children only ever ran inside the model
+    model(torch.zeros(1, 4))
+    assert clock.calls == 2
+
+    class Lit(torch.nn.Module):  # a Lightning module: training_step calls `net`, not forward
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+    lit = Lit()
+    assert clock.attach(lit) == 2
+    lit.net(torch.zeros(1, 4))
+    assert clock.keep_entered() == 1
+    lit.net(torch.zeros(1, 4))
+    assert clock.calls == 2
+    clock.detach()
+
+
 def test_a_forward_that_raises_leaves_the_clock_closed():
     class Fails(torch.nn.Module):
         def forward(self, x):
