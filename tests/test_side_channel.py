@@ -61,7 +61,9 @@ def _one_rank_late(rank, world_size, late_rank, delay_s):
 
 @pytest.mark.parametrize("late_rank", [2, 0])
 def test_timeout_names_the_missing_rank(late_rank):
-    outcomes = run_ranks(_one_rank_late, 3, late_rank, 12.0, timeout_s=60)
+    # Rank 0 late: only the others' outcomes are read (rank 0 is killed once they reported).
+    readers = None if late_rank else [1, 2]
+    outcomes = run_ranks(_one_rank_late, 3, late_rank, 12.0, timeout_s=60, until=readers)
     waiting = [o for o in outcomes if o.rank != late_rank]
     for o in waiting:
         assert o.error_type == "RanksMissingError", o.error
