@@ -26,7 +26,7 @@ import pytest
 from benchmarks.launch import launch_nodes
 from tests.mp import run_job
 
-pytestmark = pytest.mark.framework
+pytestmark = [pytest.mark.framework, pytest.mark.timing]
 
 ROOT = Path(__file__).resolve().parents[1]
 E2E = ROOT / "tests" / "e2e"
