@@ -52,34 +52,37 @@ REPORT_WITHIN_S = 10.0
 LEFT_WITHIN_S = 30.0
 
 
-def _launch(cmd: list[str], out: Path) -> tuple[str, int, float]:
+#: How each job script is started: its framework's own launcher.
+LAUNCHERS = {
+    "torch_loop_job.py": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"],
+    "hf_trainer_job.py": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"],
+    "composer_hang_job.py": [str(BIN / "composer"), "-n", "2"],
+    "lightning_hang_job.py": [sys.executable],  # Lightning starts rank 1 itself
+}
+
+
+def _launch(factory, script: str, scenario: str) -> tuple[Path, str, int, float]:
+    """Runs ``scenario`` of ``tests/e2e/<script>`` in a folder of its own."""
+    out = factory.mktemp(f"{Path(script).stem}_{scenario}")
+    cmd = [*LAUNCHERS[script], str(ROOT / "tests" / "e2e" / script), str(out), scenario]
     job = run_job(cmd, timeout_s=LAUNCH_TIMEOUT_S, cwd=out)
-    return job.output, job.returncode, job.ended_at
+    return out, job.output, job.returncode, job.ended_at
 
 
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory):
-    out = tmp_path_factory.mktemp("loop_deadlock")
-    job = ROOT / "tests" / "e2e" / "torch_loop_job.py"
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(job), str(out)]
-    return out, *_launch([*cmd, "rank0_collective"], out)
+    return _launch(tmp_path_factory, "torch_loop_job.py", "rank0_collective")
 
 
 @pytest.fixture(scope="module")
 def composer(tmp_path_factory):
-    out = tmp_path_factory.mktemp("composer_deadlock")
-    job = ROOT / "tests" / "e2e" / "composer_hang_job.py"
-    return out, *_launch(
-        [str(BIN / "composer"), "-n", "2", str(job), str(out), "rank0_collective"], out
-    )
+    return _launch(tmp_path_factory, "composer_hang_job.py", "rank0_collective")
 
 
 @pytest.fixture(scope="module")
 def lightning(tmp_path_factory):
     pytest.importorskip("lightning", reason="needs rankguard[lightning]")
-    out = tmp_path_factory.mktemp("lightning_deadlock")
-    job = ROOT / "tests" / "e2e" / "lightning_hang_job.py"
-    return out, *_launch([sys.executable, str(job), str(out), "sync_dist_key"], out)
+    return _launch(tmp_path_factory, "lightning_hang_job.py", "sync_dist_key")
 
 
 def _check(
@@ -145,18 +148,13 @@ def test_lightning_sync_dist_key_on_one_rank_is_a_proven_deadlock_naming_the_log
 @pytest.fixture(scope="module")
 def lightning_stop(tmp_path_factory):
     pytest.importorskip("lightning", reason="needs rankguard[lightning]")
-    out = tmp_path_factory.mktemp("lightning_should_stop")
-    job = ROOT / "tests" / "e2e" / "lightning_hang_job.py"
-    return out, *_launch([sys.executable, str(job), str(out), "should_stop_leaves_fit"], out)
+    return _launch(tmp_path_factory, "lightning_hang_job.py", "should_stop_leaves_fit")
 
 
 @pytest.fixture(scope="module")
 def hf_stop(tmp_path_factory):
     pytest.importorskip("transformers", reason="needs rankguard[transformers]")
-    out = tmp_path_factory.mktemp("hf_early_stop")
-    job = ROOT / "tests" / "e2e" / "hf_trainer_job.py"
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(job), str(out)]
-    return out, *_launch([*cmd, "early_stop_one_rank"], out)
+    return _launch(tmp_path_factory, "hf_trainer_job.py", "early_stop_one_rank")
 
 
 def _check_stop(
@@ -204,18 +202,12 @@ def test_hf_early_stop_on_one_rank_is_a_proven_deadlock_ended_with_exit_70(hf_st
 @pytest.fixture(scope="module")
 def lightning_save(tmp_path_factory):
     pytest.importorskip("lightning", reason="needs rankguard[lightning]")
-    out = tmp_path_factory.mktemp("lightning_save_on_rank0")
-    job = ROOT / "tests" / "e2e" / "lightning_hang_job.py"
-    return out, *_launch([sys.executable, str(job), str(out), "save_on_rank0"], out)
+    return _launch(tmp_path_factory, "lightning_hang_job.py", "save_on_rank0")
 
 
 @pytest.fixture(scope="module")
 def composer_gather(tmp_path_factory):
-    out = tmp_path_factory.mktemp("composer_all_gather")
-    job = ROOT / "tests" / "e2e" / "composer_hang_job.py"
-    return out, *_launch(
-        [str(BIN / "composer"), "-n", "2", str(job), str(out), "epoch_end_all_gather"], out
-    )
+    return _launch(tmp_path_factory, "composer_hang_job.py", "epoch_end_all_gather")
 
 
 def test_lightning_save_checkpoint_on_global_zero_only_is_a_proven_deadlock_naming_the_save(
