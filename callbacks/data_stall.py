@@ -32,11 +32,14 @@ a rank whose longest run of slow steps since the last exchange reached
 ``window`` is stalled, and every rank reports it together. A run continues
 across exchanges, so ``window`` may exceed ``interval``; a stall is reported
 at most ``interval`` batches after it reaches ``window`` slow steps, and again
-only after that rank recovered. Steps across EPOCH_START and EVAL_START are
-not measured (they hold evaluation and loader start-up, not data waits). A
-checkpoint save only makes its step longer, which lowers its wait fraction;
-it is not skipped, because Composer's checkpoint events fire after every
-batch whether or not anything is saved.
+only after that rank recovered: an interval in which it waited at most
+``threshold`` of its step time. One fast step that breaks a run of a loader
+that stays slow is not a recovery, so a stall that goes on is reported once.
+Steps across EPOCH_START and EVAL_START are not measured (they hold
+evaluation and loader start-up, not data waits). A checkpoint save only makes
+its step longer, which lowers its wait fraction; it is not skipped, because
+Composer's checkpoint events fire after every batch whether or not anything
+is saved.
 
 Metrics: the table in :class:`DataStallMonitor`. Errors (with
 ``on_violation="raise"``): :class:`DataStallError`.
@@ -115,19 +118,34 @@ class StallVerdict:
         fraction_max: The largest wait fraction of any rank (0.0 if none measured).
         slowest_rank: The rank with that fraction (-1 if none measured).
         stalled: Per stalled rank, its interval statistics.
+        recovered: The ranks that are not stalled and waited at most ``threshold``
+            of their measured step time.
     """
 
     fraction_max: float = 0.0
     slowest_rank: int = -1
     stalled: dict[int, IntervalStats] = field(default_factory=dict)
+    recovered: frozenset[int] = frozenset()
 
 
-def stall_verdict(per_rank: Mapping[int, IntervalStats], window: int) -> StallVerdict:
-    """Finds the slowest rank and the ranks with ``window`` consecutive slow steps."""
+def stall_verdict(
+    per_rank: Mapping[int, IntervalStats], window: int, threshold: float
+) -> StallVerdict:
+    """Finds the slowest rank, the stalled ranks and the ranks that kept up.
+
+    Args:
+        per_rank: Every rank's statistics of the interval.
+        window: Consecutive slow steps that make a stall.
+        threshold: Wait fraction at or under which a rank that is not stalled kept up.
+
+    Returns:
+        The verdict, the same on every rank.
+    """
     measured = {r: s.fraction for r, s in per_rank.items() if s.fraction is not None}
     slowest = max(sorted(measured), key=lambda r: measured[r], default=-1)
     stalled = {r: s for r, s in sorted(per_rank.items()) if s.longest_run >= window}
-    return StallVerdict(measured.get(slowest, 0.0), slowest, stalled)
+    recovered = frozenset(r for r, f in measured.items() if f <= threshold and r not in stalled)
+    return StallVerdict(measured.get(slowest, 0.0), slowest, stalled, recovered)
 
 
 def describe_stall(stalled: Mapping[int, IntervalStats], threshold: float, window: int) -> str:
@@ -321,7 +339,7 @@ class DataStallMonitor(Guard):
             self._sum_wait, self._sum_step, self._steps, self._longest, self.batch_size
         )
         self._reset_interval(run=self._run)
-        decide = partial(stall_verdict, window=self.window)
+        decide = partial(stall_verdict, window=self.window, threshold=self.threshold)
         try:
             verdict: StallVerdict = self.channel.exchange(f"{self.name}/interval", stats, decide)
         except RanksMissingError as missing:
@@ -337,7 +355,8 @@ class DataStallMonitor(Guard):
         if metrics:
             self.log_metrics(metrics)
         newly = set(verdict.stalled) - self._reported
-        self._reported = frozenset(verdict.stalled)
+        # A reported rank stays reported until it keeps up for a whole interval.
+        self._reported = frozenset(verdict.stalled) | (self._reported - verdict.recovered)
         if newly:
             self.violation(
                 DataStallError(describe_stall(verdict.stalled, self.threshold, self.window))

@@ -128,10 +128,40 @@ def test_eval_and_epoch_boundaries_are_not_counted_as_data_wait():
 def test_stall_verdict_names_ranks_with_a_long_enough_run():
     fast = IntervalStats(wait_s=0.1, step_s=10.0, steps=50, longest_run=0)
     slow = IntervalStats(wait_s=8.0, step_s=10.0, steps=50, longest_run=7, batch_size=32)
-    verdict = stall_verdict({0: fast, 1: slow, 2: fast}, window=5)
+    verdict = stall_verdict({0: fast, 1: slow, 2: fast}, window=5, threshold=0.5)
     assert (verdict.slowest_rank, verdict.fraction_max) == (1, 0.8)
     assert list(verdict.stalled) == [1] and slow.throughput() == "160.0 samples/s"
-    assert stall_verdict({0: fast, 1: slow}, window=8).stalled == {}
+    assert verdict.recovered == {0, 2}
+    # Rank 1's run is too short for a stall, but it still waits 80%: it has not kept up.
+    short = stall_verdict({0: fast, 1: slow}, window=8, threshold=0.5)
+    assert short.stalled == {} and short.recovered == {0}
+
+
+def test_a_stall_that_goes_on_is_reported_once_and_again_only_after_a_recovery():
+    """A fast step now and then breaks the run but not the stall; an interval kept up ends it."""
+    records = _Records()
+    logging.getLogger("rankguard").addHandler(records)
+    monitor = DataStallMonitor(threshold=0.5, window=3, interval=4)
+    monitor.bind(SideChannel(None), log_metrics=lambda metrics: None)
+    # Per step, whether its fetch is slow: a stall; runs of 2 slow steps (waiting ~80% of
+    # the time); a stall again; keeping up for two intervals; a new stall.
+    sections = [[True] * 8, [False, True, True] * 3, [True] * 8, [False] * 8, [True] * 8]
+    pattern = [slow for section in sections for slow in section]
+    recovered_at = len(pattern) - 8
+    try:
+        for step, slow in enumerate(pattern):
+            records.batch = step
+            monitor.on_data_fetch_start(EventFacts(step=step))
+            time.sleep(SLOW_FETCH_S if slow else 0.0)
+            monitor.on_data_fetch_end(EventFacts(step=step))
+            monitor.on_train_batch_start(EventFacts(step=step))
+            time.sleep(COMPUTE_S)
+    finally:
+        logging.getLogger("rankguard").removeHandler(records)
+    batches = [batch for batch, _ in records.batches]
+    assert len(batches) == 2, records.batches
+    assert batches[0] < 8 and recovered_at < batches[1], batches
+    assert all("cannot keep up on rank 0" in message for _, message in records.batches)
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,9 @@ FORWARD_S, SLOW_FACTOR = 0.02, 1.5
 STRAGGLER = {"threshold": 0.8, "window": 3, "interval": 4, "warmup_steps": 2}
 #: The data-stall monitor in the slow-data scenario (its e2e tests' settings).
 STALL = {"threshold": 0.5, "window": 3, "interval": 4}
-#: Rank 1's reads in the slow-data scenario: 4 items take 3x a healthy forward.
-SLOW_ITEM_S = 0.015
+#: Rank 1's reads in the slow-data scenario: a batch of 4 items takes 160 ms, about 2.5x a
+#: whole step on 2 busy cores (~60 ms), so every step waits well over half its time.
+SLOW_ITEM_S = 0.04
 #: Train batches per rank: 2 of warm-up, 4 intervals of 4, the last verdict's 2.
 BATCHES = 20
 BATCH = 4
