@@ -127,7 +127,10 @@ def _default_store_is_reachable(rank, world_size):
 
 def test_default_store_private_api_still_exists():
     # The one private torch.distributed name rankguard uses: fails if torch drops it.
-    assert all(o.value is True for o in run_ranks(_default_store_is_reachable, 2, timeout_s=60))
+    outcomes = run_ranks(_default_store_is_reachable, 2, timeout_s=60)
+    for o in outcomes:
+        assert o.error is None, o.error
+    assert [o.value for o in outcomes] == [True, True]
 
 
 def _tcp_threads(rank, world_size, port):
