@@ -27,11 +27,13 @@ pays it, 0.2-0.5 ms per ``next()`` of a batch of 32 in
 
 A step is *slow* when its wait exceeds ``threshold`` of its step time. Each
 rank counts its consecutive slow steps. Every ``interval`` train batches all
-ranks exchange their totals once through the side channel (never per step):
+ranks exchange their totals once through the side channel (never per step), on
+a background thread: the verdict is acted on at the next train batch's start,
+on every rank together, so the loop does not spend its CPU on the exchange:
 a rank whose longest run of slow steps since the last exchange reached
 ``window`` is stalled, and every rank reports it together. A run continues
 across exchanges, so ``window`` may exceed ``interval``; a stall is reported
-at most ``interval`` batches after it reaches ``window`` slow steps, and again
+at most ``interval + 1`` batches after it reaches ``window`` slow steps, and again
 only after that rank recovered: an interval in which it waited at most
 ``threshold`` of its step time. One fast step that breaks a run of a loader
 that stays slow is not a recovery, so a stall that goes on is reported once.
@@ -57,6 +59,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
+from rankguard.callbacks.background_exchange import BackgroundExchange, Pending
 from rankguard.callbacks.data_fetch import LoaderReturnClock
 from rankguard.callbacks.data_worker import worker_failure
 from rankguard.callbacks.errors import DataStallError, RanksMissingError
@@ -217,6 +220,8 @@ class DataStallMonitor(Guard):
         self.interval = _check_int("interval", interval)
         self.batch_size: int | None = None
         self._clock = LoaderReturnClock()
+        self._exchanger: BackgroundExchange | None = None
+        self._pending: Pending | None = None
         self._watch = False
         self._reset_interval(run=0)
         self._discard()
@@ -247,6 +252,7 @@ class DataStallMonitor(Guard):
         self._watch = False
         self._reset_interval(run=0)
         self._discard()
+        self._stop_exchanges()
 
     def on_data_fetch_start(self, facts: EventFacts) -> None:
         """Starts the wait clock; after a slow window, also watches the train loader's return."""
@@ -268,14 +274,16 @@ class DataStallMonitor(Guard):
             self._armed = False
 
     def on_train_batch_start(self, facts: EventFacts) -> None:
-        """Closes the previous step; every ``interval`` batches, exchanges and logs."""
+        """Closes the previous step; acts on the last verdict; every ``interval`` batches, posts."""
         now = time.perf_counter()
         if self._last_start is not None:
             self._close_step(now - self._last_start)
         self._wait = 0.0
+        if self._pending is not None:
+            self._collect()
         self._batches += 1
         if self._batches % self.interval == 0:
-            self._exchange()
+            self._post()
         self._last_start = time.perf_counter()
 
     def _close_step(self, step: float) -> None:
@@ -330,21 +338,45 @@ class DataStallMonitor(Guard):
                 reason = reason or worker_failure(late)
         return False
 
-    def close(self) -> None:
-        """Stops watching the loader; safe to call twice and after an error."""
-        self._clock.disarm()
+    def on_fit_end(self, facts: EventFacts) -> None:
+        """Acts on the last interval's exchange, so its report and metrics are not lost."""
+        if self._pending is not None:
+            self._collect()
 
-    def _exchange(self) -> None:
+    def close(self) -> None:
+        """Stops watching the loader and the exchange thread; safe to call twice, after an error."""
+        self._clock.disarm()
+        self._stop_exchanges()
+
+    def _stop_exchanges(self) -> None:
+        exchanger, self._exchanger, self._pending = self._exchanger, None, None
+        if exchanger is not None:
+            exchanger.close()
+
+    def _post(self) -> None:
+        """Hands the interval's totals to the exchange thread; the verdict comes next batch."""
         stats = IntervalStats(
             self._sum_wait, self._sum_step, self._steps, self._longest, self.batch_size
         )
         self._reset_interval(run=self._run)
-        decide = partial(stall_verdict, window=self.window, threshold=self.threshold)
+        exchanger = self._exchanger
+        if exchanger is None or exchanger.channel is not self.channel:  # a new fit or channel
+            self._stop_exchanges()
+            decide = partial(stall_verdict, window=self.window, threshold=self.threshold)
+            exchanger = BackgroundExchange(self.channel, f"{self.name}/interval", decide)
+            self._exchanger = exchanger
+        self._pending = exchanger.post(lambda: stats)
+
+    def _collect(self) -> None:
+        """Acts on the posted exchange's verdict (waits for it if it has not arrived)."""
+        pending, self._pending = self._pending, None
+        assert pending is not None
         try:
-            verdict: StallVerdict = self.channel.exchange(f"{self.name}/interval", stats, decide)
+            verdict: StallVerdict = pending.result()
         except RanksMissingError as missing:
             self.warn_once("missing", "skipping a data-wait exchange: %s", missing)
             return
+        stats: IntervalStats = pending.payload
         metrics: dict[str, float] = {}
         if verdict.slowest_rank >= 0:  # some rank measured a step
             metrics["rankguard/data_wait_fraction_max"] = verdict.fraction_max

@@ -17,7 +17,7 @@ import sysconfig
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from rankguard.callbacks import side_channel
+from rankguard.callbacks import background_exchange, side_channel
 from rankguard.callbacks.ranks import group_ranks, rank_label
 
 if TYPE_CHECKING:
@@ -102,6 +102,9 @@ _RANKGUARD = (
 #: Frames skipped before the innermost one is read: locks, events, the watchdog itself.
 _MACHINERY = ("threading.py", "hang_watchdog.py", "c10d_logger.py")
 _SOURCE_CHARS = 80
+#: Code where a thread waits in a rankguard check's exchange: the exchange itself, or the
+#: verdict of one a background thread runs for it.
+EXCHANGE_CODE = (side_channel.__file__, background_exchange.__file__)
 
 Frames = Sequence[tuple[str, int, str]]
 
@@ -130,7 +133,7 @@ def rendezvous(stack: Frames) -> str | None:
     if not stack:
         return None
     filename, _, function = stack[0]
-    if filename == side_channel.__file__:
+    if filename in EXCHANGE_CODE:
         return "rankguard exchange"
     if filename.endswith(_BACKWARD[0]) and function == _BACKWARD[1]:
         return "backward"
@@ -185,7 +188,7 @@ def called_from_user(stack: Frames, libraries: Iterable[str]) -> bool:
     """
     libraries = tuple(libraries)
     for filename, _, _ in _skip_machinery(stack):
-        if filename == side_channel.__file__ or _TORCH in filename:
+        if filename in EXCHANGE_CODE or _TORCH in filename:
             continue
         return not (filename.startswith("<") or os.path.abspath(filename).startswith(libraries))
     return False

@@ -16,8 +16,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rankguard.callbacks import side_channel
-from rankguard.callbacks.hang_deadlock import deadlock_key, describe_deadlock, split_sentence
+from rankguard.callbacks.hang_deadlock import (
+    EXCHANGE_CODE,
+    deadlock_key,
+    describe_deadlock,
+    split_sentence,
+)
 from rankguard.callbacks.ranks import group_ranks, rank_label
 
 __all__ = [
@@ -58,7 +62,7 @@ AUTOGRAD_CODE = os.path.join("torch", "autograd", "")
 PEER_WAIT_CODE = (
     os.path.join("torch", "distributed", ""),
     os.path.join("torch", "nn", "parallel", "distributed.py"),
-    side_channel.__file__,
+    *EXCHANGE_CODE,
     AUTOGRAD_CODE,
 )
 #: Frames a waiting thread may sit in inside a peer wait: locks and events, and the
@@ -230,7 +234,7 @@ def blocked_in(stack: Frames) -> str | None:
     if not stack or not _waits_for_peers(stack[0][0]):
         return None
     call = stack[0][2]
-    if stack[0][0] == side_channel.__file__:
+    if stack[0][0] in EXCHANGE_CODE:
         call = "rankguard exchange"
     elif AUTOGRAD_CODE in stack[0][0]:
         call = "backward"

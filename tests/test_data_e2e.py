@@ -230,7 +230,8 @@ def test_composer_healthy_run_logs_data_wait_metrics_and_never_warns(composer_jo
         metrics = result["counters"]["metrics"]
         for key in ("data_wait_s", "data_wait_fraction", "data_wait_fraction_max"):
             assert len(metrics[f"rankguard/{key}"]) == 10 // INTERVAL
-        assert [batch for batch, _ in metrics["rankguard/data_wait_s"]] == [4, 9]
+        # Each interval's verdict is acted on at the next batch's start, the last at fit end.
+        assert [batch for batch, _ in metrics["rankguard/data_wait_s"]] == [5, 10]
         assert max(_metric(metrics, "rankguard/data_wait_fraction_max")) < 0.5
 
 
@@ -241,7 +242,9 @@ def test_lightning_slow_reads_on_rank_1_are_named_and_logged(lightning_job):
         [warning] = o["warnings"]
         assert "Data loading cannot keep up on rank 1: " in warning and "rank 0" not in warning
         steps = [step for step, _ in o["metrics"]]
-        assert steps == [4, 9]  # logged through the trainer's logger every 5 batches
+        # Logged through the trainer's logger every 5 batches, a batch after each interval
+        # (the verdict is acted on at the next batch's start, the last one at fit end).
+        assert steps == [5, 10]
         assert {m["rankguard/data_wait_slowest_rank"] for _, m in o["metrics"]} == {1.0}
     assert min(m["rankguard/data_wait_fraction"] for _, m in outcomes[1]["metrics"]) > 0.5
     assert max(m["rankguard/data_wait_fraction"] for _, m in outcomes[0]["metrics"]) < 0.5

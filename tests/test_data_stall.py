@@ -53,6 +53,7 @@ def _train(rank, slow_rank, slow_from):
         monitor.handle(Event.TRAIN_BATCH_START, facts)
         time.sleep(COMPUTE_S)
         monitor.handle(Event.TRAIN_BATCH_END, facts)
+    monitor.handle(Event.FIT_END, EventFacts(step=STEPS))
     logging.getLogger("rankguard").removeHandler(records)
     return records.batches, metrics
 
@@ -76,7 +77,7 @@ def test_slow_rank_is_named_within_window_plus_one_interval_on_every_rank(runs):
         assert len(warnings) == 1, warnings  # once, not at every interval
         batch, message = warnings[0]
         # The first slow step closes at batch slow_from + 1; WINDOW of them, then <= INTERVAL.
-        assert batch <= slow_from + WINDOW + INTERVAL
+        assert batch <= slow_from + WINDOW + INTERVAL + 1  # acted on at the next batch
         assert "Data loading cannot keep up on rank 1:" in message
         assert "samples/s" in message and "num_workers" in message
         assert "rank 0" not in message
@@ -108,8 +109,9 @@ def test_stall_raises_when_asked():
     monitor.on_data_fetch_start(EventFacts())
     time.sleep(0.01)
     monitor.on_data_fetch_end(EventFacts())
+    monitor.on_train_batch_start(EventFacts())  # closes the slow step, posts the interval
     with pytest.raises(DataStallError, match="cannot keep up on rank 0"):
-        monitor.on_train_batch_start(EventFacts())
+        monitor.on_train_batch_start(EventFacts())  # every rank acts on the verdict here
 
 
 def test_eval_and_epoch_boundaries_are_not_counted_as_data_wait():
@@ -330,6 +332,7 @@ def _composer_like_steps(monitor, dataset, collective_s, steps):
         monitor.on_data_fetch_end(facts)
         monitor.on_train_batch_start(facts)
         time.sleep(0.005)  # compute
+    monitor.on_fit_end(facts)  # acts on the last exchange
 
 
 def test_a_collective_in_the_fetch_window_is_not_counted_as_data_wait():
