@@ -106,6 +106,7 @@ def checkpoint_format(strategy: Any) -> tuple[str, Callable[[], str] | None, str
     their ``save_checkpoint`` reads at every save; this is the one place
     rankguard touches them (a test fails if Lightning renames them).
     """
+    sharded: str | bool
     if isinstance(strategy, FSDPStrategy):
         attribute, sharded, setting = "_state_dict_type", "sharded", FSDP_SHARDED_SETTING
     elif isinstance(strategy, ModelParallelStrategy):

@@ -114,7 +114,7 @@ SHARDED_SETTING = (
 #: and numpy states differ between ranks in a healthy run: OLMo-core draws from ``random`` on
 #: the rank that writes its data indices, and a resume restores each rank's own states; its
 #: data order comes from the data loader's ``seed`` (datasets are still compared).
-DEFAULTS = {
+DEFAULTS: dict[str, dict[str, Any]] = {
     "shared_dir_barrier": {"on_node_local": "raise"},
     "data_consistency_guard": {"check_rng": False},
 }

@@ -64,6 +64,7 @@ import inspect
 import logging
 import os
 import sys
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -112,7 +113,7 @@ def calling_trainer() -> Trainer | None:
 
     Call it from the hook itself (it looks from its caller's caller up).
     """
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     for _ in range(_TRAINER_DEPTH):
         if frame is None:
             return None
