@@ -19,9 +19,12 @@ $(STAMP): pyproject.toml $(LOCK)
 
 venv: $(STAMP)
 
+# mypy over the public surface: the README's quickstart for every integration and the
+# integration modules, against the package as installed (tools/typecheck.py; about 1 s).
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python tools/typecheck.py
 
 # Everything: unit tests and every real multi-rank framework run (what CI runs), on two
 # workers (each test file stays on one); then, alone, the tests that compare ranks'

@@ -2,22 +2,24 @@
 
 Every adapter module exports the same names: ``RankGuard`` (every guard) and
 one class per registered guard (``BatchParityGuard``, ...). They differ only
-in the adapter base class they extend, so :func:`define_callbacks` defines
-them all from the registry, once, for each adapter: real classes with
-docstrings and explicit signatures (config tools such as LightningCLI's
-jsonargparse read them), which never drift from what the core guards accept.
+in the adapter base class they extend. ``tools/generate_api.py`` writes them
+into each adapter module from the registry, with their settings in their
+signatures for editors and type checkers; :func:`bundle_init` and
+:func:`guard_init` give them the ``__init__`` that runs, whose
+``inspect.signature`` config tools such as LightningCLI's jsonargparse read.
+``tests/test_api.py`` fails when the written classes no longer match the registry.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
 
 from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.registry import GUARDS, build_guard, build_guards, unknown_name_error
 
-__all__ = ["bundle_guards", "class_name", "define_callbacks", "single_guard"]
+__all__ = ["bundle_guards", "bundle_init", "class_name", "guard_init", "single_guard"]
 
 Defaults = Mapping[str, Mapping[str, Any]]
 
@@ -95,67 +97,62 @@ def class_name(guard_name: str) -> str:
     return "".join(part.title() for part in guard_name.split("_"))
 
 
-def _subclass(
-    base: type, name: str, module: str, init: Callable[..., None], doc: str, signature: Any
-) -> type:
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def _declared_as(init: Callable[..., None], declared: Callable[..., None], signature: Any) -> None:
+    """Gives ``init`` the declaration's name and docstring, and the signature tools read."""
     init.__signature__ = signature  # type: ignore[attr-defined]
-    init.__qualname__ = f"{name}.__init__"
-    init.__doc__ = f"Builds the guards of :class:`{name}`."
-    return type(name, (base,), {"__init__": init, "__doc__": doc, "__module__": module})
+    init.__qualname__ = declared.__qualname__
+    init.__doc__ = declared.__doc__
 
 
-def _single_init(base: type, guard_name: str, defaults: Defaults | None) -> Callable[..., None]:
-    def guard_init(self: Any, **settings: Any) -> None:
-        base.__init__(self, single_guard(guard_name, settings, defaults))
+def bundle_init(base: type[Any], defaults: Defaults | None = None) -> Callable[[_Init], _Init]:
+    """Makes the decorated ``RankGuard.__init__`` build every guard and drive them with ``base``.
 
-    return guard_init
-
-
-def define_callbacks(
-    namespace: MutableMapping[str, Any],
-    base: type,
-    kind: str,
-    defaults: Defaults | None = None,
-) -> list[str]:
-    """Defines an adapter's ``RankGuard`` and one class per registered guard in its module.
-
-    Each class extends ``base``, whose ``__init__(guards, exchange_timeout_s)``
-    drives the guards; ``RankGuard(exchange_timeout_s, **per_guard_config)``
-    builds every guard, ``BatchParityGuard(**settings)`` (and so on) one.
+    The decorated function only declares the signature editors and type checkers
+    show (``tools/generate_api.py`` writes it from the registry); it is replaced
+    by one taking ``**per_guard_config``, so that an unknown guard name raises
+    the ``ValueError`` that names the closest valid one. ``inspect.signature``
+    (config tools such as LightningCLI's jsonargparse read it) shows
+    :func:`_bundle_signature`.
 
     Args:
-        namespace: The adapter module's globals; the classes are added to it.
-        base: The adapter's base class.
-        kind: What the classes are in the framework, for their docstrings,
-            e.g. ``"a Composer callback"``.
+        base: The adapter's base class; its ``__init__(guards, exchange_timeout_s)``
+            drives the guards.
         defaults: The framework's own settings per guard name, under the user's.
-
-    Returns:
-        The names defined, for the module's ``__all__``.
     """
-    module = namespace["__name__"]
 
-    def bundle_init(
-        self: Any, exchange_timeout_s: float = 300.0, **per_guard_config: dict[str, Any] | bool
-    ) -> None:
-        base.__init__(self, bundle_guards(per_guard_config, defaults), exchange_timeout_s)
+    def declare(declared: _Init) -> _Init:
+        def bundle_init(
+            self: Any, exchange_timeout_s: float = 300.0, **per_guard_config: dict[str, Any] | bool
+        ) -> None:
+            base.__init__(self, bundle_guards(per_guard_config, defaults), exchange_timeout_s)
 
-    classes = {
-        "RankGuard": _subclass(
-            base,
-            "RankGuard",
-            module,
-            bundle_init,
-            BUNDLE_DOC.format(kind=kind),
-            _bundle_signature(),
-        )
-    }
-    for guard_name, guard in GUARDS.items():
-        name = class_name(guard_name)
-        what = f"{kind[0].upper()}{kind[1:]}"
-        doc = f"{what} for :class:`rankguard.callbacks.{name}` (same arguments)."
-        signature = inspect.signature(guard.__init__, eval_str=True)
-        init = _single_init(base, guard_name, defaults)
-        classes[name] = _subclass(base, name, module, init, doc, signature)
-    namespace.update(classes)
-    return sorted(classes)
+        _declared_as(bundle_init, declared, _bundle_signature())
+        return cast("_Init", bundle_init)
+
+    return declare
+
+
+def guard_init(
+    base: type[Any], guard_name: str, defaults: Defaults | None = None
+) -> Callable[[_Init], _Init]:
+    """Makes the decorated ``__init__`` of a single-guard class build guard ``guard_name``.
+
+    As :func:`bundle_init`: the decorated function declares the guard's settings
+    for tools; the one that runs passes on only the settings given (so the
+    framework's ``defaults`` apply to the others, and an unknown setting raises
+    the ``ValueError`` naming the closest one), and ``inspect.signature`` shows
+    the core guard's own signature.
+    """
+
+    def declare(declared: _Init) -> _Init:
+        def guard_init(self: Any, **settings: Any) -> None:
+            base.__init__(self, single_guard(guard_name, settings, defaults))
+
+        signature = inspect.signature(GUARDS[guard_name].__init__, eval_str=True)
+        _declared_as(guard_init, declared, signature)
+        return cast("_Init", guard_init)
+
+    return declare

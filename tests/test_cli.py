@@ -147,7 +147,7 @@ def test_a_normal_install_holds_one_rankguard_package_with_both_subpackages(tmp_
     names = zipfile.ZipFile(wheel).namelist()
     packages = {name.split("/")[0] for name in names if not name.startswith("rankguard-")}
     assert packages == {"rankguard"}
-    for module in ("__init__.py", "callbacks/cli.py", "integrations/composer.py"):
+    for module in ("__init__.py", "py.typed", "callbacks/cli.py", "integrations/composer.py"):
         assert f"rankguard/{module}" in names
     assert (
         "rankguard = rankguard.callbacks.cli:main"
