@@ -433,7 +433,7 @@ class HangWatchdog(Guard):
         if decisions:  # none at most events
             self._update_decisions(decisions, step)
         self._beat = (event, step, batch_index, loader, now, self._kind(event))
-        self._history.append((time.time(), event, step, batch_index, loader))
+        self._history.append((now, event, step, batch_index, loader))  # monotonic: 1 clock read
         if self._thread is None:
             self._start()
 
@@ -895,8 +895,9 @@ class HangWatchdog(Guard):
         rank, status = self.channel.rank, self._status()
         header = f"rank {rank}, host {status.host}, pid {status.pid}: {status.phase}"
         report = attempt_dir(self.report_dir, os.environ)
+        wall = time.time() - time.monotonic()  # the beats' monotonic times as wall-clock times
         beats = [
-            {"t": t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
+            {"t": wall + t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
             for t, e, s, b, ld in tuple(self._history)
         ]
         writer = min(r for r in range(self.channel.world_size) if r not in frozen)

@@ -64,6 +64,9 @@ _EVENTS_BY_ID: dict[int, CoreEvent] = {id(event): core for event, core in _EVENT
 #: Composer events that start or end a fit.
 _FIT_BOUNDS = (CoreEvent.FIT_START, CoreEvent.FIT_END)
 
+#: Core events whose facts are the step and epoch alone (shared within a step).
+_PER_STEP = (CoreEvent.DATA_FETCH_END, CoreEvent.TRAIN_BATCH_START, CoreEvent.TRAIN_BATCH_END)
+
 #: The event that starts a pass over a loader, by the event that ends it.
 _PASS_ENDS = {CoreEvent.EVAL_END: CoreEvent.EVAL_START, CoreEvent.EPOCH_END: CoreEvent.EPOCH_START}
 _PASS_END = {start: end for end, start in _PASS_ENDS.items()}
@@ -222,7 +225,10 @@ def _as_int(value: Any) -> int | None:
 def event_facts(event: CoreEvent, state: State, logger: Logger) -> EventFacts:
     """Reads the facts a core event needs from Composer's ``State``."""
     timestamp = state.timestamp
-    facts = EventFacts(step=int(timestamp.batch), epoch=int(timestamp.epoch))
+    step, epoch = timestamp.batch.value, timestamp.epoch.value
+    if event in _PER_STEP:
+        return EventFacts.at(step, epoch)
+    facts = EventFacts(step=step, epoch=epoch)
     if event is CoreEvent.CHECKPOINT_LOAD_START:
         facts.load_path = trainer_load_path()
         facts.upload_setting = UPLOAD_SETTING

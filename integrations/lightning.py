@@ -228,7 +228,10 @@ class _LightningAdapter(Callback):
             return
         self._trainer = trainer
         step, epoch = (trainer.global_step, trainer.current_epoch) if at is None else at
-        self.runner.fire(event, EventFacts(step=step, epoch=epoch, **facts), self._log_metrics)
+        event_facts = (
+            EventFacts(step=step, epoch=epoch, **facts) if facts else EventFacts.at(step, epoch)
+        )
+        self.runner.fire(event, event_facts, self._log_metrics)
 
     def _log_metrics(self, metrics: Mapping[str, float]) -> None:
         trainer = self._trainer
