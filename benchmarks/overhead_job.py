@@ -5,8 +5,11 @@ Lightning: ``python overhead_job.py lightning ROUNDS STEPS OUT`` (ddp re-launche
 A hand-written DDP loop and the Hugging Face Trainer:
 ``torchrun --standalone --nproc-per-node 2 overhead_job.py torch|transformers ROUNDS STEPS OUT``.
 Rank 0 writes the wall time of every fit to OUT as JSON and, per guarded fit, the CPU time
-rankguard took from it (see ``INSIDE``). With ``RANKGUARD_BENCH_PROFILE=DIR``, rank 0's
-training thread is profiled instead (cProfile; ``DIR/<framework>-with.prof``, ``-without``).
+rankguard took from it (see ``INSIDE``), and that of the floor: a fit of the same steps
+with an empty callback of the framework (a loop: four calls a batch to methods that do
+nothing) in rankguard's place, timed at the same entry points. With
+``RANKGUARD_BENCH_PROFILE=DIR``, rank 0's training thread is profiled instead (cProfile;
+``DIR/<framework>-with.prof``, ``-without``).
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ def mlp() -> torch.nn.Module:
     )
 
 
-def composer_fit(guarded: bool, steps: int) -> float:
+def composer_fit(mode: str, steps: int) -> float:
     from composer import Trainer
+    from composer.core import Callback
     from composer.models import ComposerClassifier
     from composer.utils import dist
 
@@ -53,7 +57,7 @@ def composer_fit(guarded: bool, steps: int) -> float:
         progress_bar=False,
         log_to_console=False,
         loggers=[],
-        callbacks=[RankGuard(**CONFIG)] if guarded else [],
+        callbacks=_callbacks(mode, RankGuard, Callback),
     )
     start = time.perf_counter()
     trainer.fit()
@@ -62,7 +66,7 @@ def composer_fit(guarded: bool, steps: int) -> float:
     return elapsed
 
 
-def lightning_fit(guarded: bool, steps: int) -> float:
+def lightning_fit(mode: str, steps: int) -> float:
     import lightning as L
 
     from rankguard.integrations.lightning import RankGuard
@@ -88,7 +92,7 @@ def lightning_fit(guarded: bool, steps: int) -> float:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[RankGuard(**CONFIG)] if guarded else [],
+        callbacks=_callbacks(mode, RankGuard, L.Callback),
     )
     loader = DataLoader(data(steps), batch_size=BATCH)
     start = time.perf_counter()
@@ -96,8 +100,13 @@ def lightning_fit(guarded: bool, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def torch_fit(guarded: bool, steps: int) -> float:
-    """A hand-written DDP loop; guarded: ``guard.fit`` around it, ``run.train`` on the loader."""
+def torch_fit(mode: str, steps: int) -> float:
+    """A hand-written DDP loop; with: ``guard.fit`` around it, ``run.train`` on the loader.
+
+    Floor: the loader wrapped by a generator that makes the four calls per batch the
+    adapter makes (fetch start and end, train batch start, the last batch's end), to
+    methods that do nothing.
+    """
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DistributedSampler
 
@@ -115,18 +124,20 @@ def torch_fit(guarded: bool, steps: int) -> float:
             optimizer.zero_grad()
 
     start = time.perf_counter()
-    if guarded:
+    if mode == "with":
         with RankGuard(**CONFIG).fit(model, optimizer, loader) as run:
             loop(run.train(loader))
+    elif mode == "floor":
+        loop(_floor_batches(loader))
     else:
         loop(loader)
     return time.perf_counter() - start
 
 
-def transformers_fit(guarded: bool, steps: int) -> float:
+def transformers_fit(mode: str, steps: int) -> float:
     import tempfile
 
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from rankguard.integrations.transformers import RankGuard
 
@@ -161,19 +172,70 @@ def transformers_fit(guarded: bool, steps: int) -> float:
             args=args,
             train_dataset=data(steps),
             data_collator=collate,
-            callbacks=[RankGuard(**CONFIG)] if guarded else [],
+            callbacks=_callbacks(mode, RankGuard, TrainerCallback),
         )
         start = time.perf_counter()
         trainer.train()
         return time.perf_counter() - start
 
 
+class FloorLoop:
+    """The floor of a hand-written loop: the adapter's four calls per batch, doing nothing."""
+
+    def fetch_start(self) -> None:
+        """Does nothing."""
+
+    def fetch_end(self) -> None:
+        """Does nothing."""
+
+    def train_batch_start(self) -> None:
+        """Does nothing."""
+
+    def end_train_batch(self) -> None:
+        """Does nothing."""
+
+
+def _floor_batches(loader):
+    floor = FloorLoop()
+    iterator = iter(loader)
+    while True:
+        floor.end_train_batch()
+        floor.fetch_start()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        floor.fetch_end()
+        floor.train_batch_start()
+        yield batch
+
+
+def _callbacks(mode: str, rank_guard, base: type) -> list:
+    """The fit's callbacks: ``RankGuard()``, none, or the floor (an empty callback of ``base``)."""
+    if mode == "with":
+        return [rank_guard(**CONFIG)]
+    if mode == "floor":
+        return [FLOOR_CLASSES.setdefault(base, type("Floor", (base,), {}))()]
+    return []
+
+
+#: The floor's callback class per framework base class (one, so its methods are timed once).
+FLOOR_CLASSES: dict[type, type] = {}
+
 #: Per fit on this rank, CPU seconds inside rankguard (``adapter``: the adapter's per-step
 #: entry points, dispatch and guards included, fit start and end left out; ``hooks``: the
 #: straggler monitor's forward hooks, which run inside the model's forward), each with
 #: the timer's own cost in them (``*_timer``, subtracted), on the training thread;
 #: ``background``: CPU seconds of rankguard's own threads.
-INSIDE = {"adapter": 0.0, "adapter_timer": 0.0, "hooks": 0.0, "hooks_timer": 0.0, "background": 0.0}
+INSIDE = {
+    "adapter": 0.0,
+    "adapter_timer": 0.0,
+    "hooks": 0.0,
+    "hooks_timer": 0.0,
+    "background": 0.0,
+    "floor": 0.0,
+    "floor_timer": 0.0,
+}
 #: RankGuard's settings (``overhead.py --config``); all guards with defaults if unset.
 CONFIG = json.loads(os.environ.get("RANKGUARD_BENCH_CONFIG") or "{}")
 #: Where the framework enters each adapter during the steps: (module, class, methods
@@ -312,7 +374,24 @@ def time_rankguard(framework: str) -> None:
     skip = _fit_boundary if framework == "composer" else None
     for method in methods:
         setattr(cls, method, _timed(getattr(cls, method), "adapter", depth, skip))
+    floor = floor_class(framework)
+    for method in methods:
+        if hasattr(floor, method):  # the loop's floor has no epoch start (once an epoch)
+            setattr(floor, method, _timed(getattr(floor, method), "floor", [0], skip))
     count_rankguard_threads()
+
+
+def floor_class(framework: str) -> type:
+    """The floor's class: an empty callback of the framework, or :class:`FloorLoop`."""
+    if framework == "torch":
+        return FloorLoop
+    if framework == "composer":
+        from composer.core import Callback as base
+    elif framework == "lightning":
+        from lightning import Callback as base
+    else:
+        from transformers import TrainerCallback as base
+    return FLOOR_CLASSES.setdefault(base, type("Floor", (base,), {}))
 
 
 def is_rank_zero() -> bool:
@@ -320,14 +399,14 @@ def is_rank_zero() -> bool:
     return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
 
 
-def profiled(fit, guarded: bool, steps: int, path: str) -> float:
+def profiled(fit, mode: str, steps: int, path: str) -> float:
     """Runs ``fit`` under cProfile (this thread only) and writes its stats to ``path``."""
     import cProfile
 
     profile = cProfile.Profile()
     profile.enable()
     try:
-        return fit(guarded, steps)
+        return fit(mode, steps)
     finally:
         profile.disable()
         profile.dump_stats(path)
@@ -346,29 +425,31 @@ def main() -> None:
         "torch": torch_fit,
         "transformers": transformers_fit,
     }[framework]
-    fit(False, 5)  # warm-up: imports, process group, allocator
+    fit("without", 5)  # warm-up: imports, process group, allocator
     profile_dir = os.environ.get("RANKGUARD_BENCH_PROFILE")
     if not profile_dir:  # a profile times every call its own way
         time_rankguard(framework)
     times: dict[str, list[float]] = {"without": [], "with": []}
-    for key in ("adapter", "hooks", "background", "hook_calls"):
+    for key in ("adapter", "hooks", "background", "hook_calls", "floor"):
         times[key] = []
     for i in range(2 * rounds):
-        guarded = i % 2 == (i // 2) % 2  # ABBA order cancels drift
+        mode = "with" if i % 2 == (i // 2) % 2 else "without"  # ABBA order cancels drift
         INSIDE.update(dict.fromkeys(INSIDE, 0.0))
         HOOK_CALLS[0] = 0
         if profile_dir and is_rank_zero():
-            path = f"{profile_dir}/{framework}-{'with' if guarded else 'without'}.prof"
-            elapsed = profiled(fit, guarded, steps, path)
+            elapsed = profiled(fit, mode, steps, f"{profile_dir}/{framework}-{mode}.prof")
         else:
-            elapsed = fit(guarded, steps)
-        times["with" if guarded else "without"].append(elapsed)
-        if guarded:
+            elapsed = fit(mode, steps)
+        times[mode].append(elapsed)
+        if mode == "with":
             join_rankguard_threads()
             times["adapter"].append(INSIDE["adapter"] - INSIDE["adapter_timer"])
             times["hooks"].append(INSIDE["hooks"] - INSIDE["hooks_timer"])
             times["hook_calls"].append(HOOK_CALLS[0])
             times["background"].append(INSIDE["background"])
+            if not profile_dir:  # the floor: an empty callback at the same entry points
+                fit("floor", steps)
+                times["floor"].append(INSIDE["floor"] - INSIDE["floor_timer"])
     times["hook_dispatch_s"] = [hook_dispatch_s()]
 
     if not dist.is_initialized() or dist.get_rank() == 0:
