@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rankguard.callbacks.errors import HangDetectedError, RanksMissingError
 from rankguard.callbacks.events import EventFacts
@@ -89,6 +89,18 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class Beat(NamedTuple):
+    """The training thread's last heartbeat, read by the watchdog thread."""
+
+    event: str
+    step: int
+    batch_index: int | None
+    loader: str | None
+    at: float  # time.monotonic()
+    kind: str  # the phase kind whose deadline applies from here ("done" after fit end)
+
 
 #: Exit code of every rank that aborts on a hang (``action="abort"``); 75 is EX_TEMPFAIL.
 HANG_EXIT_CODE = 75
@@ -364,7 +376,7 @@ class HangWatchdog(Guard):
         self._history: deque = deque(maxlen=HISTORY)
         self._nccl_note = ""
         self._host = socket.gethostname()
-        self._beat: tuple | None = None  # (event, step, batch_index, loader, monotonic, kind)
+        self._beat: Beat | None = None
         self._loop_thread: int | None = None  # ident of the thread that sends the events
         self._reset()
 
@@ -419,7 +431,7 @@ class HangWatchdog(Guard):
         now = time.monotonic()
         previous = self._beat
         if previous is not None and self.auto_calibrate and self._steps_done >= self.warmup_steps:
-            interval, kind = now - previous[4], previous[5]
+            interval, kind = now - previous.at, previous.kind
             self.history.record(kind, interval)
             deadline = self._deadline_s.get(kind)
             closest = self.closest_call
@@ -432,7 +444,7 @@ class HangWatchdog(Guard):
         self._progress += 1
         if decisions:  # none at most events
             self._update_decisions(decisions, step)
-        self._beat = (event, step, batch_index, loader, now, self._kind(event))
+        self._beat = Beat(event, step, batch_index, loader, now, self._kind(event))
         self._history.append((now, event, step, batch_index, loader))  # monotonic: 1 clock read
         if self._thread is None:
             self._start()
@@ -449,7 +461,7 @@ class HangWatchdog(Guard):
         if probe is None or beat is None:
             return
         try:
-            self._update_decisions(probe(), beat[1])
+            self._update_decisions(probe(), beat.step)
         except Exception as exc:  # a framework's state read from another thread
             logger.debug("rankguard %s: decision probe failed: %s", self.name, exc)
 
@@ -558,7 +570,7 @@ class HangWatchdog(Guard):
             self._stop.set()
             self._wake.set()
             return
-        if self._beat is not None and self._beat[5] == "done":
+        if self._beat is not None and self._beat.kind == "done":
             # Fit ended here: let the exchange that finds every rank done end all threads
             # together, so no rank is left waiting for a rank that already left. Until then
             # this rank's status says it left the loop: a rank that waits at a rendezvous
@@ -584,7 +596,7 @@ class HangWatchdog(Guard):
         thread = self._thread
         if error.name.startswith(f"{self.name}/") or thread is None or not thread.is_alive():
             return  # the watchdog's own exchanges, or no watchdog running: the caller's error
-        if self._stop.is_set() or (self._beat is not None and self._beat[5] == "done"):
+        if self._stop.is_set() or (self._beat is not None and self._beat.kind == "done"):
             return
         self._gave_up = (error.name, tuple(error.missing), error.timeout_s)
         self._wake.set()  # exchange statuses now
@@ -689,7 +701,7 @@ class HangWatchdog(Guard):
             logger.info(
                 "rankguard %s: calibrated at train step %d: reports past %s.",
                 self.name,
-                self._beat[1] if self._beat else 0,
+                self._beat.step if self._beat else 0,
                 describe(calibrated),
             )
 
@@ -765,7 +777,7 @@ class HangWatchdog(Guard):
                 self._on_missing(missing.missing)
                 continue  # the exchange itself waited; ask again at once
             except Exception as exc:
-                if not self._stop.is_set() and self._beat[5] != "done":
+                if not self._stop.is_set() and self._beat.kind != "done":
                     self.warn_once("exchange", "status exchange failed (%s); retrying.", exc)
                 self._sleep()
                 continue
@@ -784,7 +796,7 @@ class HangWatchdog(Guard):
                 self._recovered()
             if verdict.done == ((0, self.channel.world_size - 1),):
                 return  # every rank's fit ended: every thread ends after this same exchange
-            if self._beat[5] == "done":
+            if self._beat.kind == "done":
                 # This rank left the loop, the others not yet: meet their next exchange (it
                 # waits for them, at no cost to their steps) until they end fit or a verdict.
                 continue
@@ -812,9 +824,9 @@ class HangWatchdog(Guard):
         again before another settle time has passed.
         """
         beat = self._beat
-        if beat is None or beat[5] == "done" or self._ended.is_set():
+        if beat is None or beat.kind == "done" or self._ended.is_set():
             return False
-        if time.monotonic() - beat[4] < PROBE_PERIOD_S:
+        if time.monotonic() - beat.at < PROBE_PERIOD_S:
             return False
         _, point, wait_s = self._sample()
         if point is None or wait_s < self._settle_s:
@@ -857,7 +869,7 @@ class HangWatchdog(Guard):
         given_up = set(self._gave_up[1]) if self._gave_up else set()
         silent = sorted((given_up & set(missing)) - {self.channel.rank})
         frozen = frozen or silent
-        if frozen and not self._stop.is_set() and self._beat[5] != "done":
+        if frozen and not self._stop.is_set() and self._beat.kind != "done":
             ceiling_slack = self.first_step_timeout_s if last is None else last.ceiling_slack_s
             summary = describe_frozen(frozen, waited, last)
             end = bool(given_up & set(frozen)) or waited > ceiling_slack
