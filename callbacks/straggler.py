@@ -55,11 +55,11 @@ from typing import Any
 import torch
 
 from rankguard.callbacks.background_exchange import BackgroundExchange, Pending
-from rankguard.callbacks.dir_probe import node_identity
 from rankguard.callbacks.errors import RanksMissingError, StragglerError
 from rankguard.callbacks.events import EventFacts
 from rankguard.callbacks.forward_clock import ForwardClock
 from rankguard.callbacks.guard import Guard
+from rankguard.callbacks.nodes import node_identity
 from rankguard.callbacks.straggler_score import (
     RankTimes,
     StragglerVerdict,
