@@ -54,9 +54,10 @@ from rankguard.callbacks.checkpoint_plan import (
 )
 from rankguard.callbacks.errors import CheckpointMemoryError
 from rankguard.callbacks.events import EventFacts
-from rankguard.callbacks.guard import Guard, check_choice
+from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.host_memory import host_memory_available
 from rankguard.callbacks.nodes import node_identity
+from rankguard.callbacks.settings import check_choice, check_int
 from rankguard.callbacks.state_size import StateSize, estimate_state_size
 
 __all__ = ["CheckpointPlanner"]
@@ -107,15 +108,11 @@ class CheckpointPlanner(Guard):
         self.mode = check_choice("mode", mode, MODES)
         self.materialize = check_choice("materialize", materialize, MATERIALIZE)
         self.writer = check_choice("writer", writer, tuple(WRITER_OVERHEAD))
-        if host_memory_bytes is not None and (
-            isinstance(host_memory_bytes, bool)
-            or not isinstance(host_memory_bytes, int)
-            or host_memory_bytes <= 0
-        ):
-            raise ValueError(
-                f"`host_memory_bytes` must be an int > 0 or None; got {host_memory_bytes!r}."
-            )
-        self.host_memory_bytes = host_memory_bytes
+        self.host_memory_bytes = (
+            None
+            if host_memory_bytes is None
+            else check_int("host_memory_bytes", host_memory_bytes, 1, must_be="an int > 0 or None")
+        )
         self.state_dict_type = check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
         self.plan: CheckpointPlan | None = None
         self.switched: str | None = None

@@ -57,8 +57,9 @@ from rankguard.callbacks.errors import (
     SharedDirTimeoutError,
 )
 from rankguard.callbacks.events import EventFacts
-from rankguard.callbacks.guard import Guard, check_choice, check_positive
+from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.nodes import node_identity
+from rankguard.callbacks.settings import check_choice, check_positive
 from rankguard.callbacks.shared_dirs_plan import BarrierPlanner, Verdict, load_path_problem
 from rankguard.callbacks.side_channel import SideChannel
 
