@@ -1,17 +1,35 @@
-"""Launches simulated nodes on one machine: one torchrun per node, master on 127.0.0.1."""
+"""Starts process trees and ends them, whole; launches simulated nodes on one machine.
+
+:func:`start` runs a command in a session of its own, :func:`finish` waits for
+one or more such commands under one deadline and then kills whatever is left
+of their trees (:func:`kill_tree`). The test harness (``tests/mp.py``), the
+docs generator (``docs/generate.py``) and :func:`launch_nodes` (one torchrun
+per simulated node, master on 127.0.0.1) all launch through them.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Set by a launcher or a cluster: a job started from here must pick its own rendezvous.
+LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """This process's environment without :data:`LAUNCH_ENV`, with ``extra`` set."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    env.update(extra)
+    return env
 
 
 def free_port() -> int:
@@ -65,6 +83,95 @@ def can_mount() -> bool:
     return probe.returncode == 0
 
 
+def start(
+    cmd: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: Path | str | None = None,
+    merge_output: bool = True,
+) -> subprocess.Popen:
+    """Starts ``cmd`` in a session of its own, its output piped (stderr into stdout by default).
+
+    A terminal's Ctrl-C does not reach it: :func:`finish` kills it instead.
+    """
+    return subprocess.Popen(
+        list(cmd),
+        cwd=cwd,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_output else subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILLs ``proc``, every process below it, and the sessions they lead.
+
+    torchrun starts each rank in a session of its own: killing the launcher's
+    session alone would leave the ranks running, holding the output pipes open.
+    Below a process that has ended (and was waited for) nothing is looked for,
+    as its pid may be another process's by now; what is left of its session is
+    still killed.
+    """
+    targets = [*descendants(proc.pid), proc.pid] if proc.poll() is None else []
+    for pid in targets:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    for group in {*targets, proc.pid}:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+
+
+@dataclass
+class Ended:
+    """How one command of :func:`finish` ended."""
+
+    returncode: int
+    stdout: str
+    stderr: str  # "" where it went into stdout
+    timed_out: bool  # killed at the deadline
+    ended_at: float  # Unix time its output was read to the end
+
+
+def finish(
+    procs: Sequence[subprocess.Popen],
+    timeout_s: float,
+    after_exit: Callable[[], None] | None = None,
+) -> list[Ended]:
+    """Waits for ``procs`` (from :func:`start`) until ``timeout_s`` has passed for all together.
+
+    At the deadline every command's tree is killed (:func:`kill_tree`), and
+    whatever is left of each when this returns or raises (Ctrl-C, SIGTERM).
+
+    Args:
+        procs: The started commands.
+        timeout_s: Hard limit for all of them together.
+        after_exit: Called once every command ended in time, before what is
+            left of their sessions is killed (e.g. to wait for a rank that
+            outlives the launcher).
+    """
+    deadline = time.monotonic() + timeout_s
+    ended: list[Ended] = []
+    try:
+        for proc in procs:
+            timed_out = False
+            try:
+                out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                for each in procs:
+                    kill_tree(each)
+                out, err = proc.communicate()
+            ended.append(Ended(proc.returncode, out, err or "", timed_out, time.time()))
+        if after_exit is not None and not any(e.timed_out for e in ended):
+            after_exit()
+    finally:
+        for proc in procs:
+            kill_tree(proc)  # whatever is left of any rank
+    return ended
+
+
 def launch_nodes(
     script: Path,
     args: list[str],
@@ -76,14 +183,14 @@ def launch_nodes(
     """Runs ``script`` on ``nodes`` x ``per_node`` ranks; each node is its own torchrun.
 
     After ``timeout`` seconds (for all nodes together) every node's torchrun and
-    every process below it are killed. ``prefix`` gives a node's launcher a
-    command to run under (e.g. :func:`node_disk`).
+    every process below it are killed (:func:`finish`). ``prefix`` gives a
+    node's launcher a command to run under (e.g. :func:`node_disk`).
     """
     port = free_port()
     torchrun = str(Path(sys.executable).parent / "torchrun")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = [
-        subprocess.Popen(
+        start(
             [
                 *(prefix or {}).get(node, ()),
                 torchrun,
@@ -96,25 +203,11 @@ def launch_nodes(
                 *args,
             ],
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            merge_output=False,
         )
         for node in range(nodes)
     ]
-    deadline = time.monotonic() + timeout
-    results = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            # torchrun starts each rank in a session of its own: killing torchrun (or its
-            # process group) would leave the ranks running, holding the pipes open.
-            for pid in [q for p in procs for q in (p.pid, *descendants(p.pid))]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            out, err = proc.communicate()
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    return results
+    return [
+        subprocess.CompletedProcess(proc.args, e.returncode, e.stdout, e.stderr)
+        for proc, e in zip(procs, finish(procs, timeout), strict=True)
+    ]

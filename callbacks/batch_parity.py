@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from rankguard.callbacks.errors import BatchCountMismatchError, RanksMissingError
 from rankguard.callbacks.events import EventFacts, LoaderFacts
-from rankguard.callbacks.guard import Guard, check_positive
+from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.loader_passes import (
     DEFAULT_MAX_SAMPLES,
     LoaderYield,
@@ -53,6 +53,7 @@ from rankguard.callbacks.loader_passes import (
 )
 from rankguard.callbacks.loaders import planned_batches, promised_batches
 from rankguard.callbacks.ranks import format_groups, rank_label
+from rankguard.callbacks.settings import check_int, check_positive
 
 __all__ = [
     "BatchParityGuard",
@@ -221,16 +222,9 @@ class BatchParityGuard(Guard):
         self.eval_end_timeout_s = check_positive("eval_end_timeout_s", eval_end_timeout_s)
         self.check_train = bool(check_train)
         self.check_eval = bool(check_eval)
-        if (
-            isinstance(max_count_samples, bool)
-            or not isinstance(max_count_samples, int)
-            or max_count_samples < 0
-        ):
-            raise ValueError(
-                f"`max_count_samples` must be an int >= 0 (0: do not count); "
-                f"got {max_count_samples!r}."
-            )
-        self.max_count_samples = max_count_samples
+        self.max_count_samples = check_int(
+            "max_count_samples", max_count_samples, 0, must_be="an int >= 0 (0: do not count)"
+        )
         self._eval_batches_run: dict[str, int] = {}
         self._eval_promised: dict[str, int | None] = {}
         self._train_checked_epoch: int | None = None

@@ -22,6 +22,7 @@ __all__ = [
     "RankMemory",
     "format_bytes",
     "plan_save",
+    "register_sharded_setting",
 ]
 
 MODES = ("warn", "raise", "auto")
@@ -35,11 +36,11 @@ MATERIALIZE = ("rank0", "every_rank")
 #: as large as the file, which ``getvalue()`` shares rather than copies.
 WRITER_OVERHEAD: dict[str, float] = {"file": 0.0, "buffer": 1.0}
 
-#: The frameworks' settings for sharded checkpoints, named when the adapter names none.
-SETTINGS = {
-    "composer": "parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}",
-    "lightning": "FSDPStrategy(state_dict_type='sharded')",
-}
+#: Per framework, its setting for sharded checkpoints, as its adapter registers it
+#: (:func:`register_sharded_setting`): named in the fix when the job's adapter names none.
+SHARDED_SETTINGS: dict[str, str] = {}
+#: Named in the fix when the job's adapter names no setting and none is registered.
+ANY_SHARDED_SETTING = "the training framework's setting for sharded checkpoints"
 FIX_SHARDED = (
     "Fix: save sharded checkpoints, where each rank writes only its shard ({setting}; "
     "this needs a sharded model, FSDP), or give each node more host memory; if the memory "
@@ -151,8 +152,20 @@ class CheckpointPlan:
         return "\n".join([*lines, self.note] if self.note else lines)
 
 
-def _both_settings() -> str:
-    return f"Composer: `{SETTINGS['composer']}`; Lightning: `{SETTINGS['lightning']}`"
+def register_sharded_setting(framework: str, setting: str) -> None:
+    """Registers ``framework``'s setting for sharded checkpoints (see :data:`SHARDED_SETTINGS`).
+
+    Args:
+        framework: The framework's name in messages, e.g. ``"Composer"``.
+        setting: What a user sets to save sharded checkpoints.
+    """
+    SHARDED_SETTINGS[framework] = setting
+
+
+def _registered_settings() -> str:
+    """Every registered framework's setting, by framework name (the same on every rank)."""
+    named = sorted(SHARDED_SETTINGS.items())
+    return "; ".join(f"{name}: `{setting}`" for name, setting in named) or ANY_SHARDED_SETTING
 
 
 def plan_save(
@@ -177,7 +190,7 @@ def plan_save(
         switchable: Whether the job can be switched to sharded saves
             (``mode="auto"`` raises instead where it cannot).
         setting: The job's framework setting for sharded checkpoints, named in
-            the fix (both frameworks' settings when ``None``).
+            the fix (when ``None``, every registered framework's: :data:`SHARDED_SETTINGS`).
         host_copy: Whether a save builds its whole state dict in host memory
             before writing it (OLMo-core's ``cpu_offload=True``): a full save
             holds a consolidated copy even of a model that is not sharded, and
@@ -258,7 +271,7 @@ def plan_save(
     if all(n.fits(n.needed_bytes) for n in nodes):
         return CheckpointPlan("ok", f"Checkpoint memory fits: {summary}.", nodes, note)
     shard_fits = all(n.fits(n.sharded_bytes) for n in nodes)
-    fix = FIX_SHARDED.format(setting=f"`{setting}`" if setting else _both_settings())
+    fix = FIX_SHARDED.format(setting=f"`{setting}`" if setting else _registered_settings())
     sharded_need = format_bytes(max(n.sharded_bytes for n in nodes))
     if kind == "full" and shard_fits and mode == "auto":
         if switchable:

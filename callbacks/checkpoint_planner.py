@@ -42,8 +42,6 @@ Metrics: ``rankguard/checkpoint_needed_bytes``, ``rankguard/checkpoint_available
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from typing import Any
 
 from rankguard.callbacks.checkpoint_plan import (
@@ -56,19 +54,15 @@ from rankguard.callbacks.checkpoint_plan import (
 )
 from rankguard.callbacks.errors import CheckpointMemoryError
 from rankguard.callbacks.events import EventFacts
-from rankguard.callbacks.guard import Guard, check_choice
+from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.host_memory import host_memory_available
+from rankguard.callbacks.nodes import node_identity
+from rankguard.callbacks.settings import check_choice, check_int
 from rankguard.callbacks.state_size import StateSize, estimate_state_size
 
 __all__ = ["CheckpointPlanner"]
 
 logger = logging.getLogger(__name__)
-
-
-def _node_key() -> str:
-    node = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK"))
-    host = socket.gethostname()
-    return host if node is None else f"{host}/node{node}"
 
 
 class CheckpointPlanner(Guard):
@@ -114,15 +108,11 @@ class CheckpointPlanner(Guard):
         self.mode = check_choice("mode", mode, MODES)
         self.materialize = check_choice("materialize", materialize, MATERIALIZE)
         self.writer = check_choice("writer", writer, tuple(WRITER_OVERHEAD))
-        if host_memory_bytes is not None and (
-            isinstance(host_memory_bytes, bool)
-            or not isinstance(host_memory_bytes, int)
-            or host_memory_bytes <= 0
-        ):
-            raise ValueError(
-                f"`host_memory_bytes` must be an int > 0 or None; got {host_memory_bytes!r}."
-            )
-        self.host_memory_bytes = host_memory_bytes
+        self.host_memory_bytes = (
+            None
+            if host_memory_bytes is None
+            else check_int("host_memory_bytes", host_memory_bytes, 1, must_be="an int > 0 or None")
+        )
         self.state_dict_type = check_choice("state_dict_type", state_dict_type, ("full", "sharded"))
         self.plan: CheckpointPlan | None = None
         self.switched: str | None = None
@@ -163,9 +153,10 @@ class CheckpointPlanner(Guard):
             self.warn_once("estimate", "cannot estimate the checkpoint size (%s); skipped", exc)
             size = StateSize()
         memory = host_memory_available()
+        node = node_identity()
         mine = RankMemory(
-            node=_node_key(),
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            node=node.key,
+            local_rank=node.local_rank or 0,
             state_bytes=size.total,
             state_sharded=size.sharded,
             available_bytes=self.host_memory_bytes or memory.available_bytes,

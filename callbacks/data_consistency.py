@@ -41,9 +41,10 @@ from typing import Any
 from rankguard.callbacks.errors import DataInconsistencyError
 from rankguard.callbacks.events import EventFacts, LoaderFacts
 from rankguard.callbacks.fingerprint import DatasetFingerprint, fingerprint_loader
-from rankguard.callbacks.guard import Guard, check_choice
+from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.ranks import group_ranks, rank_label
 from rankguard.callbacks.rng_state import rng_digest
+from rankguard.callbacks.settings import check_choice, check_int
 
 __all__ = ["DataConsistencyGuard", "DataVerdict", "compare_data", "compare_loader", "rng_verdict"]
 
@@ -254,9 +255,7 @@ class DataConsistencyGuard(Guard):
         check_rng: bool = True,
     ) -> None:
         super().__init__(on_violation=on_violation)
-        if isinstance(sample_items, bool) or not isinstance(sample_items, int) or sample_items < 0:
-            raise ValueError(f"`sample_items` must be an integer >= 0; got {sample_items!r}.")
-        self.sample_items = sample_items
+        self.sample_items = check_int("sample_items", sample_items, 0)
         self.check_content = check_choice("check_content", check_content, (True, False, "auto"))
         self.check_rng = bool(check_rng)
 

@@ -67,6 +67,7 @@ from rankguard.callbacks.events import EventFacts
 from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.loaders import loader_settings
 from rankguard.callbacks.ranks import rank_label
+from rankguard.callbacks.settings import check_fraction, check_int
 
 __all__ = ["DataStallMonitor", "IntervalStats", "StallVerdict", "stall_verdict"]
 
@@ -166,12 +167,6 @@ def describe_stall(stalled: Mapping[int, IntervalStats], threshold: float, windo
     )
 
 
-def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1; got {value!r}.")
-    return value
-
-
 class DataStallMonitor(Guard):
     """Measures per-rank data-wait time and reports ranks starved of data.
 
@@ -212,12 +207,9 @@ class DataStallMonitor(Guard):
         interval: int = 50,
     ) -> None:
         super().__init__(on_violation=on_violation)
-        number = isinstance(threshold, int | float) and not isinstance(threshold, bool)
-        if not number or not 0 < threshold <= 1:
-            raise ValueError(f"`threshold` must be a number in (0, 1]; got {threshold!r}.")
-        self.threshold = float(threshold)
-        self.window = _check_int("window", window)
-        self.interval = _check_int("interval", interval)
+        self.threshold = check_fraction("threshold", threshold, one=True)
+        self.window = check_int("window", window)
+        self.interval = check_int("interval", interval)
         self.batch_size: int | None = None
         self._clock = LoaderReturnClock()
         self._exchanger: BackgroundExchange | None = None

@@ -1,67 +1,30 @@
-"""What one rank can see of a directory: node identity, path state, filesystem, markers.
+"""What one rank can see of a directory: path state, filesystem, markers.
 
 The pure, per-rank half of :mod:`~rankguard.callbacks.shared_dirs`; nothing
-here talks to other ranks.
-
-Node identity is the hostname plus the launcher's node rank
-(``NODE_RANK``, else ``GROUP_RANK`` as torchrun sets it) and the local rank
-(``LOCAL_RANK``). Two ranks are on the same node when both agree, so tests
-can simulate several nodes on one machine by setting ``NODE_RANK`` and
-``LOCAL_RANK`` per process.
+here talks to other ranks. Which node the rank is on is
+:func:`~rankguard.callbacks.nodes.node_identity`.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
-import socket
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
     "MARKER_PREFIX",
     "Marker",
-    "NodeId",
     "PathState",
     "filesystem_type",
     "inspect_path",
     "marker_seen",
     "name_below",
-    "node_identity",
     "write_marker",
 ]
 
 #: Marker files are named ``MARKER_PREFIX + nonce``; a fresh name is never in a
 #: client's negative lookup cache, so a shared filesystem shows it at once.
 MARKER_PREFIX = ".rankguard-probe-"
-
-
-@dataclass(frozen=True)
-class NodeId:
-    """Which node a rank runs on.
-
-    Attributes:
-        host: ``socket.gethostname()``.
-        node_rank: ``NODE_RANK`` (or ``GROUP_RANK``), or ``None`` when unset.
-        local_rank: ``LOCAL_RANK``, or ``None`` when unset.
-    """
-
-    host: str
-    node_rank: str | None
-    local_rank: int | None
-
-    @property
-    def key(self) -> str:
-        """The node's name in messages, e.g. ``"gpu-12"`` or ``"gpu-12/node1"``."""
-        return self.host if self.node_rank is None else f"{self.host}/node{self.node_rank}"
-
-
-def node_identity(env: Mapping[str, str] | None = None) -> NodeId:
-    """Returns this process's node identity from the hostname and launcher variables."""
-    env = os.environ if env is None else env
-    node = env.get("NODE_RANK", env.get("GROUP_RANK"))
-    local = env.get("LOCAL_RANK")
-    return NodeId(socket.gethostname(), node, int(local) if local not in (None, "") else None)
 
 
 @dataclass(frozen=True)

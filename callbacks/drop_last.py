@@ -32,7 +32,7 @@ from collections.abc import Mapping
 
 from rankguard.callbacks.errors import DropLastMismatchError
 from rankguard.callbacks.events import EventFacts
-from rankguard.callbacks.guard import Guard, check_choice
+from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.loaders import (
     LoaderSettings,
     SampleAccounting,
@@ -41,6 +41,7 @@ from rankguard.callbacks.loaders import (
     sample_accounting,
 )
 from rankguard.callbacks.ranks import format_groups
+from rankguard.callbacks.settings import check_choice
 
 __all__ = ["DropLastGuard", "settings_mismatches"]
 

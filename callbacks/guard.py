@@ -24,9 +24,10 @@ from typing import Any, ClassVar, NoReturn
 
 from rankguard.callbacks.errors import RankGuardError
 from rankguard.callbacks.events import Event, EventFacts
+from rankguard.callbacks.settings import check_choice, check_positive
 from rankguard.callbacks.side_channel import SideChannel
 
-__all__ = ["RAISED", "Guard", "GuardRunner", "MetricSink", "check_choice", "check_positive"]
+__all__ = ["RAISED", "Guard", "GuardRunner", "MetricSink"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,22 +38,6 @@ ON_VIOLATION = ("raise", "warn")
 RAISE_WAIT_S = 10.0
 #: Set on the log record of an error that is then raised (a handler may leave it out).
 RAISED = "rankguard_raised"
-
-
-def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
-    """Returns ``value`` if it is one of ``choices``, else raises ``ValueError`` naming ``name``."""
-    choices = tuple(choices)
-    if value not in choices:
-        valid = ", ".join(repr(c) for c in choices)
-        raise ValueError(f"`{name}` must be one of {valid}; got {value!r}.")
-    return value
-
-
-def check_positive(name: str, value: Any) -> float:
-    """Returns ``value`` as a float if it is a number > 0, else raises ``ValueError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"`{name}` must be a number > 0 (seconds); got {value!r}.")
-    return float(value)
 
 
 class Guard:

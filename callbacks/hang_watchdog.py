@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 from rankguard.callbacks.errors import HangDetectedError, RanksMissingError
 from rankguard.callbacks.events import EventFacts
-from rankguard.callbacks.guard import Guard, check_choice, check_positive
+from rankguard.callbacks.guard import Guard
 from rankguard.callbacks.hang_calibration import (
     KIND_LABELS,
     MIN_SAMPLES,
@@ -77,6 +77,7 @@ from rankguard.callbacks.hang_diagnosis import (
     phase_label,
 )
 from rankguard.callbacks.hang_report import write_incident
+from rankguard.callbacks.settings import check_choice, check_int, check_positive
 from rankguard.callbacks.side_channel import own_missing_ranks
 
 __all__ = [
@@ -190,12 +191,6 @@ def _check_report_dir(report_dir: Any) -> str:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"`report_dir` {str(report_dir)!r} is not writable (checked {existing}).")
     return str(report_dir)
-
-
-def _check_count(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}; got {value!r}.")
-    return value
 
 
 def _num_params(model: Any) -> int | None:
@@ -345,7 +340,7 @@ class HangWatchdog(Guard):
         self.report_dir = _check_report_dir(report_dir)
         self.exchange_period_s = check_positive("exchange_period_s", exchange_period_s)
         self.auto_calibrate = bool(check_choice("auto_calibrate", auto_calibrate, (True, False)))
-        self.warmup_steps = _check_count("warmup_steps", warmup_steps, 0)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.calibration_factor = check_positive("calibration_factor", calibration_factor)
         if self.calibration_factor <= 1:
             raise ValueError(f"`calibration_factor` must be > 1; got {calibration_factor!r}.")

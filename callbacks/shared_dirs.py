@@ -29,7 +29,7 @@ share the filesystem at all. :func:`ensure_shared_dirs` does instead:
    the time it waited, the filesystem type and the fix.
 
 Nothing it did not create is ever deleted or overwritten. Node identity: see
-:mod:`~rankguard.callbacks.dir_probe`.
+:mod:`~rankguard.callbacks.nodes`.
 
 Metrics: ``rankguard/shared_dir_wait_s`` (slowest rank's wait).
 Errors: :class:`SharedDirTimeoutError`, :class:`SharedDirCreateError`,
@@ -49,7 +49,6 @@ from rankguard.callbacks.dir_probe import (
     Marker,
     inspect_path,
     marker_seen,
-    node_identity,
     write_marker,
 )
 from rankguard.callbacks.errors import (
@@ -58,7 +57,9 @@ from rankguard.callbacks.errors import (
     SharedDirTimeoutError,
 )
 from rankguard.callbacks.events import EventFacts
-from rankguard.callbacks.guard import Guard, check_choice, check_positive
+from rankguard.callbacks.guard import Guard
+from rankguard.callbacks.nodes import node_identity
+from rankguard.callbacks.settings import check_choice, check_positive
 from rankguard.callbacks.shared_dirs_plan import BarrierPlanner, Verdict, load_path_problem
 from rankguard.callbacks.side_channel import SideChannel
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from rankguard.callbacks.dir_probe import NodeId, PathState, name_below
+from rankguard.callbacks.dir_probe import PathState, name_below
+from rankguard.callbacks.nodes import NodeId
 from rankguard.callbacks.ranks import format_groups, group_ranks, rank_label
 
 __all__ = [

@@ -50,16 +50,16 @@ import statistics
 import warnings
 from functools import partial
 from time import perf_counter
-from typing import Any
 
 import torch
 
 from rankguard.callbacks.background_exchange import BackgroundExchange, Pending
-from rankguard.callbacks.dir_probe import node_identity
 from rankguard.callbacks.errors import RanksMissingError, StragglerError
 from rankguard.callbacks.events import EventFacts
 from rankguard.callbacks.forward_clock import ForwardClock
 from rankguard.callbacks.guard import Guard
+from rankguard.callbacks.nodes import node_identity
+from rankguard.callbacks.settings import check_fraction, check_int, check_seconds
 from rankguard.callbacks.straggler_score import (
     RankTimes,
     StragglerVerdict,
@@ -71,18 +71,6 @@ from rankguard.callbacks.straggler_score import (
 __all__ = ["StragglerMonitor"]
 
 logger = logging.getLogger(__name__)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}; got {value!r}.")
-    return value
-
-
-def _check_seconds(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"`{name}` must be a number of seconds >= 0; got {value!r}.")
-    return float(value)
 
 
 def _median(values: list[float]) -> float | None:
@@ -160,16 +148,13 @@ class StragglerMonitor(Guard):
         min_forward_s: float | None = None,
     ) -> None:
         super().__init__(on_violation=on_violation)
-        number = isinstance(threshold, int | float) and not isinstance(threshold, bool)
-        if not number or not 0 < threshold < 1:
-            raise ValueError(f"`threshold` must be a number in (0, 1); got {threshold!r}.")
-        self.threshold = float(threshold)
-        self.window = _check_int("window", window, 1)
-        self.interval = _check_int("interval", interval, 1)
-        self.warmup_steps = _check_int("warmup_steps", warmup_steps, 0)
-        self.min_excess_s = _check_seconds("min_excess_s", min_excess_s)
+        self.threshold = check_fraction("threshold", threshold, one=False)
+        self.window = check_int("window", window)
+        self.interval = check_int("interval", interval)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.min_excess_s = check_seconds("min_excess_s", min_excess_s)
         self.min_forward_s = (
-            None if min_forward_s is None else _check_seconds("min_forward_s", min_forward_s)
+            None if min_forward_s is None else check_seconds("min_forward_s", min_forward_s)
         )
         if self.min_forward_s:
             warnings.warn(

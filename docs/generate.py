@@ -36,7 +36,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import re
 import shlex
 import shutil
@@ -49,6 +48,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: benchmarks/ is found from the repository
+    sys.path.insert(0, str(ROOT))
+from benchmarks.launch import finish, job_env, start  # noqa: E402  (each run's process tree)
+
 DOCS = ROOT / "docs"
 OUTPUTS = DOCS / "outputs"
 PROSE = DOCS / "faults"
@@ -72,8 +75,6 @@ RUN_TIMEOUT_S = 600
 #: examples train for about a second); a fault's prose may say otherwise
 #: (``stop_without_after_s``).
 STOP_WITHOUT_AFTER_S = 90
-#: Set by a launcher or a cluster: each run picks its own rendezvous.
-LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
 #: An example joins the catalogue with this line in its docstring: ``<command>  # healthy``;
 #: it offers the faults its docstring lists, one a line: ``    <fault>  <what it does>``.
 HEALTHY_MARK = "# healthy"
@@ -313,45 +314,10 @@ def _realign(lines: list[str]) -> list[str]:
     return out
 
 
-def _environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-
-
 def _rank_logs() -> list[Path]:
     """Composer's log files of the other ranks (rank 0 writes to the console)."""
     folder, _, pattern = RANK_LOGS.rpartition("/")
     return sorted(Path(folder).glob(pattern.replace("{rank}", "*")))
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (from ``/proc``; empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:  # ended meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
-
-
-def _kill_tree(pid: int) -> None:
-    """Kills ``pid``'s session and every process below it.
-
-    torchrun starts each rank in a session of its own, so killing the launcher's
-    session alone would leave the ranks running (and holding the output pipe).
-    """
-    for target in [*_descendants(pid), pid]:
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(target, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 def execute(run: Run, timeout_s: float) -> tuple[str, str]:
@@ -359,24 +325,13 @@ def execute(run: Run, timeout_s: float) -> tuple[str, str]:
     started = time.monotonic()
     for path in _rank_logs():
         path.unlink()  # the launcher appends to these
-    proc = subprocess.Popen(
-        shlex.split(run.command),
-        cwd=ROOT,
-        env=_environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-        ended = f"exit code {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        _kill_tree(proc.pid)
-        output, _ = proc.communicate()
+    # A run's tree is killed at the timeout, and also on Ctrl-C or SIGTERM (:func:`finish`).
+    [done] = finish([start(shlex.split(run.command), env=job_env(), cwd=ROOT)], timeout_s)
+    output = done.stdout
+    if done.timed_out:
         ended = f"still running after {timeout_s:g} s: stopped by the docs generator"
-    finally:  # also on Ctrl-C or SIGTERM: the run is in a session of its own
-        _kill_tree(proc.pid)  # whatever is left of any rank
+    else:
+        ended = f"exit code {done.returncode}"
     log.info("%s: %s (%.0f s)", run.name, ended, time.monotonic() - started)
     for path in _rank_logs():
         output += f"\n$ cat {path}\n{path.read_text(encoding='utf-8', errors='replace')}"

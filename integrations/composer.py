@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from rankguard.callbacks.checkpoint_plan import register_sharded_setting
 from rankguard.callbacks.events import Event as CoreEvent
 from rankguard.callbacks.events import EventFacts, LoaderFacts
 from rankguard.callbacks.guard import Guard, GuardRunner
@@ -173,6 +174,7 @@ def trainer_load_path() -> str | None:
 
 #: Composer's setting for sharded checkpoints (FSDP), named in rankguard's messages.
 SHARDED_SETTING = "parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}"
+register_sharded_setting("Composer", SHARDED_SETTING)
 
 
 def sharded_switch(state: State) -> Callable[[], str] | None:

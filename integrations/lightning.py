@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from rankguard.callbacks.checkpoint_plan import register_sharded_setting
 from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.guard import Guard, GuardRunner
 from rankguard.integrations._common import bundle_init, guard_init
@@ -92,6 +93,7 @@ LIGHTNING_DEFAULTS = {"checkpoint_planner": {"writer": "buffer"}}
 #: Lightning's settings for sharded checkpoints, named in rankguard's messages.
 FSDP_SHARDED_SETTING = "FSDPStrategy(state_dict_type='sharded')"
 MODEL_PARALLEL_SHARDED_SETTING = "ModelParallelStrategy(save_distributed_checkpoint=True)"
+register_sharded_setting("Lightning", FSDP_SHARDED_SETTING)
 
 
 def checkpoint_format(strategy: Any) -> tuple[str, Callable[[], str] | None, str]:

@@ -4,18 +4,15 @@
 process group through a file store (no ports), runs ``fn(rank, world_size,
 *args)`` and returns each rank's outcome. ``run_job(cmd, ...)`` runs a
 launcher command (``composer -n 2``, a Lightning ``ddp`` script) in its own
-session. Every run has a hard timeout after which the remaining processes are
-killed.
+session (through ``benchmarks/launch.py``). Every run has a hard timeout after
+which the remaining processes are killed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import signal
-import subprocess
 import tempfile
 import time
 import traceback
@@ -26,9 +23,9 @@ from typing import Any
 
 import pytest
 
+from benchmarks.launch import finish, job_env, start
+
 ROOT = Path(__file__).resolve().parents[1]
-#: Set by a launcher or a cluster: a launched job must pick its own rendezvous.
-LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
 
 
 @dataclass
@@ -143,11 +140,6 @@ class Job:
     ended_at: float  # Unix time the launched process ended
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
 def run_job(
     cmd: list[str],
     *,
@@ -155,35 +147,20 @@ def run_job(
     cwd: Path | None = None,
     after_exit: Callable[[], None] | None = None,
 ) -> Job:
-    """Runs a launcher command whose ranks all join its session; fails the test on timeout.
+    """Runs a launcher command in a session of its own; fails the test on timeout.
 
     Args:
-        cmd: The command (its ranks inherit the session, so one kill ends them all).
-        timeout_s: Hard limit for the command; then the session is killed.
+        cmd: The command.
+        timeout_s: Hard limit for the command; then it and every process below
+            it are killed (``benchmarks/launch.py::finish``).
         cwd: Working directory (default: this process's).
         after_exit: Called once the command ended, before what is left of the
             session is killed (e.g. to wait for a rank that outlives rank 0).
     """
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
-    env.update(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")  # no hub
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-        ended_at = time.time()
-        if after_exit is not None:
-            after_exit()
-    except subprocess.TimeoutExpired:
-        _kill_session(proc)
-        output, _ = proc.communicate()
-        pytest.fail(f"{Path(cmd[0]).name} did not end within {timeout_s} s:\n{output[-6000:]}")
-    finally:
-        _kill_session(proc)  # whatever is left of any rank
-    return Job(proc.returncode, output, ended_at)
+    # HF_HUB_OFFLINE: no hub
+    env = job_env(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    [ended] = finish([start(cmd, env=env, cwd=cwd)], timeout_s, after_exit)
+    if ended.timed_out:
+        name = Path(cmd[0]).name
+        pytest.fail(f"{name} did not end within {timeout_s} s:\n{ended.stdout[-6000:]}")
+    return Job(ended.returncode, ended.stdout, ended.ended_at)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 
 import pytest
 import torch
 
-from rankguard.callbacks.checkpoint_plan import RankMemory, plan_save
+from rankguard.callbacks import checkpoint_plan
+from rankguard.callbacks.checkpoint_plan import RankMemory, plan_save, register_sharded_setting
 from rankguard.callbacks.checkpoint_planner import CheckpointPlanner
 from rankguard.callbacks.errors import CheckpointMemoryError
 from rankguard.callbacks.events import EventFacts
@@ -162,6 +164,9 @@ def test_auto_raises_naming_the_setting_when_the_job_cannot_switch():
         r: RankMemory(f"host{r}", 0, 8 * GiB, False, 9 * GiB, "MemAvailable", 2 * GiB)
         for r in range(2)
     }
+    # Without the job's own setting, the fix names every registered framework's.
+    for adapter in ("composer", "lightning"):  # each registers its framework's setting
+        importlib.import_module(f"rankguard.integrations.{adapter}")
     plan = plan_save(unsharded, overhead=1.0, mode="auto")
     assert plan.action == "raise"
     # once sharded, each node would gather and buffer its 4 GiB shard: 8 GiB
@@ -173,6 +178,16 @@ def test_auto_raises_naming_the_setting_when_the_job_cannot_switch():
     assert "Lightning: `FSDPStrategy(state_dict_type='sharded')`" in plan.reason
     # 8 GiB through a buffer plus the largest tensor copied to the host: 10 GiB
     assert "needs 10.0 GiB" in plan.reason and "+ largest tensor 2.0 GiB" in plan.reason
+
+
+def test_without_a_setting_the_fix_names_the_registered_frameworks_or_none(monkeypatch):
+    monkeypatch.setattr(checkpoint_plan, "SHARDED_SETTINGS", {})
+    plan = _four_ranks(6 * GiB, mode="raise")
+    assert f"shard ({checkpoint_plan.ANY_SHARDED_SETTING}; this needs" in plan.reason
+    register_sharded_setting("Zeta", "zeta(sharded=True)")
+    register_sharded_setting("Alpha", "alpha.shard()")
+    plan = _four_ranks(6 * GiB, mode="raise")
+    assert "(Alpha: `alpha.shard()`; Zeta: `zeta(sharded=True)`; this needs" in plan.reason
 
 
 def test_node_with_no_memory_left_is_the_one_named():

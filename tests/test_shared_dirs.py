@@ -22,15 +22,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.launch import launch_nodes
-from rankguard.callbacks.dir_probe import (
-    MARKER_PREFIX,
-    NodeId,
-    PathState,
-    filesystem_type,
-    node_identity,
-)
+from rankguard.callbacks.dir_probe import MARKER_PREFIX, PathState, filesystem_type
 from rankguard.callbacks.errors import SharedDirCreateError
 from rankguard.callbacks.events import EventFacts
+from rankguard.callbacks.nodes import NodeId, node_identity
 from rankguard.callbacks.shared_dirs import SharedDirBarrier, ensure_shared_dirs
 from rankguard.callbacks.shared_dirs_plan import BarrierPlanner
 from rankguard.callbacks.side_channel import SideChannel
@@ -263,6 +258,8 @@ def test_node_identity_uses_node_rank_then_group_rank():
     assert node_identity({"NODE_RANK": "1", "LOCAL_RANK": "3"}).key.endswith("/node1")
     assert node_identity({"GROUP_RANK": "2"}).node_rank == "2"
     assert node_identity({}).node_rank is None and node_identity({}).local_rank is None
+    empty = node_identity({"NODE_RANK": "", "GROUP_RANK": "2", "LOCAL_RANK": ""})
+    assert (empty.node_rank, empty.local_rank) == ("2", None)  # empty counts as unset
 
 
 #: Short enough that a folder nobody creates fails fast instead of after 600 s.
