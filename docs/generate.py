@@ -751,10 +751,9 @@ def render_guard(name: str, cls: type, framework_defaults: dict) -> list[str]:
         "for a framework-free loop.",
         "",
     ]
-    how = parse_docstring(inspect.getdoc(module) or "").prose
-    for text in (how, doc.prose):
+    for text in (explained(module), rst_text(doc.prose)):
         if text:
-            out += [rst_text(text), ""]
+            out += [text, ""]
     out += ["| setting | default | type | what it does |", "|---|---|---|---|"]
     for p in params:
         annotation = str(p.annotation).replace("|", "or")
@@ -792,6 +791,49 @@ def render_guard(name: str, cls: type, framework_defaults: dict) -> list[str]:
             else:
                 out += ["", f"{section}:", "", rst_text(textwrap_dedent(body))]
     return [*out, ""]
+
+
+#: A module docstring's pointer to the docs page section that explains the module.
+_POINTER = re.compile(r"^See docs/([\w.-]+\.md)#([\w-]+)\.$", re.M)
+
+
+def page_section(page: str, fragment: str) -> str:
+    """The body of the section of ``docs/<page>`` whose heading's anchor is ``fragment``.
+
+    Up to the next heading of its level or above; its links within the page are made
+    links to the page, so the text reads the same quoted in another page of ``docs/``.
+    """
+    lines = (DOCS / page).read_text(encoding="utf-8").splitlines()
+    fenced = False
+    body: list[str] | None = None
+    level = 0
+    for line in lines:
+        fenced ^= line.startswith("```")
+        heading = None if fenced else re.match(r"^(#+) (.*)$", line)
+        if heading and body is not None and len(heading.group(1)) <= level:
+            break
+        if body is not None:
+            body.append(line)
+        elif heading and anchor(heading.group(2)) == fragment:
+            body, level = [], len(heading.group(1))
+    if body is None:
+        raise ValueError(f"docs/{page} has no heading #{fragment}")
+    return "\n".join(body).strip().replace("](#", f"]({page}#")
+
+
+def explained(module: object) -> str:
+    """How ``module`` works, as markdown: the docs page section its docstring points to.
+
+    A module docstring of a few lines ends with ``See docs/<page>.md#<anchor>.``; the
+    reference quotes that section. A docstring without a pointer gives its own prose.
+    """
+    import inspect
+
+    doc = inspect.getdoc(module) or ""
+    pointer = _POINTER.search(doc)
+    if pointer:
+        return page_section(*pointer.groups())
+    return rst_text(parse_docstring(doc).prose)
 
 
 def textwrap_dedent(text: str) -> str:
@@ -867,8 +909,7 @@ def render_reference() -> str:
     framework_defaults = defaults
     for name, cls in GUARDS.items():
         out += render_guard(name, cls, framework_defaults)
-    event_doc = inspect.getdoc(events) or ""
-    out += ["## Events", "", rst_text(event_doc.split("\n", 1)[1].strip()), ""]
+    out += ["## Events", "", explained(events), ""]
     report_doc = inspect.getdoc(hang_report) or ""
     out += ["## Hang report files", "", rst_text(report_doc.split("\n", 1)[1].strip()), ""]
     out += ["## Errors", "", rst_text(inspect.getdoc(errors).split("\n", 1)[1].strip()), ""]
