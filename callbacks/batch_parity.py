@@ -1,37 +1,8 @@
 """BatchParityGuard: every rank runs the same number of batches of every loader.
 
-Ranks that run different numbers of eval batches leave one rank in an eval
-collective while another goes back to training: on NCCL the job hangs after
-its first evaluation with no error; on gloo the extra collectives pair with
-the wrong partner and the metrics are silently wrong.
-
-The guard compares batch counts across ranks:
-
-* at FIT_START, for the train loader and every eval loader known then;
-* at EPOCH_START, for the train loader (from the second epoch on);
-* at EVAL_START, for that eval loader, before its first batch;
-* at EVAL_END, the number of batches that actually ran, against the other
-  ranks and against what the loader's ``__len__`` promised. This catches
-  loaders whose ``__len__`` lies and loaders without one (iterable,
-  streaming), including under frameworks that stop every rank as soon as one
-  runs out of data (Composer), which turns uneven data into silently skipped
-  samples. A rank still stuck in eval is named once ``eval_end_timeout_s``
-  passes, instead of hanging;
-* at EPOCH_END, the train batches each rank ran in the epoch.
-
-Data left behind (:mod:`~rankguard.callbacks.loader_passes`): where a
-loader's batches can be counted without reading data (map-style
-``DataLoader``), the count is compared at fit start (or the first eval start)
-with what the framework plans from ``__len__``, so a rank that would run out
-early or leave batches unrun is named before the first batch. After a pass,
-where the adapter saw the loader's iterator (``facts.loader_pass``), a rank
-that still had data when another ran out is named with what it left.
-
-Metrics: none. Errors: :class:`BatchCountMismatchError`.
-
-Example::
-
-    guard = BatchParityGuard(on_violation="raise", eval_end_timeout_s=120)
+Holds :class:`BatchParityGuard`, the guard, and its pure decisions
+(:func:`count_mismatches`, :func:`pass_verdict`, :func:`planned_verdict`).
+See docs/data.md#how-batchparityguard-works.
 """
 
 from __future__ import annotations

@@ -1,42 +1,7 @@
 """CheckpointPlanner: say before the first save whether a full checkpoint fits in host RAM.
 
-A full (consolidated) checkpoint gathers the whole model and optimizer state
-into host memory on the ranks that write it; at 64 nodes of OLMo that was
-more than the node had, and the OOM killer ended the job at its first save
-with no warning. Before the first save the planner estimates, per node:
-
-    needed = state bytes x (consolidated copy + serialisation overhead) x ranks that materialise it
-
-* state bytes: parameters, buffers and optimizer state, by dtype
-  (:func:`~rankguard.callbacks.state_size.estimate_state_size`);
-* consolidated copy: 1 for a sharded model (FSDP gathers the full state
-  dict into host memory, ``offload_to_cpu``), 0 for an unsharded one
-  (``torch.save`` copies a GPU tensor to the host one storage at a time, so
-  the largest tensor is added instead, and a CPU model's ``state_dict()``
-  aliases its tensors);
-* serialisation overhead (:data:`WRITER_OVERHEAD`, measured by
-  ``benchmarks/checkpoint_memory.py``): ``torch.save`` to a file adds almost
-  nothing (it writes each storage from its own memory); saving to an
-  ``io.BytesIO`` first, as Lightning's ``_atomic_save`` does, adds one more
-  copy of the state;
-* ranks: only global rank 0 (``materialize="rank0"``, FSDP's ``rank0_only``
-  full state dict, Composer's default) or every local rank
-  (``materialize="every_rank"``).
-
-It compares that with the host memory available to the process
-(:mod:`~rankguard.callbacks.host_memory`, or ``host_memory_bytes``) and with a
-sharded save (each rank gathers and writes its ``1 / world_size`` of the
-state, with the same serialisation overhead, as it would once sharded), then logs a
-per-node table. Modes: ``"warn"`` logs a warning, ``"raise"`` raises
-:class:`CheckpointMemoryError`, ``"auto"`` switches the job to sharded saves
-when a sharded save fits and the job can save sharded (a sharded model whose
-framework setting the adapter can change: Composer's FSDP
-``state_dict_type``, Lightning's ``FSDPStrategy`` or ``ModelParallelStrategy``),
-through the adapter's ``facts.switch_to_sharded``, and raises naming the
-setting otherwise. The decision is :attr:`CheckpointPlanner.plan`.
-
-Metrics: ``rankguard/checkpoint_needed_bytes``, ``rankguard/checkpoint_available_bytes``
-(the node of this rank). Errors: :class:`CheckpointMemoryError`.
+Holds :class:`CheckpointPlanner`, the guard; the plan itself is in ``checkpoint_plan``.
+See docs/checkpoint.md#how-checkpointplanner-works.
 """
 
 from __future__ import annotations

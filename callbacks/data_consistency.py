@@ -1,33 +1,7 @@
 """DataConsistencyGuard: every rank sees the same dataset, split and sampler seed.
 
-A split or shuffle done without a shared seed (``train_test_split(test_size=500)``
-without ``seed``: torch's seed does not seed numpy or python ``random``) gives
-each rank a different dataset. The ``DistributedSampler`` then hands out
-shares of different datasets: some samples are trained on twice, others
-never, and lengths that differ make ranks run different numbers of steps,
-which ends hours later in a collective timeout (often at checkpoint save).
-
-At FIT_START (every loader) and EVAL_START (that loader) each rank
-fingerprints its dataset cheaply (:mod:`rankguard.callbacks.fingerprint`:
-length, a hash of ``sample_items`` evenly spaced items, sampler settings,
-StreamingDataset configuration, Hugging Face ``_fingerprint``) and all ranks
-compare them in one side-channel exchange. Rank 0 compares whole-fingerprint
-digests first and describes only the parts that differ, so every rank gets
-the same compact verdict and raises together. Length and content are
-compared (by default) only for loaders that split the dataset with a
-distributed sampler, which assumes every rank holds the same dataset; ranks
-without one may be loading their own shard on purpose (``check_content``).
-
-At FIT_START it also compares the state of python ``random``, numpy's global
-generator and torch's seed. Per-rank seeding (``seed + rank``) is legitimate,
-so it warns (once) only when some generators agree across ranks and others
-do not, the mark of code that seeded torch but not numpy or ``random``.
-
-Metrics: none. Errors: :class:`DataInconsistencyError`.
-
-Example::
-
-    guard = DataConsistencyGuard(on_violation="raise", sample_items=16)
+Holds :class:`DataConsistencyGuard`, the guard; the fingerprints are in ``fingerprint``.
+See docs/data.md#how-dataconsistencyguard-works.
 """
 
 from __future__ import annotations

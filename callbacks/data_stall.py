@@ -1,54 +1,8 @@
 """DataStallMonitor: how long each rank waits for its next batch, and who is starved.
 
-When data loading cannot keep up (remote storage, too few workers) the GPUs
-idle, the slowest rank sets everyone's pace, and at worst a loader thread
-gives up (``generator thread data thread 3 failed``) at a random step.
-Nobody sees it coming without per-rank data-wait times.
-
-Per step the monitor takes two timestamps and adds two numbers:
-
-* data wait: DATA_FETCH_START to DATA_FETCH_END (Composer's
-  ``BEFORE_DATALOADER``/``AFTER_DATALOADER``; Lightning only exposes the gap
-  from one train batch's end to the next one's start, mapped to the same
-  events, so it also counts per-batch callback and logging time);
-* step time: one TRAIN_BATCH_START to the next.
-
-When DATA_FETCH_START comes with the train loader (Composer's adapter passes
-it), the window also holds a collective: Composer runs an ``all_reduce`` over
-every rank after ``next()``, in which a rank with its batch ready waits for
-the slowest rank's fetch, so every rank's window looks starved. A step whose
-window looks slow is then not measured, and the next fetches are timed to
-the moment the DataLoader's iterator returns the batch
-(:class:`~rankguard.callbacks.data_fetch.LoaderReturnClock`, a profile hook
-live during ``next()``) for as long as they stay slow; a stall is counted
-from the first such fetch. A healthy run never arms the hook; a starved rank
-pays it, 0.2-0.5 ms per ``next()`` of a batch of 32 in
-``benchmarks/data_stall_overhead.py``.
-
-A step is *slow* when its wait exceeds ``threshold`` of its step time. Each
-rank counts its consecutive slow steps. Every ``interval`` train batches all
-ranks exchange their totals once through the side channel (never per step), on
-a background thread: the verdict is acted on at the next train batch's start,
-on every rank together, so the loop does not spend its CPU on the exchange:
-a rank whose longest run of slow steps since the last exchange reached
-``window`` is stalled, and every rank reports it together. A run continues
-across exchanges, so ``window`` may exceed ``interval``; a stall is reported
-at most ``interval + 1`` batches after it reaches ``window`` slow steps, and again
-only after that rank recovered: an interval in which it waited at most
-``threshold`` of its step time. One fast step that breaks a run of a loader
-that stays slow is not a recovery, so a stall that goes on is reported once.
-Steps across EPOCH_START and EVAL_START are not measured (they hold
-evaluation and loader start-up, not data waits). A checkpoint save only makes
-its step longer, which lowers its wait fraction; it is not skipped, because
-Composer's checkpoint events fire after every batch whether or not anything
-is saved.
-
-Metrics: the table in :class:`DataStallMonitor`. Errors (with
-``on_violation="raise"``): :class:`DataStallError`.
-
-Example::
-
-    monitor = DataStallMonitor(threshold=0.5, window=10, interval=50)
+Holds :class:`DataStallMonitor`, the guard, and its cross-rank verdict
+(:func:`stall_verdict`).
+See docs/data.md#how-datastallmonitor-works.
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
 """DropLastGuard: loader and sampler settings agree across ranks.
 
-If ``drop_last``, the batch size or the sampler differ between ranks, ranks
-run different numbers of batches (a hang at epoch end on NCCL, collectives
-paired with the wrong partner on gloo) or shard the data differently.
-
-At FIT_START the guard compares, per loader, the DataLoader's ``drop_last``,
-``batch_size`` and sampler type and the ``DistributedSampler``'s
-``drop_last``, ``shuffle``, ``seed`` and ``num_replicas`` across ranks, and
-logs how many samples each rank pads (repeats) or drops.
-
-Modes:
-
-* ``"check"`` (default): a cross-rank difference is a violation
-  (:class:`DropLastMismatchError`); an eval loader whose sampler pads, so
-  eval metrics count repeated samples, is a warning.
-* ``"enforce"``: as ``"check"``, and train loaders are given drop_last
-  semantics before their first batch (``DistributedSampler`` and the batch
-  sampler), so every rank runs the same number of full batches; a train
-  loader this cannot be done for is an error that says how to set it.
-
-Example::
-
-    guard = DropLastGuard(mode="enforce")
+Holds :class:`DropLastGuard`, the guard, and its cross-rank comparison.
+See docs/data.md#how-droplastguard-works.
 """
 
 from __future__ import annotations
@@ -87,7 +67,7 @@ class DropLastGuard(Guard):
     """Checks (or enforces) consistent drop_last and sampler settings across ranks.
 
     Args:
-        mode: ``"check"`` (default) or ``"enforce"`` (see the module docstring).
+        mode: ``"check"`` (default) or ``"enforce"`` (see docs/data.md#how-droplastguard-works).
         on_violation: ``"raise"`` (default) or ``"warn"`` for cross-rank differences.
         warn_eval_padding: Warn when an eval loader's sampler pads samples.
     """

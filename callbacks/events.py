@@ -1,69 +1,7 @@
 """rankguard's event vocabulary: the training loop as the core guards see it.
 
-Core guards never see a Trainer. Adapters translate framework events into
-these, with the plain facts each one needs::
-
-    CHECKPOINT_LOAD_START(load_path)             # resuming: before the checkpoint is read
-    FIT_START(loaders=[train, eval...], model)   # facts known before any batch
-    for epoch in epochs:
-        EPOCH_START(loader=train)
-        for batch in train loader:
-            DATA_FETCH_START
-            batch = next(iterator)
-            DATA_FETCH_END
-            TRAIN_BATCH_START(step)
-            forward, backward, optimizer step
-            TRAIN_BATCH_END(step)
-            if eval due:
-                for loader in eval loaders:
-                    EVAL_START(loader)                 # before its first batch
-                    for batch in loader:
-                        EVAL_BATCH_START(loader, batch_index)
-                        forward, metric update
-                        EVAL_BATCH_END(loader, batch_index)
-                    EVAL_END(loader)                   # what actually ran
-            if checkpoint due:
-                CHECKPOINT_SAVE_START(directories)
-                save
-                CHECKPOINT_SAVE_END
-        EPOCH_END(loader=train, loader_pass)       # the train loader ran out (or was cut)
-    FIT_END
-
-``EVAL_END`` and ``EPOCH_END`` carry ``loader_pass`` where the adapter saw the
-loader's iterator: how many batches it returned and whether it ran out.
-
-Where each event comes from:
-
-======================  ===========================  ==============================
-core event              Composer ``Event``           Lightning hook
-======================  ===========================  ==============================
-CHECKPOINT_LOAD_START   ``BEFORE_LOAD`` (with the    ``Strategy.load_checkpoint``
-                        Trainer's ``load_path``)     (wrapped; every rank, before reading)
-FIT_START               ``FIT_START``                ``on_train_start``
-EPOCH_START             ``EPOCH_START``              ``on_train_epoch_start``
-DATA_FETCH_START        ``BEFORE_DATALOADER``        (end of previous batch)
-DATA_FETCH_END          ``AFTER_DATALOADER``         ``on_train_batch_start``
-TRAIN_BATCH_START       ``BATCH_START``              ``on_train_batch_start``
-TRAIN_BATCH_END         ``BATCH_END``                ``on_train_batch_end``
-EVAL_START              ``EVAL_START``               ``on_validation_start`` (per loader,
-                                                     then on loader change)
-EVAL_BATCH_START        ``EVAL_BATCH_START``         ``on_validation_batch_start``
-EVAL_BATCH_END          ``EVAL_BATCH_END``           ``on_validation_batch_end``
-EVAL_END                ``EVAL_END``                 ``on_validation_end`` (per loader)
-CHECKPOINT_SAVE_START   ``BATCH_CHECKPOINT`` /       ``Trainer.save_checkpoint`` (wrapped:
-                        ``EPOCH_CHECKPOINT``         every save, ``save_weights_only`` too)
-CHECKPOINT_SAVE_END     (next event)                 ``Trainer.save_checkpoint`` returns
-EPOCH_END               ``EPOCH_END``                ``on_train_epoch_end``
-FIT_END                 ``FIT_END``                  ``on_fit_end``
-======================  ===========================  ==============================
-
-The Hugging Face Trainer's hooks are mapped in
-:mod:`rankguard.integrations.transformers`, OLMo-core's in
-:mod:`rankguard.integrations.olmo_core`; a hand-written loop's wrappers
-(``guard.load``, ``guard.fit``, ``run.train``, ``run.eval``,
-``run.checkpoint``) in :mod:`rankguard.integrations.torch`. They announce less than a framework (a
-train batch ends when the next fetch, eval or save starts), and
-``integrations/_driver.py`` fills that in, in this order.
+Holds :class:`Event`, the events, and :class:`EventFacts`, what each one carries.
+See docs/design.md#events-the-training-loop-as-the-guards-see-it.
 """
 
 from __future__ import annotations
@@ -77,7 +15,11 @@ __all__ = ["Event", "EventFacts", "LoaderFacts", "LoaderPass"]
 
 
 class Event(str, Enum):
-    """One point of the training loop (see the module docstring for where)."""
+    """One point of the training loop.
+
+    Where each comes from, per framework:
+    docs/design.md#events-the-training-loop-as-the-guards-see-it.
+    """
 
     CHECKPOINT_LOAD_START = "checkpoint_load_start"
     FIT_START = "fit_start"

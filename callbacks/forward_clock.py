@@ -1,54 +1,8 @@
 """Time a rank spends in its model's forward pass, with no collective inside the measure.
 
-:class:`ForwardClock` registers a forward pre-hook and a forward hook (public
-``torch.nn.Module`` APIs, so it works under every trainer) on a few modules of
-the model and adds up the wall time spent inside any of them; nested calls
-count once. Which modules (:func:`hook_targets`) decides what the measure
-holds, because a forward pass can contain collectives in which a fast rank
-waits for a slow one:
-
-* ``DistributedDataParallel`` broadcasts the module's buffers from rank 0 at
-  the start of its ``forward`` (when the module has buffers): the clock hooks
-  the module DDP wraps, below that broadcast.
-* FSDP (``FullyShardedDataParallel``) all-gathers a unit's parameters in the
-  wrapper's ``forward`` before calling the module it wraps; FSDP2
-  (``fully_shard``) does it in a forward pre-hook it registers first (with
-  ``prepend=True``). A unit's forward therefore holds the all-gathers of
-  every unit inside it, and a fast rank waits there for the slowest. The
-  clock hooks the largest modules that hold no sharding unit: the module an
-  FSDP wrapper wraps, or an FSDP2 unit with no unit below it (its own
-  all-gather has finished when the clock's pre-hook runs), and the modules
-  next to units (embeddings, heads). What a unit computes itself outside
-  those modules (a residual add) is not counted.
-* With no sharding unit it hooks the model and its direct children: the
-  Lightning loop calls ``training_step``, which usually calls submodules
-  rather than the module's own ``forward``. Once the loop has run
-  (:meth:`ForwardClock.keep_entered`, after the straggler monitor's warm-up),
-  only the modules it called from outside every hooked one keep their hooks.
-
-What it does not hold: the backward pass (DDP's gradient all-reduce and
-FSDP's reduce-scatters run inside it, so it cannot be timed as a rank's own
-work without the waits) and the optimizer step. For one model and batch shape
-the backward's compute is proportional to the forward's, so a rank whose
-device or host is slower shows it in the forward too.
-
-Per batch (:meth:`ForwardClock.end_batch`, :meth:`ForwardClock.ready`): on
-CPU the clock reads ``time.perf_counter()``, the compute itself. When the
-model's parameters are on a CUDA device a forward pass only queues kernels,
-so there each hooked forward is timed on the device by an :class:`EventTimer`:
-CUDA events recorded on the device's current stream by the same hooks, kept
-pending and read only once ``query()`` says both have completed; the training
-thread never waits for the device. :attr:`ForwardClock.total_s` stays the
-host's time (the rest of the batch is measured on the host).
-
-Inside a region ``torch.compile`` traces (a model compiled in place), the
-hooks do nothing, so they never break a graph; a model whose hooked modules
-all run compiled is then not measured (:attr:`ForwardClock.total_s` stays 0).
-
-Cost: two hook calls per hooked module call plus PyTorch's slower call path
-for a module with hooks (``benchmarks/overhead.py`` prints both, in real
-fits); on CUDA two event records more, from a pool of reused events
-(``benchmarks/straggler_device.py`` prints it).
+Holds :class:`ForwardClock` (host time of the forward pass, hooks on
+:func:`hook_targets`) and :class:`EventTimer` (device time on CUDA).
+See docs/straggler.md#the-forward-clock-what-it-hooks-and-why.
 """
 
 from __future__ import annotations
@@ -84,7 +38,9 @@ def _unwrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def hook_targets(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules whose forward the clock times (see the module docstring).
+    """The modules whose forward the clock times.
+
+    Which and why: docs/straggler.md#the-forward-clock-what-it-hooks-and-why.
 
     Args:
         model: The model as the trainer holds it (possibly wrapped by DDP or FSDP).

@@ -1,40 +1,8 @@
 """Calibrated hang deadlines: each phase's deadline from the intervals this rank has seen.
 
-Pure rules and a small interval record; nothing here touches a thread, a
-file or a process group. :class:`~rankguard.callbacks.hang_watchdog.HangWatchdog`
-records every interval between two heartbeats under the kind of phase it
-was spent in (after ``warmup_steps`` train steps), and recomputes the
-deadlines at each status exchange. ``docs/hang.md`` explains the numbers.
-
-A phase's deadline is the largest of:
-
-- the floor (``floor_s``, 30 s by default);
-- ``factor`` (10) x the 99th percentile of its last :data:`WINDOW` intervals;
-- :data:`HEADROOM` (2) x its longest interval so far (a healthy rarity seen
-  once, such as a slow first eval, never raises a report when it recurs);
-- while it has fewer than :data:`MIN_SAMPLES` intervals, its derived deadline:
-
-  ==============  =====================================================
-  phase           derived from
-  ==============  =====================================================
-  train           nothing: the ceiling until 8 intervals are seen
-  data fetch      30 x the train p99 (:data:`UNSEEN_FACTOR` x ``factor``)
-  eval            30 x the train p99
-  after eval      30 x (train p99 + eval p99): one train step plus the
-                  eval-end work, with room for eval-end callbacks
-  checkpoint      the model's size: :data:`SAVE_BYTES_PER_PARAM` bytes per
-                  parameter written at :data:`SAVE_BYTES_PER_S`
-  ==============  =====================================================
-
-and never above the phase's ceiling (the configured or NCCL-fitted deadline).
-
-Example::
-
-    history = IntervalHistory()
-    for seconds in (0.05,) * 40:
-        history.record("train", seconds)
-    calibrate(history, {"train": 600.0, ...}, factor=10, floor_s=30)["train"]
-    # Deadline(seconds=30.0, source='floor')
+Pure rules and a small interval record (no thread, file or process group):
+:class:`IntervalHistory`, :func:`calibrate`, :class:`Deadline`.
+See docs/hang.md#how-the-deadlines-are-calibrated.
 """
 
 from __future__ import annotations
@@ -188,7 +156,9 @@ def calibrate(
     floor_s: float,
     save_estimate: float | None = None,
 ) -> dict[str, Deadline]:
-    """Each calibrated kind's deadline from the intervals seen (see the module docstring).
+    """Each calibrated kind's deadline from the intervals seen.
+
+    The rules: docs/hang.md#how-the-deadlines-are-calibrated.
 
     Args:
         history: The intervals seen.
@@ -200,6 +170,14 @@ def calibrate(
 
     Returns:
         A :class:`Deadline` per kind of :data:`CALIBRATED_KINDS`.
+
+    Example::
+
+        history = IntervalHistory()
+        for seconds in (0.05,) * 40:
+            history.record("train", seconds)
+        calibrate(history, {"train": 600.0, ...}, factor=10, floor_s=30)["train"]
+        # Deadline(seconds=30.0, source='floor')
     """
     recent = history.snapshot()
     peaks = history.peaks

@@ -1,27 +1,8 @@
 """HangWatchdog: names the rank that stopped, where, with its stack, within a minute by default.
 
-The main thread only records heartbeats (a tuple assignment, two deque
-appends and a comparison per event, no lock, no I/O). A daemon thread per
-rank exchanges each rank's status on the side channel every
-``exchange_period_s``; rank 0 applies
-:func:`~rankguard.callbacks.hang_diagnosis.diagnose`, and every rank gets the
-same verdict. A rank blocked in a C++ collective releases the GIL, so its
-thread keeps answering: it is named by phase. With its status the thread
-sends where the training loop is blocked, read from that thread's Python
-frames (by the watchdog thread, never on the main thread): a rank blocked in
-``torch.distributed`` waits for a peer, which tells it apart from the rank
-it waits for even when both sent their last heartbeat at the same point. A
-rank whose process is frozen or dead stops answering: it is named as such.
-
-Two stages per incident: past a phase's calibrated deadline (see
-:mod:`rankguard.callbacks.hang_calibration`) every rank reports and training
-goes on; past the phase's ceiling (the configured deadline, fitted under
-NCCL's timeout) every rank aborts. While its thread runs the watchdog owns
-ranks missing from any rankguard exchange
-(:func:`~rankguard.callbacks.side_channel.own_missing_ranks`): a check that
-gives up waiting ends the incident with the watchdog's diagnosis. See
-:mod:`rankguard.callbacks.hang_report` for the files written and
-``docs/hang.md`` for the numbers.
+Holds :class:`HangWatchdog`, the guard; its decisions are in ``hang_diagnosis``,
+``hang_calibration`` and ``hang_deadlock``.
+See docs/hang.md#how-hangwatchdog-works.
 """
 
 from __future__ import annotations

@@ -1,40 +1,8 @@
 """SharedDirBarrier: every rank sees every checkpoint directory before anyone writes.
 
-OLMo's rank 0 created ``checkpoint_dir/model``, ``optim`` and ``train``
-while the other ranks polled for them with a fixed 10 s timeout and died
-(``Waiting for checkpoint model directory timed out``) whenever NFS or
-Lustre showed the directory late, rank 0 was late, or the nodes did not
-share the filesystem at all. :func:`ensure_shared_dirs` does instead:
-
-1. **look**: every rank resolves each path against its own cwd and reports
-   whether it is there, missing, or blocked by a file in the way (an error
-   on every rank at once). If every rank already sees every path, done,
-   unless asked to probe existing paths in a multi-node job (fit start):
-   a folder every node has may still be each node's own.
-2. **probe**: rank 0 writes a marker with a fresh nonce in each path to
-   probe (or, if missing, its nearest existing ancestor); every rank says
-   (through the side channel) whether it sees that nonce at the same place,
-   within ``probe_wait_s``. A node on which some rank sees it shares the
-   filesystem with rank 0; other nodes are node-local. Markers are removed.
-3. **create**: global rank 0 creates a shared path; the lowest local rank
-   of each node-local node creates its own copy (``exist_ok``, so a shared
-   filesystem that was slow to show the marker is harmless). Ranks may name
-   folders of their own (``ckpt/rank{r}``, a per-rank ``output_dir``): ranks
-   that see the marker and name the same path below it name one folder, and
-   each folder is created by the lowest rank that names it. A creation
-   failure on any rank is reported to every rank, not waited out.
-4. **wait and release**: every rank polls, with backoff, until it sees
-   every path or ``timeout_s`` passes; then every rank is released together
-   by one exchange. A rank that never saw a path is named, with its host,
-   the time it waited, the filesystem type and the fix.
-
-Nothing it did not create is ever deleted or overwritten. Node identity: see
-:mod:`~rankguard.callbacks.nodes`.
-
-Metrics: ``rankguard/shared_dir_wait_s`` (slowest rank's wait).
-Errors: :class:`SharedDirTimeoutError`, :class:`SharedDirCreateError`,
-:class:`NodeLocalDirError` (a node-local save folder, with
-``on_node_local="raise"``; a resume checkpoint some node does not see).
+Holds :class:`SharedDirBarrier`, the guard, and :func:`ensure_shared_dirs`, the
+barrier it runs; its pure decisions are in ``shared_dirs_plan``.
+See docs/checkpoint.md#how-shareddirbarrier-works.
 """
 
 from __future__ import annotations

@@ -1,44 +1,7 @@
 """The side channel: every cross-rank exchange rankguard makes goes through here.
 
-rankguard never issues a collective on the training process group, so it can
-never be the thing that hangs and never pairs with one of the job's own
-collectives. Exchanges ride on the job's rendezvous key-value store (the
-``TCPStore`` that ``torch.distributed`` already runs on rank 0 for every
-launcher) under their own key prefix:
-
-1. every rank writes its payload under ``<prefix>/<name>/<seq>/r<rank>``;
-2. the deciding rank (rank 0) waits for all payloads, bounded by
-   ``timeout_s``, and applies a pure ``decide`` function to them;
-3. it publishes the verdict (or the list of ranks that did not arrive) under
-   ``.../verdict``; every rank reads it, so every rank reaches the same
-   decision and raises the same error together.
-
-Why the store and not a gloo group: a store exchange names exactly the ranks
-that did not arrive (their key is absent), a timeout leaves nothing
-half-paired behind (a timed-out gloo collective poisons its group), keys
-named by sequence let a background thread exchange concurrently with the
-main thread without any ordering contract, and non-deciding ranks send and
-receive a payload of constant size (the verdict), whatever the world size.
-
-Cost per exchange: every rank makes 5 store requests (set its payload, wait
-for and get the verdict, delete its payload, acknowledge) and sends its
-payload and receives the verdict, both independent of the world size; rank 0
-additionally one wait and one multi-get over ``world_size`` keys and one
-verdict set, and runs ``decide`` over ``world_size`` payloads.
-``docs/scale.md`` has the measured figures per check.
-
-Timeouts scale with the world size: the deciding rank waits ``timeout_s +
-world_size x PER_RANK_WAIT_S`` (:func:`scaled_timeout`), since its own share
-of an exchange (reading and deciding on every payload) and the store's
-(serving every rank's requests, one at a time) both grow linearly.
-
-At world size 1, or when ``torch.distributed`` is not initialised, the
-channel is local: ``decide`` is applied to this rank's payload alone.
-
-Ranks that never arrive have one owner per process (:func:`own_missing_ranks`):
-while the HangWatchdog runs, any exchange that gives up on missing ranks
-hands them to it first, so the user gets its diagnosis whichever check
-waited.
+Holds :class:`SideChannel`, :func:`scaled_timeout` and :func:`own_missing_ranks`.
+See docs/scale.md#the-side-channel-exchanges-on-the-store.
 """
 
 from __future__ import annotations

@@ -1,45 +1,8 @@
 """StragglerMonitor: names the rank or node whose compute makes every other rank wait.
 
-In synchronous training every collective waits for the last rank to reach
-it, so the job runs at the pace of its slowest rank; a GPU that throttles or
-a node with a noisy neighbour slows every step and nothing says which. The
-monitor times each rank's own work and compares ranks; ``docs/straggler.md``
-explains the measures and the scores.
-
-Per train batch, on each rank (no communication):
-
-* **forward**: time inside the model's forward pass, from forward hooks placed
-  below DDP's wrapper and FSDP's sharding units, so no collective is inside
-  (:mod:`~rankguard.callbacks.forward_clock`): the rank's own compute. On
-  CUDA it is the device's time (events recorded by the hooks, read at the
-  interval's post once completed; batches not completed yet join the next
-  interval), elsewhere the host's;
-* **rest**: the rest of the batch (TRAIN_BATCH_START to TRAIN_BATCH_END):
-  backward, optimizer step, and waiting at collectives for slower ranks;
-* **between**: from a batch's end to the next one's start: loading data
-  (``DataStallMonitor``'s business) and callbacks. Not measured across
-  evaluation, checkpoint saves and epoch starts.
-
-The first ``warmup_steps`` batches of a fit are not measured (compilation,
-allocator and autotuning warm-up). Every ``interval`` batches each rank posts
-the medians of its measured batches (one slow batch, a garbage-collection
-pause, does not move a median) to a side-channel exchange that runs on a
-background thread (:class:`~rankguard.callbacks.background_exchange.BackgroundExchange`),
-and collects the verdict ``interval // 2`` batches later (at least 1), by when
-it has arrived: the training loop never waits for other ranks on a healthy
-step. Rank 0 scores every rank and node
-(:func:`~rankguard.callbacks.straggler_score.straggler_verdict`); every rank
-gets the same verdict at the same batch and counts each rank's and node's
-consecutive slow intervals. One that stays slow for ``window`` intervals is
-reported once by every rank (again only after it recovered), with what it was
-slow at and what to check; with ``on_violation="raise"`` every rank raises
-:class:`~rankguard.callbacks.errors.StragglerError` at the same batch.
-
-A rank slow at loading data is not slow at compute: its forward takes as long
-as the others', and this monitor stays silent (``DataStallMonitor`` names it).
-Noise is judged on the gap: a score below ``threshold`` makes a rank slow only
-when its forward takes at least ``min_excess_s`` per batch longer than the
-reference's (:func:`~rankguard.callbacks.straggler_score.is_slow`).
+Holds :class:`StragglerMonitor`, the guard; the scores are in ``straggler_score``,
+the forward timing in ``forward_clock``.
+See docs/straggler.md#how-stragglermonitor-works.
 """
 
 from __future__ import annotations

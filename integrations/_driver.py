@@ -6,7 +6,8 @@ Hugging Face Trainer's callback hooks do not: a train batch's end is known only
 when the next fetch, eval or save starts, and the Trainer has no hook when it
 starts fetching. :class:`EventDriver` takes what the adapter knows, fills in the
 ends the loop cannot announce, and fires each core event with the step and
-epoch, in the order :mod:`rankguard.callbacks.events` documents:
+epoch, in the order
+docs/design.md#events-the-training-loop-as-the-guards-see-it documents:
 
 * a train batch ends (TRAIN_BATCH_END) at the next fetch, epoch start or end,
   eval start, save start or fit end, whichever comes first;

@@ -1,7 +1,7 @@
 """rankguard callbacks for MosaicML Composer.
 
-Translation only: Composer events become rankguard core events (see
-:mod:`rankguard.callbacks.events` for the table), and the facts the guards
+Translation only: Composer events become rankguard core events (the table:
+docs/design.md#events-the-training-loop-as-the-guards-see-it), and the facts the guards
 need (train loader, each evaluator's loader and planned batch count) are read
 from Composer's public ``State``.
 

@@ -1,7 +1,7 @@
 """rankguard callbacks for PyTorch Lightning.
 
-Translation only: Lightning hooks become rankguard core events (see
-:mod:`rankguard.callbacks.events` for the table), and the facts the guards
+Translation only: Lightning hooks become rankguard core events (the table:
+docs/design.md#events-the-training-loop-as-the-guards-see-it), and the facts the guards
 need (train loader, each val loader by name with Lightning's planned batch
 count) are read from the public ``Trainer`` properties.
 

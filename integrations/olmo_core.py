@@ -1,72 +1,9 @@
 """rankguard callbacks for the OLMo-core ``Trainer`` (``olmo_core.train``).
 
-Translation only: OLMo-core ``Callback`` hooks become rankguard core events
-(see :mod:`rankguard.callbacks.events` for the table), through the
-:class:`~rankguard.integrations._driver.EventDriver` that fills in what the
-hooks do not announce. Where each event comes from (ai2-olmo-core 2.4):
-
-=====================  ================================================================
-core event             OLMo-core
-=====================  ================================================================
-CHECKPOINT_LOAD_START  ``Trainer.load_checkpoint`` (wrapped at ``post_attach``): every
-                       rank, before the checkpoint is read (``fit`` loads before any hook)
-FIT_START              ``pre_train`` (train loader, evaluators' batches, model, optimizer,
-                       ``save_folder``), before the checkpointer's pre-train save and
-                       ``eval_on_startup``
-EPOCH_START            ``pre_epoch``
-DATA_FETCH_START       ``pre_load_batch``
-DATA_FETCH_END         ``pre_step`` (the batch arrived)
-TRAIN_BATCH_START      ``pre_step``
-TRAIN_BATCH_END        ``post_train_batch`` (before the checkpointer's save there)
-EVAL_START             ``Evaluator.reset_metrics`` (wrapped): the ``EvaluatorCallback``
-                       resets each evaluator right before iterating it
-EVAL_BATCH_START/END   ``TrainModule.eval_batch`` (wrapped), during those evals
-EVAL_END               ``Evaluator.compute_metrics`` (wrapped): before its reduction
-CHECKPOINT_SAVE_START  ``Trainer.save_checkpoint`` / ``save_checkpoint_async`` (wrapped):
-                       every save, the pre-train and final ones too (``save_folder``)
-CHECKPOINT_SAVE_END    they return (an async save goes on writing in the background)
-EPOCH_END              ``post_epoch`` (no pass fact: the Trainer's iterator is local)
-FIT_END                ``close`` after a successful ``fit`` (after the final save)
-=====================  ================================================================
-
-The "after eval" phase the hang watchdog times runs from the last
-evaluator's ``compute_metrics`` to the next ``pre_load_batch``: the rest of
-``post_step``, the metrics' reduction and any callback after the evaluator.
-:attr:`priority` puts rankguard's hooks before every OLMo-core callback's
-(the checkpointer's is 1), so its fit-start checks run before the first
-save or eval. The wrapped methods are public OLMo-core API, wrapped on the
-instance; :func:`hook_trainer` is the one place that relies on when the
-Trainer and ``EvaluatorCallback`` call them, and ``tests/test_olmo_core.py``
-fails if that changes. Metrics go through ``Trainer.record_metric``
-(unreduced, ``rankguard/...`` keys). The guards' state (the hang watchdog's
-calibration) is saved with each checkpoint's trainer state, so a resumed
-run starts calibrated.
-
-``CheckpointPlanner`` is told the save kind by :func:`save_options`: sharded
-(OLMo-core's default) or a full export (``full_state_dict=True``), and whether
-the save copies its state to host memory first (``cpu_offload``).
-
-OLMo-core's rank 0 makes each save's ``step<N>-tmp`` folder (and ``train/``, and the
-renamed ``step<N>``) while the other ranks poll for it for 10 s; those polls go through
-``SharedDirBarrier`` instead (:func:`route_checkpoint_dir_waits`, the one reach into
-OLMo-core's private code): a folder a shared filesystem shows late is waited for up to its
-``timeout_s``, and a rank that never sees it is named.
-
-Two defaults differ from the other adapters (:data:`DEFAULTS`): OLMo-core
-needs a save folder every node sees (or a URL), so a node-local save folder
-is an error at fit start (``SharedDirBarrier``'s ``on_node_local="raise"``),
-not a warning; and ``DataConsistencyGuard`` does not compare python
-``random``/numpy states (``check_rng=False``), which differ between ranks in
-a healthy OLMo-core run.
-
-Example::
-
-    from rankguard.integrations.olmo_core import RankGuard
-
-    trainer = trainer_config.with_callback("rankguard", RankGuard()).build(train_module, loader)
-    trainer.fit()
-
-Requires ``pip install 'rankguard[olmo-core]'``.
+Holds ``RankGuard`` and one callback per guard (written by
+``tools/generate_api.py``), and :func:`hook_trainer`, :func:`save_options`,
+:func:`route_checkpoint_dir_waits`. Requires ``pip install 'rankguard[olmo-core]'``.
+See docs/integrations.md#olmo-core-where-each-event-comes-from.
 """
 
 from __future__ import annotations

@@ -1,54 +1,8 @@
 """rankguard for hand-written training loops (plain ``torchrun``, DDP, FSDP2).
 
-The loop keeps its shape: rankguard wraps what it already has. A context
-manager around the fit, the train and eval loaders wrapped where the loop
-iterates them (as ``tqdm(loader)`` would be), and a context manager around
-each save::
-
-    from rankguard.integrations.torch import RankGuard
-
-    guard = RankGuard()                                    # same settings as every adapter
-    with guard.fit(model, optimizer, train_loader, eval_loaders={"eval": eval_loader},
-                   save_dirs=[ckpt_dir]) as run:          # fit-start checks, before any batch
-        for epoch in range(epochs):
-            for batch in run.train(train_loader):          # epoch, fetch and step heartbeats
-                loss = model(**batch).loss
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                if run.step % eval_every == 0:
-                    for batch in run.eval(eval_loader):    # parity before its first batch
-                        ...
-                if run.step % save_every == 0:
-                    with run.checkpoint(ckpt_dir):         # every rank sees the folder first
-                        save(...)
-
-What the loop cannot announce, the wrappers infer (see
-:mod:`rankguard.integrations._driver`): a train step ends when the next fetch,
-eval or save starts; an eval ends when its loader is exhausted, or, if the
-loop left it early (``break``), when the loop moves on, with the batches that
-ran as its plan. The time from an eval's end to the next train fetch is the
-hang watchdog's "after eval" phase. An epoch ends at the next epoch's start or
-the fit's end (a point every rank reaches, even when one rank's loader ran
-out first). Each end says how many batches the wrapped iterator gave and
-whether it ran out, so a rank that still had data when another ran out is
-named.
-
-A resume is checked before it is read: ``with guard.load(path):`` around the
-load, before ``guard.fit`` or inside it, on every rank. Save
-``guard.state_dict()`` with the checkpoint and give it back with
-``guard.load_state_dict(...)`` before ``guard.fit``: the resumed job's hang
-deadlines are calibrated from its first step.
-
-Every rank must make the same calls: ``guard.load``, ``guard.fit``, each
-``run.eval`` and each ``run.checkpoint`` (also on ranks that do not write). It works under
-plain ``torchrun`` (the process group's store carries rankguard's
-exchanges) and at world size 1 without ``torch.distributed``.
-
-``CheckpointPlanner`` reads the model and optimizer given to ``fit``; it
-cannot change how the loop saves, so in ``mode="auto"`` it raises with what
-to change (sharded saves with ``torch.distributed.checkpoint``) instead of
-switching. Tell it what the loop saves with ``fit(..., state_dict_type=...)``.
+Holds ``RankGuard`` (with ``fit``, ``load`` and the ``run`` wrappers) and one
+callback per guard (written by ``tools/generate_api.py``).
+See docs/integrations.md#what-the-wrappers-infer.
 """
 
 from __future__ import annotations
@@ -119,7 +73,10 @@ def _eval_facts(eval_loaders: Any) -> dict[str, LoaderFacts]:
 
 
 class _LoopGuard:
-    """Drives a :class:`GuardRunner` from a hand-written loop (see the module docstring)."""
+    """Drives a :class:`GuardRunner` from a hand-written loop.
+
+    What it infers: docs/integrations.md#what-the-wrappers-infer.
+    """
 
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
         self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)

@@ -1,60 +1,9 @@
 """rankguard callbacks for the Hugging Face ``Trainer``.
 
-Translation only: ``TrainerCallback`` hooks become rankguard core events (see
-:mod:`rankguard.callbacks.events` for the table), through the
-:class:`~rankguard.integrations._driver.EventDriver` that fills in what the
-hooks do not announce. Where each event comes from (transformers 4.57):
-
-=====================  ================================================================
-core event             ``TrainerCallback`` hook
-=====================  ================================================================
-CHECKPOINT_LOAD_START  ``Trainer.train(resume_from_checkpoint=...)``, wrapped at
-                       ``on_init_end``: before the Trainer loads the checkpoint (no hook
-                       comes earlier than ``on_train_begin``, after the load)
-FIT_START              ``on_train_begin`` (train loader, eval loaders, model, optimizer)
-EPOCH_START            ``on_epoch_begin``
-DATA_FETCH_START       ``on_step_end`` (no eval or save due), ``on_log`` after it (the
-                       loss gather done), ``on_save``, ``on_epoch_begin``
-DATA_FETCH_END         ``on_step_begin`` (the Trainer fetched the step's batches)
-TRAIN_BATCH_START      ``on_step_begin`` (one optimizer step, all its micro-batches)
-TRAIN_BATCH_END        ``on_step_end``
-EVAL_START             ``on_step_end`` / ``on_epoch_end`` when ``control.should_evaluate``
-                       (set by the default flow callback, which runs first): every eval
-                       loader, before its first batch; ``on_train_begin`` with
-                       ``eval_on_start``
-EVAL_BATCH_END         ``on_prediction_step`` (during those evals)
-EVAL_END               ``on_evaluate`` (per eval dataset, in the Trainer's order)
-CHECKPOINT_SAVE_START  ``on_step_end`` / ``on_epoch_end`` when ``control.should_save``
-                       (after the eval, if one is due first: its ``on_evaluate``)
-CHECKPOINT_SAVE_END    ``on_save``
-EPOCH_END              ``on_epoch_end`` (no pass fact: the Trainer iterates its train loader
-                       in a local variable, out of the callbacks' reach)
-FIT_END                ``on_train_end``
-=====================  ================================================================
-
-The "after eval" phase the hang watchdog times runs from ``on_evaluate`` to
-the next ``on_step_begin``: the Trainer has no hook where it starts fetching
-again, so it includes that fetch. Facts come from the hooks' keyword
-arguments and the public ``Trainer`` API (``get_eval_dataloader``,
-``eval_dataset``, ``log``); the Trainer itself is found by
-:func:`calling_trainer`, the one place this adapter reads something private,
-and its ``train`` method is wrapped on that instance (:func:`hook_resume`),
-the one place it wraps one.
-Metrics go through ``Trainer.log`` (every reporting integration sees the
-``rankguard/...`` keys), at the next step begin.
-
-The Trainer has no exception hook: if ``train()`` raises in a process that
-lives on (a notebook), call the callback's :meth:`close` so its guards stop.
-
-Example::
-
-    from transformers import Trainer
-    from rankguard.integrations.transformers import RankGuard
-
-    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=test,
-                      callbacks=[RankGuard()])
-
+Holds ``RankGuard`` and one callback per guard (written by
+``tools/generate_api.py``), and :func:`calling_trainer`, :func:`hook_resume`.
 Requires ``pip install 'rankguard[transformers]'``.
+See docs/integrations.md#hugging-face-trainer-where-each-event-comes-from.
 """
 
 from __future__ import annotations
