@@ -176,6 +176,15 @@ class BatchParityGuard(Guard):
         max_count_samples: Indices walked at most per loader to count the
             batches it yields before its first batch (an int >= 0; 0 turns the
             count off). A larger loader is not counted, said once at INFO.
+
+    Raises:
+        ValueError: A setting out of range.
+        BatchCountMismatchError: Ranks would run, or ran, different numbers of batches
+            (``on_violation="raise"``).
+
+    Example::
+
+        guard = BatchParityGuard(on_violation="raise", eval_end_timeout_s=120)
     """
 
     name = "batch_parity_guard"

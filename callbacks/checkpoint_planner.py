@@ -47,6 +47,11 @@ class CheckpointPlanner(Guard):
         state_dict_type: ``"full"`` (default) or ``"sharded"``: what the job
             saves now, if the adapter does not say (``facts.state_dict_type``).
 
+    Raises:
+        ValueError: A setting out of range.
+        CheckpointMemoryError: A full checkpoint would not fit in host memory (``mode="raise"``,
+            or ``"auto"`` where the job cannot be switched to sharded saves).
+
     Attributes:
         plan: The last :class:`CheckpointPlan`, or ``None`` before it is made.
         switched: What the adapter changed to make saves sharded, if it did.

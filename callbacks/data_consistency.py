@@ -216,6 +216,15 @@ class DataConsistencyGuard(Guard):
             python ``random`` and numpy are compared by state, so code that draws
             from them on some ranks only before fit start looks unseeded; torch
             is compared by ``torch.initial_seed()``.
+
+    Raises:
+        ValueError: A setting out of range.
+        DataInconsistencyError: Ranks hold different datasets or samplers
+            (``on_violation="raise"``).
+
+    Example::
+
+        guard = DataConsistencyGuard(on_violation="raise", sample_items=16)
     """
 
     name = "data_consistency_guard"

@@ -144,6 +144,10 @@ class DataStallMonitor(Guard):
         window: Consecutive slow steps that make a stall (>= 1).
         interval: Train batches between cross-rank exchanges and metric logs (>= 1).
 
+    Raises:
+        ValueError: A setting out of range.
+        DataStallError: A rank was starved of data for ``window`` steps (``on_violation="raise"``).
+
     Example::
 
         monitor = DataStallMonitor(threshold=0.5, window=10, interval=50)

@@ -70,6 +70,15 @@ class DropLastGuard(Guard):
         mode: ``"check"`` (default) or ``"enforce"`` (see docs/data.md#how-droplastguard-works).
         on_violation: ``"raise"`` (default) or ``"warn"`` for cross-rank differences.
         warn_eval_padding: Warn when an eval loader's sampler pads samples.
+
+    Raises:
+        ValueError: A setting out of range.
+        DropLastMismatchError: Loader or sampler settings differ between ranks, or ``"enforce"``
+            cannot be applied to a train loader (``on_violation="raise"``).
+
+    Example::
+
+        guard = DropLastGuard(mode="enforce")
     """
 
     name = "drop_last_guard"

@@ -260,6 +260,12 @@ class HangWatchdog(Guard):
             before it counts toward a deadlock (at least ``calibration_factor``
             x the train steps' 99th percentile once calibrated).
 
+    Raises:
+        ValueError: A setting out of range, or a ``report_dir`` that is not writable.
+        HangDetectedError: A rankguard check gave up waiting for a rank while the
+            watchdog runs, with ``action`` other than ``"abort"`` (which exits with
+            :data:`HANG_EXIT_CODE`, or :data:`DEADLOCK_EXIT_CODE` for a proven deadlock).
+
     Attributes:
         exchange_timeout_s: How long rank 0 waits for every rank's status,
             ``max(2, exchange_period_s)``.

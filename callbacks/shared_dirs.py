@@ -255,6 +255,13 @@ class SharedDirBarrier(Guard):
         on_node_local: ``"warn"`` (default) or ``"raise"``: a save folder that
             is node-local in a multi-node job (:class:`NodeLocalDirError`).
 
+    Raises:
+        ValueError: A setting out of range.
+        SharedDirTimeoutError: A rank did not see a directory within ``timeout_s``.
+        SharedDirCreateError: A rank could not create a directory.
+        NodeLocalDirError: A node-local save folder (``on_node_local="raise"``), or a resume
+            checkpoint some node does not see.
+
     Example::
 
         barrier = SharedDirBarrier(timeout_s=600, on_node_local="raise")

@@ -91,6 +91,11 @@ class StragglerMonitor(Guard):
     hooked modules never run (compiled in place), is said once at INFO; the
     monitor then stays off for that fit.
 
+    Raises:
+        ValueError: A setting out of range.
+        StragglerError: A rank or node stayed slow for ``window`` intervals
+            (``on_violation="raise"``).
+
     Example::
 
         monitor = StragglerMonitor(threshold=0.7, window=3, interval=50)
