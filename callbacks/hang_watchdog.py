@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -179,6 +179,17 @@ def _num_params(model: Any) -> int | None:
         return sum(p.numel() for p in model.parameters())
     except (AttributeError, TypeError, RuntimeError):
         return None
+
+
+def _heartbeat_handler(event: str) -> Callable[[HangWatchdog, EventFacts], None]:
+    """The ``on_<event>`` handler of an event the watchdog only records a heartbeat for."""
+
+    def handler(self: HangWatchdog, facts: EventFacts) -> None:
+        self._heartbeat(event, facts)
+
+    handler.__name__ = handler.__qualname__ = f"on_{event}"
+    handler.__doc__ = "Records a heartbeat."
+    return handler
 
 
 class HangWatchdog(Guard):
@@ -477,37 +488,19 @@ class HangWatchdog(Guard):
         self._decision_probe = facts.decision_probe
         self._heartbeat("fit_start", facts)
 
-    def on_epoch_start(self, facts: EventFacts) -> None:
-        """Records a heartbeat."""
-        self._heartbeat("epoch_start", facts)
-
-    def on_data_fetch_start(self, facts: EventFacts) -> None:
-        """Records a heartbeat."""
-        self._heartbeat("data_fetch_start", facts)
-
-    def on_data_fetch_end(self, facts: EventFacts) -> None:
-        """Records a heartbeat."""
-        self._heartbeat("data_fetch_end", facts)
-
-    def on_train_batch_start(self, facts: EventFacts) -> None:
-        """Records a heartbeat."""
-        self._heartbeat("train_batch_start", facts)
+    # Most events only record a heartbeat: one handler each, documented once.
+    on_epoch_start = _heartbeat_handler("epoch_start")
+    on_data_fetch_start = _heartbeat_handler("data_fetch_start")
+    on_data_fetch_end = _heartbeat_handler("data_fetch_end")
+    on_train_batch_start = _heartbeat_handler("train_batch_start")
+    on_eval_start = _heartbeat_handler("eval_start")
+    on_eval_batch_start = _heartbeat_handler("eval_batch_start")
+    on_eval_batch_end = _heartbeat_handler("eval_batch_end")
+    on_epoch_end = _heartbeat_handler("epoch_end")
 
     def on_train_batch_end(self, facts: EventFacts) -> None:
         """Records a heartbeat; the first one ends the first-step deadline."""
         self._heartbeat("train_batch_end", facts)
-
-    def on_eval_start(self, facts: EventFacts) -> None:
-        """Records a heartbeat."""
-        self._heartbeat("eval_start", facts)
-
-    def on_eval_batch_start(self, facts: EventFacts) -> None:
-        """Records a heartbeat."""
-        self._heartbeat("eval_batch_start", facts)
-
-    def on_eval_batch_end(self, facts: EventFacts) -> None:
-        """Records a heartbeat."""
-        self._heartbeat("eval_batch_end", facts)
 
     def on_eval_end(self, facts: EventFacts) -> None:
         """Records a heartbeat; the after-eval deadline applies until the next data fetch."""
@@ -522,10 +515,6 @@ class HangWatchdog(Guard):
         """Records a heartbeat."""
         self._decisions.pop("save", None)
         self._heartbeat("checkpoint_save_end", facts)
-
-    def on_epoch_end(self, facts: EventFacts) -> None:
-        """Records a heartbeat."""
-        self._heartbeat("epoch_end", facts)
 
     def on_fit_end(self, facts: EventFacts) -> None:
         """Records the end of fit: no deadline from here on; tells the other ranks at once."""
