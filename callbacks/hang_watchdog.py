@@ -84,6 +84,44 @@ class Beat(NamedTuple):
     kind: str  # the phase kind whose deadline applies from here ("done" after fit end)
 
 
+class ClosestCall(NamedTuple):
+    """The healthy interval closest to its deadline: :attr:`HangWatchdog.closest_call`."""
+
+    share: float  # of the deadline
+    kind: str
+    seconds: float
+    deadline: float
+
+
+class Decision(NamedTuple):
+    """A decision that can split the ranks (``should_stop``...), as this rank last saw it."""
+
+    value: Any
+    step: int | None  # the step at which it last changed
+
+
+class Wait(NamedTuple):
+    """The rendezvous the training loop waits at (read by the watchdog thread)."""
+
+    key: str  # the wait point and the user frame that called it
+    since: float  # time.monotonic() when first seen
+    progress: int  # heartbeats so far when first seen: a new one is a new wait
+
+
+class SeenWait(NamedTuple):
+    """The wait of the last status, and the heartbeats so far then (is it a usual one?)."""
+
+    key: str | None
+    progress: int
+
+
+class EarlyExchange(NamedTuple):
+    """The wait an early status exchange was last asked for, and when."""
+
+    wait: Wait | None
+    at: float  # time.monotonic()
+
+
 #: Exit code of every rank that aborts on a hang (``action="abort"``); 75 is EX_TEMPFAIL.
 HANG_EXIT_CODE = 75
 #: Set by torchrun (and its elastic agent) to the number of restarts of the worker group.
@@ -286,7 +324,8 @@ class HangWatchdog(Guard):
             message is the logged report), or ``None``.
         history: The intervals seen per phase, which calibrate the deadlines.
         closest_call: The healthy interval closest to its deadline since fit
-            start: ``(share of the deadline, kind, seconds, deadline)``, or ``None``.
+            start: a :class:`ClosestCall` ``(share of the deadline, kind, seconds,
+            deadline)``, or ``None``.
 
     Metrics: none (the verdict comes from a background thread; framework
     loggers are not thread-safe). Exit code: :data:`HANG_EXIT_CODE`. Files:
@@ -347,13 +386,13 @@ class HangWatchdog(Guard):
         self.deadlock_after_s = check_positive("deadlock_after_s", deadlock_after_s)
         self._libraries = library_paths()
         self._progress = 0  # heartbeats so far
-        self._wait: tuple[str, float, int] | None = None  # (wait point, since, progress)
+        self._wait: Wait | None = None
         self._usual: set[str] = set()
-        self._pending_usual: tuple[str | None, int] = (None, 0)
-        self._decisions: dict[str, tuple[Any, int | None]] = {}
+        self._pending_usual = SeenWait(None, 0)
+        self._decisions: dict[str, Decision] = {}
         self._settle_s = self.deadlock_after_s
         self._decision_probe: Any = None  # the adapter's, from FIT_START
-        self._probed: tuple | None = None  # (wait, when) of the last early exchange
+        self._probed: EarlyExchange | None = None
         self.exchange_timeout_s = max(2.0, self.exchange_period_s)
         self.incidents = 0
         self.ceilings_reached = 0
@@ -403,7 +442,7 @@ class HangWatchdog(Guard):
         self._failures = 0
         self._decisions = {}
         self._wait = None
-        self.closest_call: tuple[float, str, float, float] | None = None
+        self.closest_call: ClosestCall | None = None
 
     # -- checkpoint state ---------------------------------------------------------------
 
@@ -428,8 +467,8 @@ class HangWatchdog(Guard):
             self.history.record(kind, interval)
             deadline = self._deadline_s.get(kind)
             closest = self.closest_call
-            if deadline and (closest is None or interval > closest[0] * deadline):
-                self.closest_call = (interval / deadline, kind, interval, deadline)
+            if deadline and (closest is None or interval > closest.share * deadline):
+                self.closest_call = ClosestCall(interval / deadline, kind, interval, deadline)
         loader = facts.loader
         if loader is not None:
             loader = loader.name
@@ -445,8 +484,9 @@ class HangWatchdog(Guard):
     def _update_decisions(self, decisions: Mapping[str, Any], step: int) -> None:
         """Keeps the decisions that can split the ranks, with the step each was last changed."""
         for name, value in decisions.items():
-            if self._decisions.get(name, (None,))[0] != value:
-                self._decisions[name] = (value, step)
+            seen = self._decisions.get(name)
+            if (seen.value if seen is not None else None) != value:
+                self._decisions[name] = Decision(value, step)
 
     def _probe_decisions(self) -> None:
         """Reads the adapter's decisions now (watchdog thread, at each status): never raises."""
@@ -508,7 +548,7 @@ class HangWatchdog(Guard):
 
     def on_checkpoint_save_start(self, facts: EventFacts) -> None:
         """Records a heartbeat; the checkpoint deadline applies."""
-        self._decisions["save"] = (True, facts.step)
+        self._decisions["save"] = Decision(True, facts.step)
         self._heartbeat("checkpoint_save_start", facts)
 
     def on_checkpoint_save_end(self, facts: EventFacts) -> None:
@@ -685,20 +725,21 @@ class HangWatchdog(Guard):
             self._wait = None
             return stack, None, 0.0
         key = f"{point} at {user_frame(stack, self._libraries, source=False)}"
-        if self._wait is None or self._wait[0] != key or self._wait[2] != self._progress:
-            self._wait = (key, now, self._progress)
-        return stack, point, now - self._wait[1]
+        wait = self._wait
+        if wait is None or wait.key != key or wait.progress != self._progress:
+            wait = self._wait = Wait(key, now, self._progress)
+        return stack, point, now - wait.since
 
     def _status(self) -> RankStatus:
         event, step, batch_index, loader, since, kind = self._beat  # set before the thread starts
         done = kind == "done"
         stack, waits_at, wait_s = self._sample()
         self._probe_decisions()
-        key = self._wait[0] if self._wait else None
+        key = self._wait.key if self._wait else None
         settled = waits_at is not None and wait_s >= self._settle_s
-        pending, self._pending_usual = self._pending_usual, (key, self._progress)
-        if pending[0] and self._progress > pending[1] and len(self._usual) < MAX_USUAL:
-            self._usual.add(pending[0])  # a wait the loop came out of: a healthy one
+        pending, self._pending_usual = self._pending_usual, SeenWait(key, self._progress)
+        if pending.key and self._progress > pending.progress and len(self._usual) < MAX_USUAL:
+            self._usual.add(pending.key)  # a wait the loop came out of: a healthy one
         status = RankStatus(
             phase=phase_label(event, step, batch_index, loader),
             step=step,
@@ -805,11 +846,11 @@ class HangWatchdog(Guard):
         probed = self._probed
         if (
             probed is not None
-            and probed[0] == self._wait
-            and time.monotonic() - probed[1] < (self._settle_s)
+            and probed.wait == self._wait
+            and time.monotonic() - probed.at < (self._settle_s)
         ):
             return False
-        self._probed = (self._wait, time.monotonic())
+        self._probed = EarlyExchange(self._wait, time.monotonic())
         return True
 
     def _on_deadlock(self, verdict: Verdict) -> None:
