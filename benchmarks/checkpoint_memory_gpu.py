@@ -19,6 +19,8 @@ Measured on one H100 (torch 2.11, the child's code run inline)::
                                             model state on the GPU and
                                             offloads only optimizer state)
 
+Rerun on one H200 (torch 2.11, 2026-11-24): the same four figures.
+
 At world size > 1 FSDP offloads the gathered model state too; that case
 needs two GPUs and is not measured here.
 

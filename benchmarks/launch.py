@@ -188,7 +188,8 @@ def launch_nodes(
     """
     port = free_port()
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     procs = [
         start(
             [
