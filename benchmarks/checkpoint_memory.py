@@ -47,8 +47,8 @@ def _status_kib(field: str) -> int:
 def child(layers: int, writer: str) -> dict:
     import torch
 
-    from rankguard.callbacks.checkpoint_plan import WRITER_OVERHEAD
-    from rankguard.callbacks.state_size import estimate_state_size
+    from rankguard.callbacks.checkpoint.plan import WRITER_OVERHEAD
+    from rankguard.callbacks.checkpoint.state_size import estimate_state_size
 
     torch.set_num_threads(2)
     torch.manual_seed(0)

@@ -5,8 +5,8 @@ trained one Adam step, then a full (consolidated) state dict is gathered
 with ``get_state_dict(..., full_state_dict=True, cpu_offload=True)`` and
 rank 0 writes it with ``torch.save``. Per rank, the peak RSS increase of the
 save (``VmHWM`` after a reset) is compared with what
-:class:`~rankguard.callbacks.checkpoint_planner.CheckpointPlanner` predicts
-from :func:`~rankguard.callbacks.state_size.estimate_state_size` of the
+:class:`~rankguard.callbacks.checkpoint.checkpoint_planner.CheckpointPlanner` predicts
+from :func:`~rankguard.callbacks.checkpoint.state_size.estimate_state_size` of the
 sharded model (``materialize="rank0"``, ``writer="file"``): the whole state
 on rank 0, nothing on rank 1.
 
@@ -36,8 +36,8 @@ def _save(rank, world_size, folder):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from rankguard.callbacks.checkpoint_plan import RankMemory, plan_save
-    from rankguard.callbacks.state_size import estimate_state_size
+    from rankguard.callbacks.checkpoint.plan import RankMemory, plan_save
+    from rankguard.callbacks.checkpoint.state_size import estimate_state_size
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])

@@ -92,7 +92,7 @@ def child(kind: str) -> dict:
 
 
 def main() -> None:
-    from rankguard.callbacks.checkpoint_plan import RankMemory, plan_save
+    from rankguard.callbacks.checkpoint.plan import RankMemory, plan_save
 
     gib = 1024**3
     print(f"{'save':>5} {'state':>8} {'predicted':>10} {'measured':>9}")

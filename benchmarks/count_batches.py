@@ -17,7 +17,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
-from rankguard.callbacks.loader_passes import DEFAULT_MAX_SAMPLES, count_batches
+from rankguard.callbacks.batches.loader_passes import DEFAULT_MAX_SAMPLES, count_batches
 
 
 def main() -> None:

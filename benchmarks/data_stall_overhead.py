@@ -23,9 +23,9 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from rankguard.callbacks.data_stall import DataStallMonitor
-from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
-from rankguard.callbacks.guard import GuardRunner
+from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
+from rankguard.callbacks.core.guard import GuardRunner
+from rankguard.callbacks.data.data_stall_monitor import DataStallMonitor
 
 STEP_EVENTS = (
     Event.DATA_FETCH_START,

@@ -132,9 +132,9 @@ def worker(scenario: str, out: Path, mode: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
-    from rankguard.callbacks.guard import GuardRunner
-    from rankguard.callbacks.hang_watchdog import HangWatchdog
+    from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
+    from rankguard.callbacks.core.guard import GuardRunner
+    from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
     from rankguard.callbacks.registry import build_guards
 
     logging.basicConfig(format="%(created).3f %(name)s %(levelname)s: %(message)s")

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from rankguard.callbacks.fingerprint import fingerprint_loader
-from rankguard.callbacks.rng_state import rng_digest
+from rankguard.callbacks.data.fingerprint import fingerprint_loader
+from rankguard.callbacks.data.rng_state import rng_digest
 
 
 class TokenDataset(Dataset):

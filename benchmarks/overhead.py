@@ -128,10 +128,10 @@ def print_profile(path: Path, steps: int, top: int = 12) -> None:
     import pstats
 
     stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
-    ours = (f"{os.sep}callbacks{os.sep}", f"{os.sep}integrations{os.sep}")
+    ours = os.path.join(str(ROOT), "src", "rankguard", "")
 
-    def is_ours(fn: tuple) -> bool:  # rankguard's folders, not a framework's callbacks/
-        return "site-packages" not in fn[0] and any(part in fn[0] for part in ours)
+    def is_ours(fn: tuple) -> bool:  # rankguard's package, not a framework's callbacks/
+        return fn[0].startswith(ours)
 
     spent: dict[tuple, float] = {}
     for fn, (_, _, own, _, callers) in stats.items():

@@ -357,7 +357,7 @@ def time_rankguard(framework: str) -> None:
     """Accumulates the CPU time spent inside rankguard on this rank (see INSIDE)."""
     import importlib
 
-    from rankguard.callbacks.forward_clock import ForwardClock
+    from rankguard.callbacks.straggler.forward_clock import ForwardClock
 
     # Bound as hooks when a fit starts, so timing the methods here times the hooks.
     enter = _timed(ForwardClock._enter, "hooks", [0])

@@ -44,8 +44,8 @@ def _timed(fn, repeats):
 
 
 def _bench(rank, world_size, base):
-    from rankguard.callbacks.shared_dirs import ensure_shared_dirs
-    from rankguard.callbacks.side_channel import SideChannel
+    from rankguard.callbacks.checkpoint.shared_dir_barrier import ensure_shared_dirs
+    from rankguard.callbacks.core.side_channel import SideChannel
 
     channel = SideChannel.from_environment(timeout_s=30)
     existing = [os.path.join(base, "shared", "existing", d) for d in ("model", "optim", "train")]

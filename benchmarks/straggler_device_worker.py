@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rankguard.callbacks import Event, EventFacts, GuardRunner, StragglerMonitor
-from rankguard.callbacks.forward_clock import ForwardClock
+from rankguard.callbacks.straggler.forward_clock import ForwardClock
 
 
 class HostClock(ForwardClock):

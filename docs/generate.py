@@ -59,7 +59,7 @@ EXAMPLES = ROOT / "examples"
 #: The recorded report of the ``post_eval_hang`` run, and the timeline drawn from it.
 HANG_REPORT = DOCS / "hang-report"
 #: rankguard's code: the words (string literals) its recorded lines quote count, see :func:`stale`.
-CODE = ("callbacks", "integrations", "src")
+CODE = ("src",)
 #: Besides rankguard's code, the fault injection every example shares: its words count too.
 SHARED_EXAMPLE_CODE = ("examples/faults.py",)
 #: The lock of the environment ``make`` creates: the frameworks' versions an output depends on.
@@ -396,7 +396,8 @@ def staleness(run: Run, root: Path = ROOT) -> str | None:
     A recording is stale when there is none, when its command, its example's
     code or the frameworks' pinned versions changed (:func:`example_digest`), or
     when rankguard's lines in it quote words the code no longer has: a message
-    reworded, cut short or extended. A change that leaves every quoted word in
+    reworded, cut short or extended; or when its tracebacks quote a file of the
+    repository that is gone (a module moved or renamed). A change that leaves every quoted word in
     place (a renamed variable, a refactoring, a new message elsewhere) leaves the
     recording as it is; what the code does with the same words is checked by the
     tests that rerun examples and compare them with their recordings
@@ -416,7 +417,43 @@ def staleness(run: Run, root: Path = ROOT) -> str | None:
     gone = [w for w in read_words().get(run.name, []) if w not in code_words(root)]
     if gone:
         return "quotes words the code no longer has: " + "; ".join(repr(w) for w in gone)
+    lines = recording.lines
+    if records_hang_report(run):  # the report's stacks are quoted as well
+        lines = [
+            *lines,
+            *(
+                line
+                for p in sorted(HANG_REPORT.glob("*.txt"))
+                for line in p.read_text().splitlines()
+            ),
+        ]
+    moved = sorted({path for path in quoted_files(lines) if not (ROOT / path).exists()})
+    modules = {path.name for path in (ROOT / "src").rglob("*.py")}
+    moved += sorted({name for name in quoted_modules(lines) if name not in modules})
+    if moved:
+        return "quotes files the repository no longer has: " + ", ".join(moved)
     return None
+
+
+_TRACEBACK_FILE = re.compile(r'\bFile "([^"/<.][^"]*\.py)", line')
+
+
+#: A wait in an exchange names the rankguard module that called it, by file name.
+_EXCHANGE_CALLER = re.compile(r"rankguard exchange, called from (\w+\.py):")
+
+
+def quoted_modules(lines: list[str]) -> list[str]:
+    """The file names of rankguard's modules a recording's hang reports quote."""
+    return [m.group(1) for line in lines for m in _EXCHANGE_CALLER.finditer(line)]
+
+
+def quoted_files(lines: list[str]) -> list[str]:
+    """The repository's files a recording's tracebacks quote (paths relative to its root).
+
+    Installed packages (``.venv/...``) and absolute paths are left out: only
+    rankguard's own files and the examples' can move with a change here.
+    """
+    return [m.group(1) for line in lines if (m := _TRACEBACK_FILE.search(line))]
 
 
 def stale(run: Run) -> bool:
@@ -735,8 +772,8 @@ def render_guard(name: str, cls: type, framework_defaults: dict) -> list[str]:
     import importlib
     import inspect
 
-    from rankguard.callbacks import errors
-    from rankguard.callbacks.events import Event
+    from rankguard.callbacks.core import errors
+    from rankguard.callbacks.core.events import Event
 
     doc = parse_docstring(inspect.getdoc(cls) or "")
     module = importlib.import_module(cls.__module__)
@@ -861,12 +898,15 @@ def render_reference() -> str:
     """``docs/reference.md``: ``RankGuard``, every registered guard, events, files, errors."""
     import inspect
 
-    from rankguard.callbacks import errors, events, hang_report
+    from rankguard.callbacks.core import errors, events
+    from rankguard.callbacks.hang import report as hang_report
     from rankguard.callbacks.registry import GUARDS
 
     defaults = _framework_defaults()
     out = [
-        GENERATED.format(source="docs/generate.py, from callbacks/registry.py and the guards"),
+        GENERATED.format(
+            source="docs/generate.py, from src/rankguard/callbacks/registry.py and the guards"
+        ),
         "",
         "# rankguard reference",
         "",
@@ -893,7 +933,7 @@ def render_reference() -> str:
         "",
         "An unknown name raises `ValueError` listing the valid ones, with the closest match.",
         "A guard that raises logs its error on every rank first (logger",
-        "`rankguard.callbacks.guard`, ERROR) and raises it on every rank at the same point;",
+        "`rankguard.callbacks.core.guard`, ERROR) and raises it on every rank at the same point;",
         'with `on_violation="warn"` it logs it as a warning and training goes on.',
         "",
         "## Guards",

@@ -84,7 +84,7 @@ def _worker(fn, rank, world_size, init_file, args, queue):
 #: Imported once by the fork server that starts every rank of :func:`run_ranks`, instead of
 #: once per rank: a rank then starts in a fraction of a second, with nothing else inherited
 #: (the server starts no thread and no process group).
-PRELOAD = ["torch", "torch.distributed", "rankguard.callbacks.guard"]
+PRELOAD = ["torch", "torch.distributed", "rankguard.callbacks.core.guard"]
 
 
 def _context() -> mp.context.BaseContext:

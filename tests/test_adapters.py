@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from rankguard.callbacks import GUARDS, Event, EventFacts, Guard
-from rankguard.callbacks import events as events_module
+from rankguard.callbacks.core import events as events_module
 from rankguard.integrations import composer as rg_composer
 from rankguard.integrations import lightning as rg_lightning
 from rankguard.integrations import torch as rg_torch

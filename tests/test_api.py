@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from rankguard.callbacks import registry
-from rankguard.callbacks.hang_watchdog import HangWatchdog
+from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
 from rankguard.integrations._common import class_name
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 
 from benchmarks.launch import can_mount, launch_nodes, node_disk
-from rankguard.callbacks.dir_probe import MARKER_PREFIX
+from rankguard.callbacks.checkpoint.dir_probe import MARKER_PREFIX
 
 pytestmark = pytest.mark.framework
 

@@ -10,20 +10,20 @@ import os
 import pytest
 import torch
 
-from rankguard.callbacks import checkpoint_plan
-from rankguard.callbacks.checkpoint_plan import RankMemory, plan_save, register_sharded_setting
-from rankguard.callbacks.checkpoint_planner import CheckpointPlanner
-from rankguard.callbacks.errors import CheckpointMemoryError
-from rankguard.callbacks.events import EventFacts
-from rankguard.callbacks.host_memory import (
+from rankguard.callbacks.checkpoint import plan as checkpoint_plan
+from rankguard.callbacks.checkpoint.checkpoint_planner import CheckpointPlanner
+from rankguard.callbacks.checkpoint.host_memory import (
     cgroup_memory_dirs,
     host_memory_available,
     parse_cgroup_limit,
     parse_inactive_file,
     parse_meminfo,
 )
-from rankguard.callbacks.side_channel import SideChannel
-from rankguard.callbacks.state_size import estimate_state_size, optimizer_state_copies
+from rankguard.callbacks.checkpoint.plan import RankMemory, plan_save, register_sharded_setting
+from rankguard.callbacks.checkpoint.state_size import estimate_state_size, optimizer_state_copies
+from rankguard.callbacks.core.errors import CheckpointMemoryError
+from rankguard.callbacks.core.events import EventFacts
+from rankguard.callbacks.core.side_channel import SideChannel
 from tests.mp import run_ranks
 
 GiB, MiB = 1024**3, 1024**2

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import rankguard
-from rankguard.callbacks import cli
-from rankguard.callbacks.hang_report import write_heartbeats
-from rankguard.callbacks.hang_timeline import MAX_ROWS, build_timeline, plot_timeline, title
+from rankguard import cli
+from rankguard.callbacks.hang.report import write_heartbeats
+from rankguard.callbacks.hang.timeline import MAX_ROWS, build_timeline, plot_timeline, title
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,8 +135,12 @@ def test_report_on_a_folder_of_report_folders_lists_them(tmp_path, capsys):
     assert set(record) == {"t", "event", "phase", "step"}
 
 
-def test_a_normal_install_holds_one_rankguard_package_with_both_subpackages(tmp_path):
-    """A built wheel, not the editable install: nothing generic lands in site-packages."""
+def test_a_normal_install_holds_one_rankguard_package_with_every_subpackage(tmp_path):
+    """A built wheel, not the editable install: nothing generic lands in site-packages.
+
+    Every package under ``src/`` is in the wheel (``pyproject.toml`` lists them
+    one by one: one left out would silently drop out), and each imports from it.
+    """
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
          "-w", str(tmp_path), str(ROOT)],
@@ -147,10 +151,26 @@ def test_a_normal_install_holds_one_rankguard_package_with_both_subpackages(tmp_
     names = zipfile.ZipFile(wheel).namelist()
     packages = {name.split("/")[0] for name in names if not name.startswith("rankguard-")}
     assert packages == {"rankguard"}
-    for module in ("__init__.py", "py.typed", "callbacks/cli.py", "integrations/composer.py"):
+    for module in ("__init__.py", "py.typed", "cli.py", "integrations/composer.py"):
         assert f"rankguard/{module}" in names
+    in_tree = sorted(
+        ".".join(init.parent.relative_to(ROOT / "src").parts)
+        for init in (ROOT / "src").rglob("__init__.py")
+    )
+    in_wheel = sorted(name[: -len("/__init__.py")].replace("/", ".") for name in names
+                      if name.endswith("/__init__.py"))  # fmt: skip
+    assert in_wheel == in_tree
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    imports = "; ".join(f"import {package}" for package in in_wheel)
+    check = f"import sys; sys.path.insert(0, {str(site)!r}); {imports}; print(rankguard.__file__)"
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", check], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().startswith(str(site))
     assert (
-        "rankguard = rankguard.callbacks.cli:main"
+        "rankguard = rankguard.cli:main"
         in zipfile.ZipFile(wheel)
         .read(next(n for n in names if n.endswith("entry_points.txt")))
         .decode()
@@ -159,7 +179,7 @@ def test_a_normal_install_holds_one_rankguard_package_with_both_subpackages(tmp_
 
 def _incident(directory: Path, ranks: int = 3) -> None:
     """A real report folder: what write_incident leaves for each rank."""
-    from rankguard.callbacks.hang_report import write_incident
+    from rankguard.callbacks.hang.report import write_incident
 
     for rank in range(ranks):
         summary = "rank 1 stuck 40 s in train batch 12 (deadline 30 s)" if rank == 0 else None

@@ -17,15 +17,19 @@ from rankguard.callbacks import (
     SideChannel,
     build_guards,
 )
-from rankguard.callbacks.batch_parity import EvalRun, count_mismatches, eval_run_mismatch
-from rankguard.callbacks.drop_last import settings_mismatches
-from rankguard.callbacks.loaders import (
+from rankguard.callbacks.batches.batch_parity_guard import (
+    EvalRun,
+    count_mismatches,
+    eval_run_mismatch,
+)
+from rankguard.callbacks.batches.drop_last_guard import settings_mismatches
+from rankguard.callbacks.core.ranks import format_groups, format_ranks
+from rankguard.callbacks.data.loaders import (
     enforce_drop_last,
     loader_settings,
     promised_batches,
     sample_accounting,
 )
-from rankguard.callbacks.ranks import format_groups, format_ranks
 from tests.e2e.common import Points, Stream
 from tests.mp import run_ranks
 
@@ -197,7 +201,7 @@ def _raise_late_on_rank_1(rank, world_size):
     import logging
     import time
 
-    from rankguard.callbacks.errors import RankGuardError
+    from rankguard.callbacks.core.errors import RankGuardError
 
     logged = []
     handler = logging.Handler(logging.ERROR)

@@ -12,21 +12,21 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from rankguard.callbacks.data_consistency import (
+from rankguard.callbacks.core.errors import DataInconsistencyError
+from rankguard.callbacks.core.events import EventFacts, LoaderFacts
+from rankguard.callbacks.core.guard import RAISED
+from rankguard.callbacks.core.side_channel import SideChannel
+from rankguard.callbacks.data.data_consistency_guard import (
     DataConsistencyGuard,
     compare_loader,
     rng_verdict,
 )
-from rankguard.callbacks.errors import DataInconsistencyError
-from rankguard.callbacks.events import EventFacts, LoaderFacts
-from rankguard.callbacks.fingerprint import (
+from rankguard.callbacks.data.fingerprint import (
     DatasetFingerprint,
     fingerprint_loader,
     sample_indices,
 )
-from rankguard.callbacks.guard import RAISED
-from rankguard.callbacks.rng_state import rng_digest
-from rankguard.callbacks.side_channel import SideChannel
+from rankguard.callbacks.data.rng_state import rng_digest
 from tests.mp import run_ranks
 
 

@@ -12,12 +12,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from rankguard.callbacks.data_fetch import LoaderReturnClock
-from rankguard.callbacks.data_stall import DataStallMonitor, IntervalStats, stall_verdict
-from rankguard.callbacks.data_worker import worker_failure
-from rankguard.callbacks.errors import DataStallError
-from rankguard.callbacks.events import Event, EventFacts, LoaderFacts
-from rankguard.callbacks.side_channel import SideChannel
+from rankguard.callbacks.core.errors import DataStallError
+from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
+from rankguard.callbacks.core.side_channel import SideChannel
+from rankguard.callbacks.data.data_fetch import LoaderReturnClock
+from rankguard.callbacks.data.data_stall_monitor import (
+    DataStallMonitor,
+    IntervalStats,
+    stall_verdict,
+)
+from rankguard.callbacks.data.data_worker import worker_failure
 from tests.mp import run_ranks
 
 WINDOW, INTERVAL, STEPS = 3, 5, 20

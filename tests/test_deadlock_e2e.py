@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-from rankguard.callbacks.hang_watchdog import DEADLOCK_EXIT_CODE
+from rankguard.callbacks.hang.hang_watchdog import DEADLOCK_EXIT_CODE
 from tests.mp import ROOT, run_job
 
 pytestmark = pytest.mark.framework

@@ -51,6 +51,13 @@ def test_no_recording_quotes_words_the_code_no_longer_has():
     assert not stale, f"{len(stale)} recordings are stale: {RUN_AGAIN}:\n" + "\n".join(stale)
 
 
+DROP_LAST = "src/rankguard/callbacks/batches/drop_last_guard.py"
+
+
+#: The guard whose code the two tests below edit in a copy.
+DROP_LAST = "src/rankguard/callbacks/batches/drop_last_guard.py"
+
+
 def _copy_of_the_code(tmp_path: Path) -> Path:
     for folder in generate.CODE:
         shutil.copytree(ROOT / folder, tmp_path / folder)
@@ -68,7 +75,7 @@ def _edit(path: Path, old: str, new: str) -> None:
 
 def test_a_change_that_keeps_every_message_leaves_every_recording_fresh(tmp_path):
     root = _copy_of_the_code(tmp_path)
-    guard = root / "callbacks" / "drop_last.py"  # a comment-free line: the variable's name only
+    guard = root / DROP_LAST  # a comment-free line: the variable's name only
     _edit(guard, 'lines = " | ".join(', 'described = " | ".join(')
     _edit(guard, "between ranks: {lines}", "between ranks: {described}")
     assert [run.name for run in generate.runs() if generate.staleness(run, root)] == []
@@ -76,7 +83,7 @@ def test_a_change_that_keeps_every_message_leaves_every_recording_fresh(tmp_path
 
 def test_a_reworded_message_makes_exactly_the_recordings_that_quote_it_stale(tmp_path):
     root = _copy_of_the_code(tmp_path)
-    _edit(root / "callbacks" / "drop_last.py", "Loader settings differ", "Loader settings vary")
+    _edit(root / DROP_LAST, "Loader settings differ", "Loader settings vary")
     stale = {run.name: generate.staleness(run, root) for run in generate.runs()}
     stale = {name: why for name, why in stale.items() if why}
     quoting = {

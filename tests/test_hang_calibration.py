@@ -7,17 +7,17 @@ import random
 
 import pytest
 
-from rankguard.callbacks.events import EventFacts
-from rankguard.callbacks.guard import GuardRunner
-from rankguard.callbacks.hang_calibration import (
+from rankguard.callbacks.core.events import EventFacts
+from rankguard.callbacks.core.guard import GuardRunner
+from rankguard.callbacks.hang.calibration import (
     WINDOW,
     IntervalHistory,
     calibrate,
     quantile,
     save_estimate_s,
 )
-from rankguard.callbacks.hang_diagnosis import RankStatus, diagnose
-from rankguard.callbacks.hang_watchdog import HangWatchdog, attempt_dir
+from rankguard.callbacks.hang.diagnosis import RankStatus, diagnose
+from rankguard.callbacks.hang.hang_watchdog import HangWatchdog, attempt_dir
 
 CEILINGS = {"train": 600.0, "data": 600.0, "eval": 600.0, "post_eval": 600.0, "checkpoint": 1800.0}
 
@@ -165,7 +165,7 @@ def test_an_open_incident_keeps_its_culprit_when_the_waiting_rank_passes_its_dea
 
 def test_a_rank_another_check_gave_up_on_is_stuck_and_ends_the_incident_at_once():
     gave_up = ("batch_parity_guard/epoch_start", (1,), 300.0)
-    blocked = "rankguard exchange, called from batch_parity.py:217 (_compare_planned)"
+    blocked = "rankguard exchange, called from batch_parity_guard.py:331 (_compare_planned)"
     verdict = diagnose(
         {
             0: _status("epoch start at step 64", 300.5, 30.0, 600.0, blocked, gave_up),

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from rankguard.callbacks import side_channel
-from rankguard.callbacks.events import EventFacts
-from rankguard.callbacks.hang_deadlock import (
+from rankguard.callbacks.core import side_channel
+from rankguard.callbacks.core.events import EventFacts
+from rankguard.callbacks.hang.deadlock import (
     LEFT_LOOP,
     called_from_user,
     deadlock_key,
@@ -19,7 +19,7 @@ from rankguard.callbacks.hang_deadlock import (
     split_sentence,
     user_frame,
 )
-from rankguard.callbacks.hang_diagnosis import RankStatus, diagnose
+from rankguard.callbacks.hang.diagnosis import RankStatus, diagnose
 from tests.mp import run_ranks
 
 TORCH = os.path.dirname(torch.__file__)
@@ -235,8 +235,8 @@ def test_a_rendezvous_reached_through_a_framework_is_not_called_from_the_users_c
 
 
 def _watchdog(report_dir: str):
-    from rankguard.callbacks.hang_watchdog import HangWatchdog
-    from rankguard.callbacks.side_channel import SideChannel
+    from rankguard.callbacks.core.side_channel import SideChannel
+    from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
 
     watchdog = HangWatchdog(
         report_dir=report_dir, timeout_s=60, deadlock_after_s=1.5, exchange_period_s=5
@@ -291,7 +291,7 @@ def _split_collectives(rank, world_size, report_dir):
 
 
 def test_collective_on_one_rank_is_a_proven_deadlock_ending_every_rank_with_70(tmp_path):
-    from rankguard.callbacks.hang_watchdog import DEADLOCK_EXIT_CODE
+    from rankguard.callbacks.hang.hang_watchdog import DEADLOCK_EXIT_CODE
 
     start = time.monotonic()
     outcomes = run_ranks(_split_collectives, 2, str(tmp_path), timeout_s=60)
@@ -320,7 +320,7 @@ def _rank0_leaves_the_loop(rank, world_size, report_dir, split):
 
 
 def test_a_rank_leaving_the_loop_alone_ends_every_rank_with_70_together_is_silent(tmp_path):
-    from rankguard.callbacks.hang_watchdog import DEADLOCK_EXIT_CODE
+    from rankguard.callbacks.hang.hang_watchdog import DEADLOCK_EXIT_CODE
 
     start = time.monotonic()
     outcomes = run_ranks(_rank0_leaves_the_loop, 2, str(tmp_path), True, timeout_s=60)

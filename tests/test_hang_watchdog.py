@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from rankguard.callbacks.errors import RanksMissingError
-from rankguard.callbacks.events import EventFacts, LoaderFacts
-from rankguard.callbacks.hang_diagnosis import (
+from rankguard.callbacks.core.errors import RanksMissingError
+from rankguard.callbacks.core.events import EventFacts, LoaderFacts
+from rankguard.callbacks.core.side_channel import SideChannel
+from rankguard.callbacks.hang.diagnosis import (
     RankStatus,
     blocked_in,
     diagnose,
@@ -23,10 +24,9 @@ from rankguard.callbacks.hang_diagnosis import (
     frozen_ranks,
     nccl_timeout_advice,
 )
-from rankguard.callbacks.hang_report import main as report_main
-from rankguard.callbacks.hang_report import write_heartbeats, write_stacks
-from rankguard.callbacks.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
-from rankguard.callbacks.side_channel import SideChannel
+from rankguard.callbacks.hang.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
+from rankguard.callbacks.hang.report import main as report_main
+from rankguard.callbacks.hang.report import write_heartbeats, write_stacks
 from tests.mp import run_ranks
 
 EVAL = LoaderFacts("eval", None, is_train=False)
@@ -51,7 +51,7 @@ def _capture() -> _Records:
 
 
 def _bound(**kwargs) -> HangWatchdog:
-    from rankguard.callbacks.side_channel import SideChannel
+    from rankguard.callbacks.core.side_channel import SideChannel
 
     watchdog = HangWatchdog(**kwargs)
     watchdog.bind(SideChannel.from_environment(timeout_s=10))
@@ -136,7 +136,7 @@ def _one_rank_freezes(rank, world_size, report_dir, frozen, port):
 
     import torch.distributed as dist
 
-    from rankguard.callbacks.side_channel import SideChannel
+    from rankguard.callbacks.core.side_channel import SideChannel
 
     records = _capture()
     # A process stopped inside a FileStore operation keeps its file lock; a TCPStore hosted
@@ -184,7 +184,7 @@ def test_frozen_rank_is_named_frozen_or_dead(tmp_path):
 
 
 def _healthy_run(rank, world_size, report_dir):
-    from rankguard.callbacks.hang_watchdog import process_group_timeout
+    from rankguard.callbacks.hang.hang_watchdog import process_group_timeout
 
     records = _capture()
     watchdog = _bound(
@@ -381,7 +381,7 @@ def test_report_cli_groups_identical_stacks_and_draws_a_timeline(tmp_path, capsy
 
 
 def test_default_deadlines_fit_under_the_nccl_timeout_and_set_ones_are_kept(tmp_path):
-    from rankguard.callbacks.hang_diagnosis import nccl_timeout_advice
+    from rankguard.callbacks.hang.diagnosis import nccl_timeout_advice
 
     watchdog = HangWatchdog(eval_timeout_s=900, report_dir=str(tmp_path))
     watchdog._fit_defaults_under(300.0)  # Composer's default dist_timeout
@@ -623,9 +623,9 @@ def stall_after_eval(watchdog: HangWatchdog) -> None:
 
 
 def _rank0_waits_in_a_check_for_stuck_rank1(rank, world_size, report_dir, action):
-    from rankguard.callbacks.batch_parity import BatchParityGuard
-    from rankguard.callbacks.events import Event
-    from rankguard.callbacks.guard import GuardRunner
+    from rankguard.callbacks.batches.batch_parity_guard import BatchParityGuard
+    from rankguard.callbacks.core.events import Event
+    from rankguard.callbacks.core.guard import GuardRunner
 
     watchdog = HangWatchdog(
         timeout_s=60,
@@ -676,7 +676,8 @@ def test_a_rank_missing_from_another_checks_exchange_gets_the_watchdogs_diagnosi
     summary = (tmp_path / "summary.txt").read_text()
     assert re.match(
         r"rank 1 stuck \d s in after eval of 'eval' \(deadline 60 s\); rank 0 waiting \d s in "
-        r"epoch start at step 4 \(blocked in rankguard exchange, called from batch_parity\.py:",
+        r"epoch start at step 4 \(blocked in rankguard exchange, "
+        r"called from batch_parity_guard\.py:",
         summary,
     ), summary
     assert (

@@ -11,10 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 
-from rankguard.callbacks.batch_parity import BatchParityGuard, EvalRun, pass_verdict
-from rankguard.callbacks.errors import BatchCountMismatchError
-from rankguard.callbacks.events import EventFacts, LoaderFacts, LoaderPass
-from rankguard.callbacks.loader_passes import (
+from rankguard.callbacks.batches.batch_parity_guard import BatchParityGuard, EvalRun, pass_verdict
+from rankguard.callbacks.batches.loader_passes import (
     LoaderYield,
     PassCounter,
     PassRun,
@@ -22,6 +20,8 @@ from rankguard.callbacks.loader_passes import (
     left_behind,
     yield_mismatches,
 )
+from rankguard.callbacks.core.errors import BatchCountMismatchError
+from rankguard.callbacks.core.events import EventFacts, LoaderFacts, LoaderPass
 from tests.e2e.common import LyingSampler, Points, Stream
 
 

@@ -26,8 +26,8 @@ import olmo_core.train.callbacks as olmo_callbacks
 import olmo_core.train.checkpoint as olmo_checkpoint
 import olmo_core.utils
 
-from rankguard.callbacks.checkpoint_plan import RankMemory, plan_save
-from rankguard.callbacks.guard import Guard
+from rankguard.callbacks.checkpoint.plan import RankMemory, plan_save
+from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations import olmo_core as rg_olmo
 from rankguard.integrations.olmo_core import RankGuard
 from tests.e2e.common import EventLog

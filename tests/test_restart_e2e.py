@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rankguard.callbacks.hang_watchdog import HANG_EXIT_CODE
+from rankguard.callbacks.hang.hang_watchdog import HANG_EXIT_CODE
 from tests.mp import run_job
 
 pytestmark = pytest.mark.framework

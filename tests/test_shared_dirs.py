@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 
 from benchmarks.launch import launch_nodes
-from rankguard.callbacks.dir_probe import MARKER_PREFIX, PathState, filesystem_type
-from rankguard.callbacks.errors import SharedDirCreateError
-from rankguard.callbacks.events import EventFacts
-from rankguard.callbacks.nodes import NodeId, node_identity
-from rankguard.callbacks.shared_dirs import SharedDirBarrier, ensure_shared_dirs
-from rankguard.callbacks.shared_dirs_plan import BarrierPlanner
-from rankguard.callbacks.side_channel import SideChannel
+from rankguard.callbacks.checkpoint.dir_probe import MARKER_PREFIX, PathState, filesystem_type
+from rankguard.callbacks.checkpoint.shared_dir_barrier import SharedDirBarrier, ensure_shared_dirs
+from rankguard.callbacks.checkpoint.shared_dirs_plan import BarrierPlanner
+from rankguard.callbacks.core.errors import SharedDirCreateError
+from rankguard.callbacks.core.events import EventFacts
+from rankguard.callbacks.core.nodes import NodeId, node_identity
+from rankguard.callbacks.core.side_channel import SideChannel
 from tests.e2e.ckpt_dirs_worker import LAG_BAD_TIMEOUT_S, TIMEOUT_S
 from tests.e2e.common import Mirror
 from tests.mp import run_ranks

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from rankguard.callbacks.side_channel import (
+from rankguard.callbacks.core.side_channel import (
     PER_RANK_WAIT_S,
     SideChannel,
     default_store,
@@ -248,7 +248,7 @@ def _every_guard_without_collectives(rank, world_size, folder):
     from torch.utils.data import DataLoader, DistributedSampler
 
     from rankguard.callbacks import Event, EventFacts, LoaderFacts
-    from rankguard.callbacks.guard import GuardRunner
+    from rankguard.callbacks.core.guard import GuardRunner
     from rankguard.callbacks.registry import build_guards
     from tests.e2e.common import Points, WarningCollector
 

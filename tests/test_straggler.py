@@ -15,12 +15,17 @@ import pytest
 import torch
 
 from rankguard.callbacks import GUARDS, StragglerMonitor
-from rankguard.callbacks.background_exchange import BackgroundExchange
-from rankguard.callbacks.data_stall import DataStallMonitor
-from rankguard.callbacks.events import Event, EventFacts
-from rankguard.callbacks.forward_clock import EventTimer, ForwardClock, cuda_events, hook_targets
-from rankguard.callbacks.side_channel import SideChannel
-from rankguard.callbacks.straggler_score import (
+from rankguard.callbacks.core.background_exchange import BackgroundExchange
+from rankguard.callbacks.core.events import Event, EventFacts
+from rankguard.callbacks.core.side_channel import SideChannel
+from rankguard.callbacks.data.data_stall_monitor import DataStallMonitor
+from rankguard.callbacks.straggler.forward_clock import (
+    EventTimer,
+    ForwardClock,
+    cuda_events,
+    hook_targets,
+)
+from rankguard.callbacks.straggler.score import (
     MAX_LISTED,
     RankTimes,
     advance_streaks,

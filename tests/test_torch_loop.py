@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from rankguard.callbacks.errors import CheckpointMemoryError
-from rankguard.callbacks.events import LoaderPass
-from rankguard.callbacks.guard import Guard
+from rankguard.callbacks.core.errors import CheckpointMemoryError
+from rankguard.callbacks.core.events import LoaderPass
+from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations import torch as rg_torch
 from rankguard.integrations.torch import RankGuard
 from tests.e2e.common import EventLog, Points

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from rankguard.callbacks.hang_watchdog import HANG_EXIT_CODE
+from rankguard.callbacks.hang.hang_watchdog import HANG_EXIT_CODE
 from tests.e2e.hang_settings import HANG
 from tests.mp import run_job
 from tests.test_hang_e2e import _loop_stack

@@ -20,7 +20,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from rankguard.callbacks.guard import Guard
+from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations import transformers as rg_hf
 from rankguard.integrations.transformers import RankGuard, calling_trainer
 from tests.e2e.common import EventLog, tiny_bert, token_dataset
@@ -161,7 +161,7 @@ def test_accelerate_sharded_loaders_are_distributed_for_the_content_check():
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-    from rankguard.callbacks.fingerprint import fingerprint_loader
+    from rankguard.callbacks.data.fingerprint import fingerprint_loader
 
     data = token_dataset(16)
     batches = BatchSampler(SequentialSampler(data), batch_size=4, drop_last=False)

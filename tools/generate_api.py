@@ -1,7 +1,7 @@
 """Writes the public classes of every integration module from the guard registry.
 
-Each integration (``integrations/composer.py``, ...) exports ``RankGuard`` and
-one class per registered guard (``callbacks/registry.py``, ``GUARDS``). This
+Each integration (``src/rankguard/integrations/composer.py``, ...) exports ``RankGuard`` and
+one class per registered guard (``src/rankguard/callbacks/registry.py``, ``GUARDS``). This
 script writes them at the end of each module, after the line :data:`BEGIN`,
 with every setting in their ``__init__`` signature, so that editors and type
 checkers show and check them: ``RankGuard(exchange_timeout_s, *, hang_watchdog=...,
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-INTEGRATIONS_DIR = ROOT / "integrations"
+INTEGRATIONS_DIR = ROOT / "src" / "rankguard" / "integrations"
 #: The first line of the generated block; everything after it is rewritten.
 BEGIN = "# -- Public classes: written by tools/generate_api.py from the guard registry; do not edit"
 #: Longest line ruff allows (``pyproject.toml``); a longer generated line gets a noqa for E501.

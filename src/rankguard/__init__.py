@@ -8,11 +8,8 @@ Import the callbacks from the integration for your framework::
     from rankguard.integrations.torch import RankGuard         # a hand-written loop
 
 The framework-free core (guards, errors, the side channel) is
-``rankguard.callbacks``; ``rankguard --help`` lists the command-line tools.
-
-This package holds only this file: setuptools maps ``rankguard.callbacks``
-and ``rankguard.integrations`` to the repository's ``callbacks/`` and
-``integrations/`` folders (``pyproject.toml``, ``package-dir``).
+``rankguard.callbacks``, one sub-package per concern; ``rankguard --help``
+lists the command-line tools. See docs/design.md#layout.
 """
 
 from __future__ import annotations

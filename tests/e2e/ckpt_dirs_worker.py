@@ -23,10 +23,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rankguard.callbacks.errors import NodeLocalDirError
-from rankguard.callbacks.events import EventFacts
-from rankguard.callbacks.shared_dirs import SharedDirBarrier, ensure_shared_dirs
-from rankguard.callbacks.side_channel import SideChannel
+from rankguard.callbacks.checkpoint.shared_dir_barrier import SharedDirBarrier, ensure_shared_dirs
+from rankguard.callbacks.core.errors import NodeLocalDirError
+from rankguard.callbacks.core.events import EventFacts
+from rankguard.callbacks.core.side_channel import SideChannel
 
 #: The barrier's timeout; ``lag_beyond_timeout`` uses ``LAG_BAD_TIMEOUT_S``.
 TIMEOUT_S = 3.0

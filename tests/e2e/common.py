@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset
 
-from rankguard.callbacks.dir_probe import MARKER_PREFIX
-from rankguard.callbacks.guard import RAISED, Guard
+from rankguard.callbacks.checkpoint.dir_probe import MARKER_PREFIX
+from rankguard.callbacks.core.guard import RAISED, Guard
 
 
 @contextmanager

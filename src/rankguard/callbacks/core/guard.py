@@ -1,0 +1,208 @@
+"""The base of every core guard, and the runner adapters drive.
+
+A guard reacts to :class:`~rankguard.callbacks.core.events.Event` s through
+methods named ``on_<event>`` (``on_fit_start``, ``on_eval_end``, ...), talks
+to other ranks only through its :class:`SideChannel`, and reports a
+violation through :meth:`Guard.violation`, which raises or logs a warning as
+``on_violation`` says.
+
+An error every rank raises from the same verdict leaves through
+:meth:`Guard.raise_on_every_rank`: each rank logs it first, then waits until
+every rank has logged it, then raises. A launcher tears the whole job down
+when the first rank exits (Composer's sends SIGTERM to the others, Lightning's
+rank 0 kills its children, torchrun's agent stops every worker), so without
+the wait a rank that is a moment slower could be killed before its own error
+is printed.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, NoReturn
+
+from rankguard.callbacks.core.errors import RankGuardError
+from rankguard.callbacks.core.events import Event, EventFacts
+from rankguard.callbacks.core.settings import check_choice, check_positive
+from rankguard.callbacks.core.side_channel import SideChannel
+
+__all__ = ["RAISED", "Guard", "GuardRunner", "MetricSink"]
+
+# The name users filter by and recorded outputs show, kept when the module moved.
+logger = logging.getLogger("rankguard.callbacks.guard")
+
+MetricSink = Callable[[Mapping[str, float]], None]
+
+ON_VIOLATION = ("raise", "warn")
+#: How long a rank that raises waits for the others to have logged the same error.
+RAISE_WAIT_S = 10.0
+#: Set on the log record of an error that is then raised (a handler may leave it out).
+RAISED = "rankguard_raised"
+
+
+class Guard:
+    """Base class of core guards.
+
+    Args:
+        on_violation: ``"raise"`` (default) raises the guard's error on every
+            rank; ``"warn"`` logs it as a warning and lets training go on.
+
+    Attributes:
+        name: Snake-case name of the guard, used as its key in ``RankGuard``
+            configs and in side-channel exchange names.
+    """
+
+    name: ClassVar[str] = "guard"
+
+    def __init__(self, *, on_violation: str = "raise") -> None:
+        self.on_violation = check_choice("on_violation", on_violation, ON_VIOLATION)
+        self.channel = SideChannel(None)
+        self.log_metrics: MetricSink = _no_metrics
+        self._warned: set[str] = set()
+
+    def bind(self, channel: SideChannel, log_metrics: MetricSink | None = None) -> None:
+        """Gives the guard its side channel and metric sink (at FIT_START)."""
+        self.channel = channel
+        self.log_metrics = log_metrics or _no_metrics
+
+    def handler(self, event: Event) -> Callable[[EventFacts], None] | None:
+        """The guard's handler for ``event`` (its ``on_<event>`` method), if it has one."""
+        return getattr(self, f"on_{event.value}", None)
+
+    def handle(self, event: Event, facts: EventFacts) -> None:
+        """Runs the guard's handler for ``event``, if it has one."""
+        handler = self.handler(event)
+        if handler is not None:
+            handler(facts)
+
+    def violation(self, error: RankGuardError, *, every_rank: bool = True) -> None:
+        """Raises ``error`` or logs it as a warning, as ``on_violation`` says.
+
+        Args:
+            error: The error.
+            every_rank: Whether every rank reports it (from a shared verdict),
+                so a raising rank waits for the others to log it; ``False`` for
+                an error only some ranks see, e.g. about ranks that never arrived.
+        """
+        if self.on_violation == "raise":
+            self.raise_on_every_rank(error, every_rank=every_rank)
+        logger.warning("rankguard %s: %s", self.name, error)
+
+    def raise_on_every_rank(self, error: RankGuardError, *, every_rank: bool = True) -> NoReturn:
+        """Logs ``error`` (ERROR), waits until every rank has logged it, then raises it.
+
+        Args:
+            error: The error, the same on every rank.
+            every_rank: ``False`` when some ranks will not raise it: then no wait.
+        """
+        logger.error("rankguard %s: %s", self.name, error, extra={RAISED: True})
+        if every_rank and self.channel.is_distributed:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            sys.stderr.flush()
+            try:
+                self.channel.barrier(f"{self.name}/raised", timeout_s=RAISE_WAIT_S)
+            except Exception as exc:  # a rank that never logs it must not hold this one
+                logger.debug("rankguard %s: not every rank logged the error: %s", self.name, exc)
+        raise error
+
+    def warn_once(self, key: str, message: str, *args: Any) -> None:
+        """Logs a warning the first time ``key`` is seen by this guard."""
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("rankguard %s: %s", self.name, message % args if args else message)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the guard keeps across a restart, saved with checkpoints (plain values)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what :meth:`state_dict` saved (before the first event of a resumed fit)."""
+        del state
+
+    def close(self) -> None:
+        """Releases what the guard holds; safe to call twice and after an error."""
+
+
+def _no_metrics(metrics: Mapping[str, float]) -> None:
+    del metrics
+
+
+class GuardRunner:
+    """Dispatches core events to guards; adapters own one.
+
+    At the first event (normally FIT_START; a sanity-check eval may come
+    first) it opens the side channel (local at world size 1) and binds every
+    guard to it before dispatching.
+
+    Args:
+        guards: The guards, in the order they should run.
+        exchange_timeout_s: Default side-channel timeout (scaled with the world
+            size by :func:`~rankguard.callbacks.core.side_channel.scaled_timeout`).
+    """
+
+    def __init__(self, guards: Iterable[Guard], *, exchange_timeout_s: float = 300.0) -> None:
+        self.guards = list(guards)
+        self.timeout_s = check_positive("exchange_timeout_s", exchange_timeout_s)
+        self.channel: SideChannel | None = None
+        self._handlers = {
+            event: [h for g in self.guards if (h := g.handler(event)) is not None]
+            for event in Event
+        }
+
+    def handles(self, event: Event) -> bool:
+        """Whether any guard handles ``event`` (adapters skip reading facts otherwise)."""
+        return bool(self._handlers[event]) or event is Event.FIT_START
+
+    def fire(self, event: Event, facts: EventFacts, log_metrics: MetricSink | None = None) -> None:
+        """Dispatches ``event`` to every guard in order."""
+        if event is Event.FIT_START or self.channel is None:
+            self.open(log_metrics)
+        for handler in self._handlers[event]:
+            handler(facts)
+
+    def open(self, log_metrics: MetricSink | None = None) -> None:
+        """Creates the side channel and binds the guards (idempotent per fit)."""
+        if self.channel is None:
+            try:
+                self.channel = SideChannel.from_environment(timeout_s=self.timeout_s)
+            except Exception as exc:  # never turn a healthy run into a failed one
+                logger.warning(
+                    "rankguard: cannot reach the other ranks (%s: %s); cross-rank checks are "
+                    "off for this run",
+                    type(exc).__name__,
+                    exc,
+                )
+                self.channel = SideChannel(None)
+        for guard in self.guards:
+            guard.bind(self.channel, log_metrics)
+
+    def error(self, exc: BaseException, facts: EventFacts) -> None:
+        """Lets guards that explain errors (``on_error``) log what they know about ``exc``."""
+        for guard in self.guards:
+            on_error = getattr(guard, "on_error", None)
+            if on_error is not None:
+                try:
+                    on_error(exc, facts)
+                except Exception:
+                    logger.exception("rankguard: %s could not explain the error", guard.name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every guard's checkpoint state, by guard name (guards with none are left out)."""
+        return {guard.name: state for guard in self.guards if (state := guard.state_dict())}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Gives each guard its part of a checkpoint's state; unknown names are ignored."""
+        for guard in self.guards:
+            if state and guard.name in state:
+                guard.load_state_dict(state[guard.name])
+
+    def close(self) -> None:
+        """Closes every guard; safe to call twice and after an error."""
+        for guard in self.guards:
+            try:
+                guard.close()
+            except Exception:
+                logger.exception("rankguard: closing %s failed", guard.name)
+        self.channel = None

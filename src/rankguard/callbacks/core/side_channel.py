@@ -1,0 +1,400 @@
+"""The side channel: every cross-rank exchange rankguard makes goes through here.
+
+Holds :class:`SideChannel`, :func:`scaled_timeout` and :func:`own_missing_ranks`.
+See docs/scale.md#the-side-channel-exchanges-on-the-store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from rankguard.callbacks.core.errors import RanksMissingError
+from rankguard.callbacks.core.ranks import rank_label
+
+__all__ = [
+    "PER_RANK_WAIT_S",
+    "MissingOwner",
+    "SideChannel",
+    "default_store",
+    "own_missing_ranks",
+    "scaled_timeout",
+]
+
+# The name users filter by and recorded outputs show, kept when the module moved.
+logger = logging.getLogger("rankguard.callbacks.side_channel")
+
+T = TypeVar("T")
+
+_LEADER = 0
+
+#: Added to an exchange's timeout per rank in the world (see :func:`scaled_timeout`).
+PER_RANK_WAIT_S = 0.005
+_channels_created = 0
+_channels_lock = threading.Lock()
+
+#: Sees a :class:`RanksMissingError` before the exchange raises it (see :func:`own_missing_ranks`).
+MissingOwner = Callable[[RanksMissingError], None]
+_missing_owner: list[MissingOwner] = []
+
+
+def own_missing_ranks(owner: MissingOwner) -> Callable[[], None]:
+    """Makes ``owner`` the one handler of ranks missing from any exchange in this process.
+
+    Before an exchange raises :class:`RanksMissingError` it calls ``owner``
+    with the error, on the thread that called the exchange; the owner may
+    raise an error of its own instead, or end the process, or return to let
+    the exchange raise as usual. The HangWatchdog owns missing ranks while
+    its thread runs.
+
+    Args:
+        owner: The handler; it replaces any earlier one.
+
+    Returns:
+        A function that removes ``owner`` again (if it is still the owner).
+    """
+    _missing_owner[:] = [owner]
+
+    def release() -> None:
+        if _missing_owner and _missing_owner[0] == owner:
+            _missing_owner.clear()
+
+    return release
+
+
+@dataclass(frozen=True)
+class _Missing:
+    """Verdict published when some ranks did not arrive in time."""
+
+    ranks: list[int]
+
+
+#: What a non-deciding rank gets when no verdict came in time.
+_NO_VERDICT = object()
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """Verdict published when ``decide`` itself raised on the deciding rank."""
+
+    message: str
+
+
+def scaled_timeout(timeout_s: float, world_size: int) -> float:
+    """The time the deciding rank waits for an exchange at ``world_size`` ranks.
+
+    ``timeout_s`` is what a small job needs; each rank adds
+    :data:`PER_RANK_WAIT_S`, 5 ms, more than ten times the deciding rank's
+    measured work per rank (``benchmarks/scale.py``): 20 s more at 4096 ranks.
+
+    Args:
+        timeout_s: The configured timeout (seconds).
+        world_size: Ranks taking part.
+
+    Returns:
+        The timeout in seconds.
+    """
+    return timeout_s + PER_RANK_WAIT_S * world_size
+
+
+def _TCPStore() -> type:
+    from torch.distributed import TCPStore
+
+    return TCPStore
+
+
+def _unwrap(store: Any) -> Any:
+    """The store under any ``PrefixStore`` layers: every thread's client sees the same keys."""
+    from torch.distributed import PrefixStore
+
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def default_store() -> Any:
+    """Returns the key-value store of the default process group.
+
+    This is the one place rankguard touches a private ``torch.distributed``
+    name; ``tests/test_side_channel.py`` fails if it disappears.
+
+    Returns:
+        The store the default process group was initialised with.
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+class SideChannel:
+    """Bounded, rank-naming exchanges of small Python objects between ranks.
+
+    Args:
+        store: A ``torch.distributed.Store`` every rank can reach, or ``None``
+            for a local (single-rank) channel.
+        rank: This process's global rank.
+        world_size: Number of ranks taking part.
+        timeout_s: Default time the deciding rank waits for every rank, before
+            scaling with the world size (:func:`scaled_timeout`).
+        prefix: Key prefix; channels with different prefixes never collide.
+
+    Attributes:
+        exchanges: Exchanges this rank has taken part in.
+        bytes_sent: Payload bytes this rank wrote to the store.
+        bytes_received: Payload and verdict bytes this rank read from the store.
+        decide_s: Time the deciding rank spent reading payloads and deciding.
+
+    Example::
+
+        channel = SideChannel.from_environment(timeout_s=60)
+        counts = channel.all_gather("eval_batches", 12)   # {0: 12, 1: 12}
+    """
+
+    def __init__(
+        self,
+        store: Any | None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        timeout_s: float = 60.0,
+        prefix: str = "rankguard",
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"`timeout_s` must be > 0, got {timeout_s!r}.")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"`rank` must be in [0, world_size={world_size}), got {rank!r}.")
+        self._root = _unwrap(store) if world_size > 1 else None
+        self._local = threading.local()
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.prefix = prefix
+        self._seq: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.exchanges = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.decide_s = 0.0
+
+    @classmethod
+    def from_environment(cls, *, timeout_s: float = 60.0, name: str = "rankguard") -> SideChannel:
+        """Builds a channel over the initialised default process group's store.
+
+        Every rank must create its channels in the same order (each gets the
+        next generation number in its prefix, so two channels never share keys);
+        under torchrun the prefix also holds the restart attempt.
+
+        Args:
+            timeout_s: Default time the deciding rank waits for every rank.
+            name: First part of the key prefix.
+
+        Returns:
+            A channel; a local one at world size 1 or without ``torch.distributed``.
+        """
+        global _channels_created
+        with _channels_lock:
+            _channels_created += 1
+            generation = _channels_created
+        # torchrun may keep one store across restarts of the workers, isolating each
+        # attempt by a key prefix this channel looks past (see `_unwrap`): keep its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "").strip()
+        prefix = f"{name}/attempt{attempt}/{generation}" if attempt else f"{name}/{generation}"
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(None, timeout_s=timeout_s, prefix=prefix)
+        return cls(
+            default_store(),
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            timeout_s=timeout_s,
+            prefix=prefix,
+        )
+
+    @property
+    def store(self) -> Any | None:
+        """This thread's store client (``None`` for a local channel).
+
+        A TCPStore client is one socket: a blocking ``wait`` on one thread
+        stalls every other thread's request on it (the watchdog thread waits
+        while the main thread checks). So each thread gets its own connection
+        to the same server; other stores are shared.
+        """
+        root = self._root
+        if root is None or not isinstance(root, _TCPStore()):
+            return root
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = _TCPStore()(
+                root.host,
+                root.port,
+                is_master=False,
+                timeout=timedelta(seconds=max(60.0, 2 * self.timeout_s)),
+                wait_for_workers=False,
+            )
+            self._local.client = client
+        return client
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether exchanges cross process boundaries."""
+        return self._root is not None
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank decides exchanges."""
+        return self.rank == _LEADER
+
+    def exchange(
+        self,
+        name: str,
+        payload: Any,
+        decide: Callable[[Mapping[int, Any]], T],
+        *,
+        timeout_s: float | None = None,
+    ) -> T:
+        """Sends ``payload`` to the deciding rank and returns its verdict.
+
+        Every rank must call ``exchange`` with the same ``name`` the same
+        number of times; calls are matched by (name, call count).
+
+        Args:
+            name: What is exchanged, e.g. ``"batch_parity/eval_start/val"``.
+            payload: A small picklable object.
+            decide: Pure function from the payload of every rank to the
+                verdict; runs on the deciding rank only.
+            timeout_s: How long the deciding rank waits for the others
+                (default: the channel's ``timeout_s``), scaled with the world
+                size by :func:`scaled_timeout`. The others wait a little
+                longer for the verdict.
+
+        Returns:
+            ``decide``'s result, the same object value on every rank.
+
+        Raises:
+            RanksMissingError: Some ranks did not arrive within the timeout;
+                the error names them. The owner of missing ranks
+                (:func:`own_missing_ranks`) sees it first and may raise its own.
+        """
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        with self._lock:
+            self.exchanges += 1
+            seq = self._seq.get(name, 0)
+            self._seq[name] = seq + 1
+        if self._root is None:
+            return decide({self.rank: payload})
+        configured, timeout = timeout, scaled_timeout(timeout, self.world_size)
+        base = f"{self.prefix}/{name}/{seq}"
+        verdict_key = f"{base}/verdict"
+        self._set(f"{base}/r{self.rank}", payload)
+        if self.is_leader:
+            verdict: Any = self._decide(base, decide, timeout)
+            self._set(verdict_key, verdict)
+        else:
+            verdict = self._await_verdict(base, verdict_key, timeout)
+        if verdict is not _NO_VERDICT:
+            # Each rank removes its own payload (the deciding rank has read it by now),
+            # so the deciding rank makes no per-rank request; the last one out the rest.
+            self._delete(f"{base}/r{self.rank}")
+            if self.store.add(f"{base}/ack", 1) == self.world_size:
+                self._delete(verdict_key, f"{base}/ack")
+        else:  # payloads stay: the others tell the missing ranks by their absence
+            verdict = self._missing_without_verdict(base)
+        if isinstance(verdict, _Missing):
+            error = self._missing_error(name, verdict.ranks, configured)
+            for owner in tuple(_missing_owner):
+                owner(error)  # may raise its own error instead
+            raise error
+        if isinstance(verdict, _Failed):
+            raise RuntimeError(f"rankguard exchange {name!r} failed on rank 0: {verdict.message}")
+        return verdict
+
+    def all_gather(self, name: str, payload: T, *, timeout_s: float | None = None) -> dict[int, T]:
+        """Returns every rank's payload, keyed by rank (O(world size) on every rank)."""
+        return self.exchange(name, payload, dict, timeout_s=timeout_s)
+
+    def broadcast(self, name: str, payload: T, *, timeout_s: float | None = None) -> T:
+        """Returns rank 0's payload on every rank."""
+        return self.exchange(name, payload, lambda values: values[_LEADER], timeout_s=timeout_s)
+
+    def barrier(self, name: str, *, timeout_s: float | None = None) -> None:
+        """Waits until every rank arrives; names the ranks that did not."""
+        self.exchange(name, None, lambda values: None, timeout_s=timeout_s)
+
+    def _decide(self, base: str, decide: Callable[[Mapping[int, Any]], Any], timeout: float) -> Any:
+        keys = [f"{base}/r{rank}" for rank in range(self.world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout))
+        except RuntimeError:
+            return _Missing([r for r, key in enumerate(keys) if not self.store.check([key])])
+        started = time.perf_counter()
+        raw = self.store.multi_get(keys)
+        self.bytes_received += sum(len(b) for b in raw)
+        values = {rank: pickle.loads(blob) for rank, blob in enumerate(raw)}
+        try:
+            return decide(values)
+        except Exception as exc:  # a verdict must reach every rank, even a failed one
+            logger.exception("rankguard: deciding exchange %s failed", base)
+            return _Failed(f"{type(exc).__name__}: {exc}")
+        finally:
+            self.decide_s += time.perf_counter() - started
+
+    def _await_verdict(self, base: str, verdict_key: str, timeout: float) -> Any:
+        # Wait longer than the deciding rank so it can publish who is missing.
+        grace = max(5.0, 0.25 * timeout)
+        started = time.monotonic()
+        try:
+            self.store.wait([verdict_key], timedelta(seconds=timeout + grace))
+        except RuntimeError:
+            logger.debug(
+                "rankguard: no verdict for %s after %.1f s", base, time.monotonic() - started
+            )
+            return _NO_VERDICT
+        blob = self.store.get(verdict_key)
+        self.bytes_received += len(blob)
+        return pickle.loads(blob)
+
+    def _missing_without_verdict(self, base: str) -> _Missing:
+        """The deciding rank never decided: it is missing itself, or late; so may others be."""
+        missing = []
+        for rank in range(self.world_size):
+            try:
+                present = self.store.check([f"{base}/r{rank}"])
+            except RuntimeError:
+                present = False
+            if not present:
+                missing.append(rank)
+        return _Missing(missing or [_LEADER])
+
+    def _set(self, key: str, value: Any) -> None:
+        blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        self.bytes_sent += len(blob)
+        self.store.set(key, blob)
+
+    def _delete(self, *keys: str) -> None:
+        for key in keys:
+            try:
+                self.store.delete_key(key)
+            except RuntimeError:  # best effort: a leftover key costs a few bytes
+                logger.debug("rankguard: could not delete store key %s", key)
+
+    def _missing_error(self, name: str, missing: list[int], timeout: float) -> RanksMissingError:
+        """The error naming ``missing``; ``timeout`` is the configured one (before scaling)."""
+        who = rank_label(missing)
+        allowance = scaled_timeout(timeout, self.world_size) - timeout
+        extra = f" + {allowance:.0f} s for {self.world_size} ranks" if allowance >= 1 else ""
+        return RanksMissingError(
+            f"{who} did not reach rankguard exchange {name!r} within {timeout:g} s{extra} "
+            f"(world size {self.world_size}); {'it is' if len(missing) == 1 else 'they are'} "
+            "still busy in an earlier phase, stuck, or dead.",
+            name=name,
+            missing=missing,
+            timeout_s=timeout,
+        )

@@ -1,0 +1,346 @@
+"""DataStallMonitor: how long each rank waits for its next batch, and who is starved.
+
+Holds :class:`DataStallMonitor`, the guard, and its cross-rank verdict
+(:func:`stall_verdict`).
+See docs/data.md#how-datastallmonitor-works.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import partial
+
+from rankguard.callbacks.core.background_exchange import BackgroundExchange, Pending
+from rankguard.callbacks.core.errors import DataStallError, RanksMissingError
+from rankguard.callbacks.core.events import EventFacts
+from rankguard.callbacks.core.guard import Guard
+from rankguard.callbacks.core.ranks import rank_label
+from rankguard.callbacks.core.settings import check_fraction, check_int
+from rankguard.callbacks.data.data_fetch import LoaderReturnClock
+from rankguard.callbacks.data.data_worker import worker_failure
+from rankguard.callbacks.data.loaders import loader_settings
+
+__all__ = ["DataStallMonitor", "IntervalStats", "StallVerdict", "stall_verdict"]
+
+# The name users filter by and recorded outputs show, kept when the module moved.
+logger = logging.getLogger("rankguard.callbacks.data_stall")
+
+FIX = (
+    "Fix: make data loading faster than a training step: raise the DataLoader's "
+    "num_workers and prefetch_factor, set persistent_workers=True (no worker restart per "
+    "epoch) and pin_memory=True; read from local disk or same-region storage; for "
+    "streaming data, raise predownload and cache_limit and keep the local cache on fast disk."
+)
+
+
+@dataclass(frozen=True)
+class IntervalStats:
+    """One rank's data-wait totals since the last exchange.
+
+    Attributes:
+        wait_s: Seconds spent waiting for batches.
+        step_s: Seconds of measured steps (train batch start to the next).
+        steps: Measured steps.
+        longest_run: Longest run of consecutive slow steps (carried over exchanges).
+        batch_size: Samples per batch, if known.
+    """
+
+    wait_s: float
+    step_s: float
+    steps: int
+    longest_run: int
+    batch_size: int | None = None
+
+    @property
+    def fraction(self) -> float | None:
+        """Wait time over step time, or ``None`` before any measured step."""
+        return self.wait_s / self.step_s if self.step_s > 0 else None
+
+    def throughput(self) -> str:
+        """Samples/s when the batch size is known, else batches/s."""
+        if self.step_s <= 0:
+            return "unknown throughput"
+        rate = self.steps / self.step_s
+        if self.batch_size:
+            return f"{rate * self.batch_size:.1f} samples/s"
+        return f"{rate:.2f} batches/s"
+
+
+@dataclass(frozen=True)
+class StallVerdict:
+    """Cross-rank summary of one interval, the same on every rank.
+
+    Attributes:
+        fraction_max: The largest wait fraction of any rank (0.0 if none measured).
+        slowest_rank: The rank with that fraction (-1 if none measured).
+        stalled: Per stalled rank, its interval statistics.
+        recovered: The ranks that are not stalled and waited at most ``threshold``
+            of their measured step time.
+    """
+
+    fraction_max: float = 0.0
+    slowest_rank: int = -1
+    stalled: dict[int, IntervalStats] = field(default_factory=dict)
+    recovered: frozenset[int] = frozenset()
+
+
+def stall_verdict(
+    per_rank: Mapping[int, IntervalStats], window: int, threshold: float
+) -> StallVerdict:
+    """Finds the slowest rank, the stalled ranks and the ranks that kept up.
+
+    Args:
+        per_rank: Every rank's statistics of the interval.
+        window: Consecutive slow steps that make a stall.
+        threshold: Wait fraction at or under which a rank that is not stalled kept up.
+
+    Returns:
+        The verdict, the same on every rank.
+    """
+    measured = {r: s.fraction for r, s in per_rank.items() if s.fraction is not None}
+    slowest = max(sorted(measured), key=lambda r: measured[r], default=-1)
+    stalled = {r: s for r, s in sorted(per_rank.items()) if s.longest_run >= window}
+    recovered = frozenset(r for r, f in measured.items() if f <= threshold and r not in stalled)
+    return StallVerdict(measured.get(slowest, 0.0), slowest, stalled, recovered)
+
+
+def describe_stall(stalled: Mapping[int, IntervalStats], threshold: float, window: int) -> str:
+    """The warning or error message for stalled ranks."""
+    details = "; ".join(
+        f"rank {r}: waited {s.fraction or 0.0:.0%} of step time, {s.longest_run} slow steps "
+        f"in a row, {s.throughput()}"
+        for r, s in stalled.items()
+    )
+    return (
+        f"Data loading cannot keep up on {rank_label(stalled)}: waited for the next batch "
+        f"more than {threshold:.0%} of step time for at least {window} consecutive steps "
+        f"({details}); in a multi-rank job every other rank waits for "
+        f"{'it' if len(stalled) == 1 else 'them'} at each collective. {FIX}"
+    )
+
+
+class DataStallMonitor(Guard):
+    """Measures per-rank data-wait time and reports ranks starved of data.
+
+    Metrics, logged by every rank every ``interval`` train batches (a key is left
+    out when nothing was measured in that interval):
+
+    =====================================  ==================================================
+    key                                    value
+    =====================================  ==================================================
+    ``rankguard/data_wait_s``              this rank's mean wait per batch over the interval (s)
+    ``rankguard/data_wait_fraction``       this rank's wait / step time over the interval
+    ``rankguard/data_wait_fraction_max``   the largest ``data_wait_fraction`` of any rank
+    ``rankguard/data_wait_slowest_rank``   the rank with that largest fraction
+    =====================================  ==================================================
+
+    Args:
+        on_violation: ``"warn"`` (default) logs a warning; ``"raise"`` raises
+            :class:`DataStallError` on every rank.
+        threshold: Wait fraction of a step above which the step is slow,
+            in (0, 1].
+        window: Consecutive slow steps that make a stall (>= 1).
+        interval: Train batches between cross-rank exchanges and metric logs (>= 1).
+
+    Raises:
+        ValueError: A setting out of range.
+        DataStallError: A rank was starved of data for ``window`` steps (``on_violation="raise"``).
+
+    Example::
+
+        monitor = DataStallMonitor(threshold=0.5, window=10, interval=50)
+        # Composer: BEFORE_DATALOADER/AFTER_DATALOADER/BATCH_START drive it via the adapter.
+    """
+
+    name = "data_stall_monitor"
+
+    def __init__(
+        self,
+        *,
+        on_violation: str = "warn",
+        threshold: float = 0.5,
+        window: int = 10,
+        interval: int = 50,
+    ) -> None:
+        super().__init__(on_violation=on_violation)
+        self.threshold = check_fraction("threshold", threshold, one=True)
+        self.window = check_int("window", window)
+        self.interval = check_int("interval", interval)
+        self.batch_size: int | None = None
+        self._clock = LoaderReturnClock()
+        self._exchanger: BackgroundExchange | None = None
+        self._pending: Pending | None = None
+        self._watch = False
+        self._reset_interval(run=0)
+        self._discard()
+        self._batches = 0
+        self._reported: frozenset[int] = frozenset()
+
+    def _reset_interval(self, run: int) -> None:
+        self._sum_wait = 0.0
+        self._sum_step = 0.0
+        self._steps = 0
+        self._run = run
+        self._longest = run
+
+    def _discard(self) -> None:
+        self._clock.disarm()
+        self._fetch_start: float | None = None
+        self._wait = 0.0
+        self._exact = True
+        self._armed = False
+        self._last_start: float | None = None
+
+    def on_fit_start(self, facts: EventFacts) -> None:
+        """Starts measuring; reads the train batch size for samples/s."""
+        train = next((lf for lf in facts.loaders if lf.is_train), None)
+        self.batch_size = loader_settings(train.loader).batch_size if train else None
+        self._batches = 0
+        self._reported = frozenset()
+        self._watch = False
+        self._reset_interval(run=0)
+        self._discard()
+        self._stop_exchanges()
+
+    def on_data_fetch_start(self, facts: EventFacts) -> None:
+        """Starts the wait clock; after a slow window, also watches the train loader's return."""
+        self._fetch_start = time.perf_counter()
+        loader = None if facts.loader is None else facts.loader.loader
+        # With the loader, the window also holds a collective: only its return is our own.
+        self._exact = loader is None or not self._clock.watchable(loader)
+        self._armed = self._watch and not self._exact and self._clock.arm(loader)
+
+    def on_data_fetch_end(self, facts: EventFacts) -> None:
+        """Stops the wait clock (at the loader's return, if it was watched and seen)."""
+        returned_at = self._clock.disarm()
+        if self._fetch_start is not None:
+            end = time.perf_counter() if returned_at is None else returned_at
+            self._wait += max(0.0, end - self._fetch_start)
+            self._fetch_start = None
+        if self._armed:  # the loader's return, or all there is to time if it was not seen
+            self._exact = True
+            self._armed = False
+
+    def on_train_batch_start(self, facts: EventFacts) -> None:
+        """Closes the previous step; acts on the last verdict; every ``interval`` batches, posts."""
+        now = time.perf_counter()
+        if self._last_start is not None:
+            self._close_step(now - self._last_start)
+        self._wait = 0.0
+        if self._pending is not None:
+            self._collect()
+        self._batches += 1
+        if self._batches % self.interval == 0:
+            self._post()
+        self._last_start = time.perf_counter()
+
+    def _close_step(self, step: float) -> None:
+        slow = self._wait > self.threshold * step
+        if slow and not self._exact:
+            self._watch = True  # maybe another rank's fetch: time the next one exactly
+            return
+        self._watch = slow
+        self._sum_step += step
+        self._sum_wait += self._wait
+        self._steps += 1
+        if slow:
+            self._run += 1
+            self._longest = max(self._longest, self._run)
+        else:
+            self._run = 0
+
+    def on_epoch_start(self, facts: EventFacts) -> None:
+        """Does not measure across the epoch boundary."""
+        self._discard()
+
+    def on_eval_start(self, facts: EventFacts) -> None:
+        """Does not measure across evaluation."""
+        self._discard()
+
+    def on_error(self, exc: BaseException, facts: EventFacts | None = None) -> bool:
+        """Logs a failed data-loader worker with this rank and step, before the error propagates.
+
+        Adapters call this from their exception hook; it never raises.
+
+        Args:
+            exc: The exception the framework is about to propagate.
+            facts: The facts of the last event, for the step.
+
+        Returns:
+            Whether ``exc`` was recognised as a data-loader failure.
+        """
+        step = facts.step if facts is not None else self._batches
+        reason: str | None = None
+        # torch's SIGCHLD handler raises (once per dead worker) wherever this thread is: while
+        # the error is explained, or while it is logged. Either way, explain and log again.
+        for _ in range(3):
+            try:
+                reason = reason or worker_failure(exc)
+                if reason is None:
+                    return False
+                logger.error(
+                    "rankguard %s: rank %d, step %d: %s", self.name, self.channel.rank, step, reason
+                )
+                return True
+            except Exception as late:
+                reason = reason or worker_failure(late)
+        return False
+
+    def on_fit_end(self, facts: EventFacts) -> None:
+        """Acts on the last interval's exchange, so its report and metrics are not lost."""
+        if self._pending is not None:
+            self._collect()
+
+    def close(self) -> None:
+        """Stops watching the loader and the exchange thread; safe to call twice, after an error."""
+        self._clock.disarm()
+        self._stop_exchanges()
+
+    def _stop_exchanges(self) -> None:
+        exchanger, self._exchanger, self._pending = self._exchanger, None, None
+        if exchanger is not None:
+            exchanger.close()
+
+    def _post(self) -> None:
+        """Hands the interval's totals to the exchange thread; the verdict comes next batch."""
+        stats = IntervalStats(
+            self._sum_wait, self._sum_step, self._steps, self._longest, self.batch_size
+        )
+        self._reset_interval(run=self._run)
+        exchanger = self._exchanger
+        if exchanger is None or exchanger.channel is not self.channel:  # a new fit or channel
+            self._stop_exchanges()
+            decide = partial(stall_verdict, window=self.window, threshold=self.threshold)
+            exchanger = BackgroundExchange(self.channel, f"{self.name}/interval", decide)
+            self._exchanger = exchanger
+        self._pending = exchanger.post(lambda: stats)
+
+    def _collect(self) -> None:
+        """Acts on the posted exchange's verdict (waits for it if it has not arrived)."""
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        try:
+            verdict: StallVerdict = pending.result()
+        except RanksMissingError as missing:
+            self.warn_once("missing", "skipping a data-wait exchange: %s", missing)
+            return
+        stats: IntervalStats = pending.payload
+        metrics: dict[str, float] = {}
+        if verdict.slowest_rank >= 0:  # some rank measured a step
+            metrics["rankguard/data_wait_fraction_max"] = verdict.fraction_max
+            metrics["rankguard/data_wait_slowest_rank"] = float(verdict.slowest_rank)
+        if stats.steps:
+            metrics["rankguard/data_wait_s"] = stats.wait_s / stats.steps
+            metrics["rankguard/data_wait_fraction"] = stats.fraction or 0.0
+        if metrics:
+            self.log_metrics(metrics)
+        newly = set(verdict.stalled) - self._reported
+        # A reported rank stays reported until it keeps up for a whole interval.
+        self._reported = frozenset(verdict.stalled) | (self._reported - verdict.recovered)
+        if newly:
+            self.violation(
+                DataStallError(describe_stall(verdict.stalled, self.threshold, self.window))
+            )

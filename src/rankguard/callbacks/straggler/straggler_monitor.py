@@ -1,0 +1,360 @@
+"""StragglerMonitor: names the rank or node whose compute makes every other rank wait.
+
+Holds :class:`StragglerMonitor`, the guard; the scores are in ``straggler_score``,
+the forward timing in ``forward_clock``.
+See docs/straggler.md#how-stragglermonitor-works.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import warnings
+from functools import partial
+from time import perf_counter
+
+import torch
+
+from rankguard.callbacks.core.background_exchange import BackgroundExchange, Pending
+from rankguard.callbacks.core.errors import RanksMissingError, StragglerError
+from rankguard.callbacks.core.events import EventFacts
+from rankguard.callbacks.core.guard import Guard
+from rankguard.callbacks.core.nodes import node_identity
+from rankguard.callbacks.core.settings import check_fraction, check_int, check_seconds
+from rankguard.callbacks.straggler.forward_clock import ForwardClock
+from rankguard.callbacks.straggler.score import (
+    RankTimes,
+    StragglerVerdict,
+    advance_streaks,
+    describe_straggler,
+    straggler_verdict,
+)
+
+__all__ = ["StragglerMonitor"]
+
+# The name users filter by and recorded outputs show, kept when the module moved.
+logger = logging.getLogger("rankguard.callbacks.straggler")
+
+
+def _median(values: list[float]) -> float | None:
+    """The median (a sort: ``statistics.median`` costs 3x as much per interval)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+class StragglerMonitor(Guard):
+    """Names the rank or node whose compute is slower than the others', every rank waiting for it.
+
+    Metrics, logged by every rank when a verdict arrives (every ``interval``
+    train batches):
+
+    ========================================  ==============================================
+    key                                       value
+    ========================================  ==============================================
+    ``rankguard/straggler_score_min``         the lowest rank score (median rank's forward
+                                              time / that rank's; 1.0 = as fast as the median)
+    ``rankguard/straggler_rank``              the rank with that score
+    ``rankguard/straggler_score``             this rank's score
+    ``rankguard/straggler_forward_s``         this rank's median forward time per batch (s;
+                                              the device's on CUDA)
+    ``rankguard/straggler_node_score_min``    the lowest node score (2 or more nodes only)
+    ``rankguard/straggler_node``              that node's index, nodes ordered by lowest rank
+    ========================================  ==============================================
+
+    Args:
+        on_violation: ``"warn"`` (default) logs a warning on every rank;
+            ``"raise"`` raises :class:`~rankguard.callbacks.core.errors.StragglerError`
+            on every rank at the same batch.
+        threshold: A rank or node is slow while its score is below this, in
+            (0, 1). 0.7: 1.43x the median rank's forward time.
+        window: Consecutive slow intervals before it is reported (>= 1).
+        interval: Train batches per interval: measured, exchanged and scored
+            together (>= 1).
+        warmup_steps: Train batches at the start of each fit that are not
+            measured (>= 0).
+        min_excess_s: A score below ``threshold`` names a rank or node only when
+            its forward takes at least this much longer per batch than the one
+            it is scored against (seconds, >= 0): smaller gaps are scheduling
+            noise, however large the ratio.
+        min_forward_s: Deprecated (a floor on the median rank's own forward
+            time, which left a rank 200x slower than a fast reference unnamed);
+            ``min_excess_s`` replaces it. ``None`` (default) or 0: every interval
+            is scored; a value > 0 keeps its old meaning (intervals whose median
+            forward time per batch is below it are not scored) and warns once
+            with a ``FutureWarning``.
+
+    Errors: :class:`~rankguard.callbacks.core.errors.StragglerError` (with
+    ``on_violation="raise"``). A model whose forward cannot be hooked, or whose
+    hooked modules never run (compiled in place), is said once at INFO; the
+    monitor then stays off for that fit.
+
+    Raises:
+        ValueError: A setting out of range.
+        StragglerError: A rank or node stayed slow for ``window`` intervals
+            (``on_violation="raise"``).
+
+    Example::
+
+        monitor = StragglerMonitor(threshold=0.7, window=3, interval=50)
+        # Composer: Trainer(..., callbacks=[rankguard.integrations.composer.StragglerMonitor()])
+    """
+
+    name = "straggler_monitor"
+
+    def __init__(
+        self,
+        *,
+        on_violation: str = "warn",
+        threshold: float = 0.7,
+        window: int = 3,
+        interval: int = 50,
+        warmup_steps: int = 20,
+        min_excess_s: float = 0.001,
+        min_forward_s: float | None = None,
+    ) -> None:
+        super().__init__(on_violation=on_violation)
+        self.threshold = check_fraction("threshold", threshold, one=False)
+        self.window = check_int("window", window)
+        self.interval = check_int("interval", interval)
+        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.min_excess_s = check_seconds("min_excess_s", min_excess_s)
+        self.min_forward_s = (
+            None if min_forward_s is None else check_seconds("min_forward_s", min_forward_s)
+        )
+        if self.min_forward_s:
+            warnings.warn(
+                "StragglerMonitor's `min_forward_s` is deprecated: noise is now judged on "
+                "the gap (`min_excess_s`, seconds of excess per batch). Remove "
+                "`min_forward_s`; set to a value > 0 it still keeps intervals whose median "
+                "forward is below it from being scored.",
+                FutureWarning,
+                stacklevel=2,
+            )
+        self._clock = ForwardClock()
+        #: The batch after which only the hooked modules the loop called keep their hooks.
+        self._learned_at = max(1, self.warmup_steps)
+        self._exchange: BackgroundExchange | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._on = False
+        self._node = ""
+        self._batches = 0
+        self._pending: Pending | None = None
+        self._collect_at = math.inf
+        self._posted: RankTimes | None = None
+        self._verdicts = 0
+        self._forward: list[float] = []
+        self._rest: list[float] = []
+        self._between: list[float] = []
+        self._baseline_samples: list[float] = []
+        self._baseline: float | None = None
+        self._streaks: dict[tuple[str, str], int] = {}
+        self._started: float | None = None
+        self._ended: float | None = None
+        self._forward_at_start = 0.0
+
+    # --- events ------------------------------------------------------------------------------
+
+    def on_fit_start(self, facts: EventFacts) -> None:
+        """Hooks the model's forward and starts measuring."""
+        self._stop()
+        self._reset()
+        model = facts.model
+        try:
+            hooked = self._clock.attach(model) if isinstance(model, torch.nn.Module) else 0
+        except Exception as exc:  # never turn a healthy run into a failed one
+            logger.info(
+                "rankguard %s: cannot hook the model's forward (%s: %s); the monitor is off "
+                "for this fit",
+                self.name,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        if not hooked:
+            logger.info(
+                "rankguard %s: the model (%s) is not a torch.nn.Module with a forward to "
+                "time; the monitor is off for this fit",
+                self.name,
+                type(model).__name__,
+            )
+            return
+        self._node = node_identity().key
+        decide = partial(
+            straggler_verdict,
+            threshold=self.threshold,
+            min_excess_s=self.min_excess_s,
+            min_forward_s=self.min_forward_s or 0.0,
+        )
+        self._exchange = BackgroundExchange(self.channel, f"{self.name}/interval", decide)
+        self._on = True
+
+    def on_train_batch_start(self, facts: EventFacts) -> None:
+        """Closes the gap since the last batch; collects and posts exchanges when due."""
+        if not self._on:
+            return
+        now = perf_counter()
+        ended = self._ended
+        if ended is not None:
+            self._between.append(now - ended)
+            self._ended = None
+        self._batches = batches = self._batches + 1
+        if batches >= self._collect_at:
+            self._collect()
+            if not self._on:
+                return
+            now = perf_counter()
+        if batches % self.interval == 0:
+            self._post()
+            now = perf_counter()
+        self._clock.begin_batch()
+        self._forward_at_start = self._clock.total_s
+        self._started = now
+
+    def on_train_batch_end(self, facts: EventFacts) -> None:
+        """Ends the batch's forward time (read at the post) and records the rest of it."""
+        started = self._started
+        if started is None:
+            return
+        now = perf_counter()
+        batches = self._batches
+        measured = batches > self.warmup_steps
+        self._clock.end_batch(measured)
+        if batches == self._learned_at:  # warm-up showed which hooked modules the loop calls
+            self._clock.keep_entered()
+        if measured:  # the rest: the batch's host time outside the forward's host time
+            self._rest.append(now - started - (self._clock.total_s - self._forward_at_start))
+            self._ended = now
+        self._started = None
+
+    def on_epoch_start(self, facts: EventFacts) -> None:
+        """The gap across an epoch boundary holds loader start-up: not measured."""
+        self._ended = None
+
+    def on_eval_start(self, facts: EventFacts) -> None:
+        """The gap across evaluation is not measured."""
+        self._ended = None
+
+    def on_checkpoint_save_start(self, facts: EventFacts) -> None:
+        """The gap across a checkpoint save is not measured."""
+        self._ended = None
+
+    def on_fit_end(self, facts: EventFacts) -> None:
+        """Collects the last verdict, so its report and metrics are not lost."""
+        if self._on and self._pending is not None:
+            self._collect()
+
+    def close(self) -> None:
+        """Removes the hooks and stops the exchange thread; safe to call twice."""
+        self._stop()
+        self._on = False
+
+    def _stop(self) -> None:
+        self._clock.detach()
+        if self._exchange is not None:
+            self._exchange.close()
+            self._exchange = None
+        self._pending = None
+
+    # --- exchange ----------------------------------------------------------------------------
+
+    def _post(self) -> None:
+        """Hands this interval's samples to the exchange thread, which summarizes them.
+
+        The forward times are those the clock has ready: on CUDA, the batches
+        whose events have completed; the others join the next interval.
+        """
+        self._forward.extend(self._clock.ready())
+        samples = self._forward, self._rest, self._between
+        self._forward, self._rest, self._between = [], [], []
+        node, baseline = self._node, self._baseline
+
+        def summarize() -> RankTimes:
+            forward, rest, between = samples
+            return RankTimes(
+                node=node,
+                steps=len(forward),
+                forward_s=_median(forward) or 0.0,
+                rest_s=_median(rest) or 0.0,
+                between_s=_median(between),
+                baseline_s=baseline,
+            )
+
+        assert self._exchange is not None
+        self._pending = self._exchange.post(summarize)
+        self._collect_at = self._batches + max(1, self.interval // 2)
+
+    def _collect(self) -> None:
+        pending, self._pending = self._pending, None
+        self._collect_at = math.inf
+        if pending is None:
+            return
+        try:
+            verdict: StragglerVerdict = pending.result()
+        except RanksMissingError as missing:
+            self.warn_once("missing", "skipping a straggler exchange: %s", missing)
+            return
+        except Exception as exc:
+            self.warn_once("failed", "a straggler exchange failed (%s); skipping it", exc)
+            return
+        self._posted = pending.payload
+        if not verdict.steps:  # every batch of the interval was warm-up
+            return
+        self._verdicts += 1
+        if verdict.reference is None and self._verdicts == 1:
+            # Batches were measured, but no rank's hooked modules ran a forward in them:
+            # every rank got this verdict and turns off together.
+            logger.info(
+                "rankguard %s: no forward pass of the hooked modules ran in the %d train "
+                "batches measured (a model compiled in place, or a loop that calls none of "
+                "them); the monitor is off for this fit",
+                self.name,
+                verdict.steps,
+            )
+            self._stop()
+            self._on = False
+            return
+        if verdict.scored:
+            self._log(verdict)
+            self._learn_baseline()
+            self._judge(verdict)
+
+    def _log(self, verdict: StragglerVerdict) -> None:
+        metrics = {
+            "rankguard/straggler_score_min": verdict.score_min,
+            "rankguard/straggler_rank": float(verdict.slowest_rank),
+        }
+        mine = self._posted
+        if mine is not None and mine.steps and mine.forward_s > 0 and verdict.reference:
+            metrics["rankguard/straggler_score"] = verdict.reference.forward_s / mine.forward_s
+            metrics["rankguard/straggler_forward_s"] = mine.forward_s
+        if verdict.node_score_min is not None and verdict.slowest_node is not None:
+            metrics["rankguard/straggler_node_score_min"] = verdict.node_score_min
+            metrics["rankguard/straggler_node"] = float(verdict.slowest_node)
+        self.log_metrics(metrics)
+
+    def _learn_baseline(self) -> None:
+        """This rank's own forward time over its first ``window`` scored intervals."""
+        mine = self._posted
+        if self._baseline is None and mine is not None and mine.steps and mine.forward_s > 0:
+            self._baseline_samples.append(mine.forward_s)
+            if len(self._baseline_samples) >= self.window:
+                self._baseline = statistics.median(self._baseline_samples)
+
+    def _judge(self, verdict: StragglerVerdict) -> None:
+        self._streaks, named = advance_streaks(self._streaks, verdict.slow, self.window)
+        if not named or verdict.reference is None:
+            return
+        reference = verdict.reference
+        message = "\n".join(
+            describe_straggler(
+                s, reference, threshold=self.threshold, window=self.window, interval=self.interval
+            )
+            for s in named
+        )
+        self.violation(StragglerError(message))

@@ -1,0 +1,246 @@
+"""Core events in the documented order, from adapters that see the training loop point by point.
+
+Composer and Lightning announce every point of the loop themselves. A
+hand-written loop (wrapped by :mod:`rankguard.integrations.torch`) and the
+Hugging Face Trainer's callback hooks do not: a train batch's end is known only
+when the next fetch, eval or save starts, and the Trainer has no hook when it
+starts fetching. :class:`EventDriver` takes what the adapter knows, fills in the
+ends the loop cannot announce, and fires each core event with the step and
+epoch, in the order
+docs/design.md#events-the-training-loop-as-the-guards-see-it documents:
+
+* a train batch ends (TRAIN_BATCH_END) at the next fetch, epoch start or end,
+  eval start, save start or fit end, whichever comes first;
+* a fetch window (DATA_FETCH_START) opens once, however many times the adapter
+  says so, and an eval, epoch start or epoch end abandons a window that was open;
+* evaluations may announce several loaders at once (Lightning and the Trainer
+  start every eval loader together), and end one at a time.
+
+The driver checks its own invariants (``RuntimeError``); the adapters check
+their users' calls and name them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts, LoaderPass
+from rankguard.callbacks.core.guard import GuardRunner, MetricSink
+
+__all__ = ["EventDriver", "inspection_limits"]
+
+logger = logging.getLogger(__name__)
+
+
+def inspection_limits(facts: LoaderFacts) -> str | None:
+    """What the guards cannot read from a loader, or ``None`` if it is fully inspectable.
+
+    A loader without ``__len__`` (an iterable, a generator) has no planned batch
+    count; one that is neither a ``DataLoader`` nor a dataset has no dataset to
+    fingerprint.
+    """
+    from torch.utils.data import DataLoader, Dataset
+
+    limits = []
+    if facts.num_batches is None:
+        try:
+            len(facts.loader)
+        except (TypeError, NotImplementedError):
+            limits.append("no __len__: batch counts are compared only after each eval")
+    if not isinstance(facts.loader, DataLoader | Dataset):
+        limits.append("no dataset: its data is not fingerprinted")
+    return "; ".join(limits) or None
+
+
+class EventDriver:
+    """Fires core events on a :class:`GuardRunner` in order, filling in the implied ones.
+
+    Args:
+        runner: The guards' runner.
+        log_metrics: Where the guards' metrics go.
+
+    Attributes:
+        step: Train batches ended so far in this fit (the index of the next one).
+        epoch: The current epoch, from 0 (-1 before the first).
+        fitting: Between :meth:`fit_start` and :meth:`fit_end` / :meth:`abandon`.
+        saving: Between :meth:`save_start` and :meth:`save_end`.
+        evals: The eval loaders started and not yet ended, in order.
+        eval_batches: Eval batches started of ``evals[0]``.
+    """
+
+    def __init__(self, runner: GuardRunner, log_metrics: MetricSink | None = None) -> None:
+        self.runner = runner
+        self.log_metrics = log_metrics
+        self.fitting = False
+        self._reset()
+        self._noted: set[str] = set()
+
+    def _reset(self) -> None:
+        self.step = 0
+        self.epoch = -1
+        self.saving = False
+        self.evals: list[LoaderFacts] = []
+        self.eval_batches = 0
+        self._batch_open = False
+        self._eval_batch_open = False
+        self._fetching = False
+
+    @property
+    def batch_open(self) -> bool:
+        """Whether a train batch started and has not ended."""
+        return self._batch_open
+
+    def fire(self, event: Event, **facts: Any) -> None:
+        """Fires ``event`` with the current step and epoch and ``facts``."""
+        if self.runner.handles(event):
+            epoch = max(self.epoch, 0)
+            if facts:
+                event_facts = EventFacts(step=self.step, epoch=epoch, **facts)
+            else:
+                event_facts = EventFacts.at(self.step, epoch)
+            self.runner.fire(event, event_facts, self.log_metrics)
+
+    def note_limits(self, loaders: Iterable[LoaderFacts]) -> None:
+        """Says once per loader name, at INFO, what the guards cannot read from it."""
+        for facts in loaders:
+            limits = inspection_limits(facts)
+            if limits and facts.name not in self._noted:
+                self._noted.add(facts.name)
+                logger.info(
+                    "rankguard: loader %r (%s) is checked as far as it can be: %s",
+                    facts.name,
+                    type(facts.loader).__name__,
+                    limits,
+                )
+
+    # -- fit -----------------------------------------------------------------------------
+
+    def fit_start(self, **facts: Any) -> None:
+        """FIT_START with ``facts`` (loaders, model, optimizer, directories, ...)."""
+        if self.fitting:
+            raise RuntimeError("rankguard: FIT_START while a fit is running (expected FIT_END)")
+        self._reset()
+        self.fitting = True
+        self.note_limits(facts.get("loaders", ()))
+        self.fire(Event.FIT_START, **facts)
+
+    def fit_end(self) -> None:
+        """Ends what is open, then FIT_END."""
+        self.end_train_batch()
+        self.fitting = False
+        self.fire(Event.FIT_END)
+
+    def abandon(self, exc: BaseException | None = None) -> None:
+        """Ends the fit without FIT_END (an error, or a framework restarting its loop).
+
+        Guards that explain errors see ``exc`` first; then every guard stops.
+        """
+        self.fitting = False
+        try:
+            if exc is not None:
+                self.runner.error(exc, EventFacts(step=self.step, epoch=max(self.epoch, 0)))
+        finally:
+            self.runner.close()
+
+    # -- train -------------------------------------------------------------------------
+
+    def epoch_start(self, loader: LoaderFacts | None) -> None:
+        """EPOCH_START; a fetch window open before it is abandoned."""
+        self.end_train_batch()
+        self._fetching = False
+        self.epoch += 1
+        self.fire(Event.EPOCH_START, loader=loader)
+
+    def epoch_end(self, loader: LoaderFacts | None, loader_pass: LoaderPass | None = None) -> None:
+        """EPOCH_END of the current epoch (its last train batch ends; a fetch window is dropped)."""
+        self.end_train_batch()
+        self._fetching = False
+        self.fire(Event.EPOCH_END, loader=loader, loader_pass=loader_pass)
+
+    def fetch_start(self) -> None:
+        """DATA_FETCH_START, once per fetch (ends the train batch before it)."""
+        self.end_train_batch()
+        if not self._fetching:
+            self._fetching = True
+            self.fire(Event.DATA_FETCH_START)
+
+    def fetch_end(self) -> None:
+        """DATA_FETCH_END (a window nobody opened opens here, empty)."""
+        self.fetch_start()
+        self._fetching = False
+        self.fire(Event.DATA_FETCH_END)
+
+    def train_batch_start(self) -> None:
+        """TRAIN_BATCH_START of batch :attr:`step`."""
+        if self._fetching:
+            self.fetch_end()
+        self._batch_open = True
+        self.fire(Event.TRAIN_BATCH_START)
+
+    def end_train_batch(self) -> None:
+        """TRAIN_BATCH_END of the open train batch, if one is open."""
+        if self._batch_open:
+            self._batch_open = False
+            self.fire(Event.TRAIN_BATCH_END)
+            self.step += 1
+
+    # -- eval --------------------------------------------------------------------------
+
+    def eval_start(self, loaders: list[LoaderFacts]) -> None:
+        """EVAL_START of each loader (before its first batch); they end one at a time."""
+        if self.evals:
+            raise RuntimeError("rankguard: EVAL_START while an eval is running (expected EVAL_END)")
+        self.end_train_batch()
+        self._fetching = False
+        self.evals = list(loaders)
+        self.eval_batches = 0
+        self._eval_batch_open = False
+        self.note_limits(loaders)
+        for facts in self.evals:
+            self.fire(Event.EVAL_START, loader=facts)
+
+    def eval_batch_start(self) -> None:
+        """EVAL_BATCH_START of the next batch of the current eval loader."""
+        self._eval_batch_open = True
+        self.fire(Event.EVAL_BATCH_START, loader=self.evals[0], batch_index=self.eval_batches)
+
+    def eval_batch_end(self) -> None:
+        """EVAL_BATCH_END of the current eval batch."""
+        self._eval_batch_open = False
+        self.fire(Event.EVAL_BATCH_END, loader=self.evals[0], batch_index=self.eval_batches)
+        self.eval_batches += 1
+
+    def eval_end(self, loader_pass: LoaderPass | None = None) -> LoaderFacts:
+        """EVAL_END of the current eval loader, with what its pass did if seen; returns it."""
+        if not self.evals:
+            raise RuntimeError("rankguard: EVAL_END without EVAL_START")
+        if self._eval_batch_open:
+            self.eval_batch_end()
+        facts = self.evals.pop(0)
+        self.eval_batches = 0
+        self.fire(Event.EVAL_END, loader=facts, loader_pass=loader_pass)
+        return facts
+
+    # -- checkpoint --------------------------------------------------------------------
+
+    def load_start(self, load_path: str, upload_setting: str | None = None) -> None:
+        """CHECKPOINT_LOAD_START before ``load_path`` is read (before the fit, or during it)."""
+        if not self.fitting:  # a resume: no step of an earlier fit applies
+            self._reset()
+        self.fire(Event.CHECKPOINT_LOAD_START, load_path=load_path, upload_setting=upload_setting)
+
+    def save_start(self, directories: list[str], model: Any = None) -> None:
+        """CHECKPOINT_SAVE_START before a save into ``directories``."""
+        if self.saving:
+            raise RuntimeError("rankguard: CHECKPOINT_SAVE_START during a save")
+        self.end_train_batch()
+        self._fetching = False
+        self.saving = True
+        self.fire(Event.CHECKPOINT_SAVE_START, directories=list(directories), model=model)
+
+    def save_end(self) -> None:
+        """CHECKPOINT_SAVE_END."""
+        self.saving = False
+        self.fire(Event.CHECKPOINT_SAVE_END)

@@ -1,0 +1,535 @@
+"""rankguard callbacks for MosaicML Composer.
+
+Translation only: Composer events become rankguard core events (the table:
+docs/design.md#events-the-training-loop-as-the-guards-see-it), and the facts the guards
+need (train loader, each evaluator's loader and planned batch count) are read
+from Composer's public ``State``.
+
+Example::
+
+    from composer import Trainer
+    from rankguard.integrations.composer import RankGuard
+
+    trainer = Trainer(..., callbacks=[RankGuard(hang_watchdog={"timeout_s": 300})])
+
+Requires ``pip install 'rankguard[composer]'``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from rankguard.callbacks.batches.loader_passes import PassCounter
+from rankguard.callbacks.checkpoint.plan import register_sharded_setting
+from rankguard.callbacks.core.events import Event as CoreEvent
+from rankguard.callbacks.core.events import EventFacts, LoaderFacts
+from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.integrations._common import bundle_init, guard_init
+
+try:
+    from composer import Trainer
+    from composer.callbacks import CheckpointSaver
+    from composer.core import Callback, Event, State
+    from composer.loggers import Logger, RemoteUploaderDownloader
+    from composer.utils import format_name_with_dist
+    from torch.utils.data import DistributedSampler
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "rankguard.integrations.composer needs Composer: pip install 'rankguard[composer]'"
+    ) from exc
+
+_EVENTS: dict[Event, CoreEvent] = {
+    Event.BEFORE_LOAD: CoreEvent.CHECKPOINT_LOAD_START,
+    Event.FIT_START: CoreEvent.FIT_START,
+    Event.EPOCH_START: CoreEvent.EPOCH_START,
+    Event.BEFORE_DATALOADER: CoreEvent.DATA_FETCH_START,
+    Event.AFTER_DATALOADER: CoreEvent.DATA_FETCH_END,
+    Event.BATCH_START: CoreEvent.TRAIN_BATCH_START,
+    Event.BATCH_END: CoreEvent.TRAIN_BATCH_END,
+    Event.EVAL_START: CoreEvent.EVAL_START,
+    Event.EVAL_BATCH_START: CoreEvent.EVAL_BATCH_START,
+    Event.EVAL_BATCH_END: CoreEvent.EVAL_BATCH_END,
+    Event.EVAL_END: CoreEvent.EVAL_END,
+    Event.BATCH_CHECKPOINT: CoreEvent.CHECKPOINT_SAVE_START,
+    Event.EPOCH_CHECKPOINT: CoreEvent.CHECKPOINT_SAVE_START,
+    Event.EPOCH_END: CoreEvent.EPOCH_END,
+    Event.FIT_END: CoreEvent.FIT_END,
+}
+
+#: ``_EVENTS`` keyed by each member's ``id``: Composer calls ``run_event`` some 13 times a
+#: batch, and its ``StringEnum`` hashes in Python (about 1 us a lookup, 0.2 us by ``id``).
+_EVENTS_BY_ID: dict[int, CoreEvent] = {id(event): core for event, core in _EVENTS.items()}
+#: Composer events that start or end a fit.
+_FIT_BOUNDS = (CoreEvent.FIT_START, CoreEvent.FIT_END)
+
+#: Core events whose facts are the step and epoch alone (shared within a step).
+_PER_STEP = (CoreEvent.DATA_FETCH_END, CoreEvent.TRAIN_BATCH_START, CoreEvent.TRAIN_BATCH_END)
+
+#: The event that starts a pass over a loader, by the event that ends it.
+_PASS_ENDS = {CoreEvent.EVAL_END: CoreEvent.EVAL_START, CoreEvent.EPOCH_END: CoreEvent.EPOCH_START}
+_PASS_END = {start: end for end, start in _PASS_ENDS.items()}
+
+_EVAL_EVENTS = (
+    CoreEvent.EVAL_START,
+    CoreEvent.EVAL_BATCH_START,
+    CoreEvent.EVAL_BATCH_END,
+    CoreEvent.EVAL_END,
+)
+
+
+def _train_loader(state: State) -> LoaderFacts | None:
+    loader = state.train_dataloader
+    if loader is None:
+        return None
+    return LoaderFacts("train", loader, is_train=True, num_batches=_as_int(state.dataloader_len))
+
+
+def _evaluator_loaders(state: State) -> list[LoaderFacts]:
+    facts = []
+    for evaluator in state.evaluators:
+        loader = evaluator.dataloader.dataloader
+        planned = None
+        subset = evaluator.subset_num_batches
+        if subset is not None and subset > 0:
+            try:
+                planned = min(subset, len(loader))
+            except TypeError:
+                planned = None
+        facts.append(LoaderFacts(evaluator.label, loader, is_train=False, num_batches=planned))
+    return facts
+
+
+def _savers(state: State) -> list[CheckpointSaver]:
+    return [cb for cb in state.callbacks if isinstance(cb, CheckpointSaver)]
+
+
+def save_directories(state: State) -> list[str]:
+    """The local folders Composer's checkpoint savers write to (formatted per rank)."""
+    return [format_name_with_dist(saver.folder, state.run_name) for saver in _savers(state)]
+
+
+def save_due(state: State, event: Event) -> bool:
+    """Whether a checkpoint saver will save at this ``*_CHECKPOINT`` event.
+
+    Composer fires BATCH_CHECKPOINT after every batch; a save happens only when
+    a saver's ``save_interval`` says so. That scheduler only records the last
+    batch it answered ``True`` for, so asking it first (rankguard runs before
+    the savers, which Composer appends after user callbacks) does not change
+    the saver's answer.
+    """
+    return any(saver.save_interval(state, event) for saver in _savers(state))
+
+
+def checkpoint_uploads(state: State, logger: Logger) -> dict[str, str]:
+    """The save folders whose checkpoints Composer also uploads, and where to.
+
+    A remote ``save_folder`` (``s3://bucket/run``) makes the saver stage each
+    checkpoint in a local temporary folder and upload it; a
+    ``RemoteUploaderDownloader`` logger uploads what a saver with a
+    ``remote_file_name`` saves.
+    """
+    remote = [d for d in logger.destinations if isinstance(d, RemoteUploaderDownloader)]
+    uploads = {}
+    for saver in _savers(state):
+        folder = format_name_with_dist(saver.folder, state.run_name)
+        if saver.remote_uploader is not None:
+            uploads[folder] = str(saver.remote_uploader.remote_folder)
+        elif saver.remote_file_name is not None and remote:
+            uploads[folder] = f"{remote[0].remote_backend_name}://{remote[0].remote_bucket_name}"
+    return uploads
+
+
+#: Composer's remote checkpoint storage, named in rankguard's messages as the fix for
+#: node-local checkpoint folders.
+UPLOAD_SETTING = (
+    "save to and resume from remote storage: Composer uploads every checkpoint with a remote "
+    "`save_folder` (e.g. `save_folder='s3://bucket/run/checkpoints'`) and downloads on every "
+    "node with a remote `load_path`"
+)
+
+
+def trainer_load_path() -> str | None:
+    """The ``load_path`` the ``Trainer`` being constructed will load, read at ``BEFORE_LOAD``.
+
+    Composer loads the checkpoint inside ``Trainer.__init__`` and records the
+    path (``State.load_path``) only after loading, so before loading it is a
+    local variable of ``Trainer.__init__`` on the call stack. This is the one
+    place rankguard reads a framework's local variable;
+    ``tests/test_adapters.py`` fails if Composer renames it or moves the load.
+
+    Returns:
+        The path, or ``None`` (no checkpoint to load, or not called from a
+        ``Trainer`` under construction).
+    """
+    frame = inspect.currentframe()
+    init = Trainer.__init__.__code__
+    while frame is not None and frame.f_code is not init:
+        frame = frame.f_back
+    load_path = frame.f_locals.get("load_path") if frame is not None else None
+    return str(load_path) if load_path else None
+
+
+#: Composer's setting for sharded checkpoints (FSDP), named in rankguard's messages.
+SHARDED_SETTING = "parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}"
+register_sharded_setting("Composer", SHARDED_SETTING)
+
+
+def sharded_switch(state: State) -> Callable[[], str] | None:
+    """How to make this job's later saves sharded, or ``None`` without FSDP.
+
+    Composer reads ``fsdp_config.state_dict_type`` at every save, so changing it
+    at FIT_START changes every save of this fit.
+    """
+    config = state.fsdp_config
+    if config is None or not state.fsdp_enabled:
+        return None
+
+    def switch() -> str:
+        config.state_dict_type = "sharded"
+        return f"set Composer's {type(config).__name__}.state_dict_type to 'sharded'"
+
+    return switch
+
+
+def observe_pass(state: State) -> PassCounter | None:
+    """Hands Composer a :class:`PassCounter` for the loader it iterates next, if it may.
+
+    Called at ``EPOCH_START`` and ``EVAL_START``, after which Composer iterates
+    ``state.dataloader`` (public: ``State.set_dataloader`` replaces it, with
+    the same label and batch count). Composer stops every rank as soon as one
+    runs out of data, so only the loader's own iterator tells a rank that ran
+    out from one that still had data. A loader with a ``DistributedSampler``
+    is left as it is: Composer looks for that sampler on a ``DataLoader`` (to
+    set its epoch), and its batches are counted before the first batch anyway.
+
+    Returns:
+        The counter now in ``state.dataloader``, or ``None``.
+    """
+    loader = state.dataloader
+    if loader is None or isinstance(loader, PassCounter):
+        return None
+    samplers = (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None))
+    if any(isinstance(s, DistributedSampler) for s in samplers):
+        return None
+    counter = PassCounter(loader)
+    length = state.dataloader_len
+    state.set_dataloader(counter, state.dataloader_label, -1 if length is None else int(length))
+    return counter
+
+
+def _as_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def event_facts(event: CoreEvent, state: State, logger: Logger) -> EventFacts:
+    """Reads the facts a core event needs from Composer's ``State``."""
+    timestamp = state.timestamp
+    step, epoch = timestamp.batch.value, timestamp.epoch.value
+    if event in _PER_STEP:
+        return EventFacts.at(step, epoch)
+    facts = EventFacts(step=step, epoch=epoch)
+    if event is CoreEvent.CHECKPOINT_LOAD_START:
+        facts.load_path = trainer_load_path()
+        facts.upload_setting = UPLOAD_SETTING
+    elif event is CoreEvent.FIT_START:
+        train = _train_loader(state)
+        facts.loaders = ([train] if train else []) + _evaluator_loaders(state)
+        facts.model = state.model
+        facts.optimizer = state.optimizers[0] if state.optimizers else None
+        facts.directories = save_directories(state)
+        facts.state_dict_type = state.fsdp_state_dict_type or "full"
+        facts.switch_to_sharded = sharded_switch(state)
+        facts.sharded_setting = SHARDED_SETTING
+        facts.uploads = checkpoint_uploads(state, logger)
+        facts.upload_setting = UPLOAD_SETTING
+    elif event is CoreEvent.CHECKPOINT_SAVE_START:
+        facts.model = state.model
+        facts.directories = save_directories(state)
+    elif event is CoreEvent.EPOCH_END:
+        facts.epoch -= 1  # Composer counts the epoch as done before EPOCH_END
+        facts.loader = _train_loader(state)
+    elif event in (CoreEvent.EPOCH_START, CoreEvent.DATA_FETCH_START):
+        # DATA_FETCH_START: Composer's window also holds an all_reduce over the ranks, so
+        # the data-stall monitor times the loader's own return (see callbacks/data/data_fetch.py).
+        facts.loader = _train_loader(state)
+    elif event in _EVAL_EVENTS:
+        loader = state.dataloader
+        facts.loader = LoaderFacts(
+            str(state.dataloader_label),
+            loader.loader if isinstance(loader, PassCounter) else loader,
+            is_train=False,
+            num_batches=_as_int(state.dataloader_len),
+        )
+        # Composer counts the batch as done before EVAL_BATCH_END: it ran the one before.
+        done = int(state.eval_timestamp.batch)
+        facts.batch_index = done - 1 if event is CoreEvent.EVAL_BATCH_END else done
+    return facts
+
+
+def escaping_exception() -> BaseException | None:
+    """The exception that is ending the run, seen from ``Callback.close``.
+
+    Composer has no exception event: an error raised in ``fit`` propagates, and
+    callbacks are closed from the caller's ``finally: trainer.close()`` (the
+    exception is then being handled: ``sys.exc_info``) or at interpreter exit
+    (``Engine`` registers its close with ``atexit``, after Python printed the
+    traceback and kept the exception in ``sys.last_exc``/``sys.last_value``).
+    """
+    current = sys.exc_info()[1]
+    if current is not None:
+        return current
+    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+
+
+class _ComposerAdapter(Callback):
+    """Drives a :class:`GuardRunner` from Composer events."""
+
+    def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
+        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
+        self._fitting = False
+        self._passes: dict[str, tuple[PassCounter, Any]] = {}
+
+    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+        """Translates a Composer event and dispatches it to the guards."""
+        core_event = _EVENTS_BY_ID.get(id(event))
+        if core_event is None:  # most of Composer's events: rankguard has no use for them
+            return
+        if core_event in _FIT_BOUNDS:
+            self._fitting = core_event is CoreEvent.FIT_START
+            self._passes.clear()
+        if not self.runner.handles(core_event):
+            return
+        if core_event is CoreEvent.CHECKPOINT_SAVE_START and not save_due(state, event):
+            return
+        facts = event_facts(core_event, state, logger)
+        if core_event is CoreEvent.CHECKPOINT_LOAD_START and facts.load_path is None:
+            return
+        if core_event in _PASS_ENDS:
+            facts.loader_pass = self._pass_end(state, core_event)
+        self.runner.fire(core_event, facts, logger.log_metrics)
+        if core_event in _PASS_ENDS.values() and self.runner.handles(_PASS_END[core_event]):
+            original = state.dataloader
+            counter = observe_pass(state)
+            if counter is not None:
+                self._passes[str(state.dataloader_label)] = (counter, original)
+
+    def _pass_end(self, state: State, event: CoreEvent) -> Any:
+        """What the pass that ends now did; puts the train loader back at its epoch end."""
+        counter, original = self._passes.pop(str(state.dataloader_label), (None, None))
+        if counter is None:
+            return None
+        if event is CoreEvent.EPOCH_END and state.dataloader is counter:
+            length = state.dataloader_len
+            label = state.dataloader_label
+            state.set_dataloader(original, label, -1 if length is None else int(length))
+        return counter.result()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guards' state (the hang watchdog's calibration), saved in Composer checkpoints."""
+        return self.runner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the guards' state when Composer loads a checkpoint (load_path, autoresume)."""
+        self.runner.load_state_dict(state)
+
+    def close(self, state: State, logger: Logger) -> None:
+        """Lets guards explain an error that ended fit (a dead data worker), then stops them.
+
+        Safe to call twice and after an exception.
+        """
+        del logger
+        if self._fitting:  # fit started and did not end: an exception is ending the run
+            self._fitting = False
+            exc = escaping_exception()
+            if exc is not None:
+                timestamp = state.timestamp
+                facts = EventFacts(step=int(timestamp.batch), epoch=int(timestamp.epoch))
+                self.runner.error(exc, facts)
+        self.runner.close()
+
+
+# -- Public classes: written by tools/generate_api.py from the guard registry; do not edit
+# (tests/test_api.py checks it): run `.venv/bin/python tools/generate_api.py` after
+# changing a guard's settings or the registry.
+
+
+class RankGuard(_ComposerAdapter):
+    """Every rankguard guard with sound defaults, as a Composer callback.
+
+    Args:
+        exchange_timeout_s: How long a cross-rank check waits for every rank
+            before naming the ones that did not arrive (seconds; grows by 5 ms
+            per rank with the world size, see ``docs/scale.md``). The hang
+            watchdog's own exchanges use its settings.
+        **per_guard_config: Per guard, by snake-case name, a dict of its
+            settings or ``False`` to leave it out, e.g.
+            ``RankGuard(batch_parity_guard={"on_violation": "warn"}, drop_last_guard=False)``.
+    """
+
+    @bundle_init(_ComposerAdapter)
+    def __init__(
+        self,
+        exchange_timeout_s: float = 300.0,
+        *,
+        hang_watchdog: dict[str, Any] | bool = True,
+        data_consistency_guard: dict[str, Any] | bool = True,
+        drop_last_guard: dict[str, Any] | bool = True,
+        batch_parity_guard: dict[str, Any] | bool = True,
+        shared_dir_barrier: dict[str, Any] | bool = True,
+        checkpoint_planner: dict[str, Any] | bool = True,
+        data_stall_monitor: dict[str, Any] | bool = True,
+        straggler_monitor: dict[str, Any] | bool = True,
+    ) -> None:
+        """Builds the guards of :class:`RankGuard`."""
+
+
+class HangWatchdog(_ComposerAdapter):
+    """A Composer callback for :class:`rankguard.callbacks.HangWatchdog` (same arguments)."""
+
+    @guard_init(_ComposerAdapter, "hang_watchdog")
+    def __init__(
+        self,
+        *,
+        timeout_s: float | None = None,
+        eval_timeout_s: float | None = None,
+        post_eval_timeout_s: float | None = None,
+        checkpoint_timeout_s: float | None = None,
+        first_step_timeout_s: float = 1800.0,
+        action: str = "abort",
+        abort_at: str = "ceiling",
+        report_dir: str = "./rankguard_reports",
+        exchange_period_s: float = 10.0,
+        auto_calibrate: bool = True,
+        warmup_steps: int = 10,
+        calibration_factor: float = 10.0,
+        floor_s: float = 30.0,
+        deadlock_action: str = "abort",
+        deadlock_after_s: float = 3.0,
+    ) -> None:
+        """Builds the guards of :class:`HangWatchdog`."""
+
+
+class DataConsistencyGuard(_ComposerAdapter):
+    """A Composer callback for :class:`rankguard.callbacks.DataConsistencyGuard` (same arguments)."""  # noqa: E501
+
+    @guard_init(_ComposerAdapter, "data_consistency_guard")
+    def __init__(
+        self,
+        *,
+        on_violation: str = "raise",
+        sample_items: int = 16,
+        check_content: bool | str = "auto",
+        check_rng: bool = True,
+    ) -> None:
+        """Builds the guards of :class:`DataConsistencyGuard`."""
+
+
+class DropLastGuard(_ComposerAdapter):
+    """A Composer callback for :class:`rankguard.callbacks.DropLastGuard` (same arguments)."""
+
+    @guard_init(_ComposerAdapter, "drop_last_guard")
+    def __init__(
+        self,
+        *,
+        mode: str = "check",
+        on_violation: str = "raise",
+        warn_eval_padding: bool = True,
+    ) -> None:
+        """Builds the guards of :class:`DropLastGuard`."""
+
+
+class BatchParityGuard(_ComposerAdapter):
+    """A Composer callback for :class:`rankguard.callbacks.BatchParityGuard` (same arguments)."""
+
+    @guard_init(_ComposerAdapter, "batch_parity_guard")
+    def __init__(
+        self,
+        *,
+        on_violation: str = "raise",
+        eval_end_timeout_s: float = 120.0,
+        check_train: bool = True,
+        check_eval: bool = True,
+        max_count_samples: int = 1000000,
+    ) -> None:
+        """Builds the guards of :class:`BatchParityGuard`."""
+
+
+class SharedDirBarrier(_ComposerAdapter):
+    """A Composer callback for :class:`rankguard.callbacks.SharedDirBarrier` (same arguments)."""
+
+    @guard_init(_ComposerAdapter, "shared_dir_barrier")
+    def __init__(
+        self,
+        *,
+        on_violation: str = "raise",
+        timeout_s: float = 600.0,
+        poll_s: float = 0.05,
+        probe_wait_s: float = 2.0,
+        on_node_local: str = "warn",
+    ) -> None:
+        """Builds the guards of :class:`SharedDirBarrier`."""
+
+
+class CheckpointPlanner(_ComposerAdapter):
+    """A Composer callback for :class:`rankguard.callbacks.CheckpointPlanner` (same arguments)."""
+
+    @guard_init(_ComposerAdapter, "checkpoint_planner")
+    def __init__(
+        self,
+        *,
+        mode: str = "warn",
+        materialize: str = "rank0",
+        writer: str = "file",
+        host_memory_bytes: int | None = None,
+        state_dict_type: str = "full",
+    ) -> None:
+        """Builds the guards of :class:`CheckpointPlanner`."""
+
+
+class DataStallMonitor(_ComposerAdapter):
+    """A Composer callback for :class:`rankguard.callbacks.DataStallMonitor` (same arguments)."""
+
+    @guard_init(_ComposerAdapter, "data_stall_monitor")
+    def __init__(
+        self,
+        *,
+        on_violation: str = "warn",
+        threshold: float = 0.5,
+        window: int = 10,
+        interval: int = 50,
+    ) -> None:
+        """Builds the guards of :class:`DataStallMonitor`."""
+
+
+class StragglerMonitor(_ComposerAdapter):
+    """A Composer callback for :class:`rankguard.callbacks.StragglerMonitor` (same arguments)."""
+
+    @guard_init(_ComposerAdapter, "straggler_monitor")
+    def __init__(
+        self,
+        *,
+        on_violation: str = "warn",
+        threshold: float = 0.7,
+        window: int = 3,
+        interval: int = 50,
+        warmup_steps: int = 20,
+        min_excess_s: float = 0.001,
+        min_forward_s: float | None = None,
+    ) -> None:
+        """Builds the guards of :class:`StragglerMonitor`."""
+
+
+__all__ = [
+    "BatchParityGuard",
+    "CheckpointPlanner",
+    "DataConsistencyGuard",
+    "DataStallMonitor",
+    "DropLastGuard",
+    "HangWatchdog",
+    "RankGuard",
+    "SharedDirBarrier",
+    "StragglerMonitor",
+]

@@ -1,0 +1,567 @@
+"""rankguard callbacks for PyTorch Lightning.
+
+Translation only: Lightning hooks become rankguard core events (the table:
+docs/design.md#events-the-training-loop-as-the-guards-see-it), and the facts the guards
+need (train loader, each val loader by name with Lightning's planned batch
+count) are read from the public ``Trainer`` properties.
+
+Every val loader gets its EVAL_START at ``on_validation_start`` and its
+EVAL_END at ``on_validation_end``, so each rank reports every loader even
+when it has no batch of it. The sanity check counts as an eval.
+
+Example::
+
+    import lightning as L
+    from rankguard.integrations.lightning import RankGuard
+
+    trainer = L.Trainer(strategy="ddp", callbacks=[RankGuard()])
+
+Requires ``pip install 'rankguard[lightning]'``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from rankguard.callbacks.checkpoint.plan import register_sharded_setting
+from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
+from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.integrations._common import bundle_init, guard_init
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "rankguard.integrations.lightning needs Lightning: pip install 'rankguard[lightning]'"
+    ) from exc
+
+
+def _planned(value: float | int | None) -> int | None:
+    if value is None or (isinstance(value, float) and math.isinf(value)):
+        return None
+    return int(value)
+
+
+def _flatten(loaders: Any, prefix: str) -> list[tuple[str, Any]]:
+    if loaders is None:
+        return []
+    if isinstance(loaders, Mapping):
+        return [(f"{prefix}/{key}", loader) for key, loader in loaders.items()]
+    if isinstance(loaders, Sequence):
+        return [(f"{prefix}/{i}", loader) for i, loader in enumerate(loaders)]
+    return [(prefix, loaders)]
+
+
+def val_loaders(trainer: pl.Trainer) -> list[LoaderFacts]:
+    """The val loaders with Lightning's planned batch count for the current run."""
+    planned = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+    flat = _flatten(trainer.val_dataloaders, "val")
+    return [
+        LoaderFacts(name, loader, is_train=False, num_batches=_planned(n))
+        for (name, loader), n in zip(flat, planned, strict=False)
+    ]
+
+
+def train_loader(trainer: pl.Trainer) -> LoaderFacts | None:
+    """The train loader with Lightning's planned batch count."""
+    flat = _flatten(trainer.train_dataloader, "train")
+    if len(flat) != 1:
+        return None
+    return LoaderFacts(
+        "train", flat[0][1], is_train=True, num_batches=_planned(trainer.num_training_batches)
+    )
+
+
+ENFORCE_UNSUPPORTED = (
+    "`drop_last_guard` `mode='enforce'` is not available under Lightning: Lightning counts "
+    "the train batches of an epoch before any callback hook runs, so a loader shortened "
+    "from a callback ends the epoch early and skips its end-of-epoch validation. Fix: build "
+    "the train loader with DataLoader(..., drop_last=True) (Lightning's DistributedSampler "
+    "follows it), and keep `mode='check'`."
+)
+
+#: Lightning writes checkpoints through an in-memory buffer (``_atomic_save``).
+LIGHTNING_DEFAULTS = {"checkpoint_planner": {"writer": "buffer"}}
+
+
+#: Lightning's settings for sharded checkpoints, named in rankguard's messages.
+FSDP_SHARDED_SETTING = "FSDPStrategy(state_dict_type='sharded')"
+MODEL_PARALLEL_SHARDED_SETTING = "ModelParallelStrategy(save_distributed_checkpoint=True)"
+register_sharded_setting("Lightning", FSDP_SHARDED_SETTING)
+
+
+def checkpoint_format(strategy: Any) -> tuple[str, Callable[[], str] | None, str]:
+    """What the strategy saves, how to make it save sharded, and the user's setting for that.
+
+    Returns:
+        ``"full"`` or ``"sharded"``; a function that switches later saves to
+        sharded (``None`` where the strategy cannot save sharded, e.g. DDP);
+        the constructor setting that does the same.
+
+    The two strategies that save sharded keep the choice in a private attribute
+    their ``save_checkpoint`` reads at every save; this is the one place
+    rankguard touches them (a test fails if Lightning renames them).
+    """
+    sharded: str | bool
+    if isinstance(strategy, FSDPStrategy):
+        attribute, sharded, setting = "_state_dict_type", "sharded", FSDP_SHARDED_SETTING
+    elif isinstance(strategy, ModelParallelStrategy):
+        attribute, sharded = "_save_distributed_checkpoint", True
+        setting = MODEL_PARALLEL_SHARDED_SETTING
+    else:
+        return "full", None, FSDP_SHARDED_SETTING
+    now = "sharded" if getattr(strategy, attribute) == sharded else "full"
+
+    def switch() -> str:
+        setattr(strategy, attribute, sharded)
+        return f"set {type(strategy).__name__}.{attribute} to {sharded!r}"
+
+    return now, switch, setting
+
+
+def save_directories(trainer: pl.Trainer) -> list[str]:
+    """The local directories of the trainer's ``ModelCheckpoint`` callbacks."""
+    return [str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+
+
+#: Lightning's remote checkpoint storage, named in rankguard's messages as the fix for
+#: node-local checkpoint folders.
+UPLOAD_SETTING = (
+    "save to and resume from remote storage through fsspec "
+    "(`ModelCheckpoint(dirpath='s3://bucket/run/checkpoints')`, "
+    "`trainer.fit(..., ckpt_path='s3://bucket/run/checkpoints/last.ckpt')`)"
+)
+
+
+def hook_checkpoint_io(
+    trainer: pl.Trainer,
+    before_save: Callable[[str], None],
+    after_save: Callable[[], None],
+    before_load: Callable[[str], None],
+) -> Callable[[], None]:
+    """Calls ``before_save``/``after_save`` around every save, ``before_load`` before loads.
+
+    All three run on every rank, with the checkpoint's path where there is one.
+    ``on_save_checkpoint`` runs after the state is gathered, and never for
+    ``ModelCheckpoint(save_weights_only=True)``. Every save (``ModelCheckpoint``,
+    ``OnExceptionCheckpoint``, the user's own) goes through the public
+    ``Trainer.save_checkpoint`` on every rank, before the state is gathered;
+    every resume (``trainer.fit(ckpt_path=...)``) through
+    ``Strategy.load_checkpoint`` on every rank, before the file is read. Both
+    are wrapped on these two instances only; this is the one place rankguard
+    wraps Lightning methods, and ``tests/test_adapters.py`` fails if Lightning
+    stops calling them.
+
+    Returns:
+        A function that removes the wrappers (safe to call twice).
+    """
+    save, strategy = trainer.save_checkpoint, trainer.strategy
+    load = strategy.load_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        before_save(str(filepath))
+        result = save(filepath, *args, **kwargs)
+        after_save()
+        return result
+
+    @functools.wraps(load)
+    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        before_load(str(checkpoint_path))
+        return load(checkpoint_path, *args, **kwargs)
+
+    trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+    strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
+
+    def unhook() -> None:
+        if vars(trainer).get("save_checkpoint") is save_checkpoint:
+            del trainer.save_checkpoint
+        if vars(strategy).get("load_checkpoint") is load_checkpoint:
+            del strategy.load_checkpoint
+
+    return unhook
+
+
+def split_decisions(trainer: pl.Trainer) -> dict[str, Any]:
+    """Decisions that can split the ranks, as this rank's trainer holds them now.
+
+    ``should_stop`` is public; the metric names logged with ``sync_dist=True``
+    are read from ``trainer._results`` (the running loop's logged values), a
+    private attribute: this is the one place (``tests/test_adapters.py`` fails
+    when Lightning changes it). Called from the hang watchdog's thread, so it
+    copies what it reads and lets the caller catch a change under its feet.
+    """
+    results = getattr(trainer, "_results", None)
+    metrics = list(results.values()) if results else []
+    keys = sorted({m.meta.name for m in metrics if m.meta.sync.should})
+    stage = trainer.state.stage
+    return {
+        "should_stop": bool(trainer.should_stop),
+        "sync_dist_keys": tuple(keys),
+        # The loop those keys were logged in: a rank in validation and one in training log
+        # different keys without any split between them.
+        "sync_dist_loop": stage.value if stage is not None else None,
+    }
+
+
+class _LightningAdapter(Callback):
+    """Drives a :class:`GuardRunner` from Lightning hooks."""
+
+    def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
+        for guard in guards:
+            if guard.name == "drop_last_guard" and getattr(guard, "mode", None) == "enforce":
+                raise ValueError(ENFORCE_UNSUPPORTED)
+        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
+        self._trainer: pl.Trainer | None = None
+        self._val: list[LoaderFacts] = []
+        self._unhook: Callable[[], None] | None = None
+
+    def _fire(
+        self, trainer: pl.Trainer, event: Event, at: tuple[int, int] | None = None, **facts: Any
+    ) -> None:
+        """Fires ``event`` at ``at`` (step, epoch), read from ``trainer`` when not given."""
+        if not self.runner.handles(event):
+            return
+        self._trainer = trainer
+        step, epoch = (trainer.global_step, trainer.current_epoch) if at is None else at
+        event_facts = (
+            EventFacts(step=step, epoch=epoch, **facts) if facts else EventFacts.at(step, epoch)
+        )
+        self.runner.fire(event, event_facts, self._log_metrics)
+
+    def _log_metrics(self, metrics: Mapping[str, float]) -> None:
+        trainer = self._trainer
+        if trainer is not None:
+            for logger in trainer.loggers:
+                logger.log_metrics(dict(metrics), step=trainer.global_step)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Hooks every checkpoint save and load (see :func:`hook_checkpoint_io`)."""
+        if self._unhook is not None:
+            return
+
+        def before_save(filepath: str) -> None:
+            self._fire(
+                trainer,
+                Event.CHECKPOINT_SAVE_START,
+                model=trainer.lightning_module,
+                directories=[os.path.dirname(filepath)],
+            )
+
+        def before_load(path: str) -> None:
+            self._fire(
+                trainer, Event.CHECKPOINT_LOAD_START, load_path=path, upload_setting=UPLOAD_SETTING
+            )
+
+        after_save = functools.partial(self._fire, trainer, Event.CHECKPOINT_SAVE_END)
+        self._unhook = hook_checkpoint_io(trainer, before_save, after_save, before_load)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """FIT_START with the train loader and every val loader known now."""
+        train = train_loader(trainer)
+        loaders = [train] if train else []
+        # Lightning loads the val loaders before on_train_start when val is due in the
+        # first epoch (or the sanity check ran); else EVAL_START checks them later.
+        if trainer.val_dataloaders is not None:
+            loaders += val_loaders(trainer)
+        state_dict_type, switch, setting = checkpoint_format(trainer.strategy)
+        self._fire(
+            trainer,
+            Event.FIT_START,
+            loaders=loaders,
+            model=pl_module,
+            optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+            directories=save_directories(trainer),
+            state_dict_type=state_dict_type,
+            switch_to_sharded=switch,
+            sharded_setting=setting,
+            upload_setting=UPLOAD_SETTING,
+            decision_probe=functools.partial(split_decisions, trainer),
+        )
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """EPOCH_START with the train loader."""
+        self._fire(trainer, Event.EPOCH_START, loader=train_loader(trainer))
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """DATA_FETCH_END then TRAIN_BATCH_START (the trainer's step and epoch read once)."""
+        at = (trainer.global_step, trainer.current_epoch)
+        self._fire(trainer, Event.DATA_FETCH_END, at, batch_index=batch_idx)
+        self._fire(trainer, Event.TRAIN_BATCH_START, at, batch_index=batch_idx)
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """TRAIN_BATCH_END (with ``should_stop``), then DATA_FETCH_START for the next batch."""
+        at = (trainer.global_step, trainer.current_epoch)
+        stop = {"should_stop": bool(trainer.should_stop)}
+        self._fire(trainer, Event.TRAIN_BATCH_END, at, batch_index=batch_idx, decisions=stop)
+        self._fire(trainer, Event.DATA_FETCH_START, at, batch_index=batch_idx + 1)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """EVAL_START for every val loader, in Lightning's order."""
+        self._val = val_loaders(trainer)
+        for loader in self._val:
+            self._fire(trainer, Event.EVAL_START, loader=loader)
+
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """EVAL_BATCH_START for the loader at ``dataloader_idx``."""
+        self._fire(trainer, Event.EVAL_BATCH_START, **self._val_batch(dataloader_idx, batch_idx))
+
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        """EVAL_BATCH_END for the loader at ``dataloader_idx``."""
+        self._fire(trainer, Event.EVAL_BATCH_END, **self._val_batch(dataloader_idx, batch_idx))
+
+    def _val_batch(self, dataloader_idx: int, batch_idx: int) -> dict[str, Any]:
+        loader = self._val[dataloader_idx] if dataloader_idx < len(self._val) else None
+        return {"loader": loader, "batch_index": batch_idx}
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """EVAL_END for every val loader (with ``should_stop``: early stopping decides here)."""
+        stop = {"should_stop": bool(trainer.should_stop)}
+        for loader in self._val:
+            self._fire(trainer, Event.EVAL_END, loader=loader, decisions=stop)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """EPOCH_END with the train loader."""
+        self._fire(trainer, Event.EPOCH_END, loader=train_loader(trainer))
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """FIT_END."""
+        self._fire(trainer, Event.FIT_END)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """Lets guards explain the error (e.g. a dead data worker), then stops them."""
+        # Never raise from an exception hook, whatever state the trainer is in.
+        step, epoch = getattr(trainer, "global_step", 0), getattr(trainer, "current_epoch", 0)
+        self.runner.error(exception, EventFacts(step=step, epoch=epoch))
+        self.runner.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guards' state (the hang watchdog's calibration), saved in Lightning checkpoints."""
+        return self.runner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the guards' state when Lightning resumes (``fit(ckpt_path=...)``)."""
+        self.runner.load_state_dict(state_dict)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Stops every guard and unhooks checkpointing; safe to call twice."""
+        if self._unhook is not None:
+            self._unhook()
+            self._unhook = None
+        self.runner.close()
+
+
+# -- Public classes: written by tools/generate_api.py from the guard registry; do not edit
+# (tests/test_api.py checks it): run `.venv/bin/python tools/generate_api.py` after
+# changing a guard's settings or the registry.
+
+
+class RankGuard(_LightningAdapter):
+    """Every rankguard guard with sound defaults, as a Lightning callback.
+
+    Args:
+        exchange_timeout_s: How long a cross-rank check waits for every rank
+            before naming the ones that did not arrive (seconds; grows by 5 ms
+            per rank with the world size, see ``docs/scale.md``). The hang
+            watchdog's own exchanges use its settings.
+        **per_guard_config: Per guard, by snake-case name, a dict of its
+            settings or ``False`` to leave it out, e.g.
+            ``RankGuard(batch_parity_guard={"on_violation": "warn"}, drop_last_guard=False)``.
+    """
+
+    @bundle_init(_LightningAdapter, LIGHTNING_DEFAULTS)
+    def __init__(
+        self,
+        exchange_timeout_s: float = 300.0,
+        *,
+        hang_watchdog: dict[str, Any] | bool = True,
+        data_consistency_guard: dict[str, Any] | bool = True,
+        drop_last_guard: dict[str, Any] | bool = True,
+        batch_parity_guard: dict[str, Any] | bool = True,
+        shared_dir_barrier: dict[str, Any] | bool = True,
+        checkpoint_planner: dict[str, Any] | bool = True,
+        data_stall_monitor: dict[str, Any] | bool = True,
+        straggler_monitor: dict[str, Any] | bool = True,
+    ) -> None:
+        """Builds the guards of :class:`RankGuard`."""
+
+
+class HangWatchdog(_LightningAdapter):
+    """A Lightning callback for :class:`rankguard.callbacks.HangWatchdog` (same arguments)."""
+
+    @guard_init(_LightningAdapter, "hang_watchdog", LIGHTNING_DEFAULTS)
+    def __init__(
+        self,
+        *,
+        timeout_s: float | None = None,
+        eval_timeout_s: float | None = None,
+        post_eval_timeout_s: float | None = None,
+        checkpoint_timeout_s: float | None = None,
+        first_step_timeout_s: float = 1800.0,
+        action: str = "abort",
+        abort_at: str = "ceiling",
+        report_dir: str = "./rankguard_reports",
+        exchange_period_s: float = 10.0,
+        auto_calibrate: bool = True,
+        warmup_steps: int = 10,
+        calibration_factor: float = 10.0,
+        floor_s: float = 30.0,
+        deadlock_action: str = "abort",
+        deadlock_after_s: float = 3.0,
+    ) -> None:
+        """Builds the guards of :class:`HangWatchdog`."""
+
+
+class DataConsistencyGuard(_LightningAdapter):
+    """A Lightning callback for :class:`rankguard.callbacks.DataConsistencyGuard` (same arguments)."""  # noqa: E501
+
+    @guard_init(_LightningAdapter, "data_consistency_guard", LIGHTNING_DEFAULTS)
+    def __init__(
+        self,
+        *,
+        on_violation: str = "raise",
+        sample_items: int = 16,
+        check_content: bool | str = "auto",
+        check_rng: bool = True,
+    ) -> None:
+        """Builds the guards of :class:`DataConsistencyGuard`."""
+
+
+class DropLastGuard(_LightningAdapter):
+    """A Lightning callback for :class:`rankguard.callbacks.DropLastGuard` (same arguments)."""
+
+    @guard_init(_LightningAdapter, "drop_last_guard", LIGHTNING_DEFAULTS)
+    def __init__(
+        self,
+        *,
+        mode: str = "check",
+        on_violation: str = "raise",
+        warn_eval_padding: bool = True,
+    ) -> None:
+        """Builds the guards of :class:`DropLastGuard`."""
+
+
+class BatchParityGuard(_LightningAdapter):
+    """A Lightning callback for :class:`rankguard.callbacks.BatchParityGuard` (same arguments)."""
+
+    @guard_init(_LightningAdapter, "batch_parity_guard", LIGHTNING_DEFAULTS)
+    def __init__(
+        self,
+        *,
+        on_violation: str = "raise",
+        eval_end_timeout_s: float = 120.0,
+        check_train: bool = True,
+        check_eval: bool = True,
+        max_count_samples: int = 1000000,
+    ) -> None:
+        """Builds the guards of :class:`BatchParityGuard`."""
+
+
+class SharedDirBarrier(_LightningAdapter):
+    """A Lightning callback for :class:`rankguard.callbacks.SharedDirBarrier` (same arguments)."""
+
+    @guard_init(_LightningAdapter, "shared_dir_barrier", LIGHTNING_DEFAULTS)
+    def __init__(
+        self,
+        *,
+        on_violation: str = "raise",
+        timeout_s: float = 600.0,
+        poll_s: float = 0.05,
+        probe_wait_s: float = 2.0,
+        on_node_local: str = "warn",
+    ) -> None:
+        """Builds the guards of :class:`SharedDirBarrier`."""
+
+
+class CheckpointPlanner(_LightningAdapter):
+    """A Lightning callback for :class:`rankguard.callbacks.CheckpointPlanner` (same arguments)."""
+
+    @guard_init(_LightningAdapter, "checkpoint_planner", LIGHTNING_DEFAULTS)
+    def __init__(
+        self,
+        *,
+        mode: str = "warn",
+        materialize: str = "rank0",
+        writer: str = "file",
+        host_memory_bytes: int | None = None,
+        state_dict_type: str = "full",
+    ) -> None:
+        """Builds the guards of :class:`CheckpointPlanner`."""
+
+
+class DataStallMonitor(_LightningAdapter):
+    """A Lightning callback for :class:`rankguard.callbacks.DataStallMonitor` (same arguments)."""
+
+    @guard_init(_LightningAdapter, "data_stall_monitor", LIGHTNING_DEFAULTS)
+    def __init__(
+        self,
+        *,
+        on_violation: str = "warn",
+        threshold: float = 0.5,
+        window: int = 10,
+        interval: int = 50,
+    ) -> None:
+        """Builds the guards of :class:`DataStallMonitor`."""
+
+
+class StragglerMonitor(_LightningAdapter):
+    """A Lightning callback for :class:`rankguard.callbacks.StragglerMonitor` (same arguments)."""
+
+    @guard_init(_LightningAdapter, "straggler_monitor", LIGHTNING_DEFAULTS)
+    def __init__(
+        self,
+        *,
+        on_violation: str = "warn",
+        threshold: float = 0.7,
+        window: int = 3,
+        interval: int = 50,
+        warmup_steps: int = 20,
+        min_excess_s: float = 0.001,
+        min_forward_s: float | None = None,
+    ) -> None:
+        """Builds the guards of :class:`StragglerMonitor`."""
+
+
+__all__ = [
+    "BatchParityGuard",
+    "CheckpointPlanner",
+    "DataConsistencyGuard",
+    "DataStallMonitor",
+    "DropLastGuard",
+    "HangWatchdog",
+    "RankGuard",
+    "SharedDirBarrier",
+    "StragglerMonitor",
+]

@@ -1,0 +1,566 @@
+"""rankguard callbacks for the Hugging Face ``Trainer``.
+
+Holds ``RankGuard`` and one callback per guard (written by
+``tools/generate_api.py``), and :func:`calling_trainer`, :func:`hook_resume`.
+Requires ``pip install 'rankguard[transformers]'``.
+See docs/integrations.md#hugging-face-trainer-where-each-event-comes-from.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import sys
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rankguard.callbacks.core.events import LoaderFacts
+from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.integrations._common import bundle_init, guard_init
+from rankguard.integrations._driver import EventDriver
+
+try:
+    from transformers import (
+        Trainer,
+        TrainerCallback,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+    )
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "rankguard.integrations.transformers needs transformers and accelerate: "
+        "pip install 'rankguard[transformers]'"
+    ) from exc
+
+logger = logging.getLogger(__name__)
+
+#: What makes the Trainer's FSDP saves sharded, named in rankguard's messages.
+SHARDED_SETTING = (
+    "FSDP with sharded state dicts: FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT "
+    "(Accelerate config `fsdp_state_dict_type: SHARDED_STATE_DICT`)"
+)
+#: How deep :func:`calling_trainer` looks: hook <- CallbackHandler.call_event <-
+#: CallbackHandler.on_<event> <- the Trainer's method.
+_TRAINER_DEPTH = 6
+
+
+def calling_trainer() -> Trainer | None:
+    """The ``Trainer`` whose method is calling the current callback hook, or ``None``.
+
+    ``TrainerCallback`` hooks receive the model, optimizer and loaders, but not
+    the Trainer, whose public ``get_eval_dataloader`` builds the eval loaders
+    before the first eval batch. The Trainer calls every hook from one of its
+    own methods through its ``CallbackHandler``, so the Trainer is ``self`` a
+    few frames up. This is the one place rankguard relies on how transformers
+    calls its callbacks; ``tests/test_transformers.py`` fails if that changes.
+
+    Call it from the hook itself (it looks from its caller's caller up).
+    """
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(_TRAINER_DEPTH):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def eval_loader_names(eval_dataset: Any) -> list[tuple[str, str | None]]:
+    """The Trainer's eval datasets as (rankguard loader name, ``get_eval_dataloader`` key).
+
+    One dataset is ``"eval"``; a dict of them ``"eval_<name>"``, as the Trainer
+    prefixes their metrics, in the order it evaluates them.
+    """
+    if eval_dataset is None:
+        return []
+    if isinstance(eval_dataset, Mapping):
+        return [(f"eval_{name}", str(name)) for name in eval_dataset]
+    return [("eval", None)]
+
+
+def checkpoint_folder(args: TrainingArguments, state: TrainerState) -> str:
+    """The folder the Trainer's next save writes into (``output_dir/checkpoint-<step>``)."""
+    return os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+
+def state_dict_type(trainer: Trainer | None) -> str:
+    """``"sharded"`` when the Trainer's FSDP saves sharded state dicts, else ``"full"``."""
+    if trainer is None or not getattr(trainer, "is_fsdp_enabled", False):
+        return "full"
+    plugin = trainer.accelerator.state.fsdp_plugin
+    return "sharded" if "SHARDED" in str(plugin.state_dict_type).upper() else "full"
+
+
+def resume_checkpoint(args: TrainingArguments, resume: str | bool) -> str:
+    """What ``Trainer.train(resume_from_checkpoint=resume)`` reads first on this rank.
+
+    The checkpoint's ``trainer_state.json``, which ``train`` reads right after
+    the model, so a folder that holds only this rank's RNG state (what a rank
+    saves on a node other than rank 0's, without ``save_on_each_node``) counts
+    as missing. ``True`` means the latest ``checkpoint-<step>`` in ``output_dir``
+    on this node, as the Trainer finds it; where there is none, a
+    ``checkpoint-*`` that does not exist.
+    """
+    if resume is True:
+        output_dir = str(args.output_dir)
+        found = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        folder = found or os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-*")
+    else:
+        folder = str(resume)
+    return os.path.join(folder, TRAINER_STATE_NAME)
+
+
+def hook_resume(trainer: Trainer, before_load: Callable[[str], None]) -> Callable[[], None]:
+    """Calls ``before_load(path)`` before ``trainer.train`` loads its resume checkpoint.
+
+    ``Trainer.train(resume_from_checkpoint=...)`` loads the model, optimizer and
+    scheduler before calling any callback hook. Its ``train`` is wrapped on this
+    instance (the public method, its public argument; the path as
+    :func:`resume_checkpoint` reads it); ``tests/test_transformers.py`` fails if
+    ``train`` stops taking ``resume_from_checkpoint``.
+
+    Returns:
+        A function that removes the wrapper (safe to call twice).
+    """
+    train = trainer.train
+    signature = inspect.signature(train)
+
+    @functools.wraps(train)
+    def train_resuming(*args: Any, **kwargs: Any) -> Any:
+        try:
+            called = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:  # train itself will say what is wrong with the call
+            called = {}
+        resume = called.get("resume_from_checkpoint")
+        if resume:  # None or False: a fresh start
+            before_load(resume_checkpoint(trainer.args, resume))
+        return train(*args, **kwargs)
+
+    trainer.train = train_resuming  # type: ignore[method-assign]
+
+    def unhook() -> None:
+        if vars(trainer).get("train") is train_resuming:
+            del trainer.train
+
+    return unhook
+
+
+def stop_decision(control: TrainerControl) -> dict[str, Any]:
+    """``control.should_training_stop`` as a decision that can split the ranks.
+
+    Read by the hang watchdog's thread while a rank is blocked: early stopping
+    decided from one rank's un-gathered metric stops that rank alone
+    (transformers #17478). The Trainer keeps one ``TrainerControl`` per run.
+    """
+    return {"should_training_stop": bool(control.should_training_stop)}
+
+
+class _TrainerAdapter(TrainerCallback):
+    """Drives a :class:`GuardRunner` from ``TrainerCallback`` hooks."""
+
+    def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
+        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
+        self.driver = EventDriver(self.runner, self._log_metrics)
+        self._trainer: Trainer | None = None
+        self._train: LoaderFacts | None = None
+        self._evals: list[LoaderFacts] = []
+        self._eval_source: Any = None
+        self._fetch_after_log = False
+        self._metrics: dict[str, float] = {}
+        self._unhook: Callable[[], None] | None = None
+
+    # -- facts -----------------------------------------------------------------------
+
+    def _eval_loaders(self, eval_dataloader: Any = None) -> list[LoaderFacts]:
+        """The eval loaders the Trainer will run, built with its public ``get_eval_dataloader``."""
+        trainer = self._trainer
+        if trainer is None:  # only the loader of the last eval, if there was one
+            return [LoaderFacts("eval", eval_dataloader, False)] if eval_dataloader else []
+        if self._evals and trainer.eval_dataset is self._eval_source:
+            return self._evals
+        self._eval_source = trainer.eval_dataset
+        try:
+            self._evals = [
+                LoaderFacts(name, trainer.get_eval_dataloader(key), is_train=False)
+                for name, key in eval_loader_names(trainer.eval_dataset)
+            ]
+        except Exception as exc:  # a subclass that builds its loaders differently
+            logger.info("rankguard: cannot build the eval loaders ahead of eval (%r)", exc)
+            self._evals = []
+        return self._evals
+
+    def _log_metrics(self, metrics: Mapping[str, float]) -> None:
+        self._metrics.update(metrics)
+
+    def _flush_metrics(self) -> None:
+        if self._metrics and self._trainer is not None:
+            metrics, self._metrics = self._metrics, {}
+            self._trainer.log(metrics)
+
+    # -- hooks -----------------------------------------------------------------------
+
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """Wraps the Trainer's ``train`` so a resume checkpoint is checked before it is loaded."""
+        trainer = calling_trainer()
+        if trainer is not None and self._unhook is None:
+            self._unhook = hook_resume(trainer, self.driver.load_start)
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: Any = None,
+        optimizer: Any = None,
+        train_dataloader: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """FIT_START with the train loader, the eval loaders, the model and optimizer."""
+        if self.driver.fitting:  # the Trainer restarted its loop (auto_find_batch_size)
+            self.driver.abandon()
+        self._trainer = calling_trainer()
+        if self._trainer is None:
+            logger.info(
+                "rankguard: no Trainer found calling the callback; eval loaders are checked "
+                "from the second evaluation on"
+            )
+        self._train = None
+        if train_dataloader is not None:
+            self._train = LoaderFacts("train", train_dataloader, is_train=True)
+        evals = self._eval_loaders() if args.eval_strategy != "no" or args.eval_on_start else []
+        dirs = [str(args.output_dir)] if args.save_strategy != "no" else []
+        self.driver.fit_start(
+            loaders=([self._train] if self._train else []) + evals,
+            model=model,
+            optimizer=optimizer,
+            directories=dirs,
+            state_dict_type=state_dict_type(self._trainer),
+            switch_to_sharded=None,
+            sharded_setting=SHARDED_SETTING,
+            decision_probe=functools.partial(stop_decision, control),
+        )
+        if args.eval_on_start and evals:
+            self.driver.eval_start(evals)
+
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """EPOCH_START, then the epoch's first fetch."""
+        if self.driver.fitting:
+            if self.driver.saving:  # a "best" save that did not happen
+                self.driver.save_end()
+            self.driver.epoch_start(self._train)
+            self.driver.fetch_start()
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """DATA_FETCH_END, TRAIN_BATCH_START; logs the guards' metrics."""
+        if self.driver.fitting:
+            self._fetch_after_log = False
+            if self.driver.saving:  # a "best" save that did not happen
+                self.driver.save_end()
+            self.driver.fetch_end()
+            self.driver.train_batch_start()
+            self._flush_metrics()
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """TRAIN_BATCH_END, then what the Trainer does next: eval, save, log or fetch."""
+        if self.driver.fitting:
+            self.driver.end_train_batch()
+            self._next(args, state, control, kwargs.get("eval_dataloader"), after_step=True)
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """EPOCH_END; then EVAL_START or CHECKPOINT_SAVE_START when the epoch's end brings one."""
+        if self.driver.fitting:
+            self.driver.epoch_end(self._train)
+            self._next(args, state, control, kwargs.get("eval_dataloader"), after_step=False)
+
+    def _next(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        eval_dataloader: Any,
+        after_step: bool,
+    ) -> None:
+        if control.should_evaluate:  # a save due as well waits for its on_evaluate
+            evals = self._eval_loaders(eval_dataloader)
+            if evals:
+                self.driver.eval_start(evals)
+        elif control.should_save:
+            self.driver.save_start([checkpoint_folder(args, state)], model=None)
+        elif after_step and control.should_log:
+            self._fetch_after_log = True  # the Trainer gathers the loss first
+        elif after_step:
+            self.driver.fetch_start()
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """DATA_FETCH_START once the step's log (a loss gather over ranks) is done."""
+        if self._fetch_after_log and self.driver.fitting:
+            self._fetch_after_log = False
+            self.driver.fetch_start()
+        if self._trainer is None and logs is not None and self._metrics:
+            logs.update(self._metrics)
+            self._metrics = {}
+
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """EVAL_BATCH_END of an eval rankguard started (not ``predict`` or a later ``evaluate``)."""
+        if self.driver.fitting and self.driver.evals:
+            self.driver.eval_batch_end()
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """EVAL_END of the current eval loader; after the last, the save if one is due."""
+        if not (self.driver.fitting and self.driver.evals):
+            return
+        self.driver.eval_end()
+        if self.driver.evals:
+            return
+        # The Trainer decides a "best" save only after this hook: a save may follow any eval.
+        if control.should_save or args.save_strategy == "best":
+            folder = checkpoint_folder(args, state) if control.should_save else args.output_dir
+            self.driver.save_start([str(folder)], model=None)
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """CHECKPOINT_SAVE_END, then the next fetch."""
+        if self.driver.fitting and self.driver.saving:
+            self.driver.save_end()
+            self.driver.fetch_start()
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """FIT_END; then the guards stop."""
+        if not self.driver.fitting:
+            return
+        if self.driver.saving:
+            self.driver.save_end()
+        try:
+            self.driver.fit_end()
+            self._flush_metrics()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stops every guard; safe to call twice and after an error.
+
+        The Trainer calls no hook when ``train()`` raises: in a process that
+        lives on (a notebook), call this so the guards' threads stop.
+        """
+        self.driver.fitting = False
+        self._trainer = None
+        self._evals = []
+        self._eval_source = None
+        self.runner.close()
+
+
+# -- Public classes: written by tools/generate_api.py from the guard registry; do not edit
+# (tests/test_api.py checks it): run `.venv/bin/python tools/generate_api.py` after
+# changing a guard's settings or the registry.
+
+
+class RankGuard(_TrainerAdapter):
+    """Every rankguard guard with sound defaults, as a Hugging Face ``TrainerCallback``.
+
+    Args:
+        exchange_timeout_s: How long a cross-rank check waits for every rank
+            before naming the ones that did not arrive (seconds; grows by 5 ms
+            per rank with the world size, see ``docs/scale.md``). The hang
+            watchdog's own exchanges use its settings.
+        **per_guard_config: Per guard, by snake-case name, a dict of its
+            settings or ``False`` to leave it out, e.g.
+            ``RankGuard(batch_parity_guard={"on_violation": "warn"}, drop_last_guard=False)``.
+    """
+
+    @bundle_init(_TrainerAdapter)
+    def __init__(
+        self,
+        exchange_timeout_s: float = 300.0,
+        *,
+        hang_watchdog: dict[str, Any] | bool = True,
+        data_consistency_guard: dict[str, Any] | bool = True,
+        drop_last_guard: dict[str, Any] | bool = True,
+        batch_parity_guard: dict[str, Any] | bool = True,
+        shared_dir_barrier: dict[str, Any] | bool = True,
+        checkpoint_planner: dict[str, Any] | bool = True,
+        data_stall_monitor: dict[str, Any] | bool = True,
+        straggler_monitor: dict[str, Any] | bool = True,
+    ) -> None:
+        """Builds the guards of :class:`RankGuard`."""
+
+
+class HangWatchdog(_TrainerAdapter):
+    """A Hugging Face ``TrainerCallback`` for :class:`rankguard.callbacks.HangWatchdog` (same arguments)."""  # noqa: E501
+
+    @guard_init(_TrainerAdapter, "hang_watchdog")
+    def __init__(
+        self,
+        *,
+        timeout_s: float | None = None,
+        eval_timeout_s: float | None = None,
+        post_eval_timeout_s: float | None = None,
+        checkpoint_timeout_s: float | None = None,
+        first_step_timeout_s: float = 1800.0,
+        action: str = "abort",
+        abort_at: str = "ceiling",
+        report_dir: str = "./rankguard_reports",
+        exchange_period_s: float = 10.0,
+        auto_calibrate: bool = True,
+        warmup_steps: int = 10,
+        calibration_factor: float = 10.0,
+        floor_s: float = 30.0,
+        deadlock_action: str = "abort",
+        deadlock_after_s: float = 3.0,
+    ) -> None:
+        """Builds the guards of :class:`HangWatchdog`."""
+
+
+class DataConsistencyGuard(_TrainerAdapter):
+    """A Hugging Face ``TrainerCallback`` for :class:`rankguard.callbacks.DataConsistencyGuard` (same arguments)."""  # noqa: E501
+
+    @guard_init(_TrainerAdapter, "data_consistency_guard")
+    def __init__(
+        self,
+        *,
+        on_violation: str = "raise",
+        sample_items: int = 16,
+        check_content: bool | str = "auto",
+        check_rng: bool = True,
+    ) -> None:
+        """Builds the guards of :class:`DataConsistencyGuard`."""
+
+
+class DropLastGuard(_TrainerAdapter):
+    """A Hugging Face ``TrainerCallback`` for :class:`rankguard.callbacks.DropLastGuard` (same arguments)."""  # noqa: E501
+
+    @guard_init(_TrainerAdapter, "drop_last_guard")
+    def __init__(
+        self,
+        *,
+        mode: str = "check",
+        on_violation: str = "raise",
+        warn_eval_padding: bool = True,
+    ) -> None:
+        """Builds the guards of :class:`DropLastGuard`."""
+
+
+class BatchParityGuard(_TrainerAdapter):
+    """A Hugging Face ``TrainerCallback`` for :class:`rankguard.callbacks.BatchParityGuard` (same arguments)."""  # noqa: E501
+
+    @guard_init(_TrainerAdapter, "batch_parity_guard")
+    def __init__(
+        self,
+        *,
+        on_violation: str = "raise",
+        eval_end_timeout_s: float = 120.0,
+        check_train: bool = True,
+        check_eval: bool = True,
+        max_count_samples: int = 1000000,
+    ) -> None:
+        """Builds the guards of :class:`BatchParityGuard`."""
+
+
+class SharedDirBarrier(_TrainerAdapter):
+    """A Hugging Face ``TrainerCallback`` for :class:`rankguard.callbacks.SharedDirBarrier` (same arguments)."""  # noqa: E501
+
+    @guard_init(_TrainerAdapter, "shared_dir_barrier")
+    def __init__(
+        self,
+        *,
+        on_violation: str = "raise",
+        timeout_s: float = 600.0,
+        poll_s: float = 0.05,
+        probe_wait_s: float = 2.0,
+        on_node_local: str = "warn",
+    ) -> None:
+        """Builds the guards of :class:`SharedDirBarrier`."""
+
+
+class CheckpointPlanner(_TrainerAdapter):
+    """A Hugging Face ``TrainerCallback`` for :class:`rankguard.callbacks.CheckpointPlanner` (same arguments)."""  # noqa: E501
+
+    @guard_init(_TrainerAdapter, "checkpoint_planner")
+    def __init__(
+        self,
+        *,
+        mode: str = "warn",
+        materialize: str = "rank0",
+        writer: str = "file",
+        host_memory_bytes: int | None = None,
+        state_dict_type: str = "full",
+    ) -> None:
+        """Builds the guards of :class:`CheckpointPlanner`."""
+
+
+class DataStallMonitor(_TrainerAdapter):
+    """A Hugging Face ``TrainerCallback`` for :class:`rankguard.callbacks.DataStallMonitor` (same arguments)."""  # noqa: E501
+
+    @guard_init(_TrainerAdapter, "data_stall_monitor")
+    def __init__(
+        self,
+        *,
+        on_violation: str = "warn",
+        threshold: float = 0.5,
+        window: int = 10,
+        interval: int = 50,
+    ) -> None:
+        """Builds the guards of :class:`DataStallMonitor`."""
+
+
+class StragglerMonitor(_TrainerAdapter):
+    """A Hugging Face ``TrainerCallback`` for :class:`rankguard.callbacks.StragglerMonitor` (same arguments)."""  # noqa: E501
+
+    @guard_init(_TrainerAdapter, "straggler_monitor")
+    def __init__(
+        self,
+        *,
+        on_violation: str = "warn",
+        threshold: float = 0.7,
+        window: int = 3,
+        interval: int = 50,
+        warmup_steps: int = 20,
+        min_excess_s: float = 0.001,
+        min_forward_s: float | None = None,
+    ) -> None:
+        """Builds the guards of :class:`StragglerMonitor`."""
+
+
+__all__ = [  # noqa: RUF022
+    "calling_trainer",
+    "BatchParityGuard",
+    "CheckpointPlanner",
+    "DataConsistencyGuard",
+    "DataStallMonitor",
+    "DropLastGuard",
+    "HangWatchdog",
+    "RankGuard",
+    "SharedDirBarrier",
+    "StragglerMonitor",
+]
