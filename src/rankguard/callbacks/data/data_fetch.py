@@ -1,25 +1,8 @@
 """When a DataLoader handed over its batch, for fetch windows that also hold a collective.
 
-Composer fires BEFORE_DATALOADER, calls ``next()`` on the train loader, then
-runs an ``all_reduce`` in which every rank says whether it ran out of data,
-and only then fires AFTER_DATALOADER. That window holds the slowest rank's
-fetch on every rank: a rank whose own batch was ready in 1 ms still "waits"
-150 ms while another rank reads from slow storage, so measured between the
-two events every rank looks starved and the one that is cannot be named.
-
-:class:`LoaderReturnClock` ends the wait when the loader's iterator returns
-the batch. Armed at the start of the fetch, a profile function
-(``sys.setprofile``, this thread only) waits for the outermost ``__next__``
-of a ``torch.utils.data.DataLoader`` iterator to return, records the time and
-removes itself. While armed, the interpreter calls it at every function call
-and return the main process makes to produce the batch (receiving and
-unpickling with workers; the dataset's and collate's code with
-``num_workers=0``): 0.2-0.5 ms per batch of 32 in
-``benchmarks/data_stall_overhead.py``, which is why the data-stall monitor
-arms it only after a fetch window that looked slow. It is never armed over
-another profiler (cProfile, ...), and is disarmed at the end of the window
-whatever happened; a fetch it did not see return (a loader that is not a
-DataLoader) falls back to the event's time.
+:class:`LoaderReturnClock` ends a data wait when the loader's iterator returns
+the batch (a profile function armed only after a fetch window that looked
+slow), not when the framework's window ends. See docs/data.md#the-loaders-return-clock.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """Cheap, deterministic fingerprints of a rank's dataset, compared across ranks.
 
-A fingerprint is compared across ranks by
-:class:`~rankguard.callbacks.data.data_consistency_guard.DataConsistencyGuard`. Its
-parts, each compared on its own so a mismatch can say what differs:
-
-* ``length``: ``len(dataset)`` (``None`` when it has none);
-* ``content``: one hash over ``sample_items`` evenly spaced items read with
-  ``dataset[i]``, map-style datasets only. Tensors hash by dtype, shape and
-  bytes; numpy arrays and scalars, numbers, strings and bytes by value; dicts,
-  lists and tuples recursively. A leaf that cannot be hashed by value (an
-  arbitrary object) falls back to the *weak* form: type name plus its shape,
-  or else the length of its ``repr``. Each item is read with the global
-  python/numpy/torch generators seeded from its index (and restored after),
-  so random augmentations give the same result on every rank and training's
-  random streams are untouched. If re-reading an item still gives a
-  different hash, ``__getitem__`` is not deterministic and the content part
-  falls back to the weak form for every item;
-* ``sampler``: the sampler's type and its ``seed``, ``shuffle``,
-  ``num_replicas``, ``drop_last`` (see :func:`rankguard.callbacks.data.loaders.loader_settings`);
-* ``streaming``: a ``streaming.StreamingDataset``'s configuration (streams,
-  split, shuffle settings and seed, ``num_canonical_nodes``, batch size,
-  epoch size), read from attributes, without importing ``streaming``;
-* ``hf_fingerprint``: a Hugging Face ``datasets.Dataset._fingerprint``.
-
-Iterable datasets are never read: only their configuration is fingerprinted.
-Cost: ``sample_items`` calls to ``dataset[i]`` plus hashing; independent of the
-dataset's length (``benchmarks/fingerprint.py``).
+A fingerprint's parts (length, content hash of sampled items, sampler,
+StreamingDataset configuration, Hugging Face fingerprint) are compared one by
+one by the DataConsistencyGuard, so a mismatch says what differs.
+See docs/data.md#dataset-fingerprints.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """Hang report files: what the HangWatchdog writes on an incident, and ``rankguard report DIR``.
 
-Files in the report directory (default ``./rankguard_reports``):
-
-================  ===========  ==========================================================
-file              written by   content
-================  ===========  ==========================================================
-``summary.txt``   rank 0 [1]_  the verdict: stuck ranks, what the others wait in, the fix
-``rank{N}.txt``   rank N       header (rank, host, pid, phase) + every thread's Python stack,
-                               the training loop's marked ``[training loop]``
-``rank{N}.jsonl`` rank N       the last heartbeats, one JSON object a line (``t``: Unix
-                               time, ``event``, ``phase``, ``step``), then one ``report``
-                               record: ``idle_s``, ``deadline_s``, ``ceiling_s``,
-                               ``blocked_in``, ``user_frame``, ``waits_at``, ...
-``merged.txt``    the CLI      the summary, then ranks grouped by identical stacks
-``timeline.png``  the CLI      per rank: phases over time, where its progress stopped;
-                               the rank that stopped first and its deadline (needs the
-                               ``report`` extra; :mod:`rankguard.callbacks.hang.timeline`)
-================  ===========  ==========================================================
-
-.. [1] or the lowest rank that still answers when rank 0 is frozen or dead.
-
-Stacks come from :func:`faulthandler.dump_traceback`: function names, files
-and lines only, never variable values or the environment.
-
-``rankguard report DIR`` prints the summary and the training loop's stack
-per group of ranks where it is identical (the ranks that stopped in the same
-place), and writes ``merged.txt`` and ``timeline.png``. ``DIR`` is any folder
-holding these files (a job that restarts may keep one per attempt).
+Each rank writes ``rank{N}.txt`` (every thread's stack) and ``rank{N}.jsonl``
+(its last heartbeats and the report record); the lowest answering rank writes
+``summary.txt``; the CLI merges them into ``merged.txt`` and ``timeline.png``.
+See docs/hang.md#report-files.
 """
 
 from __future__ import annotations

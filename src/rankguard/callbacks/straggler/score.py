@@ -1,32 +1,8 @@
 """Straggler scores: pure functions from every rank's interval times to one verdict.
 
-Each rank sends its :class:`RankTimes` for the interval (medians over its
-measured steps, so one slow step or a garbage-collection pause does not move
-them). The deciding rank applies :func:`straggler_verdict`:
-
-* **rank score** = the median rank's forward time / this rank's forward time.
-  The median is the lower middle value (``statistics.median_low``), so in a
-  job where half the ranks are slow the healthy half is the reference: with
-  2 ranks at 10 and 15 ms, rank 1 scores 10 / 15 = 0.67 and rank 0 scores 1.
-* **node score**, with ranks on two or more nodes: the same over nodes, a
-  node's time being the lower median of its ranks' forward times, so one slow
-  rank does not make its node slow; every rank of a slow node does.
-* **own score** = this rank's forward time in its first scored intervals (its
-  baseline) / its forward time now: a rank that degrades over time. It marks
-  a rank only while the job's median own score stays at or above the
-  threshold: when every rank slows down together (longer sequences, the whole
-  job's step changed), no rank is the straggler.
-
-A rank or node is *slow* in an interval when a score is below ``threshold``
-and its forward time exceeds the one it is scored against (the median rank's
-or node's, or its own baseline) by at least ``min_excess_s`` per batch: noise
-is judged on the gap, not on the reference's size. Two ranks at 0.1 and
-0.4 ms score 0.25 but differ by 0.3 ms, scheduling noise: not slow; a rank at
-20 ms against 0.1 ms is slow, however small the reference. The verdict
-lists the slow ones (at most :data:`MAX_LISTED`, slowest first) with their
-times, so its size does not grow with the world size; callers count
-consecutive slow intervals themselves (every rank sees the same verdicts, so
-every rank counts the same).
+Each rank sends its :class:`RankTimes` for the interval; the deciding rank
+applies :func:`straggler_verdict` (rank, node and own scores, noise judged on
+the gap, at most :data:`MAX_LISTED` named). See docs/straggler.md#scores.
 """
 
 from __future__ import annotations
