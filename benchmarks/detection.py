@@ -6,7 +6,7 @@ Lightning) training a DDP model with steps of ~50 ms, in epochs of 60 steps
 each ending in an eval (4 batches and a metric ``all_reduce``). rankguard's
 core guards run behind a ``GuardRunner`` fed the same events (and loader,
 model and optimizer facts) the Composer and Lightning adapters send
-(``tests/test_hang_e2e.py`` covers the real trainers). Rank 1 hangs:
+(``tests/frameworks/test_hang_e2e.py`` covers the real trainers). Rank 1 hangs:
 
 - ``post-eval stall``: blocks in a hook right after the first eval (rank 0
   goes on to the next epoch and waits in ``BatchParityGuard``'s epoch-start

@@ -1,4 +1,4 @@
-"""One rank of benchmarks/scale.py and tests/test_multinode.py (launched by torchrun per node).
+"""One rank of benchmarks/scale.py and tests/checkpoint/test_multinode.py (torchrun, per node).
 
 Default: measures each guard's cross-rank checks, one guard at a time on its
 own side channel, at every event where it exchanges (the events a real

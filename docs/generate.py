@@ -17,7 +17,7 @@ lists, per recording, the words of rankguard's code its rankguard lines quote
 could print something else (:func:`staleness`): its example or the pinned
 versions changed, or a message it quotes was reworded. A refactoring that keeps
 every message reruns nothing; a reworded message reruns the recordings that
-quote it; ``--force`` reruns everything. ``tests/test_docs.py`` checks, without
+quote it; ``--force`` reruns everything. ``tests/docs/test_docs.py`` checks, without
 running anything, that no recording is stale and that the pages are what this
 script renders from the recordings; the example tests rerun a sample and compare
 it with the recordings (:func:`says_otherwise`).
@@ -549,7 +549,7 @@ def disagreement(run: Run) -> str | None:
     A run with rankguard must log the prose's ``quote`` (``quote_<framework>``, e.g.
     ``quote_lightning``, where one example says it differently); a healthy run and a run
     without rankguard must log no rankguard warning or error. Checked by
-    ``tests/test_docs.py``; the generator says it at once, so a detection that a
+    ``tests/docs/test_docs.py``; the generator says it at once, so a detection that a
     busy machine delayed past the example's end can be rerun (``--only``).
     """
     recording = read_recording(run)
@@ -573,7 +573,7 @@ def disagreement(run: Run) -> str | None:
 class Prose:
     """``docs/faults/<fault>.md``: its front matter (``key: value`` lines) and its text.
 
-    A new ``--fault`` in ``examples/faults.py`` needs this file (``tests/test_docs.py``
+    A new ``--fault`` in ``examples/faults.py`` needs this file (``tests/docs/test_docs.py``
     fails without it). Front matter keys:
 
     * ``title``, ``symptom`` (without rankguard), ``says`` (what rankguard says),
@@ -595,7 +595,7 @@ class Prose:
 
 
 def read_prose(fault: str) -> Prose:
-    """The prose of ``fault``; empty when its file is missing (``tests/test_docs.py`` says so)."""
+    """The prose of ``fault``; empty when its file is missing (``test_docs.py`` says so)."""
     path = PROSE / f"{fault}.md"
     if not path.exists():
         return Prose(fault, {}, "")

@@ -8,7 +8,7 @@ checkers show and check them: ``RankGuard(exchange_timeout_s, *, hang_watchdog=.
 ...)`` with one keyword per guard, and each single-guard class with that
 guard's own settings (names, types and defaults from the guard's ``__init__``).
 What runs is :func:`rankguard.integrations._common.bundle_init` and
-:func:`~rankguard.integrations._common.guard_init`. ``tests/test_api.py`` fails
+:func:`~rankguard.integrations._common.guard_init`. ``tests/integrations/test_api.py`` fails
 when a module's block is not what this script writes now.
 
 Usage::
@@ -136,7 +136,7 @@ def render_block(integration: Integration) -> str:
         bundle_params.append(f"{param.name}: {annotation} = {_literal(param.default)}")
     out = [
         BEGIN,
-        "# (tests/test_api.py checks it): run `.venv/bin/python tools/generate_api.py` after",
+        "# (tests/integrations/test_api.py checks it): run `python tools/generate_api.py` after",
         "# changing a guard's settings or the registry.",
         "",
         "",

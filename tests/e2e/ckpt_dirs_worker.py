@@ -1,4 +1,4 @@
-"""One rank of tests/test_shared_dirs.py: the directory barrier on simulated nodes.
+"""One rank of tests/checkpoint/test_shared_dirs.py: the directory barrier on simulated nodes.
 
 Launched by ``benchmarks/launch.py::launch_nodes``, one torchrun per node, so
 each rank's node and local rank come from torchrun (``GROUP_RANK``,

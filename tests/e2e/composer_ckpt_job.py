@@ -11,7 +11,7 @@ Each scenario is a fresh ``Trainer`` on CPU (gloo) saving into
 and counters (train batches, rankguard metrics); see tests/e2e/common.py.
 
 The model is ``Linear(4, 512), Linear(512, 2)`` with Adam (hand count in
-tests/test_checkpoint_e2e.py); FSDP runs as Composer's FSDP2 (``FSDP2Config``),
+tests/frameworks/test_checkpoint_e2e.py); FSDP runs as Composer's FSDP2 (``FSDP2Config``),
 the FSDP that runs on CPU (FSDP1 needs CUDA).
 """
 

@@ -11,7 +11,7 @@ under ``OUT_DIR``. Per rank, ``OUT_DIR/rank<r>.json`` records each scenario's
 outcome, rankguard's warnings and counters (train steps, rankguard metrics);
 see tests/e2e/common.py.
 
-Model and budgets (hand count in tests/test_checkpoint_e2e.py): the module is
+Model and budgets (hand count in tests/frameworks/test_checkpoint_e2e.py): the module is
 ``Linear(4, 512), Linear(512, 1)`` with Adam.
 """
 

@@ -11,7 +11,7 @@ after it; ``post_eval_stall`` never returns (the watchdog ends every rank with
 exit code 75), so it must come last; rank 1 writes the moment its stall starts
 to ``OUT_DIR/stall.json``. Token files are random ids written into ``OUT_DIR``;
 nothing needs the network. :func:`build_trainer` also serves the one-process
-tests in ``tests/test_olmo_core.py``.
+tests in ``tests/integrations/test_olmo_core.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A hand-written training loop that fires rankguard's events, for the straggler tests.
 
-Used by ``tests/test_straggler.py`` (2 ranks through ``run_ranks``) and
+Used by ``tests/straggler/test_straggler.py`` (2 ranks through ``run_ranks``) and
 ``tests/e2e/straggler_nodes_worker.py`` (simulated nodes under torchrun): a
 real DDP or FSDP2 model on gloo, its forward taking a set time (see
 ``tests/e2e/straggler_common.py`` for why a sleep), driven through a

@@ -7,7 +7,7 @@ into each adapter module from the registry, with their settings in their
 signatures for editors and type checkers; :func:`bundle_init` and
 :func:`guard_init` give them the ``__init__`` that runs, whose
 ``inspect.signature`` config tools such as LightningCLI's jsonargparse read.
-``tests/test_api.py`` fails when the written classes no longer match the registry.
+``tests/integrations/test_api.py`` fails when the written classes no longer match the registry.
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def trainer_load_path() -> str | None:
     path (``State.load_path``) only after loading, so before loading it is a
     local variable of ``Trainer.__init__`` on the call stack. This is the one
     place rankguard reads a framework's local variable;
-    ``tests/test_adapters.py`` fails if Composer renames it or moves the load.
+    ``tests/integrations/test_adapters.py`` fails if Composer renames it or moves the load.
 
     Returns:
         The path, or ``None`` (no checkpoint to load, or not called from a
@@ -352,7 +352,7 @@ class _ComposerAdapter(Callback):
 
 
 # -- Public classes: written by tools/generate_api.py from the guard registry; do not edit
-# (tests/test_api.py checks it): run `.venv/bin/python tools/generate_api.py` after
+# (tests/integrations/test_api.py checks it): run `python tools/generate_api.py` after
 # changing a guard's settings or the registry.
 
 

@@ -155,7 +155,7 @@ def hook_checkpoint_io(
     every resume (``trainer.fit(ckpt_path=...)``) through
     ``Strategy.load_checkpoint`` on every rank, before the file is read. Both
     are wrapped on these two instances only; this is the one place rankguard
-    wraps Lightning methods, and ``tests/test_adapters.py`` fails if Lightning
+    wraps Lightning methods, and ``tests/integrations/test_adapters.py`` fails if Lightning
     stops calling them.
 
     Returns:
@@ -193,7 +193,7 @@ def split_decisions(trainer: pl.Trainer) -> dict[str, Any]:
 
     ``should_stop`` is public; the metric names logged with ``sync_dist=True``
     are read from ``trainer._results`` (the running loop's logged values), a
-    private attribute: this is the one place (``tests/test_adapters.py`` fails
+    private attribute: this is the one place (``tests/integrations/test_adapters.py`` fails
     when Lightning changes it). Called from the hang watchdog's thread, so it
     copies what it reads and lets the caller catch a change under its feet.
     """
@@ -384,7 +384,7 @@ class _LightningAdapter(Callback):
 
 
 # -- Public classes: written by tools/generate_api.py from the guard registry; do not edit
-# (tests/test_api.py checks it): run `.venv/bin/python tools/generate_api.py` after
+# (tests/integrations/test_api.py checks it): run `python tools/generate_api.py` after
 # changing a guard's settings or the registry.
 
 

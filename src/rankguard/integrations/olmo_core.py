@@ -130,7 +130,7 @@ def save_options(train_module: Any) -> tuple[str, bool]:
     ``full_state_dict=False, cpu_offload=True``): a sharded save, each rank its own
     part. ``full_state_dict=True`` makes it a full (unsharded) model export,
     consolidated on rank 0. The one place rankguard reads that attribute;
-    ``tests/test_olmo_core.py`` fails if OLMo-core changes it.
+    ``tests/integrations/test_olmo_core.py`` fails if OLMo-core changes it.
 
     Returns:
         ``("full" | "sharded", copies_to_host)``: ``copies_to_host`` when
@@ -183,7 +183,7 @@ def route_checkpoint_dir_waits(wait: Callable[[str], bool]) -> Unhook:
     where ``wait`` declines (returns ``False``), for any other condition, and when the
     folder is still missing after ``wait``. Where that name is absent (another
     OLMo-core version) nothing is changed (logged once at DEBUG).
-    ``tests/test_olmo_core.py`` fails if these polls change.
+    ``tests/integrations/test_olmo_core.py`` fails if these polls change.
 
     Returns:
         The undo (safe to call twice).
@@ -278,7 +278,7 @@ def hook_trainer(trainer: Trainer, hooks: _Hooks, watched: Iterable[Evaluator]) 
     ``Trainer.save_checkpoint`` / ``save_checkpoint_async`` for every save;
     the ``EvaluatorCallback`` calling each evaluator's ``reset_metrics``
     before its first batch, ``TrainModule.eval_batch`` per batch and
-    ``compute_metrics`` after its last. ``tests/test_olmo_core.py`` fails if
+    ``compute_metrics`` after its last. ``tests/integrations/test_olmo_core.py`` fails if
     that changes.
 
     Returns:
@@ -473,7 +473,7 @@ class _OlmoCoreAdapter(Callback):
 
 
 # -- Public classes: written by tools/generate_api.py from the guard registry; do not edit
-# (tests/test_api.py checks it): run `.venv/bin/python tools/generate_api.py` after
+# (tests/integrations/test_api.py checks it): run `python tools/generate_api.py` after
 # changing a guard's settings or the registry.
 
 

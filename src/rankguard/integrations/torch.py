@@ -621,7 +621,7 @@ class _Save:
 
 
 # -- Public classes: written by tools/generate_api.py from the guard registry; do not edit
-# (tests/test_api.py checks it): run `.venv/bin/python tools/generate_api.py` after
+# (tests/integrations/test_api.py checks it): run `python tools/generate_api.py` after
 # changing a guard's settings or the registry.
 
 

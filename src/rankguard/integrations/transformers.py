@@ -58,7 +58,7 @@ def calling_trainer() -> Trainer | None:
     before the first eval batch. The Trainer calls every hook from one of its
     own methods through its ``CallbackHandler``, so the Trainer is ``self`` a
     few frames up. This is the one place rankguard relies on how transformers
-    calls its callbacks; ``tests/test_transformers.py`` fails if that changes.
+    calls its callbacks; ``tests/integrations/test_transformers.py`` fails if that changes.
 
     Call it from the hook itself (it looks from its caller's caller up).
     """
@@ -124,7 +124,7 @@ def hook_resume(trainer: Trainer, before_load: Callable[[str], None]) -> Callabl
     ``Trainer.train(resume_from_checkpoint=...)`` loads the model, optimizer and
     scheduler before calling any callback hook. Its ``train`` is wrapped on this
     instance (the public method, its public argument; the path as
-    :func:`resume_checkpoint` reads it); ``tests/test_transformers.py`` fails if
+    :func:`resume_checkpoint` reads it); ``tests/integrations/test_transformers.py`` fails if
     ``train`` stops taking ``resume_from_checkpoint``.
 
     Returns:
@@ -382,7 +382,7 @@ class _TrainerAdapter(TrainerCallback):
 
 
 # -- Public classes: written by tools/generate_api.py from the guard registry; do not edit
-# (tests/test_api.py checks it): run `.venv/bin/python tools/generate_api.py` after
+# (tests/integrations/test_api.py checks it): run `python tools/generate_api.py` after
 # changing a guard's settings or the registry.
 
 

@@ -123,7 +123,7 @@ def default_store() -> Any:
     """Returns the key-value store of the default process group.
 
     This is the one place rankguard touches a private ``torch.distributed``
-    name; ``tests/test_side_channel.py`` fails if it disappears.
+    name; ``tests/core/test_side_channel.py`` fails if it disappears.
 
     Returns:
         The store the default process group was initialised with.

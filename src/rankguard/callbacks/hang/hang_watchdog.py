@@ -164,7 +164,7 @@ def process_group_timeout() -> tuple[str | None, float | None]:
     """Returns the default process group's backend and timeout (seconds), where known.
 
     The timeout has no public getter; this is the one place the watchdog reads
-    a private ``torch.distributed`` attribute (``tests/test_hang_watchdog.py``
+    a private ``torch.distributed`` attribute (``tests/hang/test_hang_watchdog.py``
     fails if it disappears).
     """
     import torch

@@ -1,7 +1,7 @@
 """StragglerMonitor: scores, hooks and a real 2-rank DDP loop on gloo (no framework).
 
 The framework runs (Composer, Lightning, simulated nodes) are in
-``tests/test_straggler_e2e.py``.
+``tests/frameworks/test_straggler_e2e.py``.
 """
 
 from __future__ import annotations

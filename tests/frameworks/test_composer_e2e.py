@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.framework
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "e2e" / "composer_job.py"
 LAUNCHER = Path(sys.executable).parent / "composer"
 SCENARIOS = [

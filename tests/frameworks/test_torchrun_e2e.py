@@ -35,12 +35,12 @@ import pytest
 
 from rankguard.callbacks.hang.hang_watchdog import HANG_EXIT_CODE
 from tests.e2e.hang_settings import HANG
+from tests.frameworks.test_hang_e2e import _loop_stack
 from tests.mp import run_job
-from tests.test_hang_e2e import _loop_stack
 
 pytestmark = pytest.mark.framework
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 SCENARIOS = ["healthy", "unseeded_split", "uneven_eval", "straggler", "post_eval_stall"]
 LOOP_ONLY = [

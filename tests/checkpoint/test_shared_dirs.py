@@ -33,7 +33,7 @@ from tests.e2e.ckpt_dirs_worker import LAG_BAD_TIMEOUT_S, TIMEOUT_S
 from tests.e2e.common import Mirror
 from tests.mp import run_ranks
 
-WORKER = Path(__file__).parent / "e2e" / "ckpt_dirs_worker.py"
+WORKER = Path(__file__).parents[1] / "e2e" / "ckpt_dirs_worker.py"
 HOST = socket.gethostname()
 LAG_OK_S, LAG_BAD_S = 1.0, 60.0
 

@@ -38,7 +38,7 @@ from tests.mp import run_job
 
 pytestmark = pytest.mark.framework
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 COMPOSER_JOB = ROOT / "tests" / "e2e" / "composer_hang_job.py"
 LIGHTNING_JOB = ROOT / "tests" / "e2e" / "lightning_hang_job.py"

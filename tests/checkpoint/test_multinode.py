@@ -11,7 +11,7 @@ from benchmarks.launch import launch_nodes
 
 pytestmark = pytest.mark.framework
 
-WORKER = Path(__file__).resolve().parents[1] / "benchmarks" / "scale_worker.py"
+WORKER = Path(__file__).resolve().parents[2] / "benchmarks" / "scale_worker.py"
 
 
 def test_half_the_ranks_with_a_longer_eval_set_are_named_compactly(tmp_path):

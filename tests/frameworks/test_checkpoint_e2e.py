@@ -37,7 +37,7 @@ from rankguard.callbacks.checkpoint.dir_probe import MARKER_PREFIX
 
 pytestmark = pytest.mark.framework
 
-E2E = Path(__file__).parent / "e2e"
+E2E = Path(__file__).parents[1] / "e2e"
 SCENARIOS = [
     "checkpointing",
     "planner_warn",

@@ -15,7 +15,7 @@ from rankguard import cli
 from rankguard.callbacks.hang.report import write_heartbeats
 from rankguard.callbacks.hang.timeline import MAX_ROWS, build_timeline, plot_timeline, title
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_import_rankguard_gives_the_version_and_points_to_the_integrations():

@@ -1,7 +1,7 @@
 """What each launcher shows when rankguard stops a job: every rank's error, the exit code.
 
 Composer's launcher and Lightning's ``ddp`` are covered by the examples' fault
-runs in ``tests/test_examples.py``; this is a hand-written loop under torchrun.
+runs in ``tests/docs/test_examples.py``; this is a hand-written loop under torchrun.
 """
 
 from __future__ import annotations

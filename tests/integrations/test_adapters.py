@@ -88,7 +88,7 @@ def test_lightning_defaults_sit_under_user_settings():
 def test_every_core_event_is_in_the_documented_table():
     # The module docstring points to the page section that holds the table.
     anchor = events_module.__doc__.split("docs/design.md#")[1].split()[0].rstrip(".")
-    page = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "design.md").read_text()
     headings = [line for line in page.splitlines() if line.startswith("#")]
     heading = next(h for h in headings if anchor.replace("-", " ") in h.lower().replace(":", ""))
     section = page.split(heading, 1)[1].split("\n## ", 1)[0]
@@ -351,7 +351,7 @@ def test_lightning_split_decisions_read_should_stop_and_the_synced_keys_of_the_r
     )
     trainer.fit(Module(), DataLoader(Points(16), batch_size=4))
     # One process: Lightning syncs nothing (sync_dist only applies when distributed); the
-    # 2-rank run in tests/test_deadlock_e2e.py reads the synced key.
+    # 2-rank run in tests/frameworks/test_deadlock_e2e.py reads the synced key.
     assert seen[0] == (
         {"should_stop": False, "sync_dist_keys": (), "sync_dist_loop": "train"},
         {"synced": False, "local": False},

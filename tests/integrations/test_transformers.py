@@ -1,6 +1,6 @@
 """The Hugging Face Trainer adapter in one process: the Trainer it finds, its events, its silence.
 
-The same adapter runs on 2 ranks under ``torchrun`` in ``tests/test_torchrun_e2e.py``.
+The same adapter runs on 2 ranks under ``torchrun`` in ``tests/frameworks/test_torchrun_e2e.py``.
 A 2-layer BERT built from a config; nothing reaches the network.
 """
 

@@ -28,7 +28,7 @@ from tests.mp import run_job
 
 pytestmark = [pytest.mark.framework, pytest.mark.timing]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 E2E = ROOT / "tests" / "e2e"
 LAUNCHER = Path(sys.executable).parent / "composer"
 SCENARIOS = ["healthy", "slow_compute", "slow_data", "slow_compute_raise"]

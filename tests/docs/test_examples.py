@@ -22,7 +22,7 @@ import yaml
 from rankguard.callbacks import HANG_EXIT_CODE
 from tests.generator import generate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 LAUNCHER = Path(sys.executable).parent / "composer"
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}

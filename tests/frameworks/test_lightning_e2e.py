@@ -32,7 +32,7 @@ pytestmark = [
     pytest.mark.skipif(find_spec("lightning") is None, reason="needs rankguard[lightning]"),
 ]
 
-JOB = Path(__file__).parent / "e2e" / "lightning_job.py"
+JOB = Path(__file__).parents[1] / "e2e" / "lightning_job.py"
 JOB_TIMEOUT_S = 240
 # Every scenario's error fires on both ranks at the same point, so the ranks stay in
 # step for the next one. The last one's error ends the job with a non-zero exit.

@@ -23,7 +23,7 @@ from tests.mp import run_job
 
 pytestmark = pytest.mark.framework
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 JOB = ROOT / "tests" / "e2e" / "composer_restart_job.py"
 LAUNCH_TIMEOUT_S = 240

@@ -19,7 +19,7 @@ import pytest
 from rankguard.callbacks.registry import GUARDS
 from tests.generator import generate
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 RUN_AGAIN = "run `make docs` (it reruns only the stale example runs, about 20 s each)"
@@ -171,7 +171,7 @@ def test_every_example_run_in_the_docs_is_one_make_docs_records():
 
 #: Example scripts whose documented runs finish in seconds (they import torch and
 #: rankguard only), so the quick-command test runs them as written too; the other
-#: examples' runs are ``make docs``'s (and ``tests/test_examples.py``'s).
+#: examples' runs are ``make docs``'s (and ``tests/docs/test_examples.py``'s).
 QUICK_EXAMPLES = ("examples/torch_loop.py",)
 
 

@@ -17,7 +17,7 @@ from rankguard.callbacks import GUARDS
 from rankguard.integrations import composer as rg_composer
 from rankguard.integrations.config import CALLBACK_NAMES, FRAMEWORKS, build_callbacks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def guard(callback, name):

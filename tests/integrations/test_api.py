@@ -20,7 +20,7 @@ from rankguard.callbacks import registry
 from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
 from rankguard.integrations._common import class_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN_AGAIN = "run `.venv/bin/python tools/generate_api.py`"
 
 

@@ -1,0 +1,1 @@
+"""Unit tests of what a loader really yields (BatchParityGuard's counts)."""

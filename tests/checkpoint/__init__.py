@@ -1,0 +1,1 @@
+"""Unit tests of CheckpointPlanner and SharedDirBarrier (simulated nodes)."""

@@ -1,0 +1,1 @@
+"""The docs and examples: rendered pages, recordings, the examples' faults."""

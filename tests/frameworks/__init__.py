@@ -1,0 +1,1 @@
+"""Real multi-process runs of every framework (``framework`` mark), by concern."""

@@ -1,0 +1,1 @@
+"""Unit tests of the HangWatchdog, its pure decisions and the report CLI."""

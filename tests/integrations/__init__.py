@@ -1,0 +1,1 @@
+"""Each adapter in one process: event order, defaults, the public API, configs."""

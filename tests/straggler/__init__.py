@@ -1,0 +1,1 @@
+"""Unit tests of StragglerMonitor: clocks, scores, 2-rank DDP runs."""
