@@ -4,7 +4,7 @@ Three launches, each ending the job with :data:`DEADLOCK_EXIT_CODE` on every
 rank within seconds of the split, naming the user's own line:
 
 - a hand-written DDP loop under torchrun (``tests/e2e/torch_loop_job.py``);
-- Composer (``composer -n 2``, ``tests/e2e/composer_hang_job.py``);
+- Composer (``composer -n 2``, ``tests/e2e/composer_job.py``);
 - Lightning ``ddp``: rank 1 alone logs a key with ``sync_dist=True``
   (``tests/e2e/lightning_hang_job.py``): rank 0 waits in DDP's backward.
 
@@ -56,7 +56,7 @@ LEFT_WITHIN_S = 30.0
 LAUNCHERS = {
     "torch_loop_job.py": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"],
     "hf_trainer_job.py": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"],
-    "composer_hang_job.py": [str(BIN / "composer"), "-n", "2"],
+    "composer_job.py": [str(BIN / "composer"), "-n", "2"],
     "lightning_hang_job.py": [sys.executable],  # Lightning starts rank 1 itself
 }
 
@@ -76,7 +76,7 @@ def loop(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def composer(tmp_path_factory):
-    return _launch(tmp_path_factory, "composer_hang_job.py", "rank0_collective")
+    return _launch(tmp_path_factory, "composer_job.py", "rank0_collective")
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_composer_collective_on_rank0_only_is_a_proven_deadlock_ended_with_exit_
     assert returncode == DEADLOCK_EXIT_CODE, output[-6000:]
     for rank in (0, 1):
         assert re.search(rf"Global rank {rank} \(PID \d+\) exited with code 70", output)
-    _check(out, output, ended_at, "composer_hang_job.py", "reduce_on_rank0_only")
+    _check(out, output, ended_at, "composer_job.py", "reduce_on_rank0_only")
 
 
 def test_lightning_sync_dist_key_on_one_rank_is_a_proven_deadlock_naming_the_log_call(lightning):
@@ -207,7 +207,7 @@ def lightning_save(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def composer_gather(tmp_path_factory):
-    return _launch(tmp_path_factory, "composer_hang_job.py", "epoch_end_all_gather")
+    return _launch(tmp_path_factory, "composer_job.py", "epoch_end_all_gather")
 
 
 def test_lightning_save_checkpoint_on_global_zero_only_is_a_proven_deadlock_naming_the_save(
@@ -240,7 +240,7 @@ def test_composer_all_gather_on_a_path_one_rank_skips_is_a_proven_deadlock_ended
         out,
         output,
         ended_at,
-        "composer_hang_job.py",
+        "composer_job.py",
         "epoch_end",
         scenario="epoch_end_all_gather",
         call=r"dist\.all_gather\(",

@@ -126,7 +126,7 @@ def checkpoint_every_6(out_dir: str) -> list[L.Callback]:
 
 SCENARIOS: dict[str, Callable[[str], dict]] = {
     # Equal ranks, validated and saved every 6 batches: no warning, scores every interval.
-    "healthy": lambda out: run(
+    "straggler_healthy": lambda out: run(
         {"straggler_monitor": STRAGGLER},
         False,
         False,
