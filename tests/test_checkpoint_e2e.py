@@ -54,7 +54,7 @@ needs_node_disks = pytest.mark.skipif(
 )
 FRAMEWORKS = {
     "lightning": {
-        "job": E2E / "lightning_ckpt_job.py",
+        "job": E2E / "lightning_job.py",
         "more_scenarios": ["weights_only"],
         "saved_node_local": ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"],
         "upload_fix": "`ModelCheckpoint(dirpath='s3://bucket/run/checkpoints')`",

@@ -6,7 +6,7 @@ rank within seconds of the split, naming the user's own line:
 - a hand-written DDP loop under torchrun (``tests/e2e/torch_loop_job.py``);
 - Composer (``composer -n 2``, ``tests/e2e/composer_job.py``);
 - Lightning ``ddp``: rank 1 alone logs a key with ``sync_dist=True``
-  (``tests/e2e/lightning_hang_job.py``): rank 0 waits in DDP's backward.
+  (``tests/e2e/lightning_job.py``): rank 0 waits in DDP's backward.
 
 Two launches of the tracker cases most likely to regress (the others are rows of
 ``benchmarks/detection.py --frameworks``):
@@ -57,7 +57,7 @@ LAUNCHERS = {
     "torch_loop_job.py": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"],
     "hf_trainer_job.py": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"],
     "composer_job.py": [str(BIN / "composer"), "-n", "2"],
-    "lightning_hang_job.py": [sys.executable],  # Lightning starts rank 1 itself
+    "lightning_job.py": [sys.executable],  # Lightning starts rank 1 itself
 }
 
 
@@ -82,7 +82,7 @@ def composer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lightning(tmp_path_factory):
     pytest.importorskip("lightning", reason="needs rankguard[lightning]")
-    return _launch(tmp_path_factory, "lightning_hang_job.py", "sync_dist_key")
+    return _launch(tmp_path_factory, "lightning_job.py", "sync_dist_key")
 
 
 def _check(
@@ -134,13 +134,13 @@ def test_lightning_sync_dist_key_on_one_rank_is_a_proven_deadlock_naming_the_log
         out,
         output,
         ended_at,
-        "lightning_hang_job.py",
+        "lightning_job.py",
         "training_step",
         scenario="sync_dist_key",
         rank=1,
         call=r'self\.log\("extra"',
     )
-    assert "rank 0: your code at lightning_hang_job.py:" in summary  # in backward
+    assert "rank 0: your code at lightning_job.py:" in summary  # in backward
     split = "What split them: rank 0 logged with sync_dist=True at step 5: none; "
     assert split + "rank 1 logged with sync_dist=True at step 5: extra." in summary, summary
 
@@ -148,7 +148,7 @@ def test_lightning_sync_dist_key_on_one_rank_is_a_proven_deadlock_naming_the_log
 @pytest.fixture(scope="module")
 def lightning_stop(tmp_path_factory):
     pytest.importorskip("lightning", reason="needs rankguard[lightning]")
-    return _launch(tmp_path_factory, "lightning_hang_job.py", "should_stop_leaves_fit")
+    return _launch(tmp_path_factory, "lightning_job.py", "should_stop_leaves_fit")
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ def test_lightning_should_stop_on_one_rank_is_a_proven_deadlock_ended_with_exit_
         "rank 0 left the training loop at step 5 (should_stop set)"
     ), summary
     # Lightning broadcasts a SIGTERM flag before each step: rank 1 waits there, or in backward.
-    assert re.search(r"rank 1 waiting \d+ s in (broadcast|backward) at lightning_hang_job", summary)
+    assert re.search(r"rank 1 waiting \d+ s in (broadcast|backward) at lightning_job", summary)
     assert "Next: fix the stop decision of rank 0" in summary, summary
 
 
@@ -202,7 +202,7 @@ def test_hf_early_stop_on_one_rank_is_a_proven_deadlock_ended_with_exit_70(hf_st
 @pytest.fixture(scope="module")
 def lightning_save(tmp_path_factory):
     pytest.importorskip("lightning", reason="needs rankguard[lightning]")
-    return _launch(tmp_path_factory, "lightning_hang_job.py", "save_on_rank0")
+    return _launch(tmp_path_factory, "lightning_job.py", "save_on_rank0")
 
 
 @pytest.fixture(scope="module")
@@ -219,12 +219,12 @@ def test_lightning_save_checkpoint_on_global_zero_only_is_a_proven_deadlock_nami
         out,
         output,
         ended_at,
-        "lightning_hang_job.py",
+        "lightning_job.py",
         "on_train_batch_end",
         scenario="save_on_rank0",
         call=r"trainer\.save_checkpoint\(",
     )
-    assert "rank 0 waiting" in summary and "s in barrier at lightning_hang_job.py:" in summary
+    assert "rank 0 waiting" in summary and "s in barrier at lightning_job.py:" in summary
     split = "What split them: rank 0 entered a checkpoint save at step 5; rank 1 did not."
     assert split in summary, summary
 

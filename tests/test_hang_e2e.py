@@ -41,7 +41,7 @@ pytestmark = pytest.mark.framework
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 COMPOSER_JOB = ROOT / "tests" / "e2e" / "composer_job.py"
-LIGHTNING_JOB = ROOT / "tests" / "e2e" / "lightning_hang_job.py"
+LIGHTNING_JOB = ROOT / "tests" / "e2e" / "lightning_job.py"
 LAUNCH_TIMEOUT_S = 180
 # Set by a launcher or a cluster: each job picks its own rendezvous.
 POST_EVAL_DEADLINE_S = HANG["post_eval_timeout_s"]

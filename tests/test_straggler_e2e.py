@@ -54,7 +54,7 @@ def lightning_job(tmp_path_factory) -> list[dict[str, Any]]:
     if find_spec("lightning") is None:
         pytest.skip("needs rankguard[lightning]")
     out = tmp_path_factory.mktemp("lightning_straggler")
-    job = E2E / "lightning_straggler_job.py"
+    job = E2E / "lightning_job.py"
     run = run_job([sys.executable, str(job), str(out), *SCENARIOS], timeout_s=TIMEOUT_S)
     deadline = time.monotonic() + 30  # rank 0 does not wait for Lightning's rank 1
     paths = [out / f"rank{r}.json" for r in (0, 1)]
