@@ -304,16 +304,16 @@ def watch(procs: list[subprocess.Popen], out: Path, cap_s: float) -> dict:
 #: scenario), one per tracker case and framework. The launcher is ``composer`` (``composer -n
 #: 2``), ``torchrun`` (2 processes) or ``python`` (Lightning starts rank 1 itself).
 FRAMEWORK_DESYNC = (
-    ("Composer: rank-0 collective", "composer", "composer_hang_job.py", "rank0_collective"),
-    ("Composer: metric on rank 0", "composer", "composer_hang_job.py", "metric_on_rank0"),
-    ("Composer: all_gather skipped", "composer", "composer_hang_job.py", "epoch_end_all_gather"),
-    ("Composer: stop on one rank", "composer", "composer_hang_job.py", "stop_one_rank"),
-    ("Composer: save on rank 0", "composer", "composer_hang_job.py", "save_on_rank0"),
-    ("Lightning: rank-0 collective", "python", "lightning_hang_job.py", "rank0_collective"),
-    ("Lightning: sync_dist key", "python", "lightning_hang_job.py", "sync_dist_key"),
-    ("Lightning: all_gather skipped", "python", "lightning_hang_job.py", "epoch_end_all_gather"),
-    ("Lightning: should_stop 1 rank", "python", "lightning_hang_job.py", "should_stop_leaves_fit"),
-    ("Lightning: save is_global_zero", "python", "lightning_hang_job.py", "save_on_rank0"),
+    ("Composer: rank-0 collective", "composer", "composer_job.py", "rank0_collective"),
+    ("Composer: metric on rank 0", "composer", "composer_job.py", "metric_on_rank0"),
+    ("Composer: all_gather skipped", "composer", "composer_job.py", "epoch_end_all_gather"),
+    ("Composer: stop on one rank", "composer", "composer_job.py", "stop_one_rank"),
+    ("Composer: save on rank 0", "composer", "composer_job.py", "save_on_rank0"),
+    ("Lightning: rank-0 collective", "python", "lightning_job.py", "rank0_collective"),
+    ("Lightning: sync_dist key", "python", "lightning_job.py", "sync_dist_key"),
+    ("Lightning: all_gather skipped", "python", "lightning_job.py", "epoch_end_all_gather"),
+    ("Lightning: should_stop 1 rank", "python", "lightning_job.py", "should_stop_leaves_fit"),
+    ("Lightning: save is_global_zero", "python", "lightning_job.py", "save_on_rank0"),
     ("HF: early stop on one rank", "torchrun", "hf_trainer_job.py", "early_stop_one_rank"),
     ("loop: rank-0 collective", "torchrun", "torch_loop_job.py", "rank0_collective"),
 )

@@ -138,7 +138,8 @@ class Recorder:
         self.collector = WarningCollector()
         logging.getLogger("rankguard").addHandler(self.collector)
 
-    def run(self, name: str, fn, counters: dict) -> None:
+    def outcome(self, fn, counters: dict) -> dict:
+        """Runs ``fn``; returns its outcome, rankguard's warnings and ``counters``."""
         self.collector.messages.clear()
         result: dict = {"outcome": "ok"}
         try:
@@ -151,7 +152,10 @@ class Recorder:
             }
         result["warnings"] = list(self.collector.messages)
         result["counters"] = dict(counters)
-        self.results[name] = result
+        return result
+
+    def run(self, name: str, fn, counters: dict) -> None:
+        self.results[name] = result = self.outcome(fn, counters)
         self.path.write_text(json.dumps(self.results, indent=1))
         if result["outcome"] != "ok" and os.environ.get("E2E_RERAISE") == "1":
             raise SystemExit(f"{result['outcome']}: {result['message']}")

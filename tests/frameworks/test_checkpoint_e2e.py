@@ -1,6 +1,6 @@
 """Real Composer and Lightning jobs saving checkpoints: SharedDirBarrier and CheckpointPlanner.
 
-Each framework's job (``tests/e2e/*_ckpt_job.py``) runs all its scenarios in
+Each framework's job (``tests/e2e/*_job.py``) runs all its scenarios in
 one launch: two simulated nodes of one rank each, one torchrun per node, on CPU
 (gloo), so the planner's per-node budget is that of a real two-node job.
 
@@ -54,7 +54,7 @@ needs_node_disks = pytest.mark.skipif(
 )
 FRAMEWORKS = {
     "lightning": {
-        "job": E2E / "lightning_ckpt_job.py",
+        "job": E2E / "lightning_job.py",
         "more_scenarios": ["weights_only"],
         "saved_node_local": ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"],
         "upload_fix": "`ModelCheckpoint(dirpath='s3://bucket/run/checkpoints')`",
@@ -71,7 +71,7 @@ FRAMEWORKS = {
         "resume": "`ModelParallelStrategy(save_distributed_checkpoint=True)`",
     },
     "composer": {
-        "job": E2E / "composer_ckpt_job.py",
+        "job": E2E / "composer_job.py",
         "more_scenarios": [],
         "saved_node_local": ["ep0-ba4-rank0.pt", "ep0-ba8-rank0.pt", "latest-rank0.pt"],
         "upload_fix": "`save_folder='s3://bucket/run/checkpoints'`",

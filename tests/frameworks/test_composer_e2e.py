@@ -22,7 +22,7 @@ JOB = ROOT / "tests" / "e2e" / "composer_job.py"
 LAUNCHER = Path(sys.executable).parent / "composer"
 SCENARIOS = [
     "healthy",
-    "checkpointing",
+    "checkpoint_barrier",
     "uneven_eval",
     "uneven_eval_all_guards",
     "uneven_train",
@@ -73,7 +73,7 @@ def test_healthy_run_passes_with_no_rankguard_warning(outcomes):
 
 
 def test_checkpointing_run_goes_through_the_dir_barrier_silently(outcomes, job_dir):
-    for result in both(outcomes, "checkpointing"):
+    for result in both(outcomes, "checkpoint_barrier"):
         assert result["outcome"] == "ok", result.get("traceback")
         assert result["warnings"] == []
     saved = sorted(p.name for p in (job_dir / "ckpt" / "e2e").glob("ep*-ba*-rank0.pt"))

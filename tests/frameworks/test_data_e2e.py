@@ -29,8 +29,8 @@ from tests.mp import run_job
 pytestmark = pytest.mark.framework
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPOSER_JOB = ROOT / "tests" / "e2e" / "composer_data_job.py"
-LIGHTNING_JOB = ROOT / "tests" / "e2e" / "lightning_data_job.py"
+COMPOSER_JOB = ROOT / "tests" / "e2e" / "composer_job.py"
+LIGHTNING_JOB = ROOT / "tests" / "e2e" / "lightning_job.py"
 LAUNCHER = Path(sys.executable).parent / "composer"
 JOB_TIMEOUT_S = 240
 WINDOW, INTERVAL = 3, 5  # the stall scenarios' DataStallMonitor settings

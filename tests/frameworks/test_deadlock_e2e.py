@@ -4,9 +4,9 @@ Three launches, each ending the job with :data:`DEADLOCK_EXIT_CODE` on every
 rank within seconds of the split, naming the user's own line:
 
 - a hand-written DDP loop under torchrun (``tests/e2e/torch_loop_job.py``);
-- Composer (``composer -n 2``, ``tests/e2e/composer_hang_job.py``);
+- Composer (``composer -n 2``, ``tests/e2e/composer_job.py``);
 - Lightning ``ddp``: rank 1 alone logs a key with ``sync_dist=True``
-  (``tests/e2e/lightning_hang_job.py``): rank 0 waits in DDP's backward.
+  (``tests/e2e/lightning_job.py``): rank 0 waits in DDP's backward.
 
 Two launches of the tracker cases most likely to regress (the others are rows of
 ``benchmarks/detection.py --frameworks``):
@@ -56,8 +56,8 @@ LEFT_WITHIN_S = 30.0
 LAUNCHERS = {
     "torch_loop_job.py": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"],
     "hf_trainer_job.py": [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"],
-    "composer_hang_job.py": [str(BIN / "composer"), "-n", "2"],
-    "lightning_hang_job.py": [sys.executable],  # Lightning starts rank 1 itself
+    "composer_job.py": [str(BIN / "composer"), "-n", "2"],
+    "lightning_job.py": [sys.executable],  # Lightning starts rank 1 itself
 }
 
 
@@ -76,13 +76,13 @@ def loop(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def composer(tmp_path_factory):
-    return _launch(tmp_path_factory, "composer_hang_job.py", "rank0_collective")
+    return _launch(tmp_path_factory, "composer_job.py", "rank0_collective")
 
 
 @pytest.fixture(scope="module")
 def lightning(tmp_path_factory):
     pytest.importorskip("lightning", reason="needs rankguard[lightning]")
-    return _launch(tmp_path_factory, "lightning_hang_job.py", "sync_dist_key")
+    return _launch(tmp_path_factory, "lightning_job.py", "sync_dist_key")
 
 
 def _check(
@@ -124,7 +124,7 @@ def test_composer_collective_on_rank0_only_is_a_proven_deadlock_ended_with_exit_
     assert returncode == DEADLOCK_EXIT_CODE, output[-6000:]
     for rank in (0, 1):
         assert re.search(rf"Global rank {rank} \(PID \d+\) exited with code 70", output)
-    _check(out, output, ended_at, "composer_hang_job.py", "reduce_on_rank0_only")
+    _check(out, output, ended_at, "composer_job.py", "reduce_on_rank0_only")
 
 
 def test_lightning_sync_dist_key_on_one_rank_is_a_proven_deadlock_naming_the_log_call(lightning):
@@ -134,13 +134,13 @@ def test_lightning_sync_dist_key_on_one_rank_is_a_proven_deadlock_naming_the_log
         out,
         output,
         ended_at,
-        "lightning_hang_job.py",
+        "lightning_job.py",
         "training_step",
         scenario="sync_dist_key",
         rank=1,
         call=r'self\.log\("extra"',
     )
-    assert "rank 0: your code at lightning_hang_job.py:" in summary  # in backward
+    assert "rank 0: your code at lightning_job.py:" in summary  # in backward
     split = "What split them: rank 0 logged with sync_dist=True at step 5: none; "
     assert split + "rank 1 logged with sync_dist=True at step 5: extra." in summary, summary
 
@@ -148,7 +148,7 @@ def test_lightning_sync_dist_key_on_one_rank_is_a_proven_deadlock_naming_the_log
 @pytest.fixture(scope="module")
 def lightning_stop(tmp_path_factory):
     pytest.importorskip("lightning", reason="needs rankguard[lightning]")
-    return _launch(tmp_path_factory, "lightning_hang_job.py", "should_stop_leaves_fit")
+    return _launch(tmp_path_factory, "lightning_job.py", "should_stop_leaves_fit")
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ def test_lightning_should_stop_on_one_rank_is_a_proven_deadlock_ended_with_exit_
         "rank 0 left the training loop at step 5 (should_stop set)"
     ), summary
     # Lightning broadcasts a SIGTERM flag before each step: rank 1 waits there, or in backward.
-    assert re.search(r"rank 1 waiting \d+ s in (broadcast|backward) at lightning_hang_job", summary)
+    assert re.search(r"rank 1 waiting \d+ s in (broadcast|backward) at lightning_job", summary)
     assert "Next: fix the stop decision of rank 0" in summary, summary
 
 
@@ -202,12 +202,12 @@ def test_hf_early_stop_on_one_rank_is_a_proven_deadlock_ended_with_exit_70(hf_st
 @pytest.fixture(scope="module")
 def lightning_save(tmp_path_factory):
     pytest.importorskip("lightning", reason="needs rankguard[lightning]")
-    return _launch(tmp_path_factory, "lightning_hang_job.py", "save_on_rank0")
+    return _launch(tmp_path_factory, "lightning_job.py", "save_on_rank0")
 
 
 @pytest.fixture(scope="module")
 def composer_gather(tmp_path_factory):
-    return _launch(tmp_path_factory, "composer_hang_job.py", "epoch_end_all_gather")
+    return _launch(tmp_path_factory, "composer_job.py", "epoch_end_all_gather")
 
 
 def test_lightning_save_checkpoint_on_global_zero_only_is_a_proven_deadlock_naming_the_save(
@@ -219,12 +219,12 @@ def test_lightning_save_checkpoint_on_global_zero_only_is_a_proven_deadlock_nami
         out,
         output,
         ended_at,
-        "lightning_hang_job.py",
+        "lightning_job.py",
         "on_train_batch_end",
         scenario="save_on_rank0",
         call=r"trainer\.save_checkpoint\(",
     )
-    assert "rank 0 waiting" in summary and "s in barrier at lightning_hang_job.py:" in summary
+    assert "rank 0 waiting" in summary and "s in barrier at lightning_job.py:" in summary
     split = "What split them: rank 0 entered a checkpoint save at step 5; rank 1 did not."
     assert split in summary, summary
 
@@ -240,7 +240,7 @@ def test_composer_all_gather_on_a_path_one_rank_skips_is_a_proven_deadlock_ended
         out,
         output,
         ended_at,
-        "composer_hang_job.py",
+        "composer_job.py",
         "epoch_end",
         scenario="epoch_end_all_gather",
         call=r"dist\.all_gather\(",

@@ -40,8 +40,8 @@ pytestmark = pytest.mark.framework
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-COMPOSER_JOB = ROOT / "tests" / "e2e" / "composer_hang_job.py"
-LIGHTNING_JOB = ROOT / "tests" / "e2e" / "lightning_hang_job.py"
+COMPOSER_JOB = ROOT / "tests" / "e2e" / "composer_job.py"
+LIGHTNING_JOB = ROOT / "tests" / "e2e" / "lightning_job.py"
 LAUNCH_TIMEOUT_S = 180
 # Set by a launcher or a cluster: each job picks its own rendezvous.
 POST_EVAL_DEADLINE_S = HANG["post_eval_timeout_s"]
@@ -278,7 +278,7 @@ def test_rank_in_an_unmatched_collective_is_a_proven_deadlock_named_with_its_cal
     summary = (reports / "summary.txt").read_text()
     assert summary.startswith("deadlock, every rank waits at a rendezvous"), summary
     assert "rank 1 waiting" in summary and "(reduce_on_side_group): torch.distributed" in summary
-    assert "rank 0: your code at composer_hang_job.py:" in summary  # its trainer.fit() line
+    assert "rank 0: your code at composer_job.py:" in summary  # its trainer.fit() line
     assert "blocked in all_reduce, called from trainer.py:" in summary  # Composer's fetch
     assert "Next: fix the code path at rank 1's wait point" in summary, summary
     latency = _latency(launch.out, "unmatched_collective")

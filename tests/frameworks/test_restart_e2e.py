@@ -1,6 +1,6 @@
 """A hung job restarts itself under the stock launcher: ``torchrun --max-restarts=1``.
 
-One launch of ``tests/e2e/composer_restart_job.py`` (real Composer, 2 CPU
+One launch of ``tests/e2e/composer_job.py OUT restart`` (real Composer, 2 CPU
 ranks): on the first attempt rank 1 hangs after an eval; the watchdog ends
 every rank with exit code 75; torchrun restarts the workers; the second
 attempt resumes from the last checkpoint with the watchdog calibrated from
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.framework
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
-JOB = ROOT / "tests" / "e2e" / "composer_restart_job.py"
+JOB = ROOT / "tests" / "e2e" / "composer_job.py"
 LAUNCH_TIMEOUT_S = 240
 
 
@@ -54,7 +54,10 @@ def restarted(tmp_path_factory):
     env = ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]
     cmd = [*env, str(TORCHRUN), "--standalone", "--nproc-per-node=2", "--max-restarts=1"]
     job = run_job(
-        [*cmd, str(JOB), str(out)], timeout_s=LAUNCH_TIMEOUT_S, cwd=out, after_exit=pids_left
+        [*cmd, str(JOB), str(out), "restart"],
+        timeout_s=LAUNCH_TIMEOUT_S,
+        cwd=out,
+        after_exit=pids_left,
     )
     return out, job, left["pids"]
 

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.framework, pytest.mark.timing]
 ROOT = Path(__file__).resolve().parents[2]
 E2E = ROOT / "tests" / "e2e"
 LAUNCHER = Path(sys.executable).parent / "composer"
-SCENARIOS = ["healthy", "slow_compute", "slow_data", "slow_compute_raise"]
+SCENARIOS = ["straggler_healthy", "slow_compute", "slow_data", "slow_compute_raise"]
 NAMED_AFTER = 13  # batches done when the third slow verdict is collected
 VERDICTS = 5  # posts at batches 4, 8, 12, 16, 20; the last collected at fit end
 TIMEOUT_S = 240
@@ -41,7 +41,7 @@ STRAGGLER_RANK_1 = "rankguard straggler_monitor: Straggler: rank 1 (node "
 @pytest.fixture(scope="module")
 def composer_job(tmp_path_factory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("composer_straggler")
-    job = E2E / "composer_straggler_job.py"
+    job = E2E / "composer_job.py"
     run = run_job([str(LAUNCHER), "-n", "2", str(job), str(out), *SCENARIOS], timeout_s=TIMEOUT_S)
     assert run.returncode == 0, run.output[-6000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -54,7 +54,7 @@ def lightning_job(tmp_path_factory) -> list[dict[str, Any]]:
     if find_spec("lightning") is None:
         pytest.skip("needs rankguard[lightning]")
     out = tmp_path_factory.mktemp("lightning_straggler")
-    job = E2E / "lightning_straggler_job.py"
+    job = E2E / "lightning_job.py"
     run = run_job([sys.executable, str(job), str(out), *SCENARIOS], timeout_s=TIMEOUT_S)
     deadline = time.monotonic() + 30  # rank 0 does not wait for Lightning's rank 1
     paths = [out / f"rank{r}.json" for r in (0, 1)]
@@ -80,7 +80,7 @@ def _metric(result: dict[str, Any], key: str) -> list[float]:
 
 
 def test_healthy_run_with_eval_and_saves_scores_every_interval_and_never_warns(job):
-    for result in (r["healthy"] for r in job):
+    for result in (r["straggler_healthy"] for r in job):
         assert result["outcome"] == "ok", result
         assert result.get("logged", []) == []
         scores = _metric(result, "rankguard/straggler_score_min")
