@@ -425,7 +425,7 @@ class HangWatchdog(Guard):
         # batch_index, loader name, decisions); the watchdog thread reads them (_derive).
         self._beats: deque[tuple] = deque(maxlen=PENDING)
         self._deriving = threading.Lock()  # one thread at a time reads _beats
-        self._history: deque = deque(maxlen=HISTORY)  # the last beats read, for rank{N}.jsonl
+        self._history: deque = deque(maxlen=HISTORY)  # the last _beats read: rank{N}.jsonl
         self._nccl_note = ""
         self._host = socket.gethostname()
         self._beat: Beat | None = None
@@ -509,30 +509,31 @@ class HangWatchdog(Guard):
             beats = self._beats
             if not beats:
                 return
-            previous = None if len(beats) == beats.maxlen else self._beat  # a gap: skip it
-            calibrate = self.auto_calibrate
+            last = None if len(beats) == beats.maxlen else self._beat  # a gap: skip it
+            at, kind = (None, "") if last is None else (last.at, last.kind)
+            calibrate, closest = self.auto_calibrate, self.closest_call
             record, deadlines = self.history.record, self._deadline_s
-            history = self._history
+            history, count = self._history, 0
             while beats:
-                now, event, step, batch_index, loader, decisions = beat = beats.popleft()
+                beat = beats.popleft()
+                now, event, step, _, _, decisions = beat
                 if event == "fit_start":  # a new fit: no interval from the last one
-                    previous, self._steps_done, self._after_eval = None, 0, False
-                    self.closest_call = None
-                if previous is not None and calibrate and self._steps_done >= self.warmup_steps:
-                    interval, kind = now - previous.at, previous.kind
+                    at, closest, self._steps_done, self._after_eval = None, None, 0, False
+                if at is not None and calibrate and self._steps_done >= self.warmup_steps:
+                    interval = now - at
                     record(kind, interval)
                     deadline = deadlines.get(kind)
-                    closest = self.closest_call
                     if deadline and (closest is None or interval > closest.share * deadline):
-                        self.closest_call = ClosestCall(
-                            interval / deadline, kind, interval, deadline
-                        )
+                        closest = ClosestCall(interval / deadline, kind, interval, deadline)
                 if decisions:  # none at most events
                     self._update_decisions(decisions, step)
-                self._progress += 1
-                previous = Beat(event, step, batch_index, loader, now, self._kind(event))
-                history.append(beat[:5])
-            self._beat = previous
+                at, kind = now, self._kind(event)
+                history.append(beat)
+                count += 1
+            self.closest_call = closest
+            self._progress += count
+            now, event, step, batch_index, loader, _ = beat
+            self._beat = Beat(event, step, batch_index, loader, now, kind)
 
     def _update_decisions(self, decisions: Mapping[str, Any], step: int) -> None:
         """Keeps the decisions that can split the ranks, with the step each was last changed."""
@@ -1003,7 +1004,7 @@ class HangWatchdog(Guard):
         wall = time.time() - time.monotonic()  # the beats' monotonic times as wall-clock times
         beats = [
             {"t": wall + t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
-            for t, e, s, b, ld in tuple(self._history)
+            for t, e, s, b, ld, _ in tuple(self._history)
         ]
         writer = min(r for r in range(self.channel.world_size) if r not in frozen)
         stage = (
