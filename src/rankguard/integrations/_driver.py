@@ -76,6 +76,7 @@ class EventDriver:
         self.fitting = False
         self._reset()
         self._noted: set[str] = set()
+        self._facts = EventFacts()  # the per-step events' facts, rebuilt when the step moves
 
     def _reset(self) -> None:
         self.step = 0
@@ -101,6 +102,25 @@ class EventDriver:
             else:
                 event_facts = EventFacts.at(self.step, epoch)
             self.runner.fire(event, event_facts, self.log_metrics)
+
+    def _step_event(self, event: Event) -> None:
+        """Fires a per-step event, which carries only the step and epoch: the hot path.
+
+        Once the runner is open it calls the guards' handlers itself, with one
+        facts object per step: the per-step events run several times a step on
+        the training thread, where each function call costs more than its work.
+        """
+        runner = self.runner
+        if runner.channel is None:  # not open yet (or closed): it opens at its first event
+            self.fire(event)
+            return
+        handlers = runner.handlers[event]
+        if handlers:
+            facts, step, epoch = self._facts, self.step, self.epoch if self.epoch > 0 else 0
+            if facts.step != step or facts.epoch != epoch:
+                facts = self._facts = EventFacts(step=step, epoch=epoch)
+            for handler in handlers:
+                handler(facts)
 
     def note_limits(self, loaders: Iterable[LoaderFacts]) -> None:
         """Says once per loader name, at INFO, what the guards cannot read from it."""
@@ -161,29 +181,31 @@ class EventDriver:
 
     def fetch_start(self) -> None:
         """DATA_FETCH_START, once per fetch (ends the train batch before it)."""
-        self.end_train_batch()
+        if self._batch_open:
+            self.end_train_batch()
         if not self._fetching:
             self._fetching = True
-            self.fire(Event.DATA_FETCH_START)
+            self._step_event(Event.DATA_FETCH_START)
 
     def fetch_end(self) -> None:
         """DATA_FETCH_END (a window nobody opened opens here, empty)."""
-        self.fetch_start()
+        if self._batch_open or not self._fetching:
+            self.fetch_start()
         self._fetching = False
-        self.fire(Event.DATA_FETCH_END)
+        self._step_event(Event.DATA_FETCH_END)
 
     def train_batch_start(self) -> None:
         """TRAIN_BATCH_START of batch :attr:`step`."""
         if self._fetching:
             self.fetch_end()
         self._batch_open = True
-        self.fire(Event.TRAIN_BATCH_START)
+        self._step_event(Event.TRAIN_BATCH_START)
 
     def end_train_batch(self) -> None:
         """TRAIN_BATCH_END of the open train batch, if one is open."""
         if self._batch_open:
             self._batch_open = False
-            self.fire(Event.TRAIN_BATCH_END)
+            self._step_event(Event.TRAIN_BATCH_END)
             self.step += 1
 
     # -- eval --------------------------------------------------------------------------

@@ -297,6 +297,18 @@ class _ComposerAdapter(Callback):
         core_event = _EVENTS_BY_ID.get(id(event))
         if core_event is None:  # most of Composer's events: rankguard has no use for them
             return
+        runner = self.runner
+        if core_event in _PER_STEP and runner.channel is not None:
+            # The hot path, several times a step: once open, the guards' handlers are
+            # called here with the step's shared facts (each function call costs more
+            # than its work on the training thread).
+            handlers = runner.handlers[core_event]
+            if handlers:
+                timestamp = state.timestamp
+                facts = EventFacts.at(timestamp.batch.value, timestamp.epoch.value)
+                for handler in handlers:
+                    handler(facts)
+            return
         if core_event in _FIT_BOUNDS:
             self._fitting = core_event is CoreEvent.FIT_START
             self._passes.clear()

@@ -235,6 +235,26 @@ class _LightningAdapter(Callback):
         )
         self.runner.fire(event, event_facts, self._log_metrics)
 
+    def _step_events(
+        self, trainer: pl.Trainer, events: tuple[Event, ...], at: tuple[int, int]
+    ) -> None:
+        """Fires per-step events, which carry only the step and epoch: the hot path.
+
+        Once the runner is open the guards' handlers are called here, with one
+        facts object per step: these run several times a step on the training
+        thread, where each function call costs more than its work.
+        """
+        runner = self.runner
+        if runner.channel is None:  # not open yet (or closed): it opens at its first event
+            for event in events:
+                self._fire(trainer, event, at)
+            return
+        self._trainer = trainer
+        facts = EventFacts.at(*at)
+        for event in events:
+            for handler in runner.handlers[event]:
+                handler(facts)
+
     def _log_metrics(self, metrics: Mapping[str, float]) -> None:
         trainer = self._trainer
         if trainer is not None:
@@ -294,8 +314,7 @@ class _LightningAdapter(Callback):
     ) -> None:
         """DATA_FETCH_END then TRAIN_BATCH_START (the trainer's step and epoch read once)."""
         at = (trainer.global_step, trainer.current_epoch)
-        self._fire(trainer, Event.DATA_FETCH_END, at, batch_index=batch_idx)
-        self._fire(trainer, Event.TRAIN_BATCH_START, at, batch_index=batch_idx)
+        self._step_events(trainer, (Event.DATA_FETCH_END, Event.TRAIN_BATCH_START), at)
 
     def on_train_batch_end(
         self,
@@ -308,8 +327,8 @@ class _LightningAdapter(Callback):
         """TRAIN_BATCH_END (with ``should_stop``), then DATA_FETCH_START for the next batch."""
         at = (trainer.global_step, trainer.current_epoch)
         stop = {"should_stop": bool(trainer.should_stop)}
-        self._fire(trainer, Event.TRAIN_BATCH_END, at, batch_index=batch_idx, decisions=stop)
-        self._fire(trainer, Event.DATA_FETCH_START, at, batch_index=batch_idx + 1)
+        self._fire(trainer, Event.TRAIN_BATCH_END, at, decisions=stop)
+        self._step_events(trainer, (Event.DATA_FETCH_START,), at)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EVAL_START for every val loader, in Lightning's order."""

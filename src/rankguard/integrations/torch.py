@@ -481,14 +481,17 @@ class _TrainIterator:
         return self
 
     def __next__(self) -> Any:
-        run, driver = self._run, self._run._driver
-        run._require("run.train(...)")
+        run = self._run
+        driver = run._driver
+        if run._state != "active" or run._save is not None:  # once a batch: checks inlined
+            run._require("run.train(...)")
         if driver.epoch != self._epoch:
             raise RuntimeError(
                 f"A `run.train(...)` iterator of epoch {self._epoch} used after epoch "
                 f"{driver.epoch} started: iterate `run.train(loader)` once per epoch. {ORDER}"
             )
-        run._close_eval()
+        if run._eval is not None:
+            run._close_eval()
         driver.fetch_start()
         try:
             batch = next(self._iterator)

@@ -140,26 +140,31 @@ class GuardRunner:
         guards: The guards, in the order they should run.
         exchange_timeout_s: Default side-channel timeout (scaled with the world
             size by :func:`~rankguard.callbacks.core.side_channel.scaled_timeout`).
+
+    Attributes:
+        handlers: Per event, the guards' handlers it reaches, in order (empty where
+            no guard handles it). An adapter's per-step path may call them itself
+            once the runner is open (``channel`` set), as :meth:`fire` would.
     """
 
     def __init__(self, guards: Iterable[Guard], *, exchange_timeout_s: float = 300.0) -> None:
         self.guards = list(guards)
         self.timeout_s = check_positive("exchange_timeout_s", exchange_timeout_s)
         self.channel: SideChannel | None = None
-        self._handlers = {
-            event: [h for g in self.guards if (h := g.handler(event)) is not None]
+        self.handlers: dict[Event, tuple[Callable[[EventFacts], None], ...]] = {
+            event: tuple(h for g in self.guards if (h := g.handler(event)) is not None)
             for event in Event
         }
 
     def handles(self, event: Event) -> bool:
         """Whether any guard handles ``event`` (adapters skip reading facts otherwise)."""
-        return bool(self._handlers[event]) or event is Event.FIT_START
+        return bool(self.handlers[event]) or event is Event.FIT_START
 
     def fire(self, event: Event, facts: EventFacts, log_metrics: MetricSink | None = None) -> None:
         """Dispatches ``event`` to every guard in order."""
         if event is Event.FIT_START or self.channel is None:
             self.open(log_metrics)
-        for handler in self._handlers[event]:
+        for handler in self.handlers[event]:
             handler(facts)
 
     def open(self, log_metrics: MetricSink | None = None) -> None:

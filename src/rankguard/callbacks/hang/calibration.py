@@ -88,8 +88,8 @@ def save_estimate_s(num_params: int, floor_s: float) -> float:
 class IntervalHistory:
     """The intervals a rank has seen per phase kind: the state saved with checkpoints.
 
-    ``record`` runs on the training loop's thread at every heartbeat (a deque
-    append and a comparison); the watchdog thread reads :meth:`snapshot`.
+    ``record`` runs once per heartbeat on the watchdog thread, which reads the
+    heartbeats the training loop's thread appended; :meth:`snapshot` copies.
 
     Attributes:
         peaks: Longest interval seen per kind.

@@ -73,6 +73,8 @@ __all__ = [
 # The name users filter by and recorded outputs show, kept when the module moved.
 logger = logging.getLogger("rankguard.callbacks.hang_watchdog")
 
+_now = time.monotonic  # a global, not an attribute lookup, on the training thread
+
 
 class Beat(NamedTuple):
     """The training thread's last heartbeat, read by the watchdog thread."""
@@ -132,6 +134,11 @@ MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
 STATUS_EXCHANGE = "hang_watchdog/status"
 ABORT_BARRIER = "hang_watchdog/abort"
 HISTORY = 256  # heartbeats kept per rank for rank{N}.jsonl
+#: Heartbeats the training thread may append before the watchdog thread reads them (it
+#: reads them at least every PROBE_PERIOD_S while no exchange is in flight): 8 s of 1 ms
+#: steps at 4 heartbeats a step. Past it the oldest are dropped, and the interval across
+#: the gap is not recorded (see ``_derive``).
+PENDING = 1 << 15
 MAX_FRAMES = 64  # frames of the training loop read at each exchange
 #: While this rank makes no progress, its own stack is sampled this often (seconds).
 PROBE_PERIOD_S = 0.5
@@ -221,10 +228,19 @@ def _num_params(model: Any) -> int | None:
 
 
 def _heartbeat_handler(event: str) -> Callable[[HangWatchdog, EventFacts], None]:
-    """The ``on_<event>`` handler of an event the watchdog only records a heartbeat for."""
+    """The ``on_<event>`` handler of an event the watchdog only records a heartbeat for.
+
+    The body is :meth:`HangWatchdog._heartbeat`'s, inlined: these run several times a
+    step on the training thread, where each function called costs more than its work.
+    """
 
     def handler(self: HangWatchdog, facts: EventFacts) -> None:
-        self._heartbeat(event, facts)
+        loader = facts.loader
+        self._beats.append(
+            (_now(), event, facts.step, facts.batch_index, loader and loader.name, facts.decisions)
+        )
+        if self._thread is None:
+            self._start()
 
     handler.__name__ = handler.__qualname__ = f"on_{event}"
     handler.__doc__ = "Records a heartbeat."
@@ -386,7 +402,7 @@ class HangWatchdog(Guard):
         self.deadlock_action = check_choice("deadlock_action", deadlock_action, ("abort", "report"))
         self.deadlock_after_s = check_positive("deadlock_after_s", deadlock_after_s)
         self._libraries = library_paths()
-        self._progress = 0  # heartbeats so far
+        self._progress = 0  # heartbeats read by the watchdog thread so far
         self._wait: Wait | None = None
         self._usual: set[str] = set()
         self._pending_usual = SeenWait(None, 0)
@@ -406,7 +422,11 @@ class HangWatchdog(Guard):
         self._wake = threading.Event()  # ends the thread's sleep early (fit end, close)
         self._ended = threading.Event()  # the open incident reached stage 2
         self._release_owner = _no_owner
-        self._history: deque = deque(maxlen=HISTORY)
+        # Heartbeats as the training thread appends them: (time.monotonic(), event, step,
+        # batch_index, loader name, decisions); the watchdog thread reads them (_derive).
+        self._beats: deque[tuple] = deque(maxlen=PENDING)
+        self._deriving = threading.Lock()  # one thread at a time reads _beats
+        self._history: deque = deque(maxlen=HISTORY)  # the last _beats read: rank{N}.jsonl
         self._nccl_note = ""
         self._host = socket.gethostname()
         self._beat: Beat | None = None
@@ -432,7 +452,9 @@ class HangWatchdog(Guard):
 
     def _reset(self) -> None:
         self._deadline_s: dict[str, float] = self.ceilings
-        self._steps_done = 0
+        self._steps_done = 0  # train batches ended, as the watchdog thread read them
+        self._steps_ended = 0  # ... as the training thread sent them
+        self._wake_at = 1  # the next of them after which the thread exchanges at once
         self._after_eval = False
         self._incident: Runs = ()
         self._reported = False
@@ -449,6 +471,7 @@ class HangWatchdog(Guard):
 
     def state_dict(self) -> dict[str, Any]:
         """The calibration (recent intervals per phase), saved with checkpoints."""
+        self._derive()
         if not self.auto_calibrate or not any(self.history.snapshot().values()):
             return {}
         return {"calibration": self.history.state_dict()}
@@ -461,26 +484,57 @@ class HangWatchdog(Guard):
     # -- main thread: heartbeats only -------------------------------------------------
 
     def _heartbeat(self, event: str, facts: EventFacts) -> None:
-        now = time.monotonic()
-        previous = self._beat
-        if previous is not None and self.auto_calibrate and self._steps_done >= self.warmup_steps:
-            interval, kind = now - previous.at, previous.kind
-            self.history.record(kind, interval)
-            deadline = self._deadline_s.get(kind)
-            closest = self.closest_call
-            if deadline and (closest is None or interval > closest.share * deadline):
-                self.closest_call = ClosestCall(interval / deadline, kind, interval, deadline)
+        """Records a heartbeat: one clock read and one deque append (see ``_derive``)."""
         loader = facts.loader
-        if loader is not None:
-            loader = loader.name
-        step, batch_index, decisions = facts.step, facts.batch_index, facts.decisions
-        self._progress += 1
-        if decisions:  # none at most events
-            self._update_decisions(decisions, step)
-        self._beat = Beat(event, step, batch_index, loader, now, self._kind(event))
-        self._history.append((now, event, step, batch_index, loader))  # monotonic: 1 clock read
+        self._beats.append(
+            (_now(), event, facts.step, facts.batch_index, loader and loader.name, facts.decisions)
+        )
         if self._thread is None:
             self._start()
+
+    # -- what the heartbeats say (watchdog thread, or the main thread at fit end) --------
+
+    def _derive(self) -> None:
+        """Reads the heartbeats appended since the last call: intervals, phases, calibration.
+
+        Each interval between two heartbeats is recorded under the phase kind of
+        the first (once ``warmup_steps`` train batches ended), against the deadline
+        then in force for the closest call; :attr:`_beat` becomes the last one.
+        The watchdog thread calls it before it reads any of that (at least every
+        :data:`PROBE_PERIOD_S` between exchanges); the main thread at fit end, at
+        a checkpoint save and when it stops the thread. Should more than
+        :data:`PENDING` heartbeats come between two calls, the oldest are lost and
+        the interval across the gap is not recorded.
+        """
+        with self._deriving:
+            beats = self._beats
+            if not beats:
+                return
+            last = None if len(beats) == beats.maxlen else self._beat  # a gap: skip it
+            at, kind = (None, "") if last is None else (last.at, last.kind)
+            calibrate, closest = self.auto_calibrate, self.closest_call
+            record, deadlines = self.history.record, self._deadline_s
+            history, count = self._history, 0
+            while beats:
+                beat = beats.popleft()
+                now, event, step, _, _, decisions = beat
+                if event == "fit_start":  # a new fit: no interval from the last one
+                    at, closest, self._steps_done, self._after_eval = None, None, 0, False
+                if at is not None and calibrate and self._steps_done >= self.warmup_steps:
+                    interval = now - at
+                    record(kind, interval)
+                    deadline = deadlines.get(kind)
+                    if deadline and (closest is None or interval > closest.share * deadline):
+                        closest = ClosestCall(interval / deadline, kind, interval, deadline)
+                if decisions:  # none at most events
+                    self._update_decisions(decisions, step)
+                at, kind = now, self._kind(event)
+                history.append(beat)
+                count += 1
+            self.closest_call = closest
+            self._progress += count
+            now, event, step, batch_index, loader, _ = beat
+            self._beat = Beat(event, step, batch_index, loader, now, kind)
 
     def _update_decisions(self, decisions: Mapping[str, Any], step: int) -> None:
         """Keeps the decisions that can split the ranks, with the step each was last changed."""
@@ -504,11 +558,6 @@ class HangWatchdog(Guard):
             return "done"
         if event == "train_batch_end":
             self._steps_done += 1
-            if self._steps_done in (1, self.warmup_steps + MIN_SAMPLES // 3 + 1):
-                # Exchange now, not a period later: the other ranks learn this rank left
-                # start-up, then its calibrated deadlines (3 train intervals a step), which
-                # bound how long it may go silent (a rank that freezes next is judged by them).
-                self._wake.set()
         if self._steps_done == 0:
             return "startup"
         if event in ("eval_start", "eval_batch_start", "eval_batch_end"):
@@ -541,7 +590,33 @@ class HangWatchdog(Guard):
 
     def on_train_batch_end(self, facts: EventFacts) -> None:
         """Records a heartbeat; the first one ends the first-step deadline."""
-        self._heartbeat("train_batch_end", facts)
+        loader = facts.loader
+        self._beats.append(
+            (
+                _now(),
+                "train_batch_end",
+                facts.step,
+                facts.batch_index,
+                loader and loader.name,
+                facts.decisions,
+            )
+        )
+        if self._thread is None:
+            self._start()
+        self._steps_ended += 1
+        if self._steps_ended == self._wake_at:
+            self._exchange_now()
+
+    def _exchange_now(self) -> None:
+        """After the first train batch, and once calibrated: the thread exchanges at once.
+
+        Not a period later: the other ranks learn this rank left start-up, then its
+        calibrated deadlines (3 train intervals a step), which bound how long it may
+        go silent (a rank that freezes next is judged by them).
+        """
+        calibrated = self.warmup_steps + MIN_SAMPLES // 3 + 1
+        self._wake_at = calibrated if self._wake_at < calibrated else 0
+        self._wake.set()
 
     def on_eval_end(self, facts: EventFacts) -> None:
         """Records a heartbeat; the after-eval deadline applies until the next data fetch."""
@@ -560,6 +635,7 @@ class HangWatchdog(Guard):
     def on_fit_end(self, facts: EventFacts) -> None:
         """Records the end of fit: no deadline from here on; tells the other ranks at once."""
         self._heartbeat("fit_end", facts)
+        self._derive()
         closest = self.closest_call
         if closest is not None:
             share, kind, seconds, deadline = closest
@@ -577,6 +653,7 @@ class HangWatchdog(Guard):
     def close(self) -> None:
         """Stops and joins the watchdog thread; safe to call twice and after an error."""
         self._release_owner()
+        self._derive()
         thread, self._thread = self._thread, None
         if thread is None or thread is threading.current_thread():
             self._stop.set()
@@ -608,6 +685,7 @@ class HangWatchdog(Guard):
         thread = self._thread
         if error.name.startswith(f"{self.name}/") or thread is None or not thread.is_alive():
             return  # the watchdog's own exchanges, or no watchdog running: the caller's error
+        self._derive()
         if self._stop.is_set() or (self._beat is not None and self._beat.kind == "done"):
             return
         self._gave_up = (error.name, tuple(error.missing), error.timeout_s)
@@ -624,6 +702,7 @@ class HangWatchdog(Guard):
 
     def _start(self) -> None:
         self._loop_thread = threading.get_ident()
+        self._derive()  # the first heartbeat: the thread reads _beat from its start
         backend, pg_timeout = process_group_timeout()
         if backend == "nccl":
             self._fit_defaults_under(pg_timeout)
@@ -698,6 +777,7 @@ class HangWatchdog(Guard):
 
     def _recalibrate(self) -> None:
         """Sets the deadlines from the intervals seen (at each status exchange)."""
+        self._derive()
         ready = self._restored or self._steps_done >= self.warmup_steps
         if not self.auto_calibrate or not ready:
             return
@@ -732,6 +812,7 @@ class HangWatchdog(Guard):
         return stack, point, now - wait.since
 
     def _status(self) -> RankStatus:
+        self._derive()
         event, step, batch_index, loader, since, kind = self._beat  # set before the thread starts
         done = kind == "done"
         stack, waits_at, wait_s = self._sample()
@@ -836,6 +917,7 @@ class HangWatchdog(Guard):
         came for a probe period. A wait already exchanged is not exchanged
         again before another settle time has passed.
         """
+        self._derive()
         beat = self._beat
         if beat is None or beat.kind == "done" or self._ended.is_set():
             return False
@@ -923,7 +1005,7 @@ class HangWatchdog(Guard):
         wall = time.time() - time.monotonic()  # the beats' monotonic times as wall-clock times
         beats = [
             {"t": wall + t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
-            for t, e, s, b, ld in tuple(self._history)
+            for t, e, s, b, ld, _ in tuple(self._history)
         ]
         writer = min(r for r in range(self.channel.world_size) if r not in frozen)
         stage = (
