@@ -291,6 +291,30 @@ class _ComposerAdapter(Callback):
         self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
         self._fitting = False
         self._passes: dict[str, tuple[PassCounter, Any]] = {}
+        #: The train loader's facts, with the loader and batch count they were read from.
+        self._train: tuple[Any, Any, LoaderFacts | None] = (None, None, None)
+        #: Composer's checkpoint savers, with the callback list and length they were read from.
+        self._savers: tuple[Any, int, list[CheckpointSaver]] = (None, 0, [])
+
+    def _train_facts(self, state: State) -> LoaderFacts | None:
+        """The train loader's facts, built again only when Composer's loader or length changes."""
+        loader, length = state.train_dataloader, state.dataloader_len
+        cached_loader, cached_length, facts = self._train
+        if loader is not cached_loader or length is not cached_length:
+            facts = None
+            if loader is not None:
+                facts = LoaderFacts("train", loader, is_train=True, num_batches=_as_int(length))
+            self._train = (loader, length, facts)
+        return facts
+
+    def _save_due(self, state: State, event: Event) -> bool:
+        """:func:`save_due`, with the savers read again only when the callback list changes."""
+        callbacks = state.callbacks
+        cached, count, savers = self._savers
+        if callbacks is not cached or len(callbacks) != count:
+            savers = _savers(state)
+            self._savers = (callbacks, len(callbacks), savers)
+        return any(saver.save_interval(state, event) for saver in savers) if savers else False
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Translates a Composer event and dispatches it to the guards."""
@@ -298,23 +322,39 @@ class _ComposerAdapter(Callback):
         if core_event is None:  # most of Composer's events: rankguard has no use for them
             return
         runner = self.runner
-        if core_event in _PER_STEP and runner.channel is not None:
+        if runner.channel is not None:
             # The hot path, several times a step: once open, the guards' handlers are
             # called here with the step's shared facts (each function call costs more
             # than its work on the training thread).
-            handlers = runner.handlers[core_event]
-            if handlers:
-                timestamp = state.timestamp
-                facts = EventFacts.at(timestamp.batch.value, timestamp.epoch.value)
-                for handler in handlers:
-                    handler(facts)
-            return
+            if core_event in _PER_STEP:
+                handlers = runner.handlers[core_event]
+                if handlers:
+                    timestamp = state.timestamp
+                    facts = EventFacts.at(timestamp.batch.value, timestamp.epoch.value)
+                    for handler in handlers:
+                        handler(facts)
+                return
+            if core_event is CoreEvent.DATA_FETCH_START:
+                handlers = runner.handlers[core_event]
+                if handlers:
+                    timestamp = state.timestamp
+                    facts = EventFacts(
+                        step=timestamp.batch.value,
+                        epoch=timestamp.epoch.value,
+                        loader=self._train_facts(state),
+                    )
+                    for handler in handlers:
+                        handler(facts)
+                return
+        if core_event is CoreEvent.CHECKPOINT_SAVE_START and not (
+            runner.handlers[core_event] and self._save_due(state, event)
+        ):
+            return  # every batch (BATCH_CHECKPOINT): a save only when a saver says so
         if core_event in _FIT_BOUNDS:
             self._fitting = core_event is CoreEvent.FIT_START
             self._passes.clear()
+            self._train, self._savers = (None, None, None), (None, 0, [])  # read again
         if not self.runner.handles(core_event):
-            return
-        if core_event is CoreEvent.CHECKPOINT_SAVE_START and not save_due(state, event):
             return
         facts = event_facts(core_event, state, logger)
         if core_event is CoreEvent.CHECKPOINT_LOAD_START and facts.load_path is None:
