@@ -243,12 +243,14 @@ class DataStallMonitor(Guard):
         if self._last_start is not None:
             self._close_step(now - self._last_start)
         self._wait = 0.0
-        if self._pending is not None:
-            self._collect()
-        self._batches += 1
-        if self._batches % self.interval == 0:
-            self._post()
-        self._last_start = time.perf_counter()
+        self._batches = batches = self._batches + 1
+        if self._pending is not None or batches % self.interval == 0:
+            if self._pending is not None:
+                self._collect()
+            if batches % self.interval == 0:
+                self._post()
+            now = time.perf_counter()  # the next step starts after this work
+        self._last_start = now
 
     def _close_step(self, step: float) -> None:
         slow = self._wait > self.threshold * step
