@@ -62,6 +62,8 @@ _EVENTS: dict[Event, CoreEvent] = {
 #: ``_EVENTS`` keyed by each member's ``id``: Composer calls ``run_event`` some 13 times a
 #: batch, and its ``StringEnum`` hashes in Python (about 1 us a lookup, 0.2 us by ``id``).
 _EVENTS_BY_ID: dict[int, CoreEvent] = {id(event): core for event, core in _EVENTS.items()}
+#: The event before each fetch from the train loader (its facts carry the loader).
+_BEFORE_DATALOADER = Event.BEFORE_DATALOADER
 #: Composer events that start or end a fit.
 _FIT_BOUNDS = (CoreEvent.FIT_START, CoreEvent.FIT_END)
 
@@ -291,30 +293,74 @@ class _ComposerAdapter(Callback):
         self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
         self._fitting = False
         self._passes: dict[str, tuple[PassCounter, Any]] = {}
+        #: The guards' handlers of each per-step event, by the ``id`` of Composer's event.
+        self._per_step = {
+            id(event): self.runner.handlers[core]
+            for event, core in _EVENTS.items()
+            if core in _PER_STEP or core is CoreEvent.DATA_FETCH_START
+        }
+        #: The step's facts, with the timestamp they were read from.
+        self._timestamp: Any = None
+        self._step_facts = EventFacts()
+        #: The train loader's facts, with the loader and batch count they were read from.
+        self._train: tuple[Any, Any, LoaderFacts | None] = (None, None, None)
+        #: Composer's checkpoint savers, with the callback list and length they were read from.
+        self._savers: tuple[Any, int, list[CheckpointSaver]] = (None, 0, [])
+
+    def _train_facts(self, state: State) -> LoaderFacts | None:
+        """The train loader's facts, built again only when Composer's loader or length changes."""
+        loader, length = state.train_dataloader, state.dataloader_len
+        cached_loader, cached_length, facts = self._train
+        if loader is not cached_loader or length is not cached_length:
+            facts = None
+            if loader is not None:
+                facts = LoaderFacts("train", loader, is_train=True, num_batches=_as_int(length))
+            self._train = (loader, length, facts)
+        return facts
+
+    def _save_due(self, state: State, event: Event) -> bool:
+        """:func:`save_due`, with the savers read again only when the callback list changes."""
+        callbacks = state.callbacks
+        cached, count, savers = self._savers
+        if callbacks is not cached or len(callbacks) != count:
+            savers = _savers(state)
+            self._savers = (callbacks, len(callbacks), savers)
+        return any(saver.save_interval(state, event) for saver in savers) if savers else False
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Translates a Composer event and dispatches it to the guards."""
-        core_event = _EVENTS_BY_ID.get(id(event))
-        if core_event is None:  # most of Composer's events: rankguard has no use for them
-            return
-        runner = self.runner
-        if core_event in _PER_STEP and runner.channel is not None:
-            # The hot path, several times a step: once open, the guards' handlers are
-            # called here with the step's shared facts (each function call costs more
-            # than its work on the training thread).
-            handlers = runner.handlers[core_event]
+        key = id(event)
+        handlers = self._per_step.get(key)
+        if handlers is not None and self.runner.channel is not None:
+            # The hot path, four times a step: once open, the guards' handlers are called
+            # here with the step's facts, read again only when Composer's timestamp
+            # changes (each function call costs more than its work on the training thread).
             if handlers:
                 timestamp = state.timestamp
-                facts = EventFacts.at(timestamp.batch.value, timestamp.epoch.value)
+                if timestamp is not self._timestamp:  # Composer replaces it as time advances
+                    self._timestamp = timestamp
+                    self._step_facts = EventFacts.at(timestamp.batch.value, timestamp.epoch.value)
+                facts = self._step_facts
+                if event is _BEFORE_DATALOADER:
+                    facts = EventFacts(
+                        step=facts.step, epoch=facts.epoch, loader=self._train_facts(state)
+                    )
                 for handler in handlers:
                     handler(facts)
             return
+        core_event = _EVENTS_BY_ID.get(key)
+        if core_event is None:  # most of Composer's events: rankguard has no use for them
+            return
+        runner = self.runner
+        if core_event is CoreEvent.CHECKPOINT_SAVE_START and not (
+            runner.handlers[core_event] and self._save_due(state, event)
+        ):
+            return  # every batch (BATCH_CHECKPOINT): a save only when a saver says so
         if core_event in _FIT_BOUNDS:
             self._fitting = core_event is CoreEvent.FIT_START
             self._passes.clear()
+            self._timestamp, self._train, self._savers = None, (None, None, None), (None, 0, [])
         if not self.runner.handles(core_event):
-            return
-        if core_event is CoreEvent.CHECKPOINT_SAVE_START and not save_due(state, event):
             return
         facts = event_facts(core_event, state, logger)
         if core_event is CoreEvent.CHECKPOINT_LOAD_START and facts.load_path is None:

@@ -50,11 +50,16 @@ class LoaderReturnClock:
     @staticmethod
     def watchable(loader: Any) -> bool:
         """Whether :meth:`arm` can watch ``loader``: a DataLoader, and no other profiler runs."""
-        return (
-            isinstance(loader, DataLoader)
-            and loader_next_code() is not None
-            and sys.getprofile() is None
-        )
+        return LoaderReturnClock.can_watch(loader) and sys.getprofile() is None
+
+    @staticmethod
+    def can_watch(loader: Any) -> bool:
+        """Whether ``loader`` is one the clock can watch (a DataLoader), whatever else runs.
+
+        :meth:`watchable` is this and no other profiler: a caller that asks for the
+        same loader every step may keep this answer and ask ``sys.getprofile()`` alone.
+        """
+        return isinstance(loader, DataLoader) and loader_next_code() is not None
 
     def arm(self, loader: Any) -> bool:
         """Starts watching if :meth:`watchable`.

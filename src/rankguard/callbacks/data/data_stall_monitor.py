@@ -8,6 +8,7 @@ See docs/data.md#how-datastallmonitor-works.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from functools import partial
 
 from rankguard.callbacks.core.background_exchange import BackgroundExchange, Pending
 from rankguard.callbacks.core.errors import DataStallError, RanksMissingError
-from rankguard.callbacks.core.events import EventFacts
+from rankguard.callbacks.core.events import EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.ranks import rank_label
 from rankguard.callbacks.core.settings import check_fraction, check_int
@@ -178,6 +179,9 @@ class DataStallMonitor(Guard):
         self._discard()
         self._batches = 0
         self._reported: frozenset[int] = frozenset()
+        #: The last fetch's loader facts, and whether the clock can watch their loader.
+        self._fetch_loader: LoaderFacts | None = None
+        self._can_watch = False
 
     def _reset_interval(self, run: int) -> None:
         self._sum_wait = 0.0
@@ -208,14 +212,23 @@ class DataStallMonitor(Guard):
     def on_data_fetch_start(self, facts: EventFacts) -> None:
         """Starts the wait clock; after a slow window, also watches the train loader's return."""
         self._fetch_start = time.perf_counter()
-        loader = None if facts.loader is None else facts.loader.loader
+        loader_facts = facts.loader
+        if loader_facts is not self._fetch_loader:  # adapters hand the same facts each step
+            self._fetch_loader = loader_facts
+            self._can_watch = loader_facts is not None and self._clock.can_watch(
+                loader_facts.loader
+            )
         # With the loader, the window also holds a collective: only its return is our own.
-        self._exact = loader is None or not self._clock.watchable(loader)
-        self._armed = self._watch and not self._exact and self._clock.arm(loader)
+        self._exact = not self._can_watch or sys.getprofile() is not None
+        if self._watch and not self._exact:
+            assert loader_facts is not None
+            self._armed = self._clock.arm(loader_facts.loader)
+        else:
+            self._armed = False
 
     def on_data_fetch_end(self, facts: EventFacts) -> None:
         """Stops the wait clock (at the loader's return, if it was watched and seen)."""
-        returned_at = self._clock.disarm()
+        returned_at = self._clock.disarm() if self._armed else None  # armed only if _armed
         if self._fetch_start is not None:
             end = time.perf_counter() if returned_at is None else returned_at
             self._wait += max(0.0, end - self._fetch_start)
@@ -230,12 +243,14 @@ class DataStallMonitor(Guard):
         if self._last_start is not None:
             self._close_step(now - self._last_start)
         self._wait = 0.0
-        if self._pending is not None:
-            self._collect()
-        self._batches += 1
-        if self._batches % self.interval == 0:
-            self._post()
-        self._last_start = time.perf_counter()
+        self._batches = batches = self._batches + 1
+        if self._pending is not None or batches % self.interval == 0:
+            if self._pending is not None:
+                self._collect()
+            if batches % self.interval == 0:
+                self._post()
+            now = time.perf_counter()  # the next step starts after this work
+        self._last_start = now
 
     def _close_step(self, step: float) -> None:
         slow = self._wait > self.threshold * step

@@ -156,6 +156,9 @@ _LEAVE_OR_END_EVAL = {
     "data_fetch_end": "train",
     "train_batch_start": "train",
 }
+#: The phase kind that follows each of a train step's heartbeats once a step has ended and
+#: no eval just ended (``_kind``'s answer then, with nothing for it to update).
+_STEP_KINDS = {"data_fetch_start": "data", "data_fetch_end": "train", "train_batch_start": "train"}
 
 #: Ceilings used when an argument is left at ``None``; under NCCL they are
 #: lowered to fit inside the process-group timeout (see ``_fit_defaults_under``).
@@ -528,7 +531,11 @@ class HangWatchdog(Guard):
                         closest = ClosestCall(interval / deadline, kind, interval, deadline)
                 if decisions:  # none at most events
                     self._update_decisions(decisions, step)
-                at, kind = now, self._kind(event)
+                # The usual heartbeats of a train step, past the first: no state to change.
+                kind = _STEP_KINDS.get(event) if self._steps_done else None
+                if kind is None or self._after_eval:
+                    kind = self._kind(event)
+                at = now
                 history.append(beat)
                 count += 1
             self.closest_call = closest
