@@ -933,7 +933,7 @@ def render_reference() -> str:
         "",
         "An unknown name raises `ValueError` listing the valid ones, with the closest match.",
         "A guard that raises logs its error on every rank first (logger",
-        "`rankguard.callbacks.core.guard`, ERROR) and raises it on every rank at the same point;",
+        "`rankguard.callbacks.guard`, ERROR) and raises it on every rank at the same point;",
         'with `on_violation="warn"` it logs it as a warning and training goes on.',
         "",
         "## Guards",

@@ -84,7 +84,7 @@ def test_lightning_example_healthy_run_is_clean_on_both_ranks(tmp_path):
 
 #: What Composer's launcher reports when it stopped rank 0 with SIGTERM (-15).
 STOPPED_BY_LAUNCHER = 241
-LOGGED_ERROR = "[rank {rank}] ERROR rankguard.callbacks.core.guard: rankguard {guard}: {message}"
+LOGGED_ERROR = "[rank {rank}] ERROR rankguard.callbacks.guard: rankguard {guard}: {message}"
 
 
 @pytest.mark.framework

@@ -24,7 +24,7 @@ def test_torchrun_job_stopped_by_rankguard_exits_1_after_every_rank_logged_its_e
     done = run_job(command, timeout_s=180, cwd=tmp_path)
     assert done.returncode == 1, done.output[-4000:]
     for rank in (0, 1):
-        logged = f"[rank {rank}] ERROR rankguard.callbacks.core.guard: rankguard drop_last_guard: "
+        logged = f"[rank {rank}] ERROR rankguard.callbacks.guard: rankguard drop_last_guard: "
         assert logged + "Loader settings differ between ranks: loader 'train'" in done.output
     # torchrun's table names the first rank that exited (the other, if it had not exited
     # yet, is stopped with SIGTERM and not listed): whichever it was, its code is 1.
