@@ -76,7 +76,6 @@ class EventDriver:
         self.fitting = False
         self._reset()
         self._noted: set[str] = set()
-        self._facts = EventFacts()  # the per-step events' facts, rebuilt when the step moves
 
     def _reset(self) -> None:
         self.step = 0
@@ -116,9 +115,7 @@ class EventDriver:
             return
         handlers = runner.handlers[event]
         if handlers:
-            facts, step, epoch = self._facts, self.step, self.epoch if self.epoch > 0 else 0
-            if facts.step != step or facts.epoch != epoch:
-                facts = self._facts = EventFacts(step=step, epoch=epoch)
+            facts = EventFacts.at(self.step, self.epoch if self.epoch > 0 else 0)
             for handler in handlers:
                 handler(facts)
 

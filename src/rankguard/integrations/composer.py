@@ -113,18 +113,6 @@ def save_directories(state: State) -> list[str]:
     return [format_name_with_dist(saver.folder, state.run_name) for saver in _savers(state)]
 
 
-def save_due(state: State, event: Event) -> bool:
-    """Whether a checkpoint saver will save at this ``*_CHECKPOINT`` event.
-
-    Composer fires BATCH_CHECKPOINT after every batch; a save happens only when
-    a saver's ``save_interval`` says so. That scheduler only records the last
-    batch it answered ``True`` for, so asking it first (rankguard runs before
-    the savers, which Composer appends after user callbacks) does not change
-    the saver's answer.
-    """
-    return any(saver.save_interval(state, event) for saver in _savers(state))
-
-
 def checkpoint_uploads(state: State, logger: Logger) -> dict[str, str]:
     """The save folders whose checkpoints Composer also uploads, and where to.
 
@@ -319,13 +307,21 @@ class _ComposerAdapter(Callback):
         return facts
 
     def _save_due(self, state: State, event: Event) -> bool:
-        """:func:`save_due`, with the savers read again only when the callback list changes."""
+        """Whether a checkpoint saver will save at this ``*_CHECKPOINT`` event.
+
+        Composer fires BATCH_CHECKPOINT after every batch; a save happens only when
+        a saver's ``save_interval`` says so. That scheduler only records the last
+        batch it answered ``True`` for, so asking it first (rankguard runs before
+        the savers, which Composer appends after user callbacks) does not change
+        the saver's answer. The savers are read again only when the callback list
+        changes.
+        """
         callbacks = state.callbacks
         cached, count, savers = self._savers
         if callbacks is not cached or len(callbacks) != count:
             savers = _savers(state)
             self._savers = (callbacks, len(callbacks), savers)
-        return any(saver.save_interval(state, event) for saver in savers) if savers else False
+        return any(saver.save_interval(state, event) for saver in savers)
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Translates a Composer event and dispatches it to the guards."""

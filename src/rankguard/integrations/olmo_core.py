@@ -16,7 +16,10 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import PurePath
 from typing import Any, ClassVar
 
-from rankguard.callbacks.checkpoint import shared_dir_barrier as shared_dirs
+# The core guard: this module's own ``SharedDirBarrier`` is the OLMo-core callback of that name.
+from rankguard.callbacks.checkpoint.shared_dir_barrier import (
+    SharedDirBarrier as CoreSharedDirBarrier,
+)
 from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.integrations._common import bundle_init, guard_init
@@ -228,7 +231,7 @@ class _Hooks:
         self,
         driver: EventDriver,
         evals: Mapping[int, LoaderFacts],
-        barrier: shared_dirs.SharedDirBarrier | None = None,
+        barrier: CoreSharedDirBarrier | None = None,
     ) -> None:
         self.driver = driver
         self.evals = evals
@@ -399,9 +402,8 @@ class _OlmoCoreAdapter(Callback):
             )
             for evaluator, callback in watched
         }
-        # The core guard (``SharedDirBarrier`` here is the OLMo-core callback of that name).
-        core = shared_dirs.SharedDirBarrier
-        barrier = next((g for g in self.runner.guards if isinstance(g, core)), None)
+        guards = self.runner.guards
+        barrier = next((g for g in guards if isinstance(g, CoreSharedDirBarrier)), None)
         hooks = _Hooks(self.driver, evals, barrier)
         self._unhooks = hook_trainer(trainer, hooks, [evaluator for evaluator, _ in watched])
         if barrier is not None:

@@ -1,6 +1,6 @@
 """CheckpointPlanner: say before the first save whether a full checkpoint fits in host RAM.
 
-Holds :class:`CheckpointPlanner`, the guard; the plan itself is in ``checkpoint_plan``.
+Holds :class:`CheckpointPlanner`, the guard; the plan itself is in ``plan``.
 See docs/checkpoint.md#how-checkpointplanner-works.
 """
 

@@ -1,7 +1,7 @@
 """HangWatchdog: names the rank that stopped, where, with its stack, within a minute by default.
 
-Holds :class:`HangWatchdog`, the guard; its decisions are in ``hang_diagnosis``,
-``hang_calibration`` and ``hang_deadlock``.
+Holds :class:`HangWatchdog`, the guard; its decisions are in ``diagnosis``,
+``calibration`` and ``deadlock`` beside it.
 See docs/hang.md#how-hangwatchdog-works.
 """
 
@@ -597,19 +597,7 @@ class HangWatchdog(Guard):
 
     def on_train_batch_end(self, facts: EventFacts) -> None:
         """Records a heartbeat; the first one ends the first-step deadline."""
-        loader = facts.loader
-        self._beats.append(
-            (
-                _now(),
-                "train_batch_end",
-                facts.step,
-                facts.batch_index,
-                loader and loader.name,
-                facts.decisions,
-            )
-        )
-        if self._thread is None:
-            self._start()
+        self._heartbeat("train_batch_end", facts)
         self._steps_ended += 1
         if self._steps_ended == self._wake_at:
             self._exchange_now()

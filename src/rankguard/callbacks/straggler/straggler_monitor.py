@@ -1,6 +1,6 @@
 """StragglerMonitor: names the rank or node whose compute makes every other rank wait.
 
-Holds :class:`StragglerMonitor`, the guard; the scores are in ``straggler_score``,
+Holds :class:`StragglerMonitor`, the guard; the scores are in ``score``,
 the forward timing in ``forward_clock``.
 See docs/straggler.md#how-stragglermonitor-works.
 """
