@@ -428,14 +428,19 @@ def staleness(run: Run, root: Path = ROOT) -> str | None:
             ),
         ]
     moved = sorted({path for path in quoted_files(lines) if not (ROOT / path).exists()})
-    modules = {path.name for path in (ROOT / "src").rglob("*.py")}
-    moved += sorted({name for name in quoted_modules(lines) if name not in modules})
+    moved += sorted({name for name in quoted_modules(lines) if name not in module_files(root)})
     if moved:
         return "quotes files the repository no longer has: " + ", ".join(moved)
     return None
 
 
 _TRACEBACK_FILE = re.compile(r'\bFile "([^"/<.][^"]*\.py)", line')
+
+
+@functools.cache
+def module_files(root: Path = ROOT) -> frozenset[str]:
+    """The file names of rankguard's modules (``src/``), read once per repository."""
+    return frozenset(path.name for path in (root / "src").rglob("*.py"))
 
 
 #: A wait in an exchange names the rankguard module that called it, by file name.
