@@ -806,7 +806,9 @@ def render_guard(name: str, cls: type, framework_defaults: dict) -> list[str]:
         shown = ", ".join(f"`{k}={v!r}`" for k, v in values.items())
         out += [f"Under `rankguard.integrations.{integration}`, `RankGuard()` uses {shown}.", ""]
     events = [
-        e.value.replace("_", " ") for e in Event if callable(getattr(cls, f"on_{e.value}", None))
+        e.value.replace("_", " ")
+        for e in Event
+        if callable(getattr(cls, f"on_{e.value}", None)) or e in cls.step_events
     ]
     raised = sorted(n for n in errors.__all__ if n in names and n not in ERRORS_NOT_RAISED)
     codes = sorted(f"{getattr(module, n)} (`{n}`)" for n in names if n.endswith("_EXIT_CODE"))

@@ -108,26 +108,26 @@ def test_healthy_run_logs_metrics_and_never_warns(runs):
 
 def test_stall_raises_when_asked():
     monitor = DataStallMonitor(on_violation="raise", window=1, interval=2)
-    monitor.on_data_fetch_start(EventFacts())
-    monitor.on_train_batch_start(EventFacts())
-    monitor.on_data_fetch_start(EventFacts())
+    monitor.handle(Event.DATA_FETCH_START, EventFacts())
+    monitor.handle(Event.TRAIN_BATCH_START, EventFacts())
+    monitor.handle(Event.DATA_FETCH_START, EventFacts())
     time.sleep(0.01)
-    monitor.on_data_fetch_end(EventFacts())
-    monitor.on_train_batch_start(EventFacts())  # closes the slow step, posts the interval
+    monitor.handle(Event.DATA_FETCH_END, EventFacts())
+    monitor.handle(Event.TRAIN_BATCH_START, EventFacts())  # closes the slow step, posts
     with pytest.raises(DataStallError, match="cannot keep up on rank 0"):
-        monitor.on_train_batch_start(EventFacts())  # every rank acts on the verdict here
+        monitor.handle(Event.TRAIN_BATCH_START, EventFacts())  # every rank acts on the verdict here
 
 
 def test_eval_and_epoch_boundaries_are_not_counted_as_data_wait():
     metrics: list[dict] = []
     monitor = DataStallMonitor(window=1, interval=2)
     monitor.bind(SideChannel(None), log_metrics=metrics.append)
-    monitor.on_train_batch_start(EventFacts())
-    monitor.on_data_fetch_start(EventFacts())  # Lightning: at train batch end
+    monitor.handle(Event.TRAIN_BATCH_START, EventFacts())
+    monitor.handle(Event.DATA_FETCH_START, EventFacts())  # Lightning: at train batch end
     monitor.on_eval_start(EventFacts())
     time.sleep(0.02)  # evaluation
-    monitor.on_data_fetch_end(EventFacts())
-    monitor.on_train_batch_start(EventFacts())
+    monitor.handle(Event.DATA_FETCH_END, EventFacts())
+    monitor.handle(Event.TRAIN_BATCH_START, EventFacts())
     assert metrics == []  # the only step spanned evaluation: nothing measured
 
 
@@ -157,10 +157,10 @@ def test_a_stall_that_goes_on_is_reported_once_and_again_only_after_a_recovery()
     try:
         for step, slow in enumerate(pattern):
             records.batch = step
-            monitor.on_data_fetch_start(EventFacts(step=step))
+            monitor.handle(Event.DATA_FETCH_START, EventFacts(step=step))
             time.sleep(SLOW_FETCH_S if slow else 0.0)
-            monitor.on_data_fetch_end(EventFacts(step=step))
-            monitor.on_train_batch_start(EventFacts(step=step))
+            monitor.handle(Event.DATA_FETCH_END, EventFacts(step=step))
+            monitor.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
             time.sleep(COMPUTE_S)
     finally:
         logging.getLogger("rankguard").removeHandler(records)
@@ -325,16 +325,22 @@ class _Profiled(Dataset):
 
 
 def _composer_like_steps(monitor, dataset, collective_s, steps):
-    """Fetch windows as Composer's: next(), then an all_reduce waiting ``collective_s``."""
+    """Fetch windows as Composer's: next(), then an all_reduce waiting ``collective_s``.
+
+    The step log is read after each batch start, as the hang watchdog's thread reads it
+    (every 0.5 s) in a fit.
+    """
     loader = DataLoader(dataset, batch_size=1)
     facts = EventFacts(loader=LoaderFacts("train", loader, is_train=True))
+    monitor.handle(Event.FIT_START, EventFacts.for_loaders([facts.loader]))
     iterator = iter(loader)
     for _ in range(steps):
-        monitor.on_data_fetch_start(facts)
+        monitor.handle(Event.DATA_FETCH_START, facts)
         next(iterator)
         time.sleep(collective_s)
-        monitor.on_data_fetch_end(facts)
-        monitor.on_train_batch_start(facts)
+        monitor.handle(Event.DATA_FETCH_END, facts)
+        monitor.handle(Event.TRAIN_BATCH_START, facts)
+        monitor.steps.drain()
         time.sleep(0.005)  # compute
     monitor.on_fit_end(facts)  # acts on the last exchange
 

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler, IterableDataset
 
 from rankguard.callbacks.checkpoint.dir_probe import MARKER_PREFIX
-from rankguard.callbacks.core.guard import RAISED, Guard
+from rankguard.callbacks.core.guard import PER_STEP, RAISED, Guard
 
 
 @contextmanager
@@ -261,6 +261,15 @@ class EventLog(Guard):
             self.events.append((event.value, facts.step, loader))
 
         return record
+
+    def read_steps(self, entries) -> None:
+        """The per-step events, from the step log (read before each other event)."""
+        for _, event, step, _, loader, _ in entries:
+            if event in PER_STEP_NAMES:
+                self.events.append((event, step, loader))
+
+
+PER_STEP_NAMES = frozenset(event.value for event in PER_STEP)
 
 
 class ClaimedStream(Stream):

@@ -8,7 +8,7 @@ import time
 import torch
 
 from rankguard.callbacks.core import side_channel
-from rankguard.callbacks.core.events import EventFacts
+from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.hang.deadlock import (
     LEFT_LOOP,
     called_from_user,
@@ -244,8 +244,8 @@ def _watchdog(report_dir: str):
     watchdog.bind(SideChannel.from_environment(timeout_s=10))
     watchdog.on_fit_start(EventFacts())
     for step in range(3):
-        watchdog.on_train_batch_start(EventFacts(step=step))
-        watchdog.on_train_batch_end(EventFacts(step=step + 1))
+        watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
+        watchdog.handle(Event.TRAIN_BATCH_END, EventFacts(step=step + 1))
     return watchdog
 
 
@@ -261,8 +261,8 @@ def _rank0_works_alone_while_rank1_waits(rank, world_size, report_dir):
     if rank == 0:
         write_samples_on_rank0(5.0)  # more than 3 x deadlock_after_s
     dist.barrier()
-    watchdog.on_train_batch_start(EventFacts(step=3))
-    watchdog.on_train_batch_end(EventFacts(step=4))
+    watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=3))
+    watchdog.handle(Event.TRAIN_BATCH_END, EventFacts(step=4))
     watchdog.on_fit_end(EventFacts(step=4))
     watchdog.close()
     return watchdog.incidents

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rankguard.callbacks.core.errors import RanksMissingError
-from rankguard.callbacks.core.events import EventFacts, LoaderFacts
+from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.side_channel import SideChannel
 from rankguard.callbacks.hang.diagnosis import (
     RankStatus,
@@ -60,11 +60,11 @@ def _bound(**kwargs) -> HangWatchdog:
 
 def _train(watchdog: HangWatchdog, steps: range, step_s: float = 0.0) -> None:
     for step in steps:
-        watchdog.on_data_fetch_start(EventFacts(step=step))
-        watchdog.on_data_fetch_end(EventFacts(step=step))
-        watchdog.on_train_batch_start(EventFacts(step=step))
+        watchdog.handle(Event.DATA_FETCH_START, EventFacts(step=step))
+        watchdog.handle(Event.DATA_FETCH_END, EventFacts(step=step))
+        watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
         time.sleep(step_s)
-        watchdog.on_train_batch_end(EventFacts(step=step))
+        watchdog.handle(Event.TRAIN_BATCH_END, EventFacts(step=step))
 
 
 def _wait_for_incident(watchdog: HangWatchdog, limit_s: float, action: str = "report") -> float:
@@ -150,7 +150,7 @@ def _one_rank_freezes(rank, world_size, report_dir, frozen, port):
     pids = watchdog.channel.all_gather("pids", os.getpid())
     watchdog.on_fit_start(EventFacts())
     _train(watchdog, range(6), step_s=0.01)
-    watchdog.on_train_batch_start(EventFacts(step=6))
+    watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=6))
     time.sleep(0.2)  # the exchange the calibration triggered
     if rank == frozen:
         os.kill(os.getpid(), signal.SIGSTOP)  # the whole process stops, watchdog thread too
@@ -236,8 +236,8 @@ def test_single_process_stall_is_reported_without_a_process_group(tmp_path, capl
     watchdog = HangWatchdog(
         timeout_s=0.3, exchange_period_s=0.1, action="report", report_dir=str(tmp_path)
     )
-    watchdog.on_train_batch_end(EventFacts(step=0))  # fit start missed: starts lazily
-    watchdog.on_train_batch_start(EventFacts(step=1))
+    watchdog.handle(Event.TRAIN_BATCH_END, EventFacts(step=0))  # fit start missed: starts lazily
+    watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=1))
     with caplog.at_level(logging.ERROR, logger="rankguard"):
         waited = stall_in_train(watchdog)
     thread = watchdog._thread
@@ -260,7 +260,7 @@ def test_post_eval_deadline_runs_from_eval_end_until_the_next_data_fetch(tmp_pat
     seen = []
 
     def beat(handler: str, **facts) -> None:
-        getattr(watchdog, f"on_{handler}")(EventFacts(**facts))
+        watchdog.handle(Event(handler), EventFacts(**facts))
         status = watchdog._status()
         seen.append((status.phase, status.deadline_s))
 

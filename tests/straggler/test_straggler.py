@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import re
 import statistics
+import time
 import warnings
 
 import pytest
@@ -340,10 +341,10 @@ def test_device_clock_reads_a_batch_only_once_its_events_completed(no_device_syn
     clock = ForwardClock(new_event=lambda: FakeEvent(device))
     clock.attach(model)
     for _ in range(3):
-        clock.begin_batch()
+        start = time.perf_counter()
         model(torch.zeros(1, 4))
         device.queued += 0.010  # backward and optimizer step: outside the forward
-        clock.end_batch()
+        clock.close_batch(start, time.perf_counter())
     assert clock.ready() == [] and device.reads == 0  # nothing has run on the device yet
     device.done = 0.017 + 0.003  # batch 1 done, batch 2's forward under way
     assert clock.ready() == [pytest.approx(0.007)] and clock.timer.pending == 2
@@ -360,9 +361,9 @@ def test_device_clock_reuses_its_events_and_forgets_forwards_outside_a_batch(no_
     clock.attach(model)
     read = []
     for batch in range(200):
-        clock.begin_batch()
+        start = time.perf_counter()
         model(torch.zeros(1, 4))
-        clock.end_batch(keep=batch % 2 == 0)  # odd batches: warm-up, not measured
+        clock.close_batch(start, time.perf_counter(), keep=batch % 2 == 0)  # odd: warm-up
         model(torch.zeros(1, 4))  # an evaluation forward between batches
         if batch % 10 == 9:
             device.done = device.queued
@@ -374,12 +375,11 @@ def test_device_clock_reuses_its_events_and_forgets_forwards_outside_a_batch(no_
 def test_device_timer_drops_the_oldest_batch_when_the_device_stops_completing():
     device = FakeDevice()
     timer = EventTimer(lambda: FakeEvent(device), max_pending=4)
-    for _ in range(10):
-        timer.begin_batch()
-        timer.record()
+    for batch in range(10):
+        timer.record(batch)
         device.queued += 1
-        timer.record()
-        timer.end_batch()
+        timer.record(batch + 0.5)
+        timer.close_batch(batch, batch + 0.5)
     assert (timer.pending, timer.dropped, timer.created) == (4, 6, 10)
 
 
@@ -389,9 +389,9 @@ def test_a_cpu_model_is_timed_on_the_host():
     clock = ForwardClock()
     clock.attach(model)
     assert clock.timer is None
-    clock.begin_batch()
+    start = time.perf_counter()
     model(torch.zeros(1, 4))
-    clock.end_batch()
+    clock.close_batch(start, time.perf_counter())
     [forward] = clock.ready()
     assert forward == clock.total_s and 0.0015 < forward < 2
 

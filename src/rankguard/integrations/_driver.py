@@ -73,6 +73,7 @@ class EventDriver:
     def __init__(self, runner: GuardRunner, log_metrics: MetricSink | None = None) -> None:
         self.runner = runner
         self.log_metrics = log_metrics
+        self._steps = runner.steps  # where the per-step events go: the hot path
         self.fitting = False
         self._reset()
         self._noted: set[str] = set()
@@ -101,23 +102,6 @@ class EventDriver:
             else:
                 event_facts = EventFacts.at(self.step, epoch)
             self.runner.fire(event, event_facts, self.log_metrics)
-
-    def _step_event(self, event: Event) -> None:
-        """Fires a per-step event, which carries only the step and epoch: the hot path.
-
-        Once the runner is open it calls the guards' handlers itself, with one
-        facts object per step: the per-step events run several times a step on
-        the training thread, where each function call costs more than its work.
-        """
-        runner = self.runner
-        if runner.channel is None:  # not open yet (or closed): it opens at its first event
-            self.fire(event)
-            return
-        handlers = runner.handlers[event]
-        if handlers:
-            facts = EventFacts.at(self.step, self.epoch if self.epoch > 0 else 0)
-            for handler in handlers:
-                handler(facts)
 
     def note_limits(self, loaders: Iterable[LoaderFacts]) -> None:
         """Says once per loader name, at INFO, what the guards cannot read from it."""
@@ -182,27 +166,27 @@ class EventDriver:
             self.end_train_batch()
         if not self._fetching:
             self._fetching = True
-            self._step_event(Event.DATA_FETCH_START)
+            self._steps.fetch_start(self.step)
 
     def fetch_end(self) -> None:
         """DATA_FETCH_END (a window nobody opened opens here, empty)."""
         if self._batch_open or not self._fetching:
             self.fetch_start()
         self._fetching = False
-        self._step_event(Event.DATA_FETCH_END)
+        self._steps.fetch_end(self.step)
 
     def train_batch_start(self) -> None:
         """TRAIN_BATCH_START of batch :attr:`step`."""
         if self._fetching:
             self.fetch_end()
         self._batch_open = True
-        self._step_event(Event.TRAIN_BATCH_START)
+        self._steps.batch_start(self.step)
 
     def end_train_batch(self) -> None:
         """TRAIN_BATCH_END of the open train batch, if one is open."""
         if self._batch_open:
             self._batch_open = False
-            self._step_event(Event.TRAIN_BATCH_END)
+            self._steps.batch_end(self.step)
             self.step += 1
 
     # -- eval --------------------------------------------------------------------------

@@ -67,9 +67,6 @@ _BEFORE_DATALOADER = Event.BEFORE_DATALOADER
 #: Composer events that start or end a fit.
 _FIT_BOUNDS = (CoreEvent.FIT_START, CoreEvent.FIT_END)
 
-#: Core events whose facts are the step and epoch alone (shared within a step).
-_PER_STEP = (CoreEvent.DATA_FETCH_END, CoreEvent.TRAIN_BATCH_START, CoreEvent.TRAIN_BATCH_END)
-
 #: The event that starts a pass over a loader, by the event that ends it.
 _PASS_ENDS = {CoreEvent.EVAL_END: CoreEvent.EVAL_START, CoreEvent.EPOCH_END: CoreEvent.EPOCH_START}
 _PASS_END = {start: end for end, start in _PASS_ENDS.items()}
@@ -218,8 +215,6 @@ def event_facts(event: CoreEvent, state: State, logger: Logger) -> EventFacts:
     """Reads the facts a core event needs from Composer's ``State``."""
     timestamp = state.timestamp
     step, epoch = timestamp.batch.value, timestamp.epoch.value
-    if event in _PER_STEP:
-        return EventFacts.at(step, epoch)
     facts = EventFacts(step=step, epoch=epoch)
     if event is CoreEvent.CHECKPOINT_LOAD_START:
         facts.load_path = trainer_load_path()
@@ -281,15 +276,17 @@ class _ComposerAdapter(Callback):
         self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
         self._fitting = False
         self._passes: dict[str, tuple[PassCounter, Any]] = {}
-        #: The guards' handlers of each per-step event, by the ``id`` of Composer's event.
-        self._per_step = {
-            id(event): self.runner.handlers[core]
-            for event, core in _EVENTS.items()
-            if core in _PER_STEP or core is CoreEvent.DATA_FETCH_START
+        steps = self.runner.steps
+        #: Where each per-step event is recorded (the step log), by the ``id`` of Composer's event.
+        self._per_step: dict[int, Callable[..., None]] = {
+            id(Event.BEFORE_DATALOADER): steps.fetch_start,
+            id(Event.AFTER_DATALOADER): steps.fetch_end,
+            id(Event.BATCH_START): steps.batch_start,
+            id(Event.BATCH_END): steps.batch_end,
         }
-        #: The step's facts, with the timestamp they were read from.
+        #: The step, with the timestamp it was read from (Composer replaces it as time advances).
         self._timestamp: Any = None
-        self._step_facts = EventFacts()
+        self._step = 0
         #: The train loader's facts, with the loader and batch count they were read from.
         self._train: tuple[Any, Any, LoaderFacts | None] = (None, None, None)
         #: Composer's checkpoint savers, with the callback list and length they were read from.
@@ -326,23 +323,22 @@ class _ComposerAdapter(Callback):
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Translates a Composer event and dispatches it to the guards."""
         key = id(event)
-        handlers = self._per_step.get(key)
-        if handlers is not None and self.runner.channel is not None:
-            # The hot path, four times a step: once open, the guards' handlers are called
-            # here with the step's facts, read again only when Composer's timestamp
-            # changes (each function call costs more than its work on the training thread).
-            if handlers:
-                timestamp = state.timestamp
-                if timestamp is not self._timestamp:  # Composer replaces it as time advances
-                    self._timestamp = timestamp
-                    self._step_facts = EventFacts.at(timestamp.batch.value, timestamp.epoch.value)
-                facts = self._step_facts
-                if event is _BEFORE_DATALOADER:
-                    facts = EventFacts(
-                        step=facts.step, epoch=facts.epoch, loader=self._train_facts(state)
-                    )
-                for handler in handlers:
-                    handler(facts)
+        record = self._per_step.get(key)
+        if record is not None:
+            # The hot path, four times a step: the step log's clock read and append.
+            timestamp = state.timestamp
+            if timestamp is not self._timestamp:
+                self._timestamp = timestamp
+                self._step = timestamp.batch.value
+            if event is _BEFORE_DATALOADER:
+                # The window also holds an all_reduce: the loader goes with it (see
+                # callbacks/data/data_fetch.py), read again only when it may be watched.
+                train = self._train[2]
+                if train is None or self.runner.steps.fetch_clock is not None:
+                    train = self._train_facts(state)
+                record(self._step, train)
+            else:
+                record(self._step)
             return
         core_event = _EVENTS_BY_ID.get(key)
         if core_event is None:  # most of Composer's events: rankguard has no use for them

@@ -235,26 +235,6 @@ class _LightningAdapter(Callback):
         )
         self.runner.fire(event, event_facts, self._log_metrics)
 
-    def _step_events(
-        self, trainer: pl.Trainer, events: tuple[Event, ...], at: tuple[int, int]
-    ) -> None:
-        """Fires per-step events, which carry only the step and epoch: the hot path.
-
-        Once the runner is open the guards' handlers are called here, with one
-        facts object per step: these run several times a step on the training
-        thread, where each function call costs more than its work.
-        """
-        runner = self.runner
-        if runner.channel is None:  # not open yet (or closed): it opens at its first event
-            for event in events:
-                self._fire(trainer, event, at)
-            return
-        self._trainer = trainer
-        facts = EventFacts.at(*at)
-        for event in events:
-            for handler in runner.handlers[event]:
-                handler(facts)
-
     def _log_metrics(self, metrics: Mapping[str, float]) -> None:
         trainer = self._trainer
         if trainer is not None:
@@ -312,9 +292,10 @@ class _LightningAdapter(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        """DATA_FETCH_END then TRAIN_BATCH_START (the trainer's step and epoch read once)."""
-        at = (trainer.global_step, trainer.current_epoch)
-        self._step_events(trainer, (Event.DATA_FETCH_END, Event.TRAIN_BATCH_START), at)
+        """DATA_FETCH_END then TRAIN_BATCH_START, in the step log (the step read once)."""
+        step, steps = trainer.global_step, self.runner.steps
+        steps.fetch_end(step)
+        steps.batch_start(step)
 
     def on_train_batch_end(
         self,
@@ -325,10 +306,9 @@ class _LightningAdapter(Callback):
         batch_idx: int,
     ) -> None:
         """TRAIN_BATCH_END (with ``should_stop``), then DATA_FETCH_START for the next batch."""
-        at = (trainer.global_step, trainer.current_epoch)
-        stop = {"should_stop": bool(trainer.should_stop)}
-        self._fire(trainer, Event.TRAIN_BATCH_END, at, decisions=stop)
-        self._step_events(trainer, (Event.DATA_FETCH_START,), at)
+        step, steps = trainer.global_step, self.runner.steps
+        steps.batch_end(step, {"should_stop": trainer.should_stop})
+        steps.fetch_start(step)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EVAL_START for every val loader, in Lightning's order."""

@@ -20,10 +20,11 @@ from rankguard.callbacks.batches.loader_passes import (
     yield_mismatches,
 )
 from rankguard.callbacks.core.errors import BatchCountMismatchError, RanksMissingError
-from rankguard.callbacks.core.events import EventFacts, LoaderFacts
+from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.ranks import format_groups, rank_label
 from rankguard.callbacks.core.settings import check_int, check_positive
+from rankguard.callbacks.core.step_log import BATCH_END, Entry
 from rankguard.callbacks.data.loaders import planned_batches, promised_batches
 
 __all__ = [
@@ -189,6 +190,7 @@ class BatchParityGuard(Guard):
     """
 
     name = "batch_parity_guard"
+    step_events = (Event.TRAIN_BATCH_END,)
 
     def __init__(
         self,
@@ -228,9 +230,9 @@ class BatchParityGuard(Guard):
         self._train_checked_epoch = facts.epoch
         self._compare_planned("epoch_start", [facts.loader], f"at the start of epoch {facts.epoch}")
 
-    def on_train_batch_end(self, facts: EventFacts) -> None:
-        """Counts a train batch that ran (no communication)."""
-        self._train_batches_run += 1
+    def read_steps(self, entries: list[Entry]) -> None:
+        """Counts the train batches that ran, from the step log (no communication)."""
+        self._train_batches_run += sum(1 for entry in entries if entry[1] == BATCH_END)
 
     def on_epoch_end(self, facts: EventFacts) -> None:
         """Compares the train batches that ran in the epoch; names data left behind."""

@@ -18,6 +18,7 @@ is printed.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, NoReturn
@@ -26,8 +27,9 @@ from rankguard.callbacks.core.errors import RankGuardError
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.settings import check_choice, check_positive
 from rankguard.callbacks.core.side_channel import SideChannel
+from rankguard.callbacks.core.step_log import DRAIN_EVERY, StepLog
 
-__all__ = ["RAISED", "Guard", "GuardRunner", "MetricSink"]
+__all__ = ["PER_STEP", "RAISED", "Guard", "GuardRunner", "MetricSink"]
 
 # The name users filter by and recorded outputs show, kept when the module moved.
 logger = logging.getLogger("rankguard.callbacks.guard")
@@ -48,18 +50,33 @@ class Guard:
         on_violation: ``"raise"`` (default) raises the guard's error on every
             rank; ``"warn"`` logs it as a warning and lets training go on.
 
+    The per-step events (a fetch's start and end, a train batch's start and end)
+    reach no handler: they are recorded in the runner's :class:`StepLog` (``steps``),
+    which a guard reads by defining ``read_steps(entries)``; one that must act on
+    the training thread at some train batch sets :attr:`due` to it and defines
+    ``on_due(batches)``, called at the start of that batch after the log was read.
+
     Attributes:
         name: Snake-case name of the guard, used as its key in ``RankGuard``
             configs and in side-channel exchange names.
+        steps: The step log this guard's per-step events go to (the runner's).
+        due: The train batch (``steps.batches``, counted from 1 in a fit) at whose
+            start ``on_due`` runs; ``math.inf``: none.
     """
 
     name: ClassVar[str] = "guard"
+    #: The per-step events ``read_steps`` reads (what the reference lists).
+    step_events: ClassVar[tuple[Event, ...]] = ()
 
     def __init__(self, *, on_violation: str = "raise") -> None:
         self.on_violation = check_choice("on_violation", on_violation, ON_VIOLATION)
         self.channel = SideChannel(None)
         self.log_metrics: MetricSink = _no_metrics
+        self.due: float = math.inf
         self._warned: set[str] = set()
+        # Alone until a runner of several guards takes it: its own step log and runner.
+        self.steps = StepLog()
+        self._runner = GuardRunner([self])
 
     def bind(self, channel: SideChannel, log_metrics: MetricSink | None = None) -> None:
         """Gives the guard its side channel and metric sink (at FIT_START)."""
@@ -71,10 +88,8 @@ class Guard:
         return getattr(self, f"on_{event.value}", None)
 
     def handle(self, event: Event, facts: EventFacts) -> None:
-        """Runs the guard's handler for ``event``, if it has one."""
-        handler = self.handler(event)
-        if handler is not None:
-            handler(facts)
+        """Dispatches ``event`` to this guard alone, as its runner would (never opens a channel)."""
+        self._runner.dispatch(event, facts)
 
     def violation(self, error: RankGuardError, *, every_rank: bool = True) -> None:
         """Raises ``error`` or logs it as a warning, as ``on_violation`` says.
@@ -129,6 +144,13 @@ def _no_metrics(metrics: Mapping[str, float]) -> None:
     del metrics
 
 
+#: The events recorded in the step log instead of dispatched to handlers.
+PER_STEP = frozenset(
+    (Event.DATA_FETCH_START, Event.DATA_FETCH_END, Event.TRAIN_BATCH_START, Event.TRAIN_BATCH_END)
+)
+EVAL_BATCH = frozenset((Event.EVAL_BATCH_START, Event.EVAL_BATCH_END))
+
+
 class GuardRunner:
     """Dispatches core events to guards; adapters own one.
 
@@ -143,8 +165,10 @@ class GuardRunner:
 
     Attributes:
         handlers: Per event, the guards' handlers it reaches, in order (empty where
-            no guard handles it). An adapter's per-step path may call them itself
-            once the runner is open (``channel`` set), as :meth:`fire` would.
+            no guard handles it, and for the per-step events, which go to ``steps``).
+        steps: The step log every guard shares. An adapter's per-step path records
+            into it itself (its ``fetch_start``, ``batch_start``, ...), as
+            :meth:`fire` would.
     """
 
     def __init__(self, guards: Iterable[Guard], *, exchange_timeout_s: float = 300.0) -> None:
@@ -152,20 +176,62 @@ class GuardRunner:
         self.timeout_s = check_positive("exchange_timeout_s", exchange_timeout_s)
         self.channel: SideChannel | None = None
         self.handlers: dict[Event, tuple[Callable[[EventFacts], None], ...]] = {
-            event: tuple(h for g in self.guards if (h := g.handler(event)) is not None)
+            event: ()
+            if event in PER_STEP
+            else tuple(h for g in self.guards if (h := g.handler(event)) is not None)
             for event in Event
         }
+        self.steps = StepLog()
+        self._due_guards = [g for g in self.guards if hasattr(g, "on_due")]
+        readers = [g.read_steps for g in self.guards if hasattr(g, "read_steps")]
+        self._reads_steps = bool(readers)
+        for guard in self.guards:
+            guard.steps = self.steps
+            guard._runner = self
+        self.steps.connect(readers, self._on_due)
 
     def handles(self, event: Event) -> bool:
         """Whether any guard handles ``event`` (adapters skip reading facts otherwise)."""
+        if event in PER_STEP:
+            return self._reads_steps
         return bool(self.handlers[event]) or event is Event.FIT_START
 
     def fire(self, event: Event, facts: EventFacts, log_metrics: MetricSink | None = None) -> None:
-        """Dispatches ``event`` to every guard in order."""
+        """Dispatches ``event`` to every guard in order (opening the runner at FIT_START)."""
         if event is Event.FIT_START or self.channel is None:
             self.open(log_metrics)
+        self.dispatch(event, facts)
+
+    def dispatch(self, event: Event, facts: EventFacts) -> None:
+        """Records a per-step event in the step log, or reads the log and runs the handlers.
+
+        Every other event is preceded by a drain of the log (but an eval batch's, which
+        no guard needs the train steps for), so its handlers see every step before it.
+        """
+        steps = self.steps
+        if event in PER_STEP:
+            steps.record(event.value, facts)
+            return
+        if event is Event.FIT_START:  # a new fit: the batch count starts again
+            steps.drain()
+            steps.reset()
+        elif steps.entries and event not in EVAL_BATCH:
+            steps.drain()
         for handler in self.handlers[event]:
             handler(facts)
+        steps.due = self._next_due(steps.batches)
+
+    def _next_due(self, batches: int) -> float:
+        due = min((g.due for g in self._due_guards), default=math.inf)
+        return min(due, batches + DRAIN_EVERY)
+
+    def _on_due(self, batches: int) -> float:
+        """At a due train batch's start: reads the log, then lets due guards act."""
+        self.steps.drain()
+        for guard in self._due_guards:
+            if guard.due <= batches:
+                guard.on_due(batches)  # type: ignore[attr-defined]
+        return self._next_due(batches)
 
     def open(self, log_metrics: MetricSink | None = None) -> None:
         """Creates the side channel and binds the guards (idempotent per fit)."""
@@ -211,3 +277,4 @@ class GuardRunner:
             except Exception:
                 logger.exception("rankguard: closing %s failed", guard.name)
         self.channel = None
+        self.steps.reset()  # a per-step event after this reaches nobody

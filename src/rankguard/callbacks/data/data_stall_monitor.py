@@ -8,18 +8,17 @@ See docs/data.md#how-datastallmonitor-works.
 from __future__ import annotations
 
 import logging
-import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
 from rankguard.callbacks.core.background_exchange import BackgroundExchange, Pending
 from rankguard.callbacks.core.errors import DataStallError, RanksMissingError
-from rankguard.callbacks.core.events import EventFacts, LoaderFacts
+from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.ranks import rank_label
 from rankguard.callbacks.core.settings import check_fraction, check_int
+from rankguard.callbacks.core.step_log import BATCH_START, FETCH_END, FETCH_START, Entry
 from rankguard.callbacks.data.data_fetch import LoaderReturnClock
 from rankguard.callbacks.data.data_worker import worker_failure
 from rankguard.callbacks.data.loaders import loader_settings
@@ -153,10 +152,11 @@ class DataStallMonitor(Guard):
     Example::
 
         monitor = DataStallMonitor(threshold=0.5, window=10, interval=50)
-        # Composer: BEFORE_DATALOADER/AFTER_DATALOADER/BATCH_START drive it via the adapter.
+        # Composer: BEFORE_DATALOADER/AFTER_DATALOADER/BATCH_START, in the step log.
     """
 
     name = "data_stall_monitor"
+    step_events = (Event.DATA_FETCH_START, Event.DATA_FETCH_END, Event.TRAIN_BATCH_START)
 
     def __init__(
         self,
@@ -174,14 +174,12 @@ class DataStallMonitor(Guard):
         self._clock = LoaderReturnClock()
         self._exchanger: BackgroundExchange | None = None
         self._pending: Pending | None = None
-        self._watch = False
         self._reset_interval(run=0)
         self._discard()
-        self._batches = 0
         self._reported: frozenset[int] = frozenset()
-        #: The last fetch's loader facts, and whether the clock can watch their loader.
-        self._fetch_loader: LoaderFacts | None = None
+        #: Whether the clock can watch the train loader (a DataLoader).
         self._can_watch = False
+        self.due = self.interval
 
     def _reset_interval(self, run: int) -> None:
         self._sum_wait = 0.0
@@ -191,73 +189,71 @@ class DataStallMonitor(Guard):
         self._longest = run
 
     def _discard(self) -> None:
-        self._clock.disarm()
+        """Forgets the step in progress (not measured across it)."""
         self._fetch_start: float | None = None
         self._wait = 0.0
         self._exact = True
-        self._armed = False
         self._last_start: float | None = None
 
     def on_fit_start(self, facts: EventFacts) -> None:
         """Starts measuring; reads the train batch size for samples/s."""
         train = next((lf for lf in facts.loaders if lf.is_train), None)
         self.batch_size = loader_settings(train.loader).batch_size if train else None
-        self._batches = 0
+        self._can_watch = train is not None and self._clock.can_watch(train.loader)
         self._reported = frozenset()
-        self._watch = False
+        self._watch(False)
         self._reset_interval(run=0)
         self._discard()
         self._stop_exchanges()
+        self.due = self.interval
 
-    def on_data_fetch_start(self, facts: EventFacts) -> None:
-        """Starts the wait clock; after a slow window, also watches the train loader's return."""
-        self._fetch_start = time.perf_counter()
-        loader_facts = facts.loader
-        if loader_facts is not self._fetch_loader:  # adapters hand the same facts each step
-            self._fetch_loader = loader_facts
-            self._can_watch = loader_facts is not None and self._clock.can_watch(
-                loader_facts.loader
-            )
-        # With the loader, the window also holds a collective: only its return is our own.
-        self._exact = not self._can_watch or sys.getprofile() is not None
-        if self._watch and not self._exact:
-            assert loader_facts is not None
-            self._armed = self._clock.arm(loader_facts.loader)
-        else:
-            self._armed = False
+    def read_steps(self, entries: list[Entry]) -> None:
+        """Reads the fetch windows and train batch starts from the step log.
 
-    def on_data_fetch_end(self, facts: EventFacts) -> None:
-        """Stops the wait clock (at the loader's return, if it was watched and seen)."""
-        returned_at = self._clock.disarm() if self._armed else None  # armed only if _armed
-        if self._fetch_start is not None:
-            end = time.perf_counter() if returned_at is None else returned_at
-            self._wait += max(0.0, end - self._fetch_start)
-            self._fetch_start = None
-        if self._armed:  # the loader's return, or all there is to time if it was not seen
-            self._exact = True
-            self._armed = False
+        A step runs from a train batch's start to the next one's; its wait is the
+        fetch window between them, which ends at the loader's return where the
+        window was watched (Composer's also holds a collective: see ``_watch``).
+        """
+        watched = self.steps.watched
+        for at, event, step, _, loader, _ in entries:
+            if event == FETCH_START:
+                self._fetch_start = at
+                # Given the loader, the window also holds a collective: only its return is ours.
+                self._exact = loader is None or not self._can_watch
+            elif event == FETCH_END:
+                if self._fetch_start is not None:
+                    self._wait += max(0.0, at - self._fetch_start)
+                    self._fetch_start = None
+                if step in watched:  # ended at the loader's return (or could not be watched)
+                    watched.discard(step)
+                    self._exact = True
+            elif event == BATCH_START:
+                if self._last_start is not None:
+                    self._close_step(at - self._last_start)
+                self._wait = 0.0
+                self._last_start = at
 
-    def on_train_batch_start(self, facts: EventFacts) -> None:
-        """Closes the previous step; acts on the last verdict; every ``interval`` batches, posts."""
-        now = time.perf_counter()
-        if self._last_start is not None:
-            self._close_step(now - self._last_start)
-        self._wait = 0.0
-        self._batches = batches = self._batches + 1
-        if self._pending is not None or batches % self.interval == 0:
-            if self._pending is not None:
-                self._collect()
-            if batches % self.interval == 0:
-                self._post()
-            now = time.perf_counter()  # the next step starts after this work
-        self._last_start = now
+    def on_due(self, batches: int) -> None:
+        """Acts on the last verdict; every ``interval`` batches, posts the interval."""
+        if self._pending is not None:
+            self._collect()
+        if batches % self.interval == 0:
+            self._post()
+        self.due = batches + 1 if self._pending is not None else self._next_post(batches)
+
+    def _next_post(self, batches: int) -> int:
+        return (batches // self.interval + 1) * self.interval
+
+    def _watch(self, on: bool) -> None:
+        """Times the next fetch windows to the loader's return (``on``), or not."""
+        self.steps.fetch_clock = self._clock if on and self._can_watch else None
 
     def _close_step(self, step: float) -> None:
         slow = self._wait > self.threshold * step
         if slow and not self._exact:
-            self._watch = True  # maybe another rank's fetch: time the next one exactly
+            self._watch(True)  # maybe another rank's fetch: time the next one exactly
             return
-        self._watch = slow
+        self._watch(slow)
         self._sum_step += step
         self._sum_wait += self._wait
         self._steps += 1
@@ -287,7 +283,7 @@ class DataStallMonitor(Guard):
         Returns:
             Whether ``exc`` was recognised as a data-loader failure.
         """
-        step = facts.step if facts is not None else self._batches
+        step = facts.step if facts is not None else self.steps.batches
         reason: str | None = None
         # torch's SIGCHLD handler raises (once per dead worker) wherever this thread is: while
         # the error is explained, or while it is logged. Either way, explain and log again.
@@ -311,6 +307,7 @@ class DataStallMonitor(Guard):
 
     def close(self) -> None:
         """Stops watching the loader and the exchange thread; safe to call twice, after an error."""
+        self._watch(False)
         self._clock.disarm()
         self._stop_exchanges()
 

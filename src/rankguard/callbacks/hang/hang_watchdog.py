@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import socket
 import sys
@@ -22,10 +23,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from rankguard.callbacks.core.errors import HangDetectedError, RanksMissingError
-from rankguard.callbacks.core.events import EventFacts
+from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.settings import check_choice, check_int, check_positive
 from rankguard.callbacks.core.side_channel import own_missing_ranks
+from rankguard.callbacks.core.step_log import Entry
 from rankguard.callbacks.hang.calibration import (
     KIND_LABELS,
     MIN_SAMPLES,
@@ -73,7 +75,7 @@ __all__ = [
 # The name users filter by and recorded outputs show, kept when the module moved.
 logger = logging.getLogger("rankguard.callbacks.hang_watchdog")
 
-_now = time.monotonic  # a global, not an attribute lookup, on the training thread
+_now = time.perf_counter  # the step log's clock: heartbeats are compared with it
 
 
 class Beat(NamedTuple):
@@ -83,7 +85,7 @@ class Beat(NamedTuple):
     step: int
     batch_index: int | None
     loader: str | None
-    at: float  # time.monotonic()
+    at: float  # time.perf_counter()
     kind: str  # the phase kind whose deadline applies from here ("done" after fit end)
 
 
@@ -107,7 +109,7 @@ class Wait(NamedTuple):
     """The rendezvous the training loop waits at (read by the watchdog thread)."""
 
     key: str  # the wait point and the user frame that called it
-    since: float  # time.monotonic() when first seen
+    since: float  # time.perf_counter() when first seen
     progress: int  # heartbeats so far when first seen: a new one is a new wait
 
 
@@ -122,7 +124,7 @@ class EarlyExchange(NamedTuple):
     """The wait an early status exchange was last asked for, and when."""
 
     wait: Wait | None
-    at: float  # time.monotonic()
+    at: float  # time.perf_counter()
 
 
 #: Exit code of every rank that aborts on a hang (``action="abort"``); 75 is EX_TEMPFAIL.
@@ -134,11 +136,6 @@ MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
 STATUS_EXCHANGE = "hang_watchdog/status"
 ABORT_BARRIER = "hang_watchdog/abort"
 HISTORY = 256  # heartbeats kept per rank for rank{N}.jsonl
-#: Heartbeats the training thread may append before the watchdog thread reads them (it
-#: reads them at least every PROBE_PERIOD_S while no exchange is in flight): 8 s of 1 ms
-#: steps at 4 heartbeats a step. Past it the oldest are dropped, and the interval across
-#: the gap is not recorded (see ``_derive``).
-PENDING = 1 << 15
 MAX_FRAMES = 64  # frames of the training loop read at each exchange
 #: While this rank makes no progress, its own stack is sampled this often (seconds).
 PROBE_PERIOD_S = 0.5
@@ -231,19 +228,10 @@ def _num_params(model: Any) -> int | None:
 
 
 def _heartbeat_handler(event: str) -> Callable[[HangWatchdog, EventFacts], None]:
-    """The ``on_<event>`` handler of an event the watchdog only records a heartbeat for.
-
-    The body is :meth:`HangWatchdog._heartbeat`'s, inlined: these run several times a
-    step on the training thread, where each function called costs more than its work.
-    """
+    """The ``on_<event>`` handler of an event the watchdog only records a heartbeat for."""
 
     def handler(self: HangWatchdog, facts: EventFacts) -> None:
-        loader = facts.loader
-        self._beats.append(
-            (_now(), event, facts.step, facts.batch_index, loader and loader.name, facts.decisions)
-        )
-        if self._thread is None:
-            self._start()
+        self._heartbeat(event, facts)
 
     handler.__name__ = handler.__qualname__ = f"on_{event}"
     handler.__doc__ = "Records a heartbeat."
@@ -359,6 +347,12 @@ class HangWatchdog(Guard):
     """
 
     name = "hang_watchdog"
+    step_events = (
+        Event.DATA_FETCH_START,
+        Event.DATA_FETCH_END,
+        Event.TRAIN_BATCH_START,
+        Event.TRAIN_BATCH_END,
+    )
 
     def __init__(
         self,
@@ -425,11 +419,9 @@ class HangWatchdog(Guard):
         self._wake = threading.Event()  # ends the thread's sleep early (fit end, close)
         self._ended = threading.Event()  # the open incident reached stage 2
         self._release_owner = _no_owner
-        # Heartbeats as the training thread appends them: (time.monotonic(), event, step,
-        # batch_index, loader name, decisions); the watchdog thread reads them (_derive).
-        self._beats: deque[tuple] = deque(maxlen=PENDING)
-        self._deriving = threading.Lock()  # one thread at a time reads _beats
-        self._history: deque = deque(maxlen=HISTORY)  # the last _beats read: rank{N}.jsonl
+        # Heartbeats are the step log's entries (the per-step events, and the others this
+        # guard appends); the watchdog thread reads them (_derive, read_steps).
+        self._history: deque = deque(maxlen=HISTORY)  # the last entries read: rank{N}.jsonl
         self._nccl_note = ""
         self._host = socket.gethostname()
         self._beat: Beat | None = None
@@ -455,9 +447,9 @@ class HangWatchdog(Guard):
 
     def _reset(self) -> None:
         self._deadline_s: dict[str, float] = self.ceilings
-        self._steps_done = 0  # train batches ended, as the watchdog thread read them
-        self._steps_ended = 0  # ... as the training thread sent them
+        self._steps_done = 0  # train batches ended, as read from the step log
         self._wake_at = 1  # the next of them after which the thread exchanges at once
+        self.due = 1  # the first train batch's start: on_due
         self._after_eval = False
         self._incident: Runs = ()
         self._reported = False
@@ -487,61 +479,60 @@ class HangWatchdog(Guard):
     # -- main thread: heartbeats only -------------------------------------------------
 
     def _heartbeat(self, event: str, facts: EventFacts) -> None:
-        """Records a heartbeat: one clock read and one deque append (see ``_derive``)."""
-        loader = facts.loader
-        self._beats.append(
-            (_now(), event, facts.step, facts.batch_index, loader and loader.name, facts.decisions)
-        )
+        """Records a heartbeat of an event that is not per step in the step log."""
+        self.steps.append(event, facts)
         if self._thread is None:
             self._start()
 
     # -- what the heartbeats say (watchdog thread, or the main thread at fit end) --------
 
     def _derive(self) -> None:
-        """Reads the heartbeats appended since the last call: intervals, phases, calibration.
+        """Reads the step log now (this guard's part: :meth:`read_steps`).
+
+        The watchdog thread calls it before it reads what the heartbeats say (at
+        least every :data:`PROBE_PERIOD_S` between exchanges); the main thread at
+        fit end, at a checkpoint save and when it stops the thread.
+        """
+        self.steps.drain()
+
+    def read_steps(self, entries: list[Entry]) -> None:
+        """Reads heartbeats: intervals, phases, calibration (under the step log's lock).
 
         Each interval between two heartbeats is recorded under the phase kind of
         the first (once ``warmup_steps`` train batches ended), against the deadline
         then in force for the closest call; :attr:`_beat` becomes the last one.
-        The watchdog thread calls it before it reads any of that (at least every
-        :data:`PROBE_PERIOD_S` between exchanges); the main thread at fit end, at
-        a checkpoint save and when it stops the thread. Should more than
-        :data:`PENDING` heartbeats come between two calls, the oldest are lost and
-        the interval across the gap is not recorded.
+        After the first train batch, and once calibrated, the thread is woken to
+        exchange at once (:meth:`_exchange_now`).
         """
-        with self._deriving:
-            beats = self._beats
-            if not beats:
-                return
-            last = None if len(beats) == beats.maxlen else self._beat  # a gap: skip it
-            at, kind = (None, "") if last is None else (last.at, last.kind)
-            calibrate, closest = self.auto_calibrate, self.closest_call
-            record, deadlines = self.history.record, self._deadline_s
-            history, count = self._history, 0
-            while beats:
-                beat = beats.popleft()
-                now, event, step, _, _, decisions = beat
-                if event == "fit_start":  # a new fit: no interval from the last one
-                    at, closest, self._steps_done, self._after_eval = None, None, 0, False
-                if at is not None and calibrate and self._steps_done >= self.warmup_steps:
-                    interval = now - at
-                    record(kind, interval)
-                    deadline = deadlines.get(kind)
-                    if deadline and (closest is None or interval > closest.share * deadline):
-                        closest = ClosestCall(interval / deadline, kind, interval, deadline)
-                if decisions:  # none at most events
-                    self._update_decisions(decisions, step)
-                # The usual heartbeats of a train step, past the first: no state to change.
-                kind = _STEP_KINDS.get(event) if self._steps_done else None
-                if kind is None or self._after_eval:
-                    kind = self._kind(event)
-                at = now
-                history.append(beat)
-                count += 1
-            self.closest_call = closest
-            self._progress += count
-            now, event, step, batch_index, loader, _ = beat
-            self._beat = Beat(event, step, batch_index, loader, now, kind)
+        last = self._beat
+        at, kind = (None, "") if last is None else (last.at, last.kind)
+        calibrate, closest = self.auto_calibrate, self.closest_call
+        record, deadlines = self.history.record, self._deadline_s
+        history = self._history
+        for beat in entries:
+            now, event, step, _, _, decisions = beat
+            if event == "fit_start":  # a new fit: no interval from the last one
+                at, closest, self._steps_done, self._after_eval = None, None, 0, False
+            if at is not None and calibrate and self._steps_done >= self.warmup_steps:
+                interval = now - at
+                record(kind, interval)
+                deadline = deadlines.get(kind)
+                if deadline and (closest is None or interval > closest.share * deadline):
+                    closest = ClosestCall(interval / deadline, kind, interval, deadline)
+            if decisions:  # none at most events
+                self._update_decisions(decisions, step)
+            # The usual heartbeats of a train step, past the first: no state to change.
+            kind = _STEP_KINDS.get(event) if self._steps_done else None
+            if kind is None or self._after_eval:
+                kind = self._kind(event)
+            at = now
+            history.append(beat)
+        self.closest_call = closest
+        self._progress += len(entries)
+        now, event, step, batch_index, loader, _ = beat
+        self._beat = Beat(event, step, batch_index, loader, now, kind)
+        if self._wake_at and self._steps_done >= self._wake_at:
+            self._exchange_now()
 
     def _update_decisions(self, decisions: Mapping[str, Any], step: int) -> None:
         """Keeps the decisions that can split the ranks, with the step each was last changed."""
@@ -587,27 +578,29 @@ class HangWatchdog(Guard):
 
     # Most events only record a heartbeat: one handler each, documented once.
     on_epoch_start = _heartbeat_handler("epoch_start")
-    on_data_fetch_start = _heartbeat_handler("data_fetch_start")
-    on_data_fetch_end = _heartbeat_handler("data_fetch_end")
-    on_train_batch_start = _heartbeat_handler("train_batch_start")
     on_eval_start = _heartbeat_handler("eval_start")
     on_eval_batch_start = _heartbeat_handler("eval_batch_start")
     on_eval_batch_end = _heartbeat_handler("eval_batch_end")
     on_epoch_end = _heartbeat_handler("epoch_end")
 
-    def on_train_batch_end(self, facts: EventFacts) -> None:
-        """Records a heartbeat; the first one ends the first-step deadline."""
-        self._heartbeat("train_batch_end", facts)
-        self._steps_ended += 1
-        if self._steps_ended == self._wake_at:
-            self._exchange_now()
+    def on_due(self, batches: int) -> None:
+        """At the start of the batch after a wake point: the step log was just read.
+
+        Reading it woke the thread at the wake point (see :meth:`_exchange_now`) without
+        waiting for its next read; the thread starts here if no fit start started it.
+        """
+        if self._thread is None:
+            self._start()
+        self.due = self._wake_at + 1 if self._wake_at else math.inf
 
     def _exchange_now(self) -> None:
         """After the first train batch, and once calibrated: the thread exchanges at once.
 
-        Not a period later: the other ranks learn this rank left start-up, then its
-        calibrated deadlines (3 train intervals a step), which bound how long it may
-        go silent (a rank that freezes next is judged by them).
+        Seen when the step log is read at the next batch's start (``due``) or by the
+        thread (within :data:`PROBE_PERIOD_S`), not an exchange period later: the other
+        ranks learn this rank left start-up, then its calibrated deadlines (3 train
+        intervals a step), which bound how long it may go silent (a rank that freezes
+        next is judged by them).
         """
         calibrated = self.warmup_steps + MIN_SAMPLES // 3 + 1
         self._wake_at = calibrated if self._wake_at < calibrated else 0
@@ -796,7 +789,7 @@ class HangWatchdog(Guard):
         """Reads the loop's stack; tracks how long it has waited at one rendezvous."""
         stack = self._loop_stack()
         point = rendezvous(stack)
-        now = time.monotonic()
+        now = _now()
         if point is None:
             self._wait = None
             return stack, None, 0.0
@@ -820,7 +813,7 @@ class HangWatchdog(Guard):
         status = RankStatus(
             phase=phase_label(event, step, batch_index, loader),
             step=step,
-            idle_s=round(time.monotonic() - since, 3),
+            idle_s=round(_now() - since, 3),
             deadline_s=None if done else self._deadline_s[kind],
             host=self._host,
             pid=os.getpid(),
@@ -896,9 +889,9 @@ class HangWatchdog(Guard):
 
     def _sleep(self) -> None:
         """Waits for the next exchange; sooner when this rank's loop settles at a rendezvous."""
-        until = time.monotonic() + self.exchange_period_s
+        until = _now() + self.exchange_period_s
         while not self._wake.is_set():
-            left = until - time.monotonic()
+            left = until - _now()
             if left <= 0 or self._wake.wait(min(left, PROBE_PERIOD_S)):
                 break
             if self._settled_at_rendezvous():
@@ -916,7 +909,7 @@ class HangWatchdog(Guard):
         beat = self._beat
         if beat is None or beat.kind == "done" or self._ended.is_set():
             return False
-        if time.monotonic() - beat.at < PROBE_PERIOD_S:
+        if _now() - beat.at < PROBE_PERIOD_S:
             return False
         _, point, wait_s = self._sample()
         if point is None or wait_s < self._settle_s:
@@ -925,10 +918,10 @@ class HangWatchdog(Guard):
         if (
             probed is not None
             and probed.wait == self._wait
-            and time.monotonic() - probed.at < (self._settle_s)
+            and _now() - probed.at < (self._settle_s)
         ):
             return False
-        self._probed = EarlyExchange(self._wait, time.monotonic())
+        self._probed = EarlyExchange(self._wait, _now())
         return True
 
     def _on_deadlock(self, verdict: Verdict) -> None:
@@ -997,7 +990,7 @@ class HangWatchdog(Guard):
         rank, status = self.channel.rank, self._status()
         header = f"rank {rank}, host {status.host}, pid {status.pid}: {status.phase}"
         report = attempt_dir(self.report_dir, os.environ)
-        wall = time.time() - time.monotonic()  # the beats' monotonic times as wall-clock times
+        wall = time.time() - _now()  # the beats' monotonic times as wall-clock times
         beats = [
             {"t": wall + t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
             for t, e, s, b, ld, _ in tuple(self._history)

@@ -118,8 +118,8 @@ class EventTimer:
     """Times spans with device events: recorded in the hooks, read once they have completed.
 
     Each :meth:`record` marks the device stream's current point with an event
-    from a pool; marks pair up as spans (start, end). :meth:`end_batch` closes
-    the spans recorded since :meth:`begin_batch` as one batch, and
+    from a pool, with the host's time; marks pair up as spans (start, end).
+    :meth:`close_batch` closes the spans marked in a batch's host time as one batch, and
     :meth:`ready` returns, oldest first, the device time of every closed batch
     whose events have all completed (``query()``), leaving the others pending
     for a later call; their events go back to the pool. Nothing waits for
@@ -143,33 +143,39 @@ class EventTimer:
         self.created = 0
         self.dropped = 0
         self._free: list[TimingEvent] = []
-        self._marks: list[TimingEvent] = []
+        self._marks: list[tuple[float, TimingEvent]] = []
         self._pending: deque[list[TimingEvent]] = deque()
 
-    def record(self) -> None:
-        """Marks a span's start or end on the device's stream."""
+    def record(self, at: float) -> None:
+        """Marks a span's start or end on the device's stream; ``at``: the host's clock now."""
         if self._free:
             event = self._free.pop()
         else:
             event = self.new_event()
             self.created += 1
         event.record()
-        self._marks.append(event)
+        self._marks.append((at, event))
 
-    def begin_batch(self) -> None:
-        """Forgets marks made outside a batch (evaluation forwards)."""
-        self._free.extend(self._marks)
-        self._marks = []
+    def close_batch(self, start: float, end: float, keep: bool = True) -> None:
+        """Closes the spans marked from ``start`` to ``end`` (host clock) as one batch.
 
-    def end_batch(self, keep: bool = True) -> None:
-        """Closes the batch's spans: pending until read when ``keep``, else forgotten."""
-        marks, self._marks = self._marks, []
-        if len(marks) % 2:  # a span left open
-            self._free.append(marks.pop())
+        They are pending until read when ``keep``, else forgotten; marks made
+        before ``start`` (outside any batch) are forgotten.
+        """
+        marks, taken = self._marks, 0
+        for at, _ in marks:  # the hooks may append later marks meanwhile: read a prefix
+            if at > end:
+                break
+            taken += 1
+        batch = [event for at, event in marks[:taken] if at >= start]
+        self._free.extend(event for at, event in marks[:taken] if at < start)
+        del marks[:taken]
+        if len(batch) % 2:  # a span left open
+            self._free.append(batch.pop())
         if not keep:
-            self._free.extend(marks)
+            self._free.extend(batch)
             return
-        self._pending.append(marks)
+        self._pending.append(batch)
         if len(self._pending) > self.max_pending:
             self._free.extend(self._pending.popleft())
             self.dropped += 1
@@ -195,7 +201,8 @@ class EventTimer:
 
     def clear(self) -> None:
         """Forgets every mark and pending batch (keeps the pool)."""
-        self.begin_batch()
+        marks, self._marks = self._marks, []
+        self._free.extend(event for _, event in marks)
         while self._pending:
             self._free.extend(self._pending.popleft())
 
@@ -207,9 +214,9 @@ class ForwardClock:
 
         clock = ForwardClock()
         clock.attach(model)
-        clock.begin_batch()
+        start = time.perf_counter()
         loss = model(batch).sum()
-        clock.end_batch()
+        clock.close_batch(start, time.perf_counter())  # may be later, on another thread
         forward_s = clock.ready()  # [seconds]; on CUDA, once the device has run it
         clock.detach()
 
@@ -225,6 +232,7 @@ class ForwardClock:
         depth: Hooked forwards open now (nested); set it to 0 to forget one that
             raised before its hook could close it.
         timer: The device timer, or ``None`` when forwards are timed on the host.
+        paused: While set, forwards are not timed (evaluation's).
     """
 
     def __init__(self, new_event: Callable[[], TimingEvent] | None = None) -> None:
@@ -234,11 +242,12 @@ class ForwardClock:
         self.modules = 0
         self.depth = 0
         self.timer: EventTimer | None = None
+        self.paused = False
         self._started = 0.0
-        self._batch_start = 0.0
+        self._spans: list[tuple[float, float]] = []  # (start, end) of each outermost forward
         self._ready: list[float] = []
         self._hooked: list[tuple[torch.nn.Module, Any, Any]] = []
-        self._entered: set[int] = set()
+        self._entered: set[int] | None = set()  # None once keep_entered ran
 
     def attach(self, model: torch.nn.Module) -> int:
         """Hooks ``model``'s :func:`hook_targets` (after removing earlier hooks).
@@ -247,8 +256,8 @@ class ForwardClock:
             The number of modules hooked.
         """
         self.detach()
-        self.total_s, self.calls, self.depth, self._batch_start = 0.0, 0, 0, 0.0
-        self._ready = []
+        self.total_s, self.calls, self.depth, self.paused = 0.0, 0, 0, False
+        self._ready, self._spans, self._entered = [], [], set()
         new_event = self.new_event or cuda_events(model)
         self.timer = None if new_event is None else EventTimer(new_event)
         for module in hook_targets(model):
@@ -264,7 +273,7 @@ class ForwardClock:
             enter.remove()
             leave.remove()
         self._hooked.clear()
-        self._entered.clear()
+        self._entered = set()
         self.modules = 0
 
     def keep_entered(self) -> int:
@@ -279,11 +288,13 @@ class ForwardClock:
         Returns:
             The number of modules still hooked.
         """
-        if not self._entered:
+        entered = self._entered
+        if not entered:
             return self.modules
+        self._entered = None  # learned: the hooks stop recording which module they enter
         kept = []
         for module, enter, leave in self._hooked:
-            if id(module) in self._entered:
+            if id(module) in entered:
                 kept.append((module, enter, leave))
             else:
                 enter.remove()
@@ -292,18 +303,30 @@ class ForwardClock:
         self.modules = len(kept)
         return self.modules
 
-    def begin_batch(self) -> None:
-        """Starts a batch: forwards from now until :meth:`end_batch` are its forward."""
-        if self.timer is not None:
-            self.timer.begin_batch()
-        self._batch_start = self.total_s
+    def close_batch(self, start: float, end: float, keep: bool = True) -> float:
+        """Closes the batch that ran from ``start`` to ``end`` (``time.perf_counter()``).
 
-    def end_batch(self, keep: bool = True) -> None:
-        """Ends the batch; its forward time is handed out by :meth:`ready` when ``keep``."""
+        Its forwards are the outermost hooked forwards that started in it; their
+        time is handed out by :meth:`ready` when ``keep``. Forwards before
+        ``start`` (outside any batch) are forgotten. May run on another thread
+        than the hooks, after the batch (the hooks only append later spans).
+
+        Returns:
+            The host seconds of the batch's forwards.
+        """
+        spans, taken, host = self._spans, 0, 0.0
+        for began, ended in spans:
+            if began > end:
+                break
+            taken += 1
+            if began >= start:
+                host += ended - began
+        del spans[:taken]
         if self.timer is not None:
-            self.timer.end_batch(keep)
+            self.timer.close_batch(start, end, keep)
         elif keep:
-            self._ready.append(self.total_s - self._batch_start)
+            self._ready.append(host)
+        return host
 
     def ready(self) -> list[float]:
         """Forward seconds of each ended batch whose time is known now, oldest first (once).
@@ -320,10 +343,13 @@ class ForwardClock:
         if is_compiling():
             return
         if self.depth == 0:
-            self._entered.add(id(module))
-            self._started = perf_counter()
+            if self.paused:
+                return
+            if self._entered is not None:
+                self._entered.add(id(module))
+            self._started = started = perf_counter()
             if self.timer is not None:
-                self.timer.record()
+                self.timer.record(started)
         self.depth += 1
 
     def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -331,7 +357,9 @@ class ForwardClock:
             return
         self.depth -= 1
         if self.depth == 0:
+            ended = perf_counter()
             if self.timer is not None:
-                self.timer.record()
-            self.total_s += perf_counter() - self._started
+                self.timer.record(ended)
+            self.total_s += ended - self._started
             self.calls += 1
+            self._spans.append((self._started, ended))

@@ -12,16 +12,16 @@ import math
 import statistics
 import warnings
 from functools import partial
-from time import perf_counter
 
 import torch
 
 from rankguard.callbacks.core.background_exchange import BackgroundExchange, Pending
 from rankguard.callbacks.core.errors import RanksMissingError, StragglerError
-from rankguard.callbacks.core.events import EventFacts
+from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.nodes import node_identity
 from rankguard.callbacks.core.settings import check_fraction, check_int, check_seconds
+from rankguard.callbacks.core.step_log import BATCH_END, BATCH_START, Entry
 from rankguard.callbacks.straggler.forward_clock import ForwardClock
 from rankguard.callbacks.straggler.score import (
     RankTimes,
@@ -104,6 +104,7 @@ class StragglerMonitor(Guard):
     """
 
     name = "straggler_monitor"
+    step_events = (Event.TRAIN_BATCH_START, Event.TRAIN_BATCH_END)
 
     def __init__(
         self,
@@ -156,7 +157,7 @@ class StragglerMonitor(Guard):
         self._streaks: dict[tuple[str, str], int] = {}
         self._started: float | None = None
         self._ended: float | None = None
-        self._forward_at_start = 0.0
+        self.due = math.inf
 
     # --- events ------------------------------------------------------------------------------
 
@@ -193,52 +194,54 @@ class StragglerMonitor(Guard):
         )
         self._exchange = BackgroundExchange(self.channel, f"{self.name}/interval", decide)
         self._on = True
+        self.due = min(self.interval, self._learned_at + 1)
 
-    def on_train_batch_start(self, facts: EventFacts) -> None:
-        """Closes the gap since the last batch; collects and posts exchanges when due."""
+    def read_steps(self, entries: list[Entry]) -> None:
+        """Reads train batch starts and ends from the step log: forward, rest and gap per batch."""
         if not self._on:
             return
-        now = perf_counter()
-        ended = self._ended
-        if ended is not None:
-            self._between.append(now - ended)
-            self._ended = None
-        self._batches = batches = self._batches + 1
+        for at, event, _, _, _, _ in entries:
+            if event == BATCH_START:
+                if self._ended is not None:
+                    self._between.append(at - self._ended)
+                    self._ended = None
+                self._batches += 1
+                self._started = at
+            elif event == BATCH_END and self._started is not None:
+                started, self._started = self._started, None
+                measured = self._batches > self.warmup_steps
+                forward = self._clock.close_batch(started, at, measured)
+                if measured:  # the rest: the batch's host time outside its forwards' host time
+                    self._rest.append(at - started - forward)
+                    self._ended = at
+
+    def on_due(self, batches: int) -> None:
+        """Collects and posts exchanges when due; after warm-up, keeps the hooks the loop uses."""
         if batches >= self._collect_at:
             self._collect()
             if not self._on:
+                self.due = math.inf
                 return
-            now = perf_counter()
+        if batches == self._learned_at + 1:  # warm-up showed which hooked modules the loop calls
+            self._clock.keep_entered()
         if batches % self.interval == 0:
             self._post()
-            now = perf_counter()
-        self._clock.begin_batch()
-        self._forward_at_start = self._clock.total_s
-        self._started = now
-
-    def on_train_batch_end(self, facts: EventFacts) -> None:
-        """Ends the batch's forward time (read at the post) and records the rest of it."""
-        started = self._started
-        if started is None:
-            return
-        now = perf_counter()
-        batches = self._batches
-        measured = batches > self.warmup_steps
-        self._clock.end_batch(measured)
-        if batches == self._learned_at:  # warm-up showed which hooked modules the loop calls
-            self._clock.keep_entered()
-        if measured:  # the rest: the batch's host time outside the forward's host time
-            self._rest.append(now - started - (self._clock.total_s - self._forward_at_start))
-            self._ended = now
-        self._started = None
+        self.due = min(self._collect_at, (batches // self.interval + 1) * self.interval)
+        if batches <= self._learned_at:
+            self.due = min(self.due, self._learned_at + 1)
 
     def on_epoch_start(self, facts: EventFacts) -> None:
         """The gap across an epoch boundary holds loader start-up: not measured."""
         self._ended = None
 
     def on_eval_start(self, facts: EventFacts) -> None:
-        """The gap across evaluation is not measured."""
+        """The gap across evaluation is not measured, nor are evaluation's forwards timed."""
         self._ended = None
+        self._clock.paused = True
+
+    def on_eval_end(self, facts: EventFacts) -> None:
+        """Training's forwards are timed again."""
+        self._clock.paused = False
 
     def on_checkpoint_save_start(self, facts: EventFacts) -> None:
         """The gap across a checkpoint save is not measured."""

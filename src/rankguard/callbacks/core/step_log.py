@@ -1,0 +1,163 @@
+"""The per-step record: what a train step costs on the training thread, and who reads it.
+
+:class:`StepLog` is the one thing the per-step events (a fetch's start and end,
+a train batch's start and end) touch: a clock read and an append each. The
+guards read it later, in order, from :meth:`StepLog.drain`: at the steps they
+asked for (``due``), before any other event, and on the hang watchdog's thread.
+See docs/design.md#overhead-what-a-step-costs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from time import perf_counter
+from typing import Any
+
+from rankguard.callbacks.core.events import EventFacts, LoaderFacts
+
+__all__ = ["DRAIN_EVERY", "Entry", "StepLog", "StepReader"]
+
+logger = logging.getLogger("rankguard.callbacks.guard")
+
+#: ``(time.perf_counter(), event, step, batch_index, loader name, decisions)``: one event.
+Entry = tuple[float, str, int, "int | None", "str | None", "dict[str, Any] | None"]
+#: Reads the entries appended since the last drain, oldest first.
+StepReader = Callable[[list[Entry]], None]
+#: The training thread drains at least this often (train batches), so the log stays small
+#: even when no guard asks to be read sooner and no thread reads it.
+DRAIN_EVERY = 1024
+
+FETCH_START = "data_fetch_start"
+FETCH_END = "data_fetch_end"
+BATCH_START = "train_batch_start"
+BATCH_END = "train_batch_end"
+
+
+class StepLog:
+    """Per-step events as the training thread records them, read by the guards in order.
+
+    Adapters call :meth:`fetch_start`, :meth:`fetch_end`, :meth:`batch_start` and
+    :meth:`batch_end`; the hang watchdog adds its heartbeats of every other event
+    (:meth:`append`), so the log holds the loop's events in the order they came.
+    :meth:`drain` hands what was appended since the last drain to every reader,
+    under a lock (the training thread and the watchdog thread both drain).
+
+    Attributes:
+        batches: Train batches started since :meth:`reset` (the fit's start).
+        due: The value of ``batches`` at which :meth:`batch_start` calls the due
+            handler (drains, then lets the guards act on the training thread).
+        fetch_clock: When set (``LoaderReturnClock``-like: ``arm(loader)``,
+            ``disarm()``), a fetch window given its loader is timed to the
+            loader's return; such windows' steps are put in ``watched``.
+        watched: Steps whose fetch window ended at the loader's return (read and
+            discarded by the reader that set ``fetch_clock``).
+    """
+
+    def __init__(self) -> None:
+        self.entries: deque[Entry] = deque()
+        self.batches = 0
+        self.due: float = 1  # the first batch asks the guards for theirs
+        self.fetch_clock: Any = None
+        self.watched: set[int] = set()
+        self._armed: Any = None  # the fetch clock armed for the open fetch window
+        self._lock = threading.Lock()
+        self._readers: list[StepReader] = []
+        self._on_due: Callable[[int], float] | None = None
+
+    def connect(self, readers: list[StepReader], on_due: Callable[[int], float]) -> None:
+        """Sets who reads the log and the training thread's due handler (its next due back)."""
+        self._readers = readers
+        self._on_due = on_due
+
+    def reset(self, due: float = 1) -> None:
+        """Forgets what was recorded (a new fit); the first due is ``due``."""
+        with self._lock:
+            self.entries.clear()
+            self.batches = 0
+            self.due = due
+            self.fetch_clock = None
+            self.watched.clear()
+            if self._armed is not None:
+                self._armed.disarm()
+                self._armed = None
+
+    # -- the training thread, every step: a clock read and an append ---------------------
+
+    def fetch_start(self, step: int, loader: LoaderFacts | None = None) -> None:
+        """A fetch starts (``loader``: the adapter's window also holds a collective)."""
+        if loader is None:
+            self.entries.append((perf_counter(), FETCH_START, step, None, None, None))
+            return
+        self.entries.append((perf_counter(), FETCH_START, step, None, loader.name, None))
+        clock = self.fetch_clock
+        if clock is not None and clock.arm(loader.loader):
+            self._armed = clock
+
+    def fetch_end(self, step: int) -> None:
+        """The fetch ended (at the loader's return if the window was watched)."""
+        if self._armed is not None:
+            returned_at = self._armed.disarm()
+            self._armed = None
+            self.watched.add(step)
+            now = perf_counter() if returned_at is None else returned_at
+            self.entries.append((now, FETCH_END, step, None, None, None))
+            return
+        self.entries.append((perf_counter(), FETCH_END, step, None, None, None))
+
+    def batch_start(self, step: int) -> None:
+        """A train batch starts; at the due batch, the guards act (see :attr:`due`)."""
+        self.entries.append((perf_counter(), BATCH_START, step, None, None, None))
+        self.batches = batches = self.batches + 1
+        if batches >= self.due:
+            self._due(batches)
+
+    def batch_end(self, step: int, decisions: dict[str, Any] | None = None) -> None:
+        """The train batch ended, with the framework's split decisions if it has any."""
+        self.entries.append((perf_counter(), BATCH_END, step, None, None, decisions))
+
+    # -- any event -------------------------------------------------------------------------
+
+    def append(self, event: str, facts: EventFacts) -> None:
+        """Records ``event`` with ``facts`` (a heartbeat of an event that is not per step)."""
+        loader = facts.loader
+        name = loader.name if loader is not None else None
+        self.entries.append(
+            (perf_counter(), event, facts.step, facts.batch_index, name, facts.decisions or None)
+        )
+
+    def record(self, event: str, facts: EventFacts) -> None:
+        """Records a per-step ``event`` from its facts (the runner's path before it opened)."""
+        if event == FETCH_START:
+            self.fetch_start(facts.step, facts.loader)
+        elif event == FETCH_END:
+            self.fetch_end(facts.step)
+        elif event == BATCH_START:
+            self.batch_start(facts.step)
+        else:
+            self.batch_end(facts.step, facts.decisions or None)
+
+    # -- readers ---------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Hands every entry appended since the last drain to each reader, oldest first."""
+        with self._lock:
+            entries = self.entries
+            if not entries:
+                return
+            taken = [entries.popleft() for _ in range(len(entries))]
+            for reader in self._readers:
+                try:
+                    reader(taken)
+                except Exception:  # one guard's bug must not cost the others their steps
+                    logger.exception("rankguard: %r could not read the step log", reader)
+
+    def _due(self, batches: int) -> None:
+        on_due = self._on_due
+        if on_due is None:
+            self.due = batches + DRAIN_EVERY
+            self.drain()
+            return
+        self.due = min(on_due(batches), batches + DRAIN_EVERY)
