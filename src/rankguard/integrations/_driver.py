@@ -96,11 +96,7 @@ class EventDriver:
     def fire(self, event: Event, **facts: Any) -> None:
         """Fires ``event`` with the current step and epoch and ``facts``."""
         if self.runner.handles(event):
-            epoch = max(self.epoch, 0)
-            if facts:
-                event_facts = EventFacts(step=self.step, epoch=epoch, **facts)
-            else:
-                event_facts = EventFacts.at(self.step, epoch)
+            event_facts = EventFacts(step=self.step, epoch=max(self.epoch, 0), **facts)
             self.runner.fire(event, event_facts, self.log_metrics)
 
     def note_limits(self, loaders: Iterable[LoaderFacts]) -> None:

@@ -222,17 +222,12 @@ class _LightningAdapter(Callback):
         self._val: list[LoaderFacts] = []
         self._unhook: Callable[[], None] | None = None
 
-    def _fire(
-        self, trainer: pl.Trainer, event: Event, at: tuple[int, int] | None = None, **facts: Any
-    ) -> None:
-        """Fires ``event`` at ``at`` (step, epoch), read from ``trainer`` when not given."""
+    def _fire(self, trainer: pl.Trainer, event: Event, **facts: Any) -> None:
+        """Fires ``event`` at the trainer's step and epoch."""
         if not self.runner.handles(event):
             return
         self._trainer = trainer
-        step, epoch = (trainer.global_step, trainer.current_epoch) if at is None else at
-        event_facts = (
-            EventFacts(step=step, epoch=epoch, **facts) if facts else EventFacts.at(step, epoch)
-        )
+        event_facts = EventFacts(step=trainer.global_step, epoch=trainer.current_epoch, **facts)
         self.runner.fire(event, event_facts, self._log_metrics)
 
     def _log_metrics(self, metrics: Mapping[str, float]) -> None:

@@ -140,25 +140,7 @@ class EventFacts:
     decision_probe: Callable[[], dict[str, Any]] | None = None
 
     @staticmethod
-    def at(step: int, epoch: int) -> EventFacts:
-        """Facts with only ``step`` and ``epoch``, one object shared by the events of a step.
-
-        The per-step events (a fetch, a train batch's start and end) carry
-        nothing else; sharing their facts saves building them four or more
-        times a step. Guards read facts and never change them; neither may
-        the caller change the object this returns.
-        """
-        shared = _SHARED[0]
-        if shared.step != step or shared.epoch != epoch:
-            shared = _SHARED[0] = EventFacts(step=step, epoch=epoch)
-        return shared
-
-    @staticmethod
     def for_loaders(loaders: Iterable[LoaderFacts], **kwargs: Any) -> EventFacts:
         """Builds FIT_START facts from loaders (train first)."""
         ordered = sorted(loaders, key=lambda lf: not lf.is_train)
         return EventFacts(loaders=ordered, **kwargs)
-
-
-#: The facts :meth:`EventFacts.at` hands out for the current step.
-_SHARED = [EventFacts()]
