@@ -65,6 +65,7 @@ def verdict(per_rank: dict[int, RankTimes], **kwargs):
         ("interval", 0),
         ("interval", -3),
         ("warmup_steps", -1),
+        ("timed_batches", 0),
         ("min_forward_s", -0.1),
         ("min_excess_s", -0.001),
         ("min_excess_s", "1ms"),
@@ -254,6 +255,65 @@ def test_clock_keeps_only_the_hooks_of_modules_the_loop_calls_from_outside():
     lit.net(torch.zeros(1, 4))
     assert clock.calls == 2
     clock.detach()
+
+
+def test_a_disarmed_clock_leaves_the_modules_unhooked_and_times_nothing():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    clock = ForwardClock()
+    clock.attach(model)
+    model(torch.zeros(1, 4))
+    assert clock.keep_entered() == 1
+    clock.arm(False)
+    assert (clock.armed, clock.modules) == (False, 1)
+    assert not model._forward_pre_hooks and not model._forward_hooks  # PyTorch's fast path
+    model(torch.zeros(1, 4))
+    assert clock.calls == 1
+    clock.arm(True)
+    clock.arm(True)
+    assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
+    model(torch.zeros(1, 4))
+    assert clock.calls == 2
+    clock.detach()
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+@pytest.mark.parametrize(
+    ("interval", "timed_batches", "positions"),
+    [
+        (50, 8, [0, 6, 12, 18, 24, 30, 36, 42]),
+        (10, 8, [0, 1, 2, 3, 4, 5, 6, 7]),
+        (4, 8, [0, 1, 2, 3]),
+        (7, 1, [0]),
+    ],
+)
+def test_monitor_hooks_the_model_for_the_timed_batches_of_each_interval_only(
+    interval, timed_batches, positions
+):
+    model = torch.nn.Linear(4, 4)
+    samples: list[int] = []
+    monitor = StragglerMonitor(interval=interval, warmup_steps=3, timed_batches=timed_batches)
+    monitor.bind(SideChannel(None), lambda metrics: None)
+    monitor.handle(Event.FIT_START, EventFacts(model=model))
+    post = monitor._post
+
+    def counted_post() -> None:
+        samples.append(len(monitor._forward) + len(monitor._clock._ready))
+        post()
+
+    monitor._post = counted_post  # type: ignore[method-assign]
+    hooked = []
+    for step in range(3 * interval):
+        monitor.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
+        hooked.append(bool(model._forward_pre_hooks))
+        model(torch.zeros(1, 4))
+        monitor.handle(Event.TRAIN_BATCH_END, EventFacts(step=step))
+    monitor.close()
+    # Batch b (from 1) is hooked through the warm-up, then where
+    # its place in the interval (b % interval) is a timed one.
+    expected = [b <= 3 or b % interval in positions for b in range(1, 3 * interval + 1)]
+    assert hooked == expected
+    # Each full interval after the warm-up posts the forwards of its timed batches.
+    assert samples[-1] == len(positions)
 
 
 def test_a_forward_that_raises_leaves_the_clock_closed():

@@ -566,6 +566,7 @@ class StragglerMonitor(_ComposerAdapter):
         window: int = 3,
         interval: int = 50,
         warmup_steps: int = 20,
+        timed_batches: int = 8,
         min_excess_s: float = 0.001,
         min_forward_s: float | None = None,
     ) -> None:

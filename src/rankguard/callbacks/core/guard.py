@@ -54,7 +54,8 @@ class Guard:
     reach no handler: they are recorded in the runner's :class:`StepLog` (``steps``),
     which a guard reads by defining ``read_steps(entries)``; one that must act on
     the training thread at some train batch sets :attr:`due` to it and defines
-    ``on_due(batches)``, called at the start of that batch after the log was read.
+    ``on_due(batches)``, called at the start of that batch; it reads the log first
+    (``steps.drain()``) when what it does needs the steps before it.
 
     Attributes:
         name: Snake-case name of the guard, used as its key in ``RankGuard``
@@ -226,8 +227,10 @@ class GuardRunner:
         return min(due, batches + DRAIN_EVERY)
 
     def _on_due(self, batches: int) -> float:
-        """At a due train batch's start: reads the log, then lets due guards act."""
-        self.steps.drain()
+        """At a due train batch's start: lets due guards act (they read the log if they need)."""
+        steps = self.steps
+        if len(steps.entries) >= DRAIN_EVERY:  # nobody read it for a while: keep it small
+            steps.drain()
         for guard in self._due_guards:
             if guard.due <= batches:
                 guard.on_due(batches)  # type: ignore[attr-defined]

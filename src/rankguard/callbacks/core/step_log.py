@@ -10,6 +10,7 @@ See docs/design.md#overhead-what-a-step-costs.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -26,8 +27,9 @@ logger = logging.getLogger("rankguard.callbacks.guard")
 Entry = tuple[float, str, int, "int | None", "str | None", "dict[str, Any] | None"]
 #: Reads the entries appended since the last drain, oldest first.
 StepReader = Callable[[list[Entry]], None]
-#: The training thread drains at least this often (train batches), so the log stays small
-#: even when no guard asks to be read sooner and no thread reads it.
+#: The training thread drains the log at a due batch once it holds this many entries, and
+#: asks for a due at least this often (train batches): the log stays small even when no
+#: guard asks to be read sooner and no thread reads it.
 DRAIN_EVERY = 1024
 
 FETCH_START = "data_fetch_start"
@@ -48,12 +50,18 @@ class StepLog:
     Attributes:
         batches: Train batches started since :meth:`reset` (the fit's start).
         due: The value of ``batches`` at which :meth:`batch_start` calls the due
-            handler (drains, then lets the guards act on the training thread).
+            handler (the guards act on the training thread, reading the log first
+            if they need it).
         fetch_clock: When set (``LoaderReturnClock``-like: ``arm(loader)``,
             ``disarm()``), a fetch window given its loader is timed to the
             loader's return; such windows' steps are put in ``watched``.
         watched: Steps whose fetch window ended at the loader's return (read and
             discarded by the reader that set ``fetch_clock``).
+        switch: When set, :meth:`batch_start` calls it at batch ``switch_at``, after
+            any due; it returns the next such batch. Lighter than a due (no guard
+            runs, the log is not read): the straggler monitor hooks the model's
+            forward for the batches it times with it.
+        switch_at: The value of ``batches`` at which ``switch`` runs next.
     """
 
     def __init__(self) -> None:
@@ -62,6 +70,8 @@ class StepLog:
         self.due: float = 1  # the first batch asks the guards for theirs
         self.fetch_clock: Any = None
         self.watched: set[int] = set()
+        self.switch: Callable[[int], float] | None = None
+        self.switch_at: float = math.inf
         self._armed: Any = None  # the fetch clock armed for the open fetch window
         self._lock = threading.Lock()
         self._readers: list[StepReader] = []
@@ -79,6 +89,7 @@ class StepLog:
             self.batches = 0
             self.due = due
             self.fetch_clock = None
+            self.switch, self.switch_at = None, math.inf
             self.watched.clear()
             if self._armed is not None:
                 self._armed.disarm()
@@ -113,6 +124,8 @@ class StepLog:
         self.batches = batches = self.batches + 1
         if batches >= self.due:
             self._due(batches)
+        if batches >= self.switch_at:
+            self.switch_at = self.switch(batches)  # type: ignore[misc]
 
     def batch_end(self, step: int, decisions: dict[str, Any] | None = None) -> None:
         """The train batch ended, with the framework's split decisions if it has any."""

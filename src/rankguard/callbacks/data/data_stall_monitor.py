@@ -238,6 +238,7 @@ class DataStallMonitor(Guard):
         if self._pending is not None:
             self._collect()
         if batches % self.interval == 0:
+            self.steps.drain()  # the interval's steps, up to this batch's start
             self._post()
         self.due = batches + 1 if self._pending is not None else self._next_post(batches)
 

@@ -584,11 +584,12 @@ class HangWatchdog(Guard):
     on_epoch_end = _heartbeat_handler("epoch_end")
 
     def on_due(self, batches: int) -> None:
-        """At the start of the batch after a wake point: the step log was just read.
+        """At the start of the batch after a wake point: reads the step log.
 
-        Reading it woke the thread at the wake point (see :meth:`_exchange_now`) without
+        Reading it wakes the thread at the wake point (see :meth:`_exchange_now`) without
         waiting for its next read; the thread starts here if no fit start started it.
         """
+        self.steps.drain()
         if self._thread is None:
             self._start()
         self.due = self._wake_at + 1 if self._wake_at else math.inf

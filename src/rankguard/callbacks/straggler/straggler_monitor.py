@@ -76,6 +76,9 @@ class StragglerMonitor(Guard):
             together (>= 1).
         warmup_steps: Train batches at the start of each fit that are not
             measured (>= 0).
+        timed_batches: Train batches per interval whose forward is timed, evenly
+            spaced (>= 1): the forward hooks are on the model for those batches
+            only. Every batch when ``interval`` is at most this.
         min_excess_s: A score below ``threshold`` names a rank or node only when
             its forward takes at least this much longer per batch than the one
             it is scored against (seconds, >= 0): smaller gaps are scheduling
@@ -114,6 +117,7 @@ class StragglerMonitor(Guard):
         window: int = 3,
         interval: int = 50,
         warmup_steps: int = 20,
+        timed_batches: int = 8,
         min_excess_s: float = 0.001,
         min_forward_s: float | None = None,
     ) -> None:
@@ -122,6 +126,12 @@ class StragglerMonitor(Guard):
         self.window = check_int("window", window)
         self.interval = check_int("interval", interval)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+        self.timed_batches = check_int("timed_batches", timed_batches)
+        #: Batches from one timed batch to the next within an interval.
+        self._stride = max(1, self.interval // self.timed_batches)
+        #: Where in an interval (batch % interval) the hooks go on (True) or off, and how
+        #: many batches until the next such place.
+        self._switches = self._schedule()
         self.min_excess_s = check_seconds("min_excess_s", min_excess_s)
         self.min_forward_s = (
             None if min_forward_s is None else check_seconds("min_forward_s", min_forward_s)
@@ -209,14 +219,22 @@ class StragglerMonitor(Guard):
                 self._started = at
             elif event == BATCH_END and self._started is not None:
                 started, self._started = self._started, None
-                measured = self._batches > self.warmup_steps
+                batch = self._batches
+                measured = batch > self.warmup_steps and (
+                    batch <= self._learned_at or self._timed(batch)
+                )
                 forward = self._clock.close_batch(started, at, measured)
                 if measured:  # the rest: the batch's host time outside its forwards' host time
                     self._rest.append(at - started - forward)
                     self._ended = at
 
     def on_due(self, batches: int) -> None:
-        """Collects and posts exchanges when due; after warm-up, keeps the hooks the loop uses."""
+        """Collects and posts exchanges when due; hooks the model for the timed batches.
+
+        Until the batch after warm-up every batch is hooked; that batch keeps only the
+        hooks of the modules the loop called, and from then on the hooks are on for
+        the timed batches only (:meth:`_timed`).
+        """
         if batches >= self._collect_at:
             self._collect()
             if not self._on:
@@ -224,11 +242,47 @@ class StragglerMonitor(Guard):
                 return
         if batches == self._learned_at + 1:  # warm-up showed which hooked modules the loop calls
             self._clock.keep_entered()
+            if self._switches:  # only some batches are timed: the log's switch hooks them
+                self.steps.switch = self._switch
+                self.steps.switch_at = self._switch(batches)
         if batches % self.interval == 0:
+            self.steps.drain()  # the interval's batches, up to this one's start
             self._post()
         self.due = min(self._collect_at, (batches // self.interval + 1) * self.interval)
         if batches <= self._learned_at:
             self.due = min(self.due, self._learned_at + 1)
+
+    def _timed(self, batch: int) -> bool:
+        """Whether train batch ``batch`` (from 1) has its forward timed."""
+        position = batch % self.interval
+        return position % self._stride == 0 and position // self._stride < self.timed_batches
+
+    def _schedule(self) -> dict[int, tuple[bool, int]]:
+        """The places in an interval where the timing changes: ``{position: (on, ahead)}``."""
+        timed = [self._timed(position) for position in range(self.interval)]
+        if all(timed):
+            return {}  # every batch is timed: the hooks stay on
+        changes = [p for p in range(self.interval) if timed[p] != timed[p - 1]]
+        return {
+            p: (timed[p], (changes[(i + 1) % len(changes)] - p) % self.interval or self.interval)
+            for i, p in enumerate(changes)
+        }
+
+    def _switch(self, batch: int) -> float:
+        """At a train batch's start (the step log's ``switch``): hooks on or off; the next batch."""
+        change = self._switches.get(batch % self.interval)
+        if change is None:  # not a place where the timing changes (the first call)
+            self._clock.arm(self._timed(batch))
+            return self._next_switch(batch)
+        self._clock.arm(change[0])
+        return batch + change[1]
+
+    def _next_switch(self, batch: int) -> float:
+        position = batch % self.interval
+        after = min(
+            (p for p in self._switches if p > position), default=min(self._switches) + self.interval
+        )
+        return batch - position + after
 
     def on_epoch_start(self, facts: EventFacts) -> None:
         """The gap across an epoch boundary holds loader start-up: not measured."""
@@ -258,6 +312,8 @@ class StragglerMonitor(Guard):
         self._on = False
 
     def _stop(self) -> None:
+        if self.steps.switch == self._switch:
+            self.steps.switch, self.steps.switch_at = None, math.inf
         self._clock.detach()
         if self._exchange is not None:
             self._exchange.close()
