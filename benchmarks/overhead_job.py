@@ -6,7 +6,7 @@ A hand-written DDP loop and the Hugging Face Trainer:
 ``torchrun --standalone --nproc-per-node 2 overhead_job.py torch|transformers ROUNDS STEPS OUT``.
 Rank 0 writes the wall time of every fit to OUT as JSON and, per guarded fit, the CPU time
 rankguard took from it (see ``INSIDE``), and that of the floor: a fit of the same steps
-with an empty callback of the framework (a loop: four calls a batch to methods that do
+with an empty callback of the framework (a loop: two calls a batch to methods that do
 nothing) in rankguard's place, timed at the same entry points. With
 ``RANKGUARD_BENCH_PROFILE=DIR``, rank 0's training thread is profiled instead (cProfile;
 ``DIR/<framework>-with.prof``, ``-without``).
@@ -103,9 +103,10 @@ def lightning_fit(mode: str, steps: int) -> float:
 def torch_fit(mode: str, steps: int) -> float:
     """A hand-written DDP loop; with: ``guard.fit`` around it, ``run.train`` on the loader.
 
-    Floor: the loader wrapped by a generator that makes the four calls per batch the
-    adapter makes (fetch start and end, train batch start, the last batch's end), to
-    methods that do nothing.
+    Floor: the loader wrapped by a generator that makes the two calls per batch
+    ``run.train`` makes (before the loader's ``next``: the last batch's end and the
+    fetch's start; after it: the fetch's end and the batch's start), to methods that
+    do nothing.
     """
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DistributedSampler
@@ -180,18 +181,16 @@ def transformers_fit(mode: str, steps: int) -> float:
 
 
 class FloorLoop:
-    """The floor of a hand-written loop: the adapter's four calls per batch, doing nothing."""
+    """The floor of a hand-written loop: the wrapped loader's two calls per batch, doing nothing.
+
+    ``run.train`` calls the adapter before the loader's ``next`` (the last batch ends,
+    a fetch starts) and after it (the fetch ends, the batch starts).
+    """
 
     def fetch_start(self) -> None:
         """Does nothing."""
 
-    def fetch_end(self) -> None:
-        """Does nothing."""
-
-    def train_batch_start(self) -> None:
-        """Does nothing."""
-
-    def end_train_batch(self) -> None:
+    def fetch_end_batch_start(self) -> None:
         """Does nothing."""
 
 
@@ -199,14 +198,12 @@ def _floor_batches(loader):
     floor = FloorLoop()
     iterator = iter(loader)
     while True:
-        floor.end_train_batch()
         floor.fetch_start()
         try:
             batch = next(iterator)
         except StopIteration:
             return
-        floor.fetch_end()
-        floor.train_batch_start()
+        floor.fetch_end_batch_start()
         yield batch
 
 
@@ -226,7 +223,8 @@ FLOOR_CLASSES: dict[type, type] = {}
 #: entry points, dispatch and guards included, fit start and end left out; ``hooks``: the
 #: straggler monitor's forward hooks, which run inside the model's forward), each with
 #: the timer's own cost in them (``*_timer``, subtracted), on the training thread;
-#: ``background``: CPU seconds of rankguard's own threads.
+#: ``background``: CPU seconds of rankguard's own threads (``steady``: per batch, from a
+#: third of the fit to its end, read by :class:`SteadySampler`).
 INSIDE = {
     "adapter": 0.0,
     "adapter_timer": 0.0,
@@ -250,7 +248,14 @@ ENTRY_POINTS = {
     "torch": (
         "rankguard.integrations._driver",
         "EventDriver",
-        ("epoch_start", "fetch_start", "fetch_end", "train_batch_start", "end_train_batch"),
+        (
+            "epoch_start",
+            "fetch_start",
+            "fetch_end",
+            "fetch_end_batch_start",
+            "train_batch_start",
+            "end_train_batch",
+        ),
     ),
     "transformers": (
         "rankguard.integrations.transformers",
@@ -260,6 +265,8 @@ ENTRY_POINTS = {
 }
 #: Calls of hooked modules in the fit (each takes PyTorch's slower path for hooked modules).
 HOOK_CALLS = [0]
+#: rankguard's guard runners, as they are made (the last is the fit's).
+RUNNERS: list = []
 #: rankguard's threads are named ``rankguard-<guard>``.
 THREAD_PREFIX = "rankguard-"
 
@@ -341,6 +348,79 @@ def count_rankguard_threads() -> None:
                 INSIDE["background"] += time.thread_time()
 
     threading.Thread.run = counted_run
+
+
+class SteadySampler:
+    """Reads rankguard's threads' CPU clocks from a thread of its own, past a third of the fit.
+
+    Every ``period_s`` it reads the train batches the fit's step log has started and
+    each ``rankguard-*`` thread's CPU clock (``time.pthread_getcpuclockid``): the first
+    reading past ``steps // 3`` batches and the last before the fit ends give the
+    threads' CPU per batch in the steady state, without the fit's one-off costs (thread
+    start, store connections, the first exchanges, the last ones at fit end). Its own
+    thread is not rankguard's: not counted.
+    """
+
+    def __init__(self, steps: int, period_s: float = 0.02) -> None:
+        import threading
+
+        self.steps, self.period_s = steps, period_s
+        self.first: tuple[int, dict[int, float]] | None = None
+        self.last: tuple[int, dict[int, float]] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> tuple[int, dict[int, float]] | None:
+        import threading
+
+        runner = RUNNERS[-1] if RUNNERS else None
+        if runner is None:
+            return None
+        batches = runner.steps.batches
+        clocks = {}
+        for thread in threading.enumerate():
+            if thread.name.startswith(THREAD_PREFIX) and thread.ident is not None:
+                try:
+                    clocks[thread.ident] = time.clock_gettime(
+                        time.pthread_getcpuclockid(thread.ident)
+                    )
+                except OSError:  # ended meanwhile
+                    pass
+        return batches, clocks
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            reading = self._read()
+            if reading is None or reading[0] < self.steps // 3 or reading[0] >= self.steps:
+                continue
+            if self.first is None:
+                self.first = reading
+            self.last = reading
+
+    def per_batch_s(self) -> float | None:
+        """CPU seconds per train batch of rankguard's threads between the two readings."""
+        self._stop.set()
+        self._thread.join()
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return None
+        (b0, c0), (b1, c1) = self.first, self.last
+        spent = sum(cpu - c0.get(ident, 0.0) for ident, cpu in c1.items())
+        return spent / (b1 - b0)
+
+
+def track_runners() -> None:
+    """Keeps each rankguard ``GuardRunner`` made (in ``RUNNERS``): the sampler reads its log."""
+    from rankguard.callbacks.core.guard import GuardRunner
+
+    init = GuardRunner.__init__
+
+    def tracked(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        if len(self.guards) > 1:  # RankGuard's runner, not a guard's own solo one
+            RUNNERS.append(self)
+
+    GuardRunner.__init__ = tracked
 
 
 def join_rankguard_threads(timeout_s: float = 10.0) -> None:
@@ -429,19 +509,24 @@ def main() -> None:
     profile_dir = os.environ.get("RANKGUARD_BENCH_PROFILE")
     if not profile_dir:  # a profile times every call its own way
         time_rankguard(framework)
+        track_runners()
     times: dict[str, list[float]] = {"without": [], "with": []}
-    for key in ("adapter", "hooks", "background", "hook_calls", "floor"):
+    for key in ("adapter", "hooks", "background", "steady", "hook_calls", "floor"):
         times[key] = []
     for i in range(2 * rounds):
         mode = "with" if i % 2 == (i // 2) % 2 else "without"  # ABBA order cancels drift
         INSIDE.update(dict.fromkeys(INSIDE, 0.0))
         HOOK_CALLS[0] = 0
+        sampler = SteadySampler(steps) if mode == "with" and not profile_dir else None
         if profile_dir and is_rank_zero():
             elapsed = profiled(fit, mode, steps, f"{profile_dir}/{framework}-{mode}.prof")
         else:
             elapsed = fit(mode, steps)
         times[mode].append(elapsed)
         if mode == "with":
+            steady = sampler.per_batch_s() if sampler is not None else None
+            if steady is not None:
+                times["steady"].append(steady)
             join_rankguard_threads()
             times["adapter"].append(INSIDE["adapter"] - INSIDE["adapter_timer"])
             times["hooks"].append(INSIDE["hooks"] - INSIDE["hooks_timer"])

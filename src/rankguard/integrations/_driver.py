@@ -159,6 +159,11 @@ class EventDriver:
     def fetch_start(self) -> None:
         """DATA_FETCH_START, once per fetch (ends the train batch before it)."""
         if self._batch_open:
+            if not self._fetching:  # the usual step: its end and the next fetch in one call
+                self._batch_open, self._fetching = False, True
+                self.step = step = self.step + 1
+                self._steps.batch_end_fetch_start(step - 1, fetch_step=step)
+                return
             self.end_train_batch()
         if not self._fetching:
             self._fetching = True
@@ -171,8 +176,20 @@ class EventDriver:
         self._fetching = False
         self._steps.fetch_end(self.step)
 
+    def fetch_end_batch_start(self) -> None:
+        """DATA_FETCH_END (as :meth:`fetch_end`), then TRAIN_BATCH_START."""
+        if self._fetching and not self._batch_open:
+            self.train_batch_start()
+            return
+        self.fetch_end()
+        self.train_batch_start()
+
     def train_batch_start(self) -> None:
-        """TRAIN_BATCH_START of batch :attr:`step`."""
+        """TRAIN_BATCH_START of batch :attr:`step` (ends an open fetch first)."""
+        if self._fetching and not self._batch_open:  # the usual step: both in one call
+            self._fetching, self._batch_open = False, True
+            self._steps.fetch_end_batch_start(self.step)
+            return
         if self._fetching:
             self.fetch_end()
         self._batch_open = True

@@ -288,9 +288,7 @@ class _LightningAdapter(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """DATA_FETCH_END then TRAIN_BATCH_START, in the step log (the step read once)."""
-        step, steps = trainer.global_step, self.runner.steps
-        steps.fetch_end(step)
-        steps.batch_start(step)
+        self.runner.steps.fetch_end_batch_start(trainer.global_step)
 
     def on_train_batch_end(
         self,
@@ -301,9 +299,9 @@ class _LightningAdapter(Callback):
         batch_idx: int,
     ) -> None:
         """TRAIN_BATCH_END (with ``should_stop``), then DATA_FETCH_START for the next batch."""
-        step, steps = trainer.global_step, self.runner.steps
-        steps.batch_end(step, {"should_stop": trainer.should_stop})
-        steps.fetch_start(step)
+        self.runner.steps.batch_end_fetch_start(
+            trainer.global_step, {"should_stop": trainer.should_stop}
+        )
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EVAL_START for every val loader, in Lightning's order."""

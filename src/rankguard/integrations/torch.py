@@ -499,8 +499,7 @@ class _TrainIterator:
             self.exhausted = True
             raise
         self.yielded += 1
-        driver.fetch_end()
-        driver.train_batch_start()
+        driver.fetch_end_batch_start()
         return batch
 
 

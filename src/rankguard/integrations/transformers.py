@@ -270,8 +270,7 @@ class _TrainerAdapter(TrainerCallback):
             self._fetch_after_log = False
             if self.driver.saving:  # a "best" save that did not happen
                 self.driver.save_end()
-            self.driver.fetch_end()
-            self.driver.train_batch_start()
+            self.driver.fetch_end_batch_start()
             self._flush_metrics()
 
     def on_step_end(

@@ -131,6 +131,38 @@ class StepLog:
         """The train batch ended, with the framework's split decisions if it has any."""
         self.entries.append((perf_counter(), BATCH_END, step, None, None, decisions))
 
+    # -- two events at once, where a loop has them back to back: one clock read, one call -
+
+    def fetch_end_batch_start(self, step: int) -> None:
+        """:meth:`fetch_end` then :meth:`batch_start` (a fetch whose batch starts at once)."""
+        if self._armed is not None:  # a watched window ends at the loader's return
+            self.fetch_end(step)
+            self.batch_start(step)
+            return
+        now = perf_counter()
+        entries = self.entries
+        entries.append((now, FETCH_END, step, None, None, None))
+        entries.append((now, BATCH_START, step, None, None, None))
+        self.batches = batches = self.batches + 1
+        if batches >= self.due:
+            self._due(batches)
+        if batches >= self.switch_at:
+            self.switch_at = self.switch(batches)  # type: ignore[misc]
+
+    def batch_end_fetch_start(
+        self, step: int, decisions: dict[str, Any] | None = None, *, fetch_step: int | None = None
+    ) -> None:
+        """:meth:`batch_end` then :meth:`fetch_start` with no loader (the next fetch at once).
+
+        ``fetch_step``: the fetch's step where the loop counts it as the next one's.
+        """
+        now = perf_counter()
+        entries = self.entries
+        entries.append((now, BATCH_END, step, None, None, decisions))
+        entries.append(
+            (now, FETCH_START, step if fetch_step is None else fetch_step, None, None, None)
+        )
+
     # -- any event -------------------------------------------------------------------------
 
     def append(self, event: str, facts: EventFacts) -> None:
