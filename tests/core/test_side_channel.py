@@ -9,6 +9,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from rankguard.callbacks.core.errors import RanksMissingError
 from rankguard.callbacks.core.side_channel import (
     PER_RANK_WAIT_S,
     SideChannel,
@@ -114,7 +115,7 @@ def test_exchanges_leave_no_keys_behind():
     outcomes = run_ranks(_keys_after, 2, timeout_s=60)
     for o in outcomes:
         assert o.error is None, o.error
-    # Only the last barrier's verdict/ack may still be in flight on a slower rank.
+    # The last verdict of each name stays (the next exchange of that name deletes it).
     before, after = outcomes[0].value
     assert after - before <= 2
 
@@ -202,17 +203,60 @@ def _requests_per_exchange(rank, world_size):
 
 
 def test_store_requests_per_exchange_do_not_grow_with_the_world_size():
-    # Every rank: set its payload, wait for and get the verdict (rank 0: wait for
-    # and read every payload in one request each, set the verdict), delete its own
-    # payload, acknowledge; the last one out also deletes the verdict and the ack.
+    # On a shared store, every rank: set its payload, wait for and get the verdict
+    # (rank 0: wait for and read every payload in one request each, set the verdict),
+    # delete its own payload; rank 0 also deletes the verdict before (from the second).
     for world in (2, 4):
         outcomes = run_ranks(_requests_per_exchange, world, timeout_s=90)
         for o in outcomes:
             assert o.error is None, o.error
         (leader, exchanges), *others = [o.value for o in outcomes]
         assert exchanges == 3
-        assert 6 <= leader <= 6 + 2, world
-        assert all(5 <= requests <= 5 + 2 for requests, _ in others), (world, others)
+        assert leader == pytest.approx((5 + 6 + 6) / 3), world
+        assert all(requests == 4 for requests, _ in others), (world, others)
+
+
+def _tcp_exchanges(rank, world_size, port):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    channel = SideChannel(store, rank=rank, world_size=world_size, timeout_s=1)
+    channel.barrier("start")
+    before = store.num_keys()
+    gathered = [channel.all_gather("cleanup", (rank, i)) for i in range(3)]
+    channel.barrier("settle")
+    missing = None
+    if rank == 0:  # rank 1 never comes to this one
+        try:
+            channel.all_gather("late", rank)
+        except RanksMissingError as exc:
+            missing = exc.missing
+    channel.barrier("after")
+    time.sleep(0.5)
+    return gathered, missing, store.num_keys() - before
+
+
+def test_tcp_store_exchanges_read_in_one_request_and_leave_one_verdict_per_name():
+    # Each thread's own TCPStore client waits for the keys and reads them in one
+    # request, timing out like a wait: the missing rank is named.
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    server = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    outcomes = run_ranks(_tcp_exchanges, 2, server.port, timeout_s=90)
+    for o in outcomes:
+        assert o.error is None, o.error
+    (gathered, missing, added), (_, none, _) = [o.value for o in outcomes]
+    assert gathered == [{0: (0, i), 1: (1, i)} for i in range(3)]
+    assert (missing, none) == ([1], None)
+    # Left: the last verdict of "cleanup", "settle", "after" and "late" (3 when rank 1's
+    # "start" payload was still there when rank 0 counted the keys before).
+    assert 3 <= added <= 4
 
 
 def test_timeouts_grow_with_the_world_size():

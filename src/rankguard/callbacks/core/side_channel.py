@@ -177,6 +177,8 @@ class SideChannel:
         self.timeout_s = float(timeout_s)
         self.prefix = prefix
         self._seq: dict[str, int] = {}
+        #: Per exchange name, the verdict keys the deciding rank has not deleted yet.
+        self._verdicts: dict[str, list[str]] = {}
         self._lock = threading.Lock()
         self.exchanges = 0
         self.bytes_sent = 0
@@ -297,14 +299,13 @@ class SideChannel:
         if self.is_leader:
             verdict: Any = self._decide(base, decide, timeout)
             self._set(verdict_key, verdict)
+            self._forget_verdicts(name, verdict_key, everyone=not isinstance(verdict, _Missing))
         else:
             verdict = self._await_verdict(base, verdict_key, timeout)
         if verdict is not _NO_VERDICT:
             # Each rank removes its own payload (the deciding rank has read it by now),
-            # so the deciding rank makes no per-rank request; the last one out the rest.
+            # so the deciding rank makes no per-rank request.
             self._delete(f"{base}/r{self.rank}")
-            if self.store.add(f"{base}/ack", 1) == self.world_size:
-                self._delete(verdict_key, f"{base}/ack")
         else:  # payloads stay: the others tell the missing ranks by their absence
             verdict = self._missing_without_verdict(base)
         if isinstance(verdict, _Missing):
@@ -328,14 +329,45 @@ class SideChannel:
         """Waits until every rank arrives; names the ranks that did not."""
         self.exchange(name, None, lambda values: None, timeout_s=timeout_s)
 
+    def _forget_verdicts(self, name: str, verdict_key: str, everyone: bool) -> None:
+        """Deletes the earlier verdicts of ``name`` once ``everyone`` sent this one's payload.
+
+        A rank sends an exchange's payload only after it has read the verdict of the
+        one before of the same name, so then no rank can still need the earlier ones:
+        the deciding rank deletes them, one request an exchange and none from the
+        others. The last verdict of each name stays in the store (a few bytes).
+        """
+        left = self._verdicts.setdefault(name, [])
+        if everyone and left:
+            self._delete(*left)
+            left.clear()
+        left.append(verdict_key)
+
+    def _read(self, keys: list[str], timeout: float) -> list[bytes] | None:
+        """Every key's value once all exist, or ``None`` after ``timeout`` seconds.
+
+        On this thread's own TCPStore client one request does both: it takes the
+        timeout (its other requests wait on no key); a shared store waits first.
+        """
+        store = self.store
+        if getattr(self._local, "client", None) is store:
+            store.set_timeout(timedelta(seconds=timeout))
+            try:
+                return store.multi_get(keys)
+            except RuntimeError:  # DistStoreError: not every key within the timeout
+                return None
+        try:
+            store.wait(keys, timedelta(seconds=timeout))
+        except RuntimeError:
+            return None
+        return store.multi_get(keys)
+
     def _decide(self, base: str, decide: Callable[[Mapping[int, Any]], Any], timeout: float) -> Any:
         keys = [f"{base}/r{rank}" for rank in range(self.world_size)]
-        try:
-            self.store.wait(keys, timedelta(seconds=timeout))
-        except RuntimeError:
+        raw = self._read(keys, timeout)
+        if raw is None:
             return _Missing([r for r, key in enumerate(keys) if not self.store.check([key])])
         started = time.perf_counter()
-        raw = self.store.multi_get(keys)
         self.bytes_received += sum(len(b) for b in raw)
         values = {rank: pickle.loads(blob) for rank, blob in enumerate(raw)}
         try:
@@ -350,14 +382,13 @@ class SideChannel:
         # Wait longer than the deciding rank so it can publish who is missing.
         grace = max(5.0, 0.25 * timeout)
         started = time.monotonic()
-        try:
-            self.store.wait([verdict_key], timedelta(seconds=timeout + grace))
-        except RuntimeError:
+        raw = self._read([verdict_key], timeout + grace)
+        if raw is None:
             logger.debug(
                 "rankguard: no verdict for %s after %.1f s", base, time.monotonic() - started
             )
             return _NO_VERDICT
-        blob = self.store.get(verdict_key)
+        blob = raw[0]
         self.bytes_received += len(blob)
         return pickle.loads(blob)
 
