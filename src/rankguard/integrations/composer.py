@@ -318,6 +318,8 @@ class _ComposerAdapter(Callback):
         if callbacks is not cached or len(callbacks) != count:
             savers = _savers(state)
             self._savers = (callbacks, len(callbacks), savers)
+        if not savers:  # most runs' BATCH_CHECKPOINT, every batch
+            return False
         return any(saver.save_interval(state, event) for saver in savers)
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
