@@ -453,7 +453,8 @@ def time_rankguard(framework: str) -> None:
     depth = [0]
     skip = _fit_boundary if framework == "composer" else None
     for method in methods:
-        setattr(cls, method, _timed(getattr(cls, method), "adapter", depth, skip))
+        if hasattr(cls, method):  # an older adapter may lack one
+            setattr(cls, method, _timed(getattr(cls, method), "adapter", depth, skip))
     floor = floor_class(framework)
     for method in methods:
         if hasattr(floor, method):  # the loop's floor has no epoch start (once an epoch)
