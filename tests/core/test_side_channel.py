@@ -134,13 +134,32 @@ def test_default_store_private_api_still_exists():
     assert [o.value for o in outcomes] == [True, True]
 
 
-def _tcp_threads(rank, world_size, port):
+def _tcp_client(port):
+    """A rank's client of the test's TCPStore server."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-    channel = SideChannel(store, rank=rank, world_size=world_size, timeout_s=20)
+    return TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+
+
+def _on_tcp_store(worker):
+    """Runs ``worker(rank, world_size, port)`` on 2 ranks over a TCPStore; their values."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    server = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    outcomes = run_ranks(worker, 2, server.port, timeout_s=90)
+    for o in outcomes:
+        assert o.error is None, o.error
+    return [o.value for o in outcomes]
+
+
+def _tcp_threads(rank, world_size, port):
+    channel = SideChannel(_tcp_client(port), rank=rank, world_size=world_size, timeout_s=20)
     started = threading.Event()
 
     def background():
@@ -163,17 +182,7 @@ def _tcp_threads(rank, world_size, port):
 def test_a_blocked_thread_does_not_stall_another_threads_tcp_store_exchanges():
     # One TCPStore client is one socket: a waiting background thread (the watchdog)
     # must not hold up the main thread's checks.
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    server = TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-    )
-    outcomes = run_ranks(_tcp_threads, 2, server.port, timeout_s=90)
-    for o in outcomes:
-        assert o.error is None, o.error
-        quick, elapsed = o.value
+    for quick, elapsed in _on_tcp_store(_tcp_threads):
         assert quick == [{0: i, 1: i} for i in range(5)]
         assert elapsed < 3.0  # not held up by the 4 s background wait
 
@@ -217,11 +226,7 @@ def test_store_requests_per_exchange_do_not_grow_with_the_world_size():
 
 
 def _tcp_exchanges(rank, world_size, port):
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    store = _tcp_client(port)
     channel = SideChannel(store, rank=rank, world_size=world_size, timeout_s=1)
     channel.barrier("start")
     before = store.num_keys()
@@ -238,20 +243,10 @@ def _tcp_exchanges(rank, world_size, port):
     return gathered, missing, store.num_keys() - before
 
 
-def test_tcp_store_exchanges_read_in_one_request_and_leave_one_verdict_per_name():
+def test_tcp_store_exchanges_name_a_missing_rank_and_leave_one_verdict_per_name():
     # Each thread's own TCPStore client waits for the keys and reads them in one
     # request, timing out like a wait: the missing rank is named.
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    server = TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-    )
-    outcomes = run_ranks(_tcp_exchanges, 2, server.port, timeout_s=90)
-    for o in outcomes:
-        assert o.error is None, o.error
-    (gathered, missing, added), (_, none, _) = [o.value for o in outcomes]
+    (gathered, missing, added), (_, none, _) = _on_tcp_store(_tcp_exchanges)
     assert gathered == [{0: (0, i), 1: (1, i)} for i in range(3)]
     assert (missing, none) == ([1], None)
     # Left: the last verdict of "cleanup", "settle", "after" and "late" (3 when rank 1's

@@ -178,11 +178,9 @@ class EventDriver:
 
     def fetch_end_batch_start(self) -> None:
         """DATA_FETCH_END (as :meth:`fetch_end`), then TRAIN_BATCH_START."""
-        if self._fetching and not self._batch_open:
-            self.train_batch_start()
-            return
-        self.fetch_end()
-        self.train_batch_start()
+        if self._batch_open or not self._fetching:  # no fetch open: it opens here, empty
+            self.fetch_end()
+        self.train_batch_start()  # ends the open fetch and starts the batch in one call
 
     def train_batch_start(self) -> None:
         """TRAIN_BATCH_START of batch :attr:`step` (ends an open fetch first)."""

@@ -243,8 +243,9 @@ class StragglerMonitor(Guard):
         if batches == self._learned_at + 1:  # warm-up showed which hooked modules the loop calls
             self._clock.keep_entered()
             if self._switches:  # only some batches are timed: the log's switch hooks them
+                self._clock.arm(self._timed(batches))
                 self.steps.switch = self._switch
-                self.steps.switch_at = self._switch(batches)
+                self.steps.switch_at = self._next_switch(batches)
         if batches % self.interval == 0:
             self.steps.drain()  # the interval's batches, up to this one's start
             self._post()
@@ -270,14 +271,12 @@ class StragglerMonitor(Guard):
 
     def _switch(self, batch: int) -> float:
         """At a train batch's start (the step log's ``switch``): hooks on or off; the next batch."""
-        change = self._switches.get(batch % self.interval)
-        if change is None:  # not a place where the timing changes (the first call)
-            self._clock.arm(self._timed(batch))
-            return self._next_switch(batch)
-        self._clock.arm(change[0])
-        return batch + change[1]
+        on, ahead = self._switches[batch % self.interval]
+        self._clock.arm(on)
+        return batch + ahead
 
     def _next_switch(self, batch: int) -> float:
+        """The first batch after ``batch`` where the timing changes."""
         position = batch % self.interval
         after = min(
             (p for p in self._switches if p > position), default=min(self._switches) + self.interval
