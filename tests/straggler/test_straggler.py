@@ -280,10 +280,10 @@ def test_a_disarmed_clock_leaves_the_modules_unhooked_and_times_nothing():
 @pytest.mark.parametrize(
     ("interval", "timed_batches", "positions"),
     [
-        (50, 8, [0, 6, 12, 18, 24, 30, 36, 42]),
-        (10, 8, [0, 1, 2, 3, 4, 5, 6, 7]),
+        (50, 8, [42, 43, 44, 45, 46, 47, 48, 49]),
+        (10, 8, [2, 3, 4, 5, 6, 7, 8, 9]),
         (4, 8, [0, 1, 2, 3]),
-        (7, 1, [0]),
+        (7, 1, [6]),
     ],
 )
 def test_monitor_hooks_the_model_for_the_timed_batches_of_each_interval_only(
@@ -294,13 +294,14 @@ def test_monitor_hooks_the_model_for_the_timed_batches_of_each_interval_only(
     monitor = StragglerMonitor(interval=interval, warmup_steps=3, timed_batches=timed_batches)
     monitor.bind(SideChannel(None), lambda metrics: None)
     monitor.handle(Event.FIT_START, EventFacts(model=model))
-    post = monitor._post
+    close = monitor._samples
 
-    def counted_post() -> None:
-        samples.append(len(monitor._forward) + len(monitor._clock._ready))
-        post()
+    def counted_samples() -> tuple[list[float], list[float], list[float]]:
+        closed = close()
+        samples.append(len(closed[0]))
+        return closed
 
-    monitor._post = counted_post  # type: ignore[method-assign]
+    monitor._samples = counted_samples  # type: ignore[method-assign]
     hooked = []
     for step in range(3 * interval):
         monitor.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
@@ -312,7 +313,7 @@ def test_monitor_hooks_the_model_for_the_timed_batches_of_each_interval_only(
     # its place in the interval (b % interval) is a timed one.
     expected = [b <= 3 or b % interval in positions for b in range(1, 3 * interval + 1)]
     assert hooked == expected
-    # Each full interval after the warm-up posts the forwards of its timed batches.
+    # Each full interval after the warm-up closes with the forwards of its timed batches.
     assert samples[-1] == len(positions)
 
 

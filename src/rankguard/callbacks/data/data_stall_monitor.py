@@ -174,6 +174,10 @@ class DataStallMonitor(Guard):
         self._clock = LoaderReturnClock()
         self._exchanger: BackgroundExchange | None = None
         self._pending: Pending | None = None
+        #: Train batches the log's reader has seen start in this fit.
+        self._started = 0
+        #: Each interval's totals, closed by the reader at the batch that ends it, until posted.
+        self._closed: dict[int, IntervalStats] = {}
         self._reset_interval(run=0)
         self._discard()
         self._reported: frozenset[int] = frozenset()
@@ -202,6 +206,8 @@ class DataStallMonitor(Guard):
         self._can_watch = train is not None and self._clock.can_watch(train.loader)
         self._reported = frozenset()
         self._watch(False)
+        self._started = 0
+        self._closed = {}
         self._reset_interval(run=0)
         self._discard()
         self._stop_exchanges()
@@ -213,6 +219,8 @@ class DataStallMonitor(Guard):
         A step runs from a train batch's start to the next one's; its wait is the
         fetch window between them, which ends at the loader's return where the
         window was watched (Composer's also holds a collective: see ``_watch``).
+        The start of every ``interval``-th batch closes the interval's totals,
+        whichever thread reads the log (the exchange thread posts them).
         """
         watched = self.steps.watched
         for at, event, step, _, loader, _ in entries:
@@ -232,14 +240,16 @@ class DataStallMonitor(Guard):
                     self._close_step(at - self._last_start)
                 self._wait = 0.0
                 self._last_start = at
+                self._started += 1
+                if self._started % self.interval == 0:
+                    self._closed[self._started] = self._interval_totals()
 
     def on_due(self, batches: int) -> None:
         """Acts on the last verdict; every ``interval`` batches, posts the interval."""
         if self._pending is not None:
             self._collect()
         if batches % self.interval == 0:
-            self.steps.drain()  # the interval's steps, up to this batch's start
-            self._post()
+            self._post(batches)
         self.due = batches + 1 if self._pending is not None else self._next_post(batches)
 
     def _next_post(self, batches: int) -> int:
@@ -317,19 +327,41 @@ class DataStallMonitor(Guard):
         if exchanger is not None:
             exchanger.close()
 
-    def _post(self) -> None:
-        """Hands the interval's totals to the exchange thread; the verdict comes next batch."""
+    def _interval_totals(self) -> IntervalStats:
+        """The totals since the last interval closed; the next interval starts from zero."""
         stats = IntervalStats(
             self._sum_wait, self._sum_step, self._steps, self._longest, self.batch_size
         )
         self._reset_interval(run=self._run)
+        return stats
+
+    def _posted(self, batches: int) -> IntervalStats:
+        """The interval that ended at batch ``batches``: reads the log to its start first.
+
+        Runs on the exchange thread, so reading the interval's steps costs the
+        training thread nothing. Intervals the reader closed earlier and no rank
+        posted (a fit that ended at one) are dropped.
+        """
+        self.steps.drain()
+        stats = self._closed.pop(batches, None)
+        for older in [b for b in self._closed if b < batches]:
+            del self._closed[older]
+        if stats is None:  # not read (a log reset under it): an empty interval keeps step
+            stats = IntervalStats(0.0, 0.0, 0, self._run, self.batch_size)
+        return stats
+
+    def _post(self, batches: int) -> None:
+        """Hands the interval that ends here to the exchange thread; the verdict comes next batch.
+
+        The exchange thread reads the log up to this batch's start (:meth:`_posted`).
+        """
         exchanger = self._exchanger
         if exchanger is None or exchanger.channel is not self.channel:  # a new fit or channel
             self._stop_exchanges()
             decide = partial(stall_verdict, window=self.window, threshold=self.threshold)
             exchanger = BackgroundExchange(self.channel, f"{self.name}/interval", decide)
             self._exchanger = exchanger
-        self._pending = exchanger.post(lambda: stats)
+        self._pending = exchanger.post(partial(self._posted, batches))
 
     def _collect(self) -> None:
         """Acts on the posted exchange's verdict (waits for it if it has not arrived)."""

@@ -76,9 +76,9 @@ class StragglerMonitor(Guard):
             together (>= 1).
         warmup_steps: Train batches at the start of each fit that are not
             measured (>= 0).
-        timed_batches: Train batches per interval whose forward is timed, evenly
-            spaced (>= 1): the forward hooks are on the model for those batches
-            only. Every batch when ``interval`` is at most this.
+        timed_batches: Train batches per interval whose forward is timed, the
+            interval's last ones (>= 1): the forward hooks are on the model for
+            those batches only. Every batch when ``interval`` is at most this.
         min_excess_s: A score below ``threshold`` names a rank or node only when
             its forward takes at least this much longer per batch than the one
             it is scored against (seconds, >= 0): smaller gaps are scheduling
@@ -127,8 +127,6 @@ class StragglerMonitor(Guard):
         self.interval = check_int("interval", interval)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.timed_batches = check_int("timed_batches", timed_batches)
-        #: Batches from one timed batch to the next within an interval.
-        self._stride = max(1, self.interval // self.timed_batches)
         #: Where in an interval (batch % interval) the hooks go on (True) or off, and how
         #: many batches until the next such place.
         self._switches = self._schedule()
@@ -162,6 +160,8 @@ class StragglerMonitor(Guard):
         self._forward: list[float] = []
         self._rest: list[float] = []
         self._between: list[float] = []
+        #: Each interval's samples, closed by the reader at the batch that ends it, until posted.
+        self._closed: dict[int, tuple[list[float], list[float], list[float]]] = {}
         self._baseline_samples: list[float] = []
         self._baseline: float | None = None
         self._streaks: dict[tuple[str, str], int] = {}
@@ -207,7 +207,11 @@ class StragglerMonitor(Guard):
         self.due = min(self.interval, self._learned_at + 1)
 
     def read_steps(self, entries: list[Entry]) -> None:
-        """Reads train batch starts and ends from the step log: forward, rest and gap per batch."""
+        """Reads train batch starts and ends from the step log: forward, rest and gap per batch.
+
+        The start of every ``interval``-th batch closes the interval's samples,
+        whichever thread reads the log (the exchange thread posts them).
+        """
         if not self._on:
             return
         for at, event, _, _, _, _ in entries:
@@ -215,8 +219,10 @@ class StragglerMonitor(Guard):
                 if self._ended is not None:
                     self._between.append(at - self._ended)
                     self._ended = None
-                self._batches += 1
+                self._batches = batch = self._batches + 1
                 self._started = at
+                if batch % self.interval == 0:
+                    self._closed[batch] = self._samples()
             elif event == BATCH_END and self._started is not None:
                 started, self._started = self._started, None
                 batch = self._batches
@@ -247,8 +253,7 @@ class StragglerMonitor(Guard):
                 self.steps.switch = self._switch
                 self.steps.switch_at = self._next_switch(batches)
         if batches % self.interval == 0:
-            self.steps.drain()  # the interval's batches, up to this one's start
-            self._post()
+            self._post(batches)
         self.due = min(self._collect_at, (batches // self.interval + 1) * self.interval)
         if batches <= self._learned_at:
             self.due = min(self.due, self._learned_at + 1)
@@ -256,7 +261,8 @@ class StragglerMonitor(Guard):
     def _timed(self, batch: int) -> bool:
         """Whether train batch ``batch`` (from 1) has its forward timed."""
         position = batch % self.interval
-        return position % self._stride == 0 and position // self._stride < self.timed_batches
+        # The interval's last ones, in one run: the hooks go on and off once an interval.
+        return position >= self.interval - self.timed_batches
 
     def _schedule(self) -> dict[int, tuple[bool, int]]:
         """The places in an interval where the timing changes: ``{position: (on, ahead)}``."""
@@ -321,8 +327,8 @@ class StragglerMonitor(Guard):
 
     # --- exchange ----------------------------------------------------------------------------
 
-    def _post(self) -> None:
-        """Hands this interval's samples to the exchange thread, which summarizes them.
+    def _samples(self) -> tuple[list[float], list[float], list[float]]:
+        """The samples since the last interval closed: forward, rest, gap; the next start empty.
 
         The forward times are those the clock has ready: on CUDA, the batches
         whose events have completed; the others join the next interval.
@@ -330,10 +336,21 @@ class StragglerMonitor(Guard):
         self._forward.extend(self._clock.ready())
         samples = self._forward, self._rest, self._between
         self._forward, self._rest, self._between = [], [], []
+        return samples
+
+    def _post(self, batches: int) -> None:
+        """Hands the interval that ends here to the exchange thread, which summarizes it.
+
+        The exchange thread reads the log up to this batch's start first, so reading
+        the interval's batches costs the training thread nothing.
+        """
         node, baseline = self._node, self._baseline
 
         def summarize() -> RankTimes:
-            forward, rest, between = samples
+            self.steps.drain()
+            forward, rest, between = self._closed.pop(batches, ([], [], []))
+            for older in [b for b in self._closed if b < batches]:
+                del self._closed[older]  # closed, never posted: a fit that ended there
             return RankTimes(
                 node=node,
                 steps=len(forward),
@@ -345,7 +362,7 @@ class StragglerMonitor(Guard):
 
         assert self._exchange is not None
         self._pending = self._exchange.post(summarize)
-        self._collect_at = self._batches + max(1, self.interval // 2)
+        self._collect_at = batches + max(1, self.interval // 2)
 
     def _collect(self) -> None:
         pending, self._pending = self._pending, None
