@@ -41,7 +41,11 @@ class Pending:
     """
 
     def __init__(self, threaded: bool = True) -> None:
-        self._done = threading.Event() if threaded else None
+        # Held until the verdict arrives: a lock is made and waited on in C, where an
+        # Event is a Condition built in Python (posted and collected on the training thread).
+        self._done = threading.Lock() if threaded else None
+        if self._done is not None:
+            self._done.acquire()
         self._finished = False
         self.payload: Any = None
         self._value: Any = None
@@ -56,7 +60,7 @@ class Pending:
         self._value, self._error = value, error
         self._finished = True
         if self._done is not None:
-            self._done.set()
+            self._done.release()
 
     def result(self, timeout_s: float | None = None) -> Any:
         """The verdict; waits up to ``timeout_s`` (``None``: as long as it takes).
@@ -65,11 +69,19 @@ class Pending:
             TimeoutError: No verdict within ``timeout_s``.
             Exception: Whatever the exchange raised (e.g. ``RanksMissingError``).
         """
-        if not self._finished and not (self._done is not None and self._done.wait(timeout_s)):
+        if not self._finished and not self._arrived(timeout_s):
             raise TimeoutError("no verdict yet")
         if self._error is not None:
             raise self._error
         return self._value
+
+    def _arrived(self, timeout_s: float | None) -> bool:
+        """Waits up to ``timeout_s`` for the verdict; the lock is left free for other waiters."""
+        done = self._done
+        if done is None or not done.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            return self._finished
+        done.release()
+        return True
 
 
 class BackgroundExchange:
