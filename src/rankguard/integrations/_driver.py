@@ -178,9 +178,12 @@ class EventDriver:
 
     def fetch_end_batch_start(self) -> None:
         """DATA_FETCH_END (as :meth:`fetch_end`), then TRAIN_BATCH_START."""
-        if self._batch_open or not self._fetching:  # no fetch open: it opens here, empty
-            self.fetch_end()
-        self.train_batch_start()  # ends the open fetch and starts the batch in one call
+        if self._fetching and not self._batch_open:  # the usual step, as train_batch_start's
+            self._fetching, self._batch_open = False, True
+            self._steps.fetch_end_batch_start(self.step)
+            return
+        self.fetch_end()  # no fetch open: it opens here, empty
+        self.train_batch_start()
 
     def train_batch_start(self) -> None:
         """TRAIN_BATCH_START of batch :attr:`step` (ends an open fetch first)."""

@@ -271,13 +271,17 @@ class _TrainerAdapter(TrainerCallback):
             if self.driver.saving:  # a "best" save that did not happen
                 self.driver.save_end()
             self.driver.fetch_end_batch_start()
-            self._flush_metrics()
+            if self._metrics:  # at most once an interval
+                self._flush_metrics()
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """TRAIN_BATCH_END, then what the Trainer does next: eval, save, log or fetch."""
         if self.driver.fitting:
+            if not (control.should_evaluate or control.should_save or control.should_log):
+                self.driver.fetch_start()  # the usual step: the batch ends, the next fetch starts
+                return
             self.driver.end_train_batch()
             self._next(args, state, control, kwargs.get("eval_dataloader"), after_step=True)
 
