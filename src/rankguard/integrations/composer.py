@@ -363,7 +363,7 @@ class _ComposerAdapter(Callback):
         if key in _QUIET:
             return
         core_event = _EVENTS_BY_ID.get(key)
-        if core_event is None:  # most of Composer's events: rankguard has no use for them
+        if core_event is None:  # Composer's other events: rankguard has no use for them
             return
         runner = self.runner
         if core_event is CoreEvent.CHECKPOINT_SAVE_START and not (

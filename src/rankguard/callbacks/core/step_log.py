@@ -3,7 +3,9 @@
 :class:`StepLog` is the one thing the per-step events (a fetch's start and end,
 a train batch's start and end) touch: a clock read and an append each. The
 guards read it later, in order, from :meth:`StepLog.drain`: at the steps they
-asked for (``due``), before any other event, and on the hang watchdog's thread.
+asked for (``due``), before any other event, on the hang watchdog's thread, and
+on the monitors' exchange threads before they post an interval
+(:func:`take_closed`).
 See docs/design.md#overhead-what-a-step-costs.
 """
 
@@ -15,11 +17,11 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from time import perf_counter
-from typing import Any
+from typing import Any, TypeVar
 
 from rankguard.callbacks.core.events import EventFacts, LoaderFacts
 
-__all__ = ["DRAIN_EVERY", "Entry", "StepLog", "StepReader"]
+__all__ = ["DRAIN_EVERY", "Entry", "StepLog", "StepReader", "take_closed"]
 
 logger = logging.getLogger("rankguard.callbacks.guard")
 
@@ -31,6 +33,8 @@ StepReader = Callable[[list[Entry]], None]
 #: asks for a due at least this often (train batches): the log stays small even when no
 #: guard asks to be read sooner and no thread reads it.
 DRAIN_EVERY = 1024
+
+T = TypeVar("T")
 
 FETCH_START = "data_fetch_start"
 FETCH_END = "data_fetch_end"
@@ -207,3 +211,20 @@ class StepLog:
             self.drain()
             return
         self.due = min(on_due(batches), batches + DRAIN_EVERY)
+
+
+def take_closed(closed: dict[int, T], batch: int) -> T | None:
+    """The interval a reader closed at train batch ``batch``, taken out of ``closed``.
+
+    A monitor's reader closes an interval when it reads the start of the batch that
+    ends it, whichever thread reads the log, and keeps it under that batch; the
+    monitor's exchange thread takes it once it has read the log that far. Intervals
+    closed before it and never taken (a fit that ended at one) are dropped.
+
+    Returns:
+        The interval, or ``None`` if the reader never closed it (a log reset under it).
+    """
+    taken = closed.pop(batch, None)
+    for older in [b for b in closed if b < batch]:
+        del closed[older]
+    return taken

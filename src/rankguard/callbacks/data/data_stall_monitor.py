@@ -18,7 +18,13 @@ from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.ranks import rank_label
 from rankguard.callbacks.core.settings import check_fraction, check_int
-from rankguard.callbacks.core.step_log import BATCH_START, FETCH_END, FETCH_START, Entry
+from rankguard.callbacks.core.step_log import (
+    BATCH_START,
+    FETCH_END,
+    FETCH_START,
+    Entry,
+    take_closed,
+)
 from rankguard.callbacks.data.data_fetch import LoaderReturnClock
 from rankguard.callbacks.data.data_worker import worker_failure
 from rankguard.callbacks.data.loaders import loader_settings
@@ -339,14 +345,11 @@ class DataStallMonitor(Guard):
         """The interval that ended at batch ``batches``: reads the log to its start first.
 
         Runs on the exchange thread, so reading the interval's steps costs the
-        training thread nothing. Intervals the reader closed earlier and no rank
-        posted (a fit that ended at one) are dropped.
+        training thread nothing.
         """
         self.steps.drain()
-        stats = self._closed.pop(batches, None)
-        for older in [b for b in self._closed if b < batches]:
-            del self._closed[older]
-        if stats is None:  # not read (a log reset under it): an empty interval keeps step
+        stats = take_closed(self._closed, batches)
+        if stats is None:  # never read: an empty interval, so every rank still exchanges
             stats = IntervalStats(0.0, 0.0, 0, self._run, self.batch_size)
         return stats
 

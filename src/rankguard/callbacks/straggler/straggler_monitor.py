@@ -21,7 +21,7 @@ from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.nodes import node_identity
 from rankguard.callbacks.core.settings import check_fraction, check_int, check_seconds
-from rankguard.callbacks.core.step_log import BATCH_END, BATCH_START, Entry
+from rankguard.callbacks.core.step_log import BATCH_END, BATCH_START, Entry, take_closed
 from rankguard.callbacks.straggler.forward_clock import ForwardClock
 from rankguard.callbacks.straggler.score import (
     RankTimes,
@@ -348,9 +348,7 @@ class StragglerMonitor(Guard):
 
         def summarize() -> RankTimes:
             self.steps.drain()
-            forward, rest, between = self._closed.pop(batches, ([], [], []))
-            for older in [b for b in self._closed if b < batches]:
-                del self._closed[older]  # closed, never posted: a fit that ended there
+            forward, rest, between = take_closed(self._closed, batches) or ([], [], [])
             return RankTimes(
                 node=node,
                 steps=len(forward),
