@@ -109,7 +109,11 @@ def report(framework: str, t: dict) -> None:
     dispatch = 1e6 * t["hook_dispatch_s"][0] * hooked
     train = adapter + hooks + dispatch
     background = 1e6 * statistics.median(t["background"]) / steps
-    steady = 1e6 * statistics.median(t["steady"]) if t.get("steady") else None
+    steady = (
+        1e6 * statistics.median(map(sum, map(dict.values, t["steady"])))
+        if t.get("steady")
+        else None
+    )
     floor = 1e6 * statistics.median(t["floor"]) / steps if t.get("floor") else None
     over = "  OVER" if ratio > 1 + spread else ""
     print(f"{framework:<12} {steps:>5} {1000 * without / steps:>8.1f}")
@@ -125,6 +129,14 @@ def report(framework: str, t: dict) -> None:
         print(f"  background:   {budget(background, BACKGROUND_BUDGET_US)}  per step")
     else:
         print(f"  background:   {budget(steady, BACKGROUND_BUDGET_US)}  per step, steady state")
+        names = sorted({name for fit in t["steady"] for name in fit})
+        print(
+            "    by thread: "
+            + ", ".join(
+                f"{name} {1e6 * statistics.median(fit.get(name, 0.0) for fit in t['steady']):.1f}"
+                for name in names
+            )
+        )
         print(
             f"    from a third of the fit to its end; {background:.1f} us a step over the whole "
             f"fit, with its one-off costs ({1e-3 * steps * (background - steady):.1f} ms a fit: "

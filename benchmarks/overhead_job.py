@@ -367,6 +367,7 @@ class SteadySampler:
         self.steps, self.period_s = steps, period_s
         self.first: tuple[int, dict[int, float]] | None = None
         self.last: tuple[int, dict[int, float]] | None = None
+        self.names: dict[int, str] = {}  # thread ident: its name, less the prefix
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
         self._thread.start()
@@ -386,7 +387,8 @@ class SteadySampler:
                         time.pthread_getcpuclockid(thread.ident)
                     )
                 except OSError:  # ended meanwhile
-                    pass
+                    continue
+                self.names[thread.ident] = thread.name[len(THREAD_PREFIX) :]
         return batches, clocks
 
     def _run(self) -> None:
@@ -398,15 +400,19 @@ class SteadySampler:
                 self.first = reading
             self.last = reading
 
-    def per_batch_s(self) -> float | None:
-        """CPU seconds per train batch of rankguard's threads between the two readings."""
+    def per_batch_s(self) -> dict[str, float] | None:
+        """CPU seconds per train batch of each of rankguard's threads (by name), between the
+        two readings."""
         self._stop.set()
         self._thread.join()
         if self.first is None or self.last is None or self.last[0] <= self.first[0]:
             return None
         (b0, c0), (b1, c1) = self.first, self.last
-        spent = sum(cpu - c0.get(ident, 0.0) for ident, cpu in c1.items())
-        return spent / (b1 - b0)
+        spent: dict[str, float] = {}
+        for ident, cpu in c1.items():
+            name = self.names[ident]
+            spent[name] = spent.get(name, 0.0) + (cpu - c0.get(ident, 0.0)) / (b1 - b0)
+        return spent
 
 
 def track_runners() -> None:
