@@ -171,6 +171,8 @@ class SideChannel:
         if not 0 <= rank < world_size:
             raise ValueError(f"`rank` must be in [0, world_size={world_size}), got {rank!r}.")
         self._root = _unwrap(store) if world_size > 1 else None
+        # A TCPStore gets a client per thread (see `store`); any other store is shared.
+        self._per_thread = self._root is not None and isinstance(self._root, _TCPStore())
         self._local = threading.local()
         self.rank = rank
         self.world_size = world_size
@@ -229,11 +231,11 @@ class SideChannel:
         while the main thread checks). So each thread gets its own connection
         to the same server; other stores are shared.
         """
-        root = self._root
-        if root is None or not isinstance(root, _TCPStore()):
-            return root
+        if not self._per_thread:
+            return self._root
         client = getattr(self._local, "client", None)
         if client is None:
+            root = self._root
             client = _TCPStore()(
                 root.host,
                 root.port,
@@ -350,7 +352,7 @@ class SideChannel:
         timeout (its other requests wait on no key); a shared store waits first.
         """
         store = self.store
-        if getattr(self._local, "client", None) is store:
+        if self._per_thread:
             store.set_timeout(timedelta(seconds=timeout))
             try:
                 return store.multi_get(keys)
