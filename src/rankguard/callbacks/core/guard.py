@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, NoReturn
 
+from rankguard.callbacks.core.background_exchange import IntervalExchange
 from rankguard.callbacks.core.errors import RankGuardError
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.settings import check_choice, check_positive
@@ -183,6 +184,8 @@ class GuardRunner:
             for event in Event
         }
         self.steps = StepLog()
+        #: Where due guards post their interval exchanges: one exchange per batch for all.
+        self.intervals = IntervalExchange()
         self._due_guards = [g for g in self.guards if hasattr(g, "on_due")]
         readers = [g.read_steps for g in self.guards if hasattr(g, "read_steps")]
         self._reads_steps = bool(readers)
@@ -231,9 +234,12 @@ class GuardRunner:
         steps = self.steps
         if len(steps.entries) >= DRAIN_EVERY:  # nobody read it for a while: keep it small
             steps.drain()
-        for guard in self._due_guards:
-            if guard.due <= batches:
-                guard.on_due(batches)  # type: ignore[attr-defined]
+        try:
+            for guard in self._due_guards:
+                if guard.due <= batches:
+                    guard.on_due(batches)  # type: ignore[attr-defined]
+        finally:  # what they posted at this batch goes as one exchange
+            self.intervals.flush()
         return self._next_due(batches)
 
     def open(self, log_metrics: MetricSink | None = None) -> None:
@@ -279,5 +285,6 @@ class GuardRunner:
                 guard.close()
             except Exception:
                 logger.exception("rankguard: closing %s failed", guard.name)
+        self.intervals.close()
         self.channel = None
         self.steps.reset()  # a per-step event after this reaches nobody

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
-from rankguard.callbacks.core.background_exchange import BackgroundExchange, Pending
+from rankguard.callbacks.core.background_exchange import PartPending
 from rankguard.callbacks.core.errors import DataStallError, RanksMissingError
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
@@ -178,8 +178,7 @@ class DataStallMonitor(Guard):
         self.interval = check_int("interval", interval)
         self.batch_size: int | None = None
         self._clock = LoaderReturnClock()
-        self._exchanger: BackgroundExchange | None = None
-        self._pending: Pending | None = None
+        self._pending: PartPending | None = None
         #: Train batches the log's reader has seen start in this fit.
         self._started = 0
         #: Each interval's totals, closed by the reader at the batch that ends it, until posted.
@@ -216,7 +215,7 @@ class DataStallMonitor(Guard):
         self._closed = {}
         self._reset_interval(run=0)
         self._discard()
-        self._stop_exchanges()
+        self._pending = None
         self.due = self.interval
 
     def read_steps(self, entries: list[Entry]) -> None:
@@ -323,15 +322,10 @@ class DataStallMonitor(Guard):
             self._collect()
 
     def close(self) -> None:
-        """Stops watching the loader and the exchange thread; safe to call twice, after an error."""
+        """Stops watching the loader; safe to call twice, after an error."""
         self._watch(False)
         self._clock.disarm()
-        self._stop_exchanges()
-
-    def _stop_exchanges(self) -> None:
-        exchanger, self._exchanger, self._pending = self._exchanger, None, None
-        if exchanger is not None:
-            exchanger.close()
+        self._pending = None
 
     def _interval_totals(self) -> IntervalStats:
         """The totals since the last interval closed; the next interval starts from zero."""
@@ -358,13 +352,10 @@ class DataStallMonitor(Guard):
 
         The exchange thread reads the log up to this batch's start (:meth:`_posted`).
         """
-        exchanger = self._exchanger
-        if exchanger is None or exchanger.channel is not self.channel:  # a new fit or channel
-            self._stop_exchanges()
-            decide = partial(stall_verdict, window=self.window, threshold=self.threshold)
-            exchanger = BackgroundExchange(self.channel, f"{self.name}/interval", decide)
-            self._exchanger = exchanger
-        self._pending = exchanger.post(partial(self._posted, batches))
+        decide = partial(stall_verdict, window=self.window, threshold=self.threshold)
+        self._pending = self._runner.intervals.post(
+            self.channel, batches, self.name, partial(self._posted, batches), decide
+        )
 
     def _collect(self) -> None:
         """Acts on the posted exchange's verdict (waits for it if it has not arrived)."""
@@ -374,6 +365,9 @@ class DataStallMonitor(Guard):
             verdict: StallVerdict = pending.result()
         except RanksMissingError as missing:
             self.warn_once("missing", "skipping a data-wait exchange: %s", missing)
+            return
+        except Exception as exc:  # never turn a healthy run into a failed one
+            self.warn_once("failed", "a data-wait exchange failed (%s); skipping it", exc)
             return
         stats: IntervalStats = pending.payload
         metrics: dict[str, float] = {}

@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from rankguard.callbacks.core.background_exchange import BackgroundExchange, Pending
+from rankguard.callbacks.core.background_exchange import PartPending
 from rankguard.callbacks.core.errors import RanksMissingError, StragglerError
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
@@ -146,14 +146,13 @@ class StragglerMonitor(Guard):
         self._clock = ForwardClock()
         #: The batch after which only the hooked modules the loop called keep their hooks.
         self._learned_at = max(1, self.warmup_steps)
-        self._exchange: BackgroundExchange | None = None
         self._reset()
 
     def _reset(self) -> None:
         self._on = False
         self._node = ""
         self._batches = 0
-        self._pending: Pending | None = None
+        self._pending: PartPending | None = None
         self._collect_at = math.inf
         self._posted: RankTimes | None = None
         self._verdicts = 0
@@ -196,13 +195,6 @@ class StragglerMonitor(Guard):
             )
             return
         self._node = node_identity().key
-        decide = partial(
-            straggler_verdict,
-            threshold=self.threshold,
-            min_excess_s=self.min_excess_s,
-            min_forward_s=self.min_forward_s or 0.0,
-        )
-        self._exchange = BackgroundExchange(self.channel, f"{self.name}/interval", decide)
         self._on = True
         self.due = min(self.interval, self._learned_at + 1)
 
@@ -312,7 +304,7 @@ class StragglerMonitor(Guard):
             self._collect()
 
     def close(self) -> None:
-        """Removes the hooks and stops the exchange thread; safe to call twice."""
+        """Removes the hooks; safe to call twice."""
         self._stop()
         self._on = False
 
@@ -320,9 +312,6 @@ class StragglerMonitor(Guard):
         if self.steps.switch == self._switch:
             self.steps.switch, self.steps.switch_at = None, math.inf
         self._clock.detach()
-        if self._exchange is not None:
-            self._exchange.close()
-            self._exchange = None
         self._pending = None
 
     # --- exchange ----------------------------------------------------------------------------
@@ -358,8 +347,15 @@ class StragglerMonitor(Guard):
                 baseline_s=baseline,
             )
 
-        assert self._exchange is not None
-        self._pending = self._exchange.post(summarize)
+        decide = partial(
+            straggler_verdict,
+            threshold=self.threshold,
+            min_excess_s=self.min_excess_s,
+            min_forward_s=self.min_forward_s or 0.0,
+        )
+        self._pending = self._runner.intervals.post(
+            self.channel, batches, self.name, summarize, decide
+        )
         self._collect_at = batches + max(1, self.interval // 2)
 
     def _collect(self) -> None:

@@ -1,0 +1,120 @@
+"""The interval exchange: what guards post at one train batch travels as one exchange."""
+
+from __future__ import annotations
+
+import pytest
+
+from rankguard.callbacks.core.background_exchange import IntervalExchange
+from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.callbacks.core.side_channel import SideChannel
+from tests.mp import run_ranks
+
+
+def _no_totals() -> int:
+    raise ValueError("no totals")
+
+
+def _two_parts(rank: int, world_size: int, broken_rank: int) -> dict:
+    channel = SideChannel.from_environment(timeout_s=10)
+    intervals = IntervalExchange()
+    stall = intervals.post(channel, 50, "stall", lambda: 10 * rank, lambda v: max(v.values()))
+    straggler = intervals.post(
+        channel, 50, "straggler", _no_totals if rank == broken_rank else lambda: rank, dict
+    )
+    intervals.flush()
+    out = {"stall": stall.result(30), "payload": stall.payload}
+    try:
+        out["straggler"] = straggler.result(30)
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    out["exchanges"] = channel.exchanges
+    intervals.close()
+    return out
+
+
+def test_parts_posted_at_one_batch_go_as_one_exchange_and_each_gets_its_verdict():
+    for o in run_ranks(_two_parts, 2, -1, timeout_s=60):
+        assert o.error is None, o.error
+        assert o.value["exchanges"] == 1
+        assert o.value["stall"] == 10
+        assert o.value["payload"] == 10 * o.rank
+        assert o.value["straggler"] == {0: 0, 1: 1}
+
+
+def test_a_part_one_rank_cannot_build_fails_on_every_rank_and_the_others_still_decide():
+    for o in run_ranks(_two_parts, 2, 1, timeout_s=60):
+        assert o.error is None, o.error
+        assert o.value["stall"] == 10
+        assert (
+            "'straggler' failed: rank 1 could not build it: ValueError: no totals"
+            in (o.value["error"])
+        )
+
+
+def _at_batch(rank: int, world_size: int) -> str:
+    channel = SideChannel.from_environment(timeout_s=10)
+    intervals = IntervalExchange()
+    pending = intervals.post(channel, 50 * (rank + 1), "stall", lambda: rank, dict)
+    intervals.flush()
+    try:
+        return repr(pending.result(30))
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        intervals.close()
+
+
+def test_ranks_that_post_at_different_batches_are_told_so():
+    for o in run_ranks(_at_batch, 2, timeout_s=60):
+        assert o.error is None, o.error
+        assert "posted it at different train batches ({0: 50, 1: 100})" in o.value
+
+
+def test_a_part_never_flushed_says_so_and_a_local_channel_decides_at_flush():
+    intervals = IntervalExchange()
+    pending = intervals.post(SideChannel(None), 5, "stall", lambda: 3, lambda v: v[0] + 1)
+    with pytest.raises(RuntimeError, match="posted but never sent"):
+        pending.result(0)
+    intervals.flush()
+    assert pending.result(0) == 4
+
+
+class _Poster(Guard):
+    """Posts an exchange every 5 train batches; keeps its verdicts."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name  # type: ignore[misc]
+        self.due = 5
+        self.verdicts: list = []
+        self._pending = None
+
+    def on_due(self, batches: int) -> None:
+        if self._pending is not None:
+            self.verdicts.append(self._pending.result(30))
+        self._pending = self._runner.intervals.post(
+            self.channel, batches, self.name, lambda: (self.name, batches), dict
+        )
+        self.due = batches + 5
+
+
+def _runner_of_two(rank: int, world_size: int) -> tuple:
+    guards = [_Poster("first"), _Poster("second")]
+    runner = GuardRunner(guards)
+    runner.open()
+    for step in range(16):  # dues at batches 5, 10, 15
+        runner.steps.batch_start(step)
+    for guard in guards:  # the last one, posted at batch 15
+        guard.verdicts.append(guard._pending.result(30))
+    exchanges = runner.channel.exchanges  # type: ignore[union-attr]
+    runner.close()
+    return exchanges, guards[0].verdicts, guards[1].verdicts
+
+
+def test_the_runner_sends_its_due_guards_posts_at_a_batch_as_one_exchange():
+    for o in run_ranks(_runner_of_two, 2, timeout_s=60):
+        assert o.error is None, o.error
+        exchanges, first, second = o.value
+        assert exchanges == 3  # three batches, two guards: one exchange each batch
+        assert first == [{0: ("first", b), 1: ("first", b)} for b in (5, 10, 15)]
+        assert second == [{0: ("second", b), 1: ("second", b)} for b in (5, 10, 15)]
