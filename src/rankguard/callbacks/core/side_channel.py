@@ -297,19 +297,19 @@ class SideChannel:
         configured, timeout = timeout, scaled_timeout(timeout, self.world_size)
         base = f"{self.prefix}/{name}/{seq}"
         verdict_key = f"{base}/verdict"
-        self._set(f"{base}/r{self.rank}", payload)
-        if self.is_leader:
-            verdict: Any = self._decide(base, decide, timeout)
+        if self.is_leader:  # its own payload never goes through the store
+            verdict: Any = self._decide(base, payload, decide, timeout)
             self._set(verdict_key, verdict)
             self._forget_verdicts(name, verdict_key, everyone=not isinstance(verdict, _Missing))
         else:
+            self._set(f"{base}/r{self.rank}", payload)
             verdict = self._await_verdict(base, verdict_key, timeout)
-        if verdict is not _NO_VERDICT:
-            # Each rank removes its own payload (the deciding rank has read it by now),
-            # so the deciding rank makes no per-rank request.
-            self._delete(f"{base}/r{self.rank}")
-        else:  # payloads stay: the others tell the missing ranks by their absence
-            verdict = self._missing_without_verdict(base)
+            if verdict is not _NO_VERDICT:
+                # Each rank removes its own payload (the deciding rank has read it by now),
+                # so the deciding rank makes no per-rank request.
+                self._delete(f"{base}/r{self.rank}")
+            else:  # payloads stay: the others tell the missing ranks by their absence
+                verdict = self._missing_without_verdict(base)
         if isinstance(verdict, _Missing):
             error = self._missing_error(name, verdict.ranks, configured)
             for owner in tuple(_missing_owner):
@@ -364,14 +364,24 @@ class SideChannel:
             return None
         return store.multi_get(keys)
 
-    def _decide(self, base: str, decide: Callable[[Mapping[int, Any]], Any], timeout: float) -> Any:
-        keys = [f"{base}/r{rank}" for rank in range(self.world_size)]
+    def _decide(
+        self, base: str, payload: Any, decide: Callable[[Mapping[int, Any]], Any], timeout: float
+    ) -> Any:
+        """``decide`` over this rank's ``payload`` and every other rank's, read from the store."""
+        others = [rank for rank in range(self.world_size) if rank != self.rank]
+        keys = [f"{base}/r{rank}" for rank in others]
         raw = self._read(keys, timeout)
         if raw is None:
-            return _Missing([r for r, key in enumerate(keys) if not self.store.check([key])])
+            return _Missing(
+                [r for r, key in zip(others, keys, strict=True) if not self.store.check([key])]
+            )
         started = time.perf_counter()
         self.bytes_received += sum(len(b) for b in raw)
-        values = {rank: pickle.loads(blob) for rank, blob in enumerate(raw)}
+        # A copy, as every other rank's payload is: ``decide`` sees no object the caller holds.
+        own = pickle.loads(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+        values = {rank: pickle.loads(blob) for rank, blob in zip(others, raw, strict=True)}
+        values[self.rank] = own
+        values = dict(sorted(values.items()))
         try:
             return decide(values)
         except Exception as exc:  # a verdict must reach every rank, even a failed one
@@ -396,15 +406,17 @@ class SideChannel:
 
     def _missing_without_verdict(self, base: str) -> _Missing:
         """The deciding rank never decided: it is missing itself, or late; so may others be."""
-        missing = []
+        missing = [_LEADER]  # it writes no payload: its verdict is how it arrives
         for rank in range(self.world_size):
+            if rank == _LEADER:
+                continue
             try:
                 present = self.store.check([f"{base}/r{rank}"])
             except RuntimeError:
                 present = False
             if not present:
                 missing.append(rank)
-        return _Missing(missing or [_LEADER])
+        return _Missing(missing)
 
     def _set(self, key: str, value: Any) -> None:
         blob = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
