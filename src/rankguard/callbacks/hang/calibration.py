@@ -88,8 +88,9 @@ def save_estimate_s(num_params: int, floor_s: float) -> float:
 class IntervalHistory:
     """The intervals a rank has seen per phase kind: the state saved with checkpoints.
 
-    ``record`` runs once per heartbeat on the watchdog thread, which reads the
-    heartbeats the training loop's thread appended; :meth:`snapshot` copies.
+    The watchdog thread records the intervals between the heartbeats the training
+    loop's thread appended, a read's worth per kind at once (:meth:`record_many`);
+    :meth:`snapshot` copies.
 
     Attributes:
         peaks: Longest interval seen per kind.
@@ -108,6 +109,15 @@ class IntervalHistory:
             recent.append(seconds)
             if seconds > self.peaks.get(kind, 0.0):
                 self.peaks[kind] = seconds
+
+    def record_many(self, kind: str, seconds: list[float]) -> None:
+        """Adds intervals spent in phases of ``kind``, in order (other kinds are ignored)."""
+        recent = self._recent.get(kind)
+        if recent is not None and seconds:
+            recent.extend(seconds)
+            longest = max(seconds)
+            if longest > self.peaks.get(kind, 0.0):
+                self.peaks[kind] = longest
 
     def snapshot(self) -> dict[str, tuple[float, ...]]:
         """Recent intervals per kind, copied (safe to read while ``record`` runs)."""

@@ -27,7 +27,7 @@ from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.settings import check_choice, check_int, check_positive
 from rankguard.callbacks.core.side_channel import own_missing_ranks
-from rankguard.callbacks.core.step_log import Entry
+from rankguard.callbacks.core.step_log import BATCH_END, Entry
 from rankguard.callbacks.hang.calibration import (
     KIND_LABELS,
     MIN_SAMPLES,
@@ -506,33 +506,57 @@ class HangWatchdog(Guard):
         """
         last = self._beat
         at, kind = (None, "") if last is None else (last.at, last.kind)
-        calibrate, closest = self.auto_calibrate, self.closest_call
-        record, deadlines = self.history.record, self._deadline_s
-        history = self._history
-        for beat in entries:
-            now, event, step, _, _, decisions = beat
+        measure, warmup = self.auto_calibrate, self.warmup_steps
+        done, after_eval = self._steps_done, self._after_eval
+        spans: dict[str, list[float]] = {}  # the intervals read, by kind: recorded at the end
+        for now, event, step, _, _, decisions in entries:
             if event == "fit_start":  # a new fit: no interval from the last one
-                at, closest, self._steps_done, self._after_eval = None, None, 0, False
-            if at is not None and calibrate and self._steps_done >= self.warmup_steps:
-                interval = now - at
-                record(kind, interval)
-                deadline = deadlines.get(kind)
-                if deadline and (closest is None or interval > closest.share * deadline):
-                    closest = ClosestCall(interval / deadline, kind, interval, deadline)
+                self._record(spans)
+                spans, at, self.closest_call, done, after_eval = {}, None, None, 0, False
+            if at is not None and measure and done >= warmup:
+                span = spans.get(kind)
+                if span is None:
+                    spans[kind] = [now - at]
+                else:
+                    span.append(now - at)
+            at = now
             if decisions:  # none at most events
                 self._update_decisions(decisions, step)
-            # The usual heartbeats of a train step, past the first: no state to change.
-            kind = _STEP_KINDS.get(event) if self._steps_done else None
-            if kind is None or self._after_eval:
-                kind = self._kind(event)
-            at = now
-            history.append(beat)
-        self.closest_call = closest
+            if done and not after_eval:  # the usual heartbeats of a train step, past the first
+                if event == BATCH_END:
+                    done += 1
+                    kind = "train"
+                    continue
+                usual = _STEP_KINDS.get(event)
+                if usual is not None:
+                    kind = usual
+                    continue
+            self._steps_done, self._after_eval = done, after_eval
+            kind = self._kind(event)
+            done, after_eval = self._steps_done, self._after_eval
+        self._steps_done, self._after_eval = done, after_eval
+        self._record(spans)
+        self._history.extend(entries)
         self._progress += len(entries)
-        now, event, step, batch_index, loader, _ = beat
+        now, event, step, batch_index, loader, _ = entries[-1]
         self._beat = Beat(event, step, batch_index, loader, now, kind)
         if self._wake_at and self._steps_done >= self._wake_at:
             self._exchange_now()
+
+    def _record(self, spans: Mapping[str, list[float]]) -> None:
+        """Adds the intervals read to the calibration; the longest against its deadline.
+
+        The closest call is the interval with the largest share of the deadline
+        then in force for its kind: per kind, the longest.
+        """
+        closest, deadlines = self.closest_call, self._deadline_s
+        for kind, seconds in spans.items():
+            self.history.record_many(kind, seconds)
+            deadline = deadlines.get(kind)
+            longest = max(seconds)
+            if deadline and (closest is None or longest > closest.share * deadline):
+                closest = ClosestCall(longest / deadline, kind, longest, deadline)
+        self.closest_call = closest
 
     def _update_decisions(self, decisions: Mapping[str, Any], step: int) -> None:
         """Keeps the decisions that can split the ranks, with the step each was last changed."""
