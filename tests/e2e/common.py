@@ -19,6 +19,7 @@ from torch.utils.data import Dataset, DistributedSampler, IterableDataset
 
 from rankguard.callbacks.checkpoint.dir_probe import MARKER_PREFIX
 from rankguard.callbacks.core.guard import PER_STEP, RAISED, Guard
+from rankguard.callbacks.core.step_log import expand
 
 
 @contextmanager
@@ -264,7 +265,7 @@ class EventLog(Guard):
 
     def read_steps(self, entries) -> None:
         """The per-step events, from the step log (read before each other event)."""
-        for _, event, step, _, loader, _ in entries:
+        for _, event, step, _, loader, _ in expand(entries):
             if event in PER_STEP_NAMES:
                 self.events.append((event, step, loader))
 

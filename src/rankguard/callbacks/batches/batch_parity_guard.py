@@ -24,7 +24,7 @@ from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.ranks import format_groups, rank_label
 from rankguard.callbacks.core.settings import check_int, check_positive
-from rankguard.callbacks.core.step_log import BATCH_END, Entry
+from rankguard.callbacks.core.step_log import BATCH_END, BATCH_END_FETCH_START, Entry
 from rankguard.callbacks.data.loaders import planned_batches, promised_batches
 
 __all__ = [
@@ -232,7 +232,9 @@ class BatchParityGuard(Guard):
 
     def read_steps(self, entries: list[Entry]) -> None:
         """Counts the train batches that ran, from the step log (no communication)."""
-        self._train_batches_run += sum(1 for entry in entries if entry[1] == BATCH_END)
+        self._train_batches_run += sum(
+            1 for entry in entries if entry[1] == BATCH_END_FETCH_START or entry[1] == BATCH_END
+        )
 
     def on_epoch_end(self, facts: EventFacts) -> None:
         """Compares the train batches that ran in the epoch; names data left behind."""

@@ -21,11 +21,13 @@ from typing import Any, TypeVar
 
 from rankguard.callbacks.core.events import EventFacts, LoaderFacts
 
-__all__ = ["DRAIN_EVERY", "Entry", "StepLog", "StepReader", "take_closed"]
+__all__ = ["DRAIN_EVERY", "PAIRS", "Entry", "StepLog", "StepReader", "expand", "take_closed"]
 
 logger = logging.getLogger("rankguard.callbacks.guard")
 
-#: ``(time.perf_counter(), event, step, batch_index, loader name, decisions)``: one event.
+#: ``(time.perf_counter(), event, step, batch_index, loader name, decisions)``: one event,
+#: or two at the same instant (a kind in :data:`PAIRS`; a batch end's has the next fetch's
+#: step in the ``batch_index`` place when it is not the batch's).
 Entry = tuple[float, str, int, "int | None", "str | None", "dict[str, Any] | None"]
 #: Reads the entries appended since the last drain, oldest first.
 StepReader = Callable[[list[Entry]], None]
@@ -40,6 +42,16 @@ FETCH_START = "data_fetch_start"
 FETCH_END = "data_fetch_end"
 BATCH_START = "train_batch_start"
 BATCH_END = "train_batch_end"
+#: A fetch that ends as its batch starts, and a batch that ends as the next fetch starts:
+#: one entry for the two events, where a loop has them back to back (half the entries
+#: to append on the training thread and to read on the guards' threads).
+FETCH_END_BATCH_START = "data_fetch_end+train_batch_start"
+BATCH_END_FETCH_START = "train_batch_end+data_fetch_start"
+#: Each paired kind: the two events it stands for, in order.
+PAIRS = {
+    FETCH_END_BATCH_START: (FETCH_END, BATCH_START),
+    BATCH_END_FETCH_START: (BATCH_END, FETCH_START),
+}
 
 
 class StepLog:
@@ -135,7 +147,7 @@ class StepLog:
         """The train batch ended, with the framework's split decisions if it has any."""
         self.entries.append((perf_counter(), BATCH_END, step, None, None, decisions))
 
-    # -- two events at once, where a loop has them back to back: one clock read, one call -
+    # -- two events at once, where a loop has them back to back: one call, one entry ------
 
     def fetch_end_batch_start(self, step: int) -> None:
         """:meth:`fetch_end` then :meth:`batch_start` (a fetch whose batch starts at once)."""
@@ -143,10 +155,7 @@ class StepLog:
             self.fetch_end(step)
             self.batch_start(step)
             return
-        now = perf_counter()
-        entries = self.entries
-        entries.append((now, FETCH_END, step, None, None, None))
-        entries.append((now, BATCH_START, step, None, None, None))
+        self.entries.append((perf_counter(), FETCH_END_BATCH_START, step, None, None, None))
         # batch_start's count, due and switch, inline: a call costs more than they do here
         self.batches = batches = self.batches + 1
         if batches >= self.due:
@@ -161,11 +170,8 @@ class StepLog:
 
         ``fetch_step``: the fetch's step where the loop counts it as the next one's.
         """
-        now = perf_counter()
-        entries = self.entries
-        entries.append((now, BATCH_END, step, None, None, decisions))
-        entries.append(
-            (now, FETCH_START, step if fetch_step is None else fetch_step, None, None, None)
+        self.entries.append(
+            (perf_counter(), BATCH_END_FETCH_START, step, fetch_step, None, decisions)
         )
 
     # -- any event -------------------------------------------------------------------------
@@ -211,6 +217,25 @@ class StepLog:
             self.drain()
             return
         self.due = min(on_due(batches), batches + DRAIN_EVERY)
+
+
+def expand(entries: list[Entry]) -> list[Entry]:
+    """``entries`` with each paired one (:data:`PAIRS`) as its two events, at its time."""
+    out: list[Entry] = []
+    for entry in entries:
+        pair = PAIRS.get(entry[1])
+        if pair is None:
+            out.append(entry)
+            continue
+        at, _, step, fetch_step, _, decisions = entry
+        if pair[0] == FETCH_END:
+            out.append((at, FETCH_END, step, None, None, None))
+            out.append((at, BATCH_START, step, None, None, None))
+        else:
+            out.append((at, BATCH_END, step, None, None, decisions))
+            fetch = step if fetch_step is None else fetch_step
+            out.append((at, FETCH_START, fetch, None, None, None))
+    return out
 
 
 def take_closed(closed: dict[int, T], batch: int) -> T | None:

@@ -19,8 +19,10 @@ from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.ranks import rank_label
 from rankguard.callbacks.core.settings import check_fraction, check_int
 from rankguard.callbacks.core.step_log import (
+    BATCH_END_FETCH_START,
     BATCH_START,
     FETCH_END,
+    FETCH_END_BATCH_START,
     FETCH_START,
     Entry,
     take_closed,
@@ -128,6 +130,18 @@ def describe_stall(stalled: Mapping[int, IntervalStats], threshold: float, windo
     )
 
 
+#: What each step-log kind this monitor reads does: opens a fetch window, closes one,
+#: starts a train batch (a fetch that ends as its batch starts does both of the last).
+_OPENS, _CLOSES, _STARTS = 1, 2, 4
+_ROLES = {
+    FETCH_START: _OPENS,
+    BATCH_END_FETCH_START: _OPENS,
+    FETCH_END: _CLOSES,
+    BATCH_START: _STARTS,
+    FETCH_END_BATCH_START: _CLOSES | _STARTS,
+}
+
+
 class DataStallMonitor(Guard):
     """Measures per-rank data-wait time and reports ranks starved of data.
 
@@ -229,18 +243,22 @@ class DataStallMonitor(Guard):
         """
         watched = self.steps.watched
         for at, event, step, _, loader, _ in entries:
-            if event == FETCH_START:
+            role = _ROLES.get(event)
+            if role is None:
+                continue
+            if role == _OPENS:
                 self._fetch_start = at
                 # Given the loader, the window also holds a collective: only its return is ours.
                 self._exact = loader is None or not self._can_watch
-            elif event == FETCH_END:
+                continue
+            if role & _CLOSES:
                 if self._fetch_start is not None:
                     self._wait += max(0.0, at - self._fetch_start)
                     self._fetch_start = None
                 if step in watched:  # ended at the loader's return (or could not be watched)
                     watched.discard(step)
                     self._exact = True
-            elif event == BATCH_START:
+            if role & _STARTS:
                 if self._last_start is not None:
                     self._close_step(at - self._last_start)
                 self._wait = 0.0

@@ -27,7 +27,14 @@ from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.settings import check_choice, check_int, check_positive
 from rankguard.callbacks.core.side_channel import own_missing_ranks
-from rankguard.callbacks.core.step_log import BATCH_END, Entry
+from rankguard.callbacks.core.step_log import (
+    BATCH_END,
+    BATCH_END_FETCH_START,
+    FETCH_END_BATCH_START,
+    PAIRS,
+    Entry,
+    expand,
+)
 from rankguard.callbacks.hang.calibration import (
     KIND_LABELS,
     MIN_SAMPLES,
@@ -156,6 +163,16 @@ _LEAVE_OR_END_EVAL = {
 #: The phase kind that follows each of a train step's heartbeats once a step has ended and
 #: no eval just ended (``_kind``'s answer then, with nothing for it to update).
 _STEP_KINDS = {"data_fetch_start": "data", "data_fetch_end": "train", "train_batch_start": "train"}
+
+
+def _add(spans: dict[str, list[float]], kind: str, seconds: float) -> None:
+    """Adds an interval of ``kind`` to those read."""
+    span = spans.get(kind)
+    if span is None:
+        spans[kind] = [seconds]
+    else:
+        span.append(seconds)
+
 
 #: Ceilings used when an argument is left at ``None``; under NCCL they are
 #: lowered to fit inside the process-group timeout (see ``_fit_defaults_under``).
@@ -523,6 +540,18 @@ class HangWatchdog(Guard):
             if decisions:  # none at most events
                 self._update_decisions(decisions, step)
             if done and not after_eval:  # the usual heartbeats of a train step, past the first
+                if event == FETCH_END_BATCH_START or event == BATCH_END_FETCH_START:
+                    # Two heartbeats at once: a zero interval between them, of the first's kind.
+                    if event == BATCH_END_FETCH_START:
+                        done += 1
+                    if measure and done >= warmup:
+                        train = spans.get("train")
+                        if train is None:
+                            spans["train"] = [0.0]
+                        else:
+                            train.append(0.0)
+                    kind = "train" if event == FETCH_END_BATCH_START else "data"
+                    continue
                 if event == BATCH_END:
                     done += 1
                     kind = "train"
@@ -532,13 +561,20 @@ class HangWatchdog(Guard):
                     kind = usual
                     continue
             self._steps_done, self._after_eval = done, after_eval
-            kind = self._kind(event)
+            pair = PAIRS.get(event)
+            if pair is None:
+                kind = self._kind(event)
+            else:
+                kind = self._kind(pair[0])
+                if measure and self._steps_done >= warmup:
+                    _add(spans, kind, 0.0)
+                kind = self._kind(pair[1])
             done, after_eval = self._steps_done, self._after_eval
         self._steps_done, self._after_eval = done, after_eval
         self._record(spans)
         self._history.extend(entries)
         self._progress += len(entries)
-        now, event, step, batch_index, loader, _ = entries[-1]
+        now, event, step, batch_index, loader, _ = expand(entries[-1:])[-1]
         self._beat = Beat(event, step, batch_index, loader, now, kind)
         if self._wake_at and self._steps_done >= self._wake_at:
             self._exchange_now()
@@ -1018,7 +1054,7 @@ class HangWatchdog(Guard):
         wall = time.time() - _now()  # the beats' monotonic times as wall-clock times
         beats = [
             {"t": wall + t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
-            for t, e, s, b, ld, _ in tuple(self._history)
+            for t, e, s, b, ld, _ in expand(list(self._history))
         ]
         writer = min(r for r in range(self.channel.world_size) if r not in frozen)
         stage = (

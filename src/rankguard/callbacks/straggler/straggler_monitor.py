@@ -21,7 +21,14 @@ from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.nodes import node_identity
 from rankguard.callbacks.core.settings import check_fraction, check_int, check_seconds
-from rankguard.callbacks.core.step_log import BATCH_END, BATCH_START, Entry, take_closed
+from rankguard.callbacks.core.step_log import (
+    BATCH_END,
+    BATCH_END_FETCH_START,
+    BATCH_START,
+    FETCH_END_BATCH_START,
+    Entry,
+    take_closed,
+)
 from rankguard.callbacks.straggler.forward_clock import ForwardClock
 from rankguard.callbacks.straggler.score import (
     RankTimes,
@@ -207,7 +214,7 @@ class StragglerMonitor(Guard):
         if not self._on:
             return
         for at, event, _, _, _, _ in entries:
-            if event == BATCH_START:
+            if event == FETCH_END_BATCH_START or event == BATCH_START:
                 if self._ended is not None:
                     self._between.append(at - self._ended)
                     self._ended = None
@@ -215,7 +222,9 @@ class StragglerMonitor(Guard):
                 self._started = at
                 if batch % self.interval == 0:
                     self._closed[batch] = self._samples()
-            elif event == BATCH_END and self._started is not None:
+            elif (event == BATCH_END or event == BATCH_END_FETCH_START) and (
+                self._started is not None
+            ):
                 started, self._started = self._started, None
                 batch = self._batches
                 measured = batch > self.warmup_steps and (
