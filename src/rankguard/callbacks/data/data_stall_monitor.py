@@ -259,8 +259,17 @@ class DataStallMonitor(Guard):
                     watched.discard(step)
                     self._exact = True
             if role & _STARTS:
-                if self._last_start is not None:
-                    self._close_step(at - self._last_start)
+                last = self._last_start
+                if last is not None:
+                    step_s, wait = at - last, self._wait
+                    if wait <= self.threshold * step_s and self.steps.fetch_clock is None:
+                        # The usual step: not slow, the loader not watched (``_close_step``).
+                        self._sum_step += step_s
+                        self._sum_wait += wait
+                        self._steps += 1
+                        self._run = 0
+                    else:
+                        self._close_step(step_s)
                 self._wait = 0.0
                 self._last_start = at
                 self._started += 1

@@ -246,7 +246,8 @@ class ForwardClock:
         self.timer: EventTimer | None = None
         self.paused = False
         self._started = 0.0
-        self._spans: list[tuple[float, float]] = []  # (start, end) of each outermost forward
+        #: (start, end) of each outermost forward not yet assigned to a batch.
+        self.spans: list[tuple[float, float]] = []
         self._ready: list[float] = []
         self._hooked: list[tuple[torch.nn.Module, Any, Any]] = []
         self._entered: set[int] | None = set()  # None once keep_entered ran
@@ -259,7 +260,7 @@ class ForwardClock:
         """
         self.detach()
         self.total_s, self.calls, self.depth, self.paused = 0.0, 0, 0, False
-        self._ready, self._spans, self._entered = [], [], set()
+        self._ready, self.spans, self._entered = [], [], set()
         new_event = self.new_event or cuda_events(model)
         self.timer = None if new_event is None else EventTimer(new_event)
         self._hooked = [self._hook(module) for module in hook_targets(model)]
@@ -346,7 +347,7 @@ class ForwardClock:
         Returns:
             The host seconds of the batch's forwards.
         """
-        spans, taken, host = self._spans, 0, 0.0
+        spans, taken, host = self.spans, 0, 0.0
         for began, ended in spans:
             if began > end:
                 break
@@ -394,4 +395,4 @@ class ForwardClock:
                 self.timer.record(ended)
             self.total_s += ended - self._started
             self.calls += 1
-            self._spans.append((self._started, ended))
+            self.spans.append((self._started, ended))
