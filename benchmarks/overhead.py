@@ -20,11 +20,12 @@ budget and ``OVER`` where it is above it:
   times a batch) and the first code to run after the forward or the backward runs on
   a cold cache; the floor is what any callback pays for that. Budget: 10 us.
 * **background**: CPU time per step of rankguard's own threads (the hang
-  watchdog, the exchanges) in the steady state: each thread's clock read from
-  another thread (``time.pthread_getcpuclockid``) past a third of the fit and
-  again near its end. Budget: 10 us. Beside it, the same over the whole fit (each
-  thread's clock read when it ends), whose one-off costs (thread starts, store
-  connections, the first and last exchanges) a 300-step fit spreads thin enough to
+  watchdog, the interval exchange) in the steady state: each thread's clock read
+  from another thread (``time.pthread_getcpuclockid``) past a third of the fit and
+  again near its end, in all and by thread. Budget: 10 us. Beside it, the same
+  over the whole fit (each thread's clock read when it ends), whose one-off costs
+  (thread starts, store connections, the first and last exchanges) a 300-step fit
+  spreads thin enough to
   show; a real fit's thousands of steps do not.
 * **ratio**: median wall time of the fits with rankguard over those without, and
   the run-to-run spread of the fits without (max - min over median). Budget: the
