@@ -25,8 +25,7 @@ budget and ``OVER`` where it is above it:
   again near its end, in all and by thread. Budget: 10 us. Beside it, the same
   over the whole fit (each thread's clock read when it ends), whose one-off costs
   (thread starts, store connections, the first and last exchanges) a 300-step fit
-  spreads thin enough to
-  show; a real fit's thousands of steps do not.
+  spreads thin enough to show; a real fit's thousands of steps do not.
 * **ratio**: median wall time of the fits with rankguard over those without, and
   the run-to-run spread of the fits without (max - min over median). Budget: the
   ratio within 1 + spread. On a 2-core machine running 2 ranks, that spread is
