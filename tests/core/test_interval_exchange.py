@@ -75,8 +75,10 @@ def test_a_part_never_flushed_says_so_and_a_local_channel_decides_at_flush():
     pending = intervals.post(SideChannel(None), 5, "stall", lambda: 3, lambda v: v[0] + 1)
     with pytest.raises(RuntimeError, match="posted but never sent"):
         pending.result(0)
+    nothing = intervals.post(SideChannel(None), 5, "nothing", lambda: 3, lambda v: None)
     intervals.flush()
     assert pending.result(0) == 4
+    assert nothing.result(0) is None  # a verdict of None is a verdict
 
 
 class _Poster(Guard):
