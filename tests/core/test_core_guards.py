@@ -24,7 +24,7 @@ from rankguard.callbacks.batches.batch_parity_guard import (
 )
 from rankguard.callbacks.batches.drop_last_guard import settings_mismatches
 from rankguard.callbacks.core.ranks import format_groups, format_ranks
-from rankguard.callbacks.core.step_log import take_closed
+from rankguard.callbacks.core.step_log import StepLog
 from rankguard.callbacks.data.loaders import (
     enforce_drop_last,
     loader_settings,
@@ -232,7 +232,8 @@ def test_every_rank_logs_the_error_before_any_rank_raises_it():
 
 def test_take_closed_returns_the_interval_of_its_batch_and_drops_older_ones_only():
     closed = {50: "first", 100: "second", 150: "third"}
-    assert take_closed(closed, 100) == "second"
+    steps = StepLog()
+    assert steps.take_closed(closed, 100) == "second"
     assert closed == {150: "third"}  # 50 was never taken: dropped; 150 is not yet due
-    assert take_closed(closed, 200) is None  # never closed (a log reset under it)
+    assert steps.take_closed(closed, 200) is None  # never closed (a log reset under it)
     assert closed == {}

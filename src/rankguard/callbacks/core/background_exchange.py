@@ -259,10 +259,14 @@ class IntervalExchange:
         if exchange is None or exchange.channel is not channel:  # a new fit or channel
             if exchange is not None:
                 exchange.close()
-            exchange = self._exchange = BackgroundExchange(channel, self.name, _decide_parts_of({}))
+            exchange = self._exchange = BackgroundExchange(
+                channel, self.name, partial(_decide_parts, {})
+            )
         builds = {part: build for part, (build, _, _) in posted.items()}
         decides = {part: decide for part, (_, decide, _) in posted.items()}
-        whole = exchange.post(partial(_build_parts, self._batch, builds), _decide_parts_of(decides))
+        whole = exchange.post(
+            partial(_build_parts, self._batch, builds), partial(_decide_parts, decides)
+        )
         for _, _, pending in posted.values():
             pending._whole = whole
 
@@ -284,10 +288,6 @@ def _build_parts(batch: int, builds: Mapping[str, Callable[[], Any]]) -> tuple[i
             logger.exception("rankguard: could not build exchange part %r", part)
             parts[part] = _PartFailed(f"{type(exc).__name__}: {exc}")
     return batch, parts
-
-
-def _decide_parts_of(decides: Mapping[str, Decide]) -> Decide:
-    return partial(_decide_parts, decides)
 
 
 def _decide_parts(decides: Mapping[str, Decide], values: Mapping[int, Any]) -> dict[str, Any]:

@@ -4,8 +4,8 @@
 a train batch's start and end) touch: a clock read and an append each. The
 guards read it later, in order, from :meth:`StepLog.drain`: at the steps they
 asked for (``due``), before any other event, on the hang watchdog's thread, and
-on the monitors' exchange threads before they post an interval
-(:func:`take_closed`).
+on the interval exchange's thread before the monitors' intervals are sent
+(:meth:`StepLog.take_closed`).
 See docs/design.md#overhead-what-a-step-costs.
 """
 
@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from rankguard.callbacks.core.events import EventFacts, LoaderFacts
 
-__all__ = ["DRAIN_EVERY", "PAIRS", "Entry", "StepLog", "StepReader", "expand", "take_closed"]
+__all__ = ["DRAIN_EVERY", "PAIRS", "Entry", "StepLog", "StepReader", "expand"]
 
 logger = logging.getLogger("rankguard.callbacks.guard")
 
@@ -210,6 +210,23 @@ class StepLog:
                 except Exception:  # one guard's bug must not cost the others their steps
                     logger.exception("rankguard: %r could not read the step log", reader)
 
+    def take_closed(self, closed: dict[int, T], batch: int) -> T | None:
+        """The interval a reader closed at train batch ``batch``, once the log is read that far.
+
+        A monitor's reader closes an interval when it reads the start of the batch that
+        ends it, whichever thread reads the log, and keeps it in ``closed`` under that
+        batch. This reads the log to now, then takes the interval out of ``closed``;
+        intervals closed before it and never taken (a fit that ended at one) are dropped.
+
+        Returns:
+            The interval, or ``None`` if the reader never closed it (a log reset under it).
+        """
+        self.drain()
+        taken = closed.pop(batch, None)
+        for older in [b for b in closed if b < batch]:
+            del closed[older]
+        return taken
+
     def _due(self, batches: int) -> None:
         on_due = self._on_due
         if on_due is None:
@@ -236,20 +253,3 @@ def expand(entries: list[Entry]) -> list[Entry]:
             fetch = step if fetch_step is None else fetch_step
             out.append((at, FETCH_START, fetch, None, None, None))
     return out
-
-
-def take_closed(closed: dict[int, T], batch: int) -> T | None:
-    """The interval a reader closed at train batch ``batch``, taken out of ``closed``.
-
-    A monitor's reader closes an interval when it reads the start of the batch that
-    ends it, whichever thread reads the log, and keeps it under that batch; the
-    monitor's exchange thread takes it once it has read the log that far. Intervals
-    closed before it and never taken (a fit that ended at one) are dropped.
-
-    Returns:
-        The interval, or ``None`` if the reader never closed it (a log reset under it).
-    """
-    taken = closed.pop(batch, None)
-    for older in [b for b in closed if b < batch]:
-        del closed[older]
-    return taken

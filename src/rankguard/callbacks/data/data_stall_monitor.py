@@ -25,7 +25,6 @@ from rankguard.callbacks.core.step_log import (
     FETCH_END_BATCH_START,
     FETCH_START,
     Entry,
-    take_closed,
 )
 from rankguard.callbacks.data.data_fetch import LoaderReturnClock
 from rankguard.callbacks.data.data_worker import worker_failure
@@ -190,6 +189,7 @@ class DataStallMonitor(Guard):
         self.threshold = check_fraction("threshold", threshold, one=True)
         self.window = check_int("window", window)
         self.interval = check_int("interval", interval)
+        self._decide = partial(stall_verdict, window=self.window, threshold=self.threshold)
         self.batch_size: int | None = None
         self._clock = LoaderReturnClock()
         self._pending: PartPending | None = None
@@ -368,8 +368,7 @@ class DataStallMonitor(Guard):
         Runs on the exchange thread, so reading the interval's steps costs the
         training thread nothing.
         """
-        self.steps.drain()
-        stats = take_closed(self._closed, batches)
+        stats = self.steps.take_closed(self._closed, batches)
         if stats is None:  # never read: an empty interval, so every rank still exchanges
             stats = IntervalStats(0.0, 0.0, 0, self._run, self.batch_size)
         return stats
@@ -379,9 +378,8 @@ class DataStallMonitor(Guard):
 
         The exchange thread reads the log up to this batch's start (:meth:`_posted`).
         """
-        decide = partial(stall_verdict, window=self.window, threshold=self.threshold)
         self._pending = self._runner.intervals.post(
-            self.channel, batches, self.name, partial(self._posted, batches), decide
+            self.channel, batches, self.name, partial(self._posted, batches), self._decide
         )
 
     def _collect(self) -> None:

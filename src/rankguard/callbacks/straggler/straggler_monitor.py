@@ -27,7 +27,6 @@ from rankguard.callbacks.core.step_log import (
     BATCH_START,
     FETCH_END_BATCH_START,
     Entry,
-    take_closed,
 )
 from rankguard.callbacks.straggler.forward_clock import ForwardClock
 from rankguard.callbacks.straggler.score import (
@@ -152,6 +151,13 @@ class StragglerMonitor(Guard):
                 FutureWarning,
                 stacklevel=2,
             )
+        #: The interval exchange's decision over every rank's times (the settings are fixed).
+        self._decide = partial(
+            straggler_verdict,
+            threshold=self.threshold,
+            min_excess_s=self.min_excess_s,
+            min_forward_s=self.min_forward_s or 0.0,
+        )
         self._clock = ForwardClock()
         #: The batch after which only the hooked modules the loop called keep their hooks.
         self._learned_at = max(1, self.warmup_steps)
@@ -348,8 +354,7 @@ class StragglerMonitor(Guard):
         node, baseline = self._node, self._baseline
 
         def summarize() -> RankTimes:
-            self.steps.drain()
-            forward, rest, between = take_closed(self._closed, batches) or ([], [], [])
+            forward, rest, between = self.steps.take_closed(self._closed, batches) or ([], [], [])
             return RankTimes(
                 node=node,
                 steps=len(forward),
@@ -359,14 +364,8 @@ class StragglerMonitor(Guard):
                 baseline_s=baseline,
             )
 
-        decide = partial(
-            straggler_verdict,
-            threshold=self.threshold,
-            min_excess_s=self.min_excess_s,
-            min_forward_s=self.min_forward_s or 0.0,
-        )
         self._pending = self._runner.intervals.post(
-            self.channel, batches, self.name, summarize, decide
+            self.channel, batches, self.name, summarize, self._decide
         )
         self._collect_at = batches + max(1, self.interval // 2)
 
