@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import pytest
 
+from rankguard.callbacks.core import background_exchange
 from rankguard.callbacks.core.background_exchange import IntervalExchange
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.callbacks.core.side_channel import SideChannel
@@ -120,3 +123,39 @@ def test_the_runner_sends_its_due_guards_posts_at_a_batch_as_one_exchange():
         assert exchanges == 3  # three batches, two guards: one exchange each batch
         assert first == [{0: ("first", b), 1: ("first", b)} for b in (5, 10, 15)]
         assert second == [{0: ("second", b), 1: ("second", b)} for b in (5, 10, 15)]
+
+
+def _next_posts(rank: int, world_size: int) -> dict:
+    channel = SideChannel.from_environment(timeout_s=10)
+    intervals = IntervalExchange()
+    out = {}
+    for since, batch in ((None, 50), (1.0 + rank, 100), (0.001, 150)):
+        # Seconds since the last exchange (rank 1 slower); None: no fit start seen.
+        intervals._since = None if since is None else (perf_counter() - since, batch - 50)
+        pending = intervals.post(channel, batch, "stall", lambda: rank, dict)
+        intervals.flush()
+        pending.result(30)
+        out[batch] = (pending.next_post(batch, 50, auto=False), pending.next_post(batch, 50, True))
+    never = intervals.post(channel, 200, "stall", lambda: rank, dict)  # never sent
+    out["unsent"] = never.next_post(200, 50, auto=True)
+    intervals.close()
+    return out
+
+
+def test_the_next_post_is_an_interval_later_or_stretched_to_the_slowest_ranks_pace():
+    outcomes = run_ranks(_next_posts, 2, timeout_s=60)
+    assert outcomes[0].value == outcomes[1].value  # every rank the same
+    for o in outcomes:
+        assert o.error is None, o.error
+        assert background_exchange.AUTO_INTERVAL_S == 5.0
+        # No pace measured: one interval later, as with an interval set.
+        assert o.value[50] == (100, 100)
+        # Rank 1's 50 batches took 2 s: the smallest multiple of 50 that lasts 5 s at
+        # its pace is 150 batches, on both ranks.
+        assert o.value[100] == (150, 250)
+        # 50 batches in 1 ms and a little (the exchange's own time): stretched to
+        # 5 s, some 250,000 batches, a multiple of 50.
+        explicit, auto = o.value[150]
+        assert explicit == 200
+        assert 150 + 50 * 1000 <= auto <= 150 + 50 * 5000 and (auto - 150) % 50 == 0
+        assert o.value["unsent"] == 250  # no verdict: one interval later

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from rankguard.callbacks.core import background_exchange
 from rankguard.callbacks.core.errors import DataStallError
 from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.side_channel import SideChannel
@@ -104,6 +105,39 @@ def test_healthy_run_logs_metrics_and_never_warns(runs):
             "rankguard/data_wait_slowest_rank",
         }
         assert metrics[-1]["rankguard/data_wait_fraction_max"] < 0.5
+
+
+def _left_interval(rank, world_size):
+    background_exchange.AUTO_INTERVAL_S = 0.3  # 5 s of 2 ms steps: a few hundred
+    metrics: list[dict] = []
+    monitor = DataStallMonitor()
+    channel = SideChannel.from_environment(timeout_s=20)
+    monitor.bind(channel, log_metrics=metrics.append)
+    monitor.handle(Event.FIT_START, EventFacts())
+    batches = []
+    for step in range(600):
+        facts = EventFacts(step=step)
+        monitor.handle(Event.DATA_FETCH_START, facts)
+        monitor.handle(Event.DATA_FETCH_END, facts)
+        monitor.handle(Event.TRAIN_BATCH_START, facts)
+        if monitor._pending is not None and monitor._posted_at == step + 1:
+            batches.append(step + 1)
+        time.sleep(0.002)
+        monitor.handle(Event.TRAIN_BATCH_END, facts)
+    monitor.handle(Event.FIT_END, EventFacts(step=600))
+    return batches, len(metrics), channel.exchanges
+
+
+def test_a_left_interval_exchanges_less_often_at_fast_steps_at_the_same_batches_everywhere():
+    outcomes = run_ranks(_left_interval, 2, timeout_s=60)
+    for o in outcomes:
+        assert o.error is None, o.error
+    posted, logged, exchanges = outcomes[0].value
+    assert outcomes[1].value == outcomes[0].value  # the same batches on every rank
+    assert posted[0] == 50 and all(b % 50 == 0 for b in posted)
+    # 600 batches of 2 ms: 12 exchanges at every 50; a few at 0.3 s each.
+    assert 2 <= len(posted) <= 6
+    assert logged == exchanges == len(posted)
 
 
 def test_stall_raises_when_asked():

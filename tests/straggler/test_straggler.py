@@ -6,6 +6,7 @@ The framework runs (Composer, Lightning, simulated nodes) are in
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 import statistics
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from rankguard.callbacks import GUARDS, StragglerMonitor
+from rankguard.callbacks.core import background_exchange
 from rankguard.callbacks.core.background_exchange import BackgroundExchange
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.side_channel import SideChannel
@@ -315,6 +317,44 @@ def test_monitor_hooks_the_model_for_the_timed_batches_of_each_interval_only(
     assert hooked == expected
     # Each full interval after the warm-up closes with the forwards of its timed batches.
     assert samples[-1] == len(positions)
+
+
+def test_a_left_interval_stretches_at_fast_steps_and_times_only_its_last_fifty_batches(
+    monkeypatch,
+):
+    # 5 s of 2 ms batches is 2,500 batches: at 0.3 s an interval is a few hundred.
+    monkeypatch.setattr(background_exchange, "AUTO_INTERVAL_S", 0.3)
+    model = torch.nn.Linear(4, 4)
+    monitor = StragglerMonitor(warmup_steps=3)
+    assert (monitor.interval, monitor.auto_interval) == (50, True)
+    monitor.bind(SideChannel(None), lambda metrics: None)
+    monitor.handle(Event.FIT_START, EventFacts(model=model))
+    close = monitor._samples
+    closes: list[tuple[int, int]] = []  # (batch, forwards timed in the interval)
+
+    def counted_samples() -> tuple[list[float], list[float], list[float]]:
+        closed = close()
+        closes.append((monitor._batches, len(closed[0])))
+        return closed
+
+    monitor._samples = counted_samples  # type: ignore[method-assign]
+    hooked = []
+    for step in range(800):
+        monitor.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
+        hooked.append(bool(model._forward_pre_hooks))
+        model(torch.zeros(1, 4))
+        time.sleep(0.002)
+        monitor.handle(Event.TRAIN_BATCH_END, EventFacts(step=step))
+    monitor.close()
+    ends = [batch for batch, _ in closes]
+    assert ends[0] == 50 and len(ends) >= 3 and all(b % 50 == 0 for b in ends)
+    # Once an interval of steady 2 ms batches was measured, each lasts 0.3 s or more
+    # (the first one's pace holds the fit's start-up: the next may be 50 batches).
+    assert all(b - a >= 100 for a, b in itertools.pairwise(ends[1:]))
+    # Hooked through the warm-up, then the last 8 batches before each interval's end.
+    expected = [b <= 3 or (0 < -b % 50 <= 8 and -(-b // 50) * 50 in ends) for b in range(1, 801)]
+    assert hooked[: ends[-1]] == expected[: ends[-1]]
+    assert [timed for _, timed in closes[1:]] == [8] * (len(closes) - 1)
 
 
 def test_a_forward_that_raises_leaves_the_clock_closed():

@@ -523,7 +523,7 @@ class DataStallMonitor(_LightningAdapter):
         on_violation: str = "warn",
         threshold: float = 0.5,
         window: int = 10,
-        interval: int = 50,
+        interval: int | None = None,
     ) -> None:
         """Builds the guards of :class:`DataStallMonitor`."""
 
@@ -538,7 +538,7 @@ class StragglerMonitor(_LightningAdapter):
         on_violation: str = "warn",
         threshold: float = 0.7,
         window: int = 3,
-        interval: int = 50,
+        interval: int | None = None,
         warmup_steps: int = 20,
         timed_batches: int = 8,
         min_excess_s: float = 0.001,

@@ -622,7 +622,7 @@ class DataStallMonitor(_OlmoCoreAdapter):
         on_violation: str = "warn",
         threshold: float = 0.5,
         window: int = 10,
-        interval: int = 50,
+        interval: int | None = None,
     ) -> None:
         """Builds the guards of :class:`DataStallMonitor`."""
 
@@ -637,7 +637,7 @@ class StragglerMonitor(_OlmoCoreAdapter):
         on_violation: str = "warn",
         threshold: float = 0.7,
         window: int = 3,
-        interval: int = 50,
+        interval: int | None = None,
         warmup_steps: int = 20,
         timed_batches: int = 8,
         min_excess_s: float = 0.001,

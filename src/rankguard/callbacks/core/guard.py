@@ -219,6 +219,7 @@ class GuardRunner:
         if event is Event.FIT_START:  # a new fit: the batch count starts again
             steps.drain()
             steps.reset()
+            self.intervals.restart()
         elif steps.entries and event not in EVAL_BATCH:
             steps.drain()
         for handler in self.handlers[event]:

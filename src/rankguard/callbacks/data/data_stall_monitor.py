@@ -8,11 +8,12 @@ See docs/data.md#how-datastallmonitor-works.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
-from rankguard.callbacks.core.background_exchange import PartPending
+from rankguard.callbacks.core.background_exchange import AUTO_INTERVAL, PartPending
 from rankguard.callbacks.core.errors import DataStallError, RanksMissingError
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
@@ -144,8 +145,8 @@ _ROLES = {
 class DataStallMonitor(Guard):
     """Measures per-rank data-wait time and reports ranks starved of data.
 
-    Metrics, logged by every rank every ``interval`` train batches (a key is left
-    out when nothing was measured in that interval):
+    Metrics, logged by every rank at each interval's verdict (a key is left out
+    when nothing was measured in that interval):
 
     =====================================  ==================================================
     key                                    value
@@ -162,7 +163,10 @@ class DataStallMonitor(Guard):
         threshold: Wait fraction of a step above which the step is slow,
             in (0, 1].
         window: Consecutive slow steps that make a stall (>= 1).
-        interval: Train batches between cross-rank exchanges and metric logs (>= 1).
+        interval: Train batches between cross-rank exchanges and metric logs
+            (>= 1). ``None`` (default): 50, or at fast steps the smallest multiple
+            of 50 that lasts 5 s (every rank agrees on it at each exchange), so an
+            exchange costs a step nothing noticeable however short the step.
 
     Raises:
         ValueError: A setting out of range.
@@ -170,7 +174,7 @@ class DataStallMonitor(Guard):
 
     Example::
 
-        monitor = DataStallMonitor(threshold=0.5, window=10, interval=50)
+        monitor = DataStallMonitor(threshold=0.5, window=10)
         # Composer: BEFORE_DATALOADER/AFTER_DATALOADER/BATCH_START, in the step log.
     """
 
@@ -183,12 +187,14 @@ class DataStallMonitor(Guard):
         on_violation: str = "warn",
         threshold: float = 0.5,
         window: int = 10,
-        interval: int = 50,
+        interval: int | None = None,
     ) -> None:
         super().__init__(on_violation=on_violation)
         self.threshold = check_fraction("threshold", threshold, one=True)
         self.window = check_int("window", window)
-        self.interval = check_int("interval", interval)
+        #: Whether rankguard stretches the interval at fast steps (``interval=None``).
+        self.auto_interval = interval is None
+        self.interval = check_int("interval", AUTO_INTERVAL if interval is None else interval)
         self._decide = partial(stall_verdict, window=self.window, threshold=self.threshold)
         self.batch_size: int | None = None
         self._clock = LoaderReturnClock()
@@ -197,12 +203,22 @@ class DataStallMonitor(Guard):
         self._started = 0
         #: Each interval's totals, closed by the reader at the batch that ends it, until posted.
         self._closed: dict[int, IntervalStats] = {}
+        self._posted_at = 0  # the train batch of the last interval posted
+        self._next_interval(self.interval)
         self._reset_interval(run=0)
         self._discard()
         self._reported: frozenset[int] = frozenset()
         #: Whether the clock can watch the train loader (a DataLoader).
         self._can_watch = False
-        self.due = self.interval
+
+    def _next_interval(self, batch: int) -> None:
+        """The next interval ends at train batch ``batch`` (a multiple of ``interval``).
+
+        The reader closes an interval at a multiple of ``interval`` from ``batch`` on;
+        it is set once the last interval's verdict is in, before the reader can reach
+        the next multiple.
+        """
+        self._close_from = self._post_at = self.due = batch
 
     def _reset_interval(self, run: int) -> None:
         self._sum_wait = 0.0
@@ -230,7 +246,7 @@ class DataStallMonitor(Guard):
         self._reset_interval(run=0)
         self._discard()
         self._pending = None
-        self.due = self.interval
+        self._next_interval(self.interval)
 
     def read_steps(self, entries: list[Entry]) -> None:
         """Reads the fetch windows and train batch starts from the step log.
@@ -273,19 +289,16 @@ class DataStallMonitor(Guard):
                 self._wait = 0.0
                 self._last_start = at
                 self._started += 1
-                if self._started % self.interval == 0:
+                if self._started % self.interval == 0 and self._started >= self._close_from:
                     self._closed[self._started] = self._interval_totals()
 
     def on_due(self, batches: int) -> None:
-        """Acts on the last verdict; every ``interval`` batches, posts the interval."""
+        """Acts on the last verdict; at the interval's end, posts it."""
         if self._pending is not None:
             self._collect()
-        if batches % self.interval == 0:
+        if batches >= self._post_at:
             self._post(batches)
-        self.due = batches + 1 if self._pending is not None else self._next_post(batches)
-
-    def _next_post(self, batches: int) -> int:
-        return (batches // self.interval + 1) * self.interval
+        self.due = batches + 1 if self._pending is not None else self._post_at
 
     def _watch(self, on: bool) -> None:
         """Times the next fetch windows to the loader's return (``on``), or not."""
@@ -381,6 +394,7 @@ class DataStallMonitor(Guard):
         self._pending = self._runner.intervals.post(
             self.channel, batches, self.name, partial(self._posted, batches), self._decide
         )
+        self._posted_at, self._post_at = batches, math.inf  # the next: set by the verdict
 
     def _collect(self) -> None:
         """Acts on the posted exchange's verdict (waits for it if it has not arrived)."""
@@ -394,6 +408,10 @@ class DataStallMonitor(Guard):
         except Exception as exc:  # never turn a healthy run into a failed one
             self.warn_once("failed", "a data-wait exchange failed (%s); skipping it", exc)
             return
+        finally:
+            self._next_interval(
+                pending.next_post(self._posted_at, self.interval, self.auto_interval)
+            )
         stats: IntervalStats = pending.payload
         metrics: dict[str, float] = {}
         if verdict.slowest_rank >= 0:  # some rank measured a step

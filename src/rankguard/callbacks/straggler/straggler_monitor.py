@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from rankguard.callbacks.core.background_exchange import PartPending
+from rankguard.callbacks.core.background_exchange import AUTO_INTERVAL, PartPending
 from rankguard.callbacks.core.errors import RanksMissingError, StragglerError
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
@@ -55,8 +55,7 @@ def _median(values: list[float]) -> float | None:
 class StragglerMonitor(Guard):
     """Names the rank or node whose compute is slower than the others', every rank waiting for it.
 
-    Metrics, logged by every rank when a verdict arrives (every ``interval``
-    train batches):
+    Metrics, logged by every rank when an interval's verdict arrives:
 
     ========================================  ==============================================
     key                                       value
@@ -79,12 +78,16 @@ class StragglerMonitor(Guard):
             (0, 1). 0.7: 1.43x the median rank's forward time.
         window: Consecutive slow intervals before it is reported (>= 1).
         interval: Train batches per interval: measured, exchanged and scored
-            together (>= 1).
+            together (>= 1). ``None`` (default): 50, or at fast steps the
+            smallest multiple of 50 that lasts 5 s (every rank agrees on it at
+            each exchange), so an exchange costs a step nothing noticeable
+            however short the step.
         warmup_steps: Train batches at the start of each fit that are not
             measured (>= 0).
-        timed_batches: Train batches per interval whose forward is timed, the
-            interval's last ones (>= 1): the forward hooks are on the model for
-            those batches only. Every batch when ``interval`` is at most this.
+        timed_batches: Train batches of every ``interval`` (50 where it is
+            ``None``) whose forward is timed, the last ones (>= 1): the forward
+            hooks are on the model for those batches only. Every batch when
+            ``interval`` is at most this.
         min_excess_s: A score below ``threshold`` names a rank or node only when
             its forward takes at least this much longer per batch than the one
             it is scored against (seconds, >= 0): smaller gaps are scheduling
@@ -108,7 +111,7 @@ class StragglerMonitor(Guard):
 
     Example::
 
-        monitor = StragglerMonitor(threshold=0.7, window=3, interval=50)
+        monitor = StragglerMonitor(threshold=0.7, window=3)
         # Composer: Trainer(..., callbacks=[rankguard.integrations.composer.StragglerMonitor()])
     """
 
@@ -121,7 +124,7 @@ class StragglerMonitor(Guard):
         on_violation: str = "warn",
         threshold: float = 0.7,
         window: int = 3,
-        interval: int = 50,
+        interval: int | None = None,
         warmup_steps: int = 20,
         timed_batches: int = 8,
         min_excess_s: float = 0.001,
@@ -130,7 +133,9 @@ class StragglerMonitor(Guard):
         super().__init__(on_violation=on_violation)
         self.threshold = check_fraction("threshold", threshold, one=False)
         self.window = check_int("window", window)
-        self.interval = check_int("interval", interval)
+        #: Whether rankguard stretches the interval at fast steps (``interval=None``).
+        self.auto_interval = interval is None
+        self.interval = check_int("interval", AUTO_INTERVAL if interval is None else interval)
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
         self.timed_batches = check_int("timed_batches", timed_batches)
         #: The first place in an interval (batch % interval) whose batch is timed.
@@ -169,6 +174,14 @@ class StragglerMonitor(Guard):
         self._batches = 0
         self._pending: PartPending | None = None
         self._collect_at = math.inf
+        #: The train batch the next interval ends at (a multiple of ``interval``, set by
+        #: the last verdict; ``inf`` while it is awaited), and from which the reader
+        #: closes one (the last posted until that verdict is in).
+        self._post_at: float = self.interval
+        self._close_from = self.interval
+        self._last_closed = 0  # the last batch the reader closed an interval at
+        self._posted_at = 0
+        self._span = self.interval
         self._posted: RankTimes | None = None
         self._verdicts = 0
         self._forward: list[float] = []
@@ -228,16 +241,24 @@ class StragglerMonitor(Guard):
                     self._ended = None
                 self._batches = batch = self._batches + 1
                 self._started = at
-                if batch % self.interval == 0:
+                if batch % self.interval == 0 and batch >= self._close_from:
                     self._closed[batch] = self._samples()
+                    self._last_closed = batch
             elif (event == BATCH_END or event == BATCH_END_FETCH_START) and (
                 self._started is not None
             ):
                 started, self._started = self._started, None
                 batch = self._batches
                 if batch > self.warmup_steps and (
-                    batch <= self._learned_at or batch % self.interval >= self._timed_from
-                ):  # measured (``_timed``, inline)
+                    batch <= self._learned_at
+                    or (
+                        batch % self.interval >= self._timed_from
+                        and (
+                            self._close_from <= self._last_closed
+                            or batch >= self._close_from - self.interval
+                        )
+                    )
+                ):  # measured (``_timed_now``, inline; the next close not set: as hooked)
                     forward = self._clock.close_batch(started, at)
                     # The rest: the batch's host time outside its forwards' host time.
                     self._rest.append(at - started - forward)
@@ -260,12 +281,12 @@ class StragglerMonitor(Guard):
         if batches == self._learned_at + 1:  # warm-up showed which hooked modules the loop calls
             self._clock.keep_entered()
             if self._switches:  # only some batches are timed: the log's switch hooks them
-                self._clock.arm(self._timed(batches))
+                self._clock.arm(self._timed_now(batches))
                 self.steps.switch = self._switch
                 self.steps.switch_at = self._next_switch(batches)
-        if batches % self.interval == 0:
+        if batches >= self._post_at:
             self._post(batches)
-        self.due = min(self._collect_at, (batches // self.interval + 1) * self.interval)
+        self.due = min(self._collect_at, self._post_at)
         if batches <= self._learned_at:
             self.due = min(self.due, self._learned_at + 1)
 
@@ -273,6 +294,14 @@ class StragglerMonitor(Guard):
         """Whether train batch ``batch`` (from 1) has its forward timed."""
         # The interval's last ones, in one run: the hooks go on and off once an interval.
         return batch % self.interval >= self._timed_from
+
+    def _timed_now(self, batch: int) -> bool:
+        """:meth:`_timed`, in the last ``interval`` batches of the interval in progress.
+
+        An interval longer than ``interval`` (``interval=None`` at fast steps) times
+        its last ``interval`` batches' last ``timed_batches``, as a short one does.
+        """
+        return self._timed(batch) and batch >= self._close_from - self.interval
 
     def _schedule(self) -> dict[int, tuple[bool, int]]:
         """The places in an interval where the timing changes: ``{position: (on, ahead)}``."""
@@ -288,6 +317,8 @@ class StragglerMonitor(Guard):
     def _switch(self, batch: int) -> float:
         """At a train batch's start (the step log's ``switch``): hooks on or off; the next batch."""
         on, ahead = self._switches[batch % self.interval]
+        if on and batch < self._close_from - self.interval:
+            return batch + self.interval  # not the last ``interval`` of a longer interval
         self._clock.arm(on)
         return batch + ahead
 
@@ -368,6 +399,8 @@ class StragglerMonitor(Guard):
             self.channel, batches, self.name, summarize, self._decide
         )
         self._collect_at = batches + max(1, self.interval // 2)
+        self._span, self._posted_at = batches - self._posted_at, batches
+        self._post_at = math.inf  # the next: set by the verdict
 
     def _collect(self) -> None:
         pending, self._pending = self._pending, None
@@ -382,6 +415,10 @@ class StragglerMonitor(Guard):
         except Exception as exc:
             self.warn_once("failed", "a straggler exchange failed (%s); skipping it", exc)
             return
+        finally:  # the reader is not past the next multiple of ``interval`` yet
+            self._close_from = self._post_at = pending.next_post(
+                self._posted_at, self.interval, self.auto_interval
+            )
         self._posted = pending.payload
         if not verdict.steps:  # every batch of the interval was warm-up
             return
@@ -433,7 +470,7 @@ class StragglerMonitor(Guard):
         reference = verdict.reference
         message = "\n".join(
             describe_straggler(
-                s, reference, threshold=self.threshold, window=self.window, interval=self.interval
+                s, reference, threshold=self.threshold, window=self.window, interval=self._span
             )
             for s in named
         )
