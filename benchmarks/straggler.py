@@ -6,10 +6,12 @@ loop that fires rankguard's events; rank 1's forward pass takes 1.1x, 1.25x,
 a slower device). For each factor it prints the batch at which every rank
 logged the straggler warning (or that none came), the score the warning
 reported, the expected score (1 / factor) and the lowest score of each
-verdict. Default settings unless ``--settings`` says otherwise: with
-``interval=50``, ``warmup_steps=20`` and ``window=3`` a rank that stays below
-the threshold is named at batch 175 (the third slow verdict, collected half
-an interval after the third interval's exchange at batch 150).
+verdict. Default settings but ``interval=50`` unless ``--settings`` says
+otherwise (left to rankguard, an interval of these 25 ms batches would stretch
+to 5 s, 200 batches): with ``interval=50``, ``warmup_steps=20`` and
+``window=3`` a rank that stays below the threshold is named at batch 175 (the
+third slow verdict, collected half an interval after the third interval's
+exchange at batch 150).
 
 Usage: ``python benchmarks/straggler.py [--steps 200] [--settings '{"threshold": 0.8}']``
 """
@@ -32,7 +34,9 @@ def main() -> None:
     parser.add_argument("--factors", default="1.1,1.25,1.5,2")
     parser.add_argument("--forward-s", default="0.02", help="rank 0's forward time (seconds)")
     parser.add_argument("--steps", default="200")
-    parser.add_argument("--settings", default="{}", help="StragglerMonitor settings as JSON")
+    parser.add_argument(
+        "--settings", default='{"interval": 50}', help="StragglerMonitor settings as JSON"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "straggler.json"

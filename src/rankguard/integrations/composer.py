@@ -334,23 +334,22 @@ class _ComposerAdapter(Callback):
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Translates a Composer event and dispatches it to the guards."""
+        if event is _BATCH_START:
+            return  # recorded with AFTER_DATALOADER, which Composer fires just before it
         if (
-            event is _BATCH_START
-            or event is _BATCH_END
-            or event is _BEFORE_DATALOADER
-            or event is _AFTER_DATALOADER
-        ):  # the hot path, four times a step: the step log's clock read and append
+            event is _BATCH_END or event is _BEFORE_DATALOADER or event is _AFTER_DATALOADER
+        ):  # the hot path, three times a step: the step log's clock read and append
             timestamp = state.timestamp
             if timestamp is not self._timestamp:  # Composer replaces it as time advances
                 self._timestamp = timestamp
                 self._step = timestamp.batch.value
             steps = self.runner.steps
-            if event is _BATCH_START:
-                steps.batch_start(self._step)
-            elif event is _BATCH_END:
+            if event is _BATCH_END:
                 steps.batch_end(self._step)
             elif event is _AFTER_DATALOADER:
-                steps.fetch_end(self._step)
+                # The fetch ends and the batch starts: Composer fires BATCH_START next,
+                # with nothing between them, so one entry holds both (see step_log.PAIRS).
+                steps.fetch_end_batch_start(self._step)
             else:
                 # The window also holds an all_reduce: the loader goes with it (see
                 # callbacks/data/data_fetch.py), read again only when it may be watched.

@@ -84,10 +84,10 @@ class StragglerMonitor(Guard):
             however short the step.
         warmup_steps: Train batches at the start of each fit that are not
             measured (>= 0).
-        timed_batches: Train batches of every ``interval`` (50 where it is
-            ``None``) whose forward is timed, the last ones (>= 1): the forward
-            hooks are on the model for those batches only. Every batch when
-            ``interval`` is at most this.
+        timed_batches: Train batches per interval whose forward is timed, the
+            interval's last ones (>= 1; of a stretched interval, the last ones
+            of its last 50): the forward hooks are on the model for those
+            batches only. Every batch when ``interval`` is at most this.
         min_excess_s: A score below ``threshold`` names a rank or node only when
             its forward takes at least this much longer per batch than the one
             it is scored against (seconds, >= 0): smaller gaps are scheduling
