@@ -221,6 +221,8 @@ class _LightningAdapter(Callback):
         self._trainer: pl.Trainer | None = None
         self._val: list[LoaderFacts] = []
         self._unhook: Callable[[], None] | None = None
+        #: ``should_stop`` as last recorded in the step log this fit (``None``: not yet).
+        self._should_stop: Any = None
 
     def _fire(self, trainer: pl.Trainer, event: Event, **facts: Any) -> None:
         """Fires ``event`` at the trainer's step and epoch."""
@@ -259,6 +261,7 @@ class _LightningAdapter(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """FIT_START with the train loader and every val loader known now."""
+        self._should_stop = None
         train = train_loader(trainer)
         loaders = [train] if train else []
         # Lightning loads the val loaders before on_train_start when val is due in the
@@ -298,10 +301,18 @@ class _LightningAdapter(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """TRAIN_BATCH_END (with ``should_stop``), then DATA_FETCH_START for the next batch."""
-        self.runner.steps.batch_end_fetch_start(
-            trainer.global_step, {"should_stop": trainer.should_stop}
-        )
+        """TRAIN_BATCH_END, then DATA_FETCH_START for the next batch.
+
+        ``should_stop`` goes with the entry when it changed (the first batch's, then
+        rarely): the hang watchdog keeps each decision with the step it last changed,
+        and a dict a step is one more allocation on a cold cache.
+        """
+        should_stop = trainer.should_stop
+        if should_stop is self._should_stop:
+            self.runner.steps.batch_end_fetch_start(trainer.global_step)
+            return
+        self._should_stop = should_stop
+        self.runner.steps.batch_end_fetch_start(trainer.global_step, {"should_stop": should_stop})
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EVAL_START for every val loader, in Lightning's order."""
