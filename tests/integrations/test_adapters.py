@@ -357,3 +357,55 @@ def test_lightning_split_decisions_read_should_stop_and_the_synced_keys_of_the_r
         {"synced": False, "local": False},
     )
     assert seen[1][0] == {"should_stop": True, "sync_dist_keys": (), "sync_dist_loop": "train"}
+
+
+@pytest.mark.parametrize("automatic", [True, False])
+def test_lightning_step_log_reads_global_step_from_its_tracker_in_either_optimization(automatic):
+    """The private reach of ``step_tracker``: the step logged is ``global_step`` at every batch."""
+    import lightning as L
+
+    from rankguard.integrations.lightning import RankGuard, step_tracker
+
+    logged: list[tuple[int, int]] = []  # (global_step, the step the log got) at each batch end
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+            self.automatic_optimization = automatic
+
+        def training_step(self, batch, batch_idx):
+            loss = torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+            if not automatic and batch_idx % 2 == 0:  # a step every other batch
+                optimizer = self.optimizers()
+                optimizer.zero_grad()
+                self.manual_backward(loss)
+                optimizer.step()
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Probe(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            assert step_tracker(trainer) is not None
+            steps = guard.runner.steps
+            entry = steps.entries[-1] if steps.entries else None
+            logged.append((trainer.global_step, None if entry is None else entry[2]))
+
+    guard = RankGuard(hang_watchdog=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[guard, Probe()],
+    )
+    trainer.fit(Module(), DataLoader(Points(16), batch_size=4))
+    assert len(logged) == 8
+    steps_taken = [global_step for global_step, _ in logged]
+    assert steps_taken == (list(range(1, 9)) if automatic else [1, 1, 2, 2, 3, 3, 4, 4])
+    assert [step for _, step in logged] == steps_taken  # each batch end's entry

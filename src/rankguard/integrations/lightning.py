@@ -188,6 +188,29 @@ def hook_checkpoint_io(
     return unhook
 
 
+def step_tracker(trainer: pl.Trainer) -> Any:
+    """Lightning's own tracker whose ``completed`` is ``trainer.global_step``, or ``None``.
+
+    ``trainer.global_step`` is a chain of five properties, a cold-cache call each
+    at every batch's start and end; the tracker it ends at is one attribute away.
+    The tracker is the one the property reads now (automatic or manual
+    optimization), kept only where it reads the same value; ``None`` (read
+    ``global_step`` itself) where Lightning's loops are built otherwise.
+    """
+    try:
+        loop = trainer.fit_loop.epoch_loop
+        module = trainer.lightning_module
+        if module is None or module.automatic_optimization:
+            tracker = loop.automatic_optimization.optim_progress.optimizer.step.total
+        else:
+            tracker = loop.manual_optimization.optim_step_progress.total
+        if tracker.completed == trainer.global_step:
+            return tracker
+    except Exception:  # another Lightning: its own property it is
+        pass
+    return None
+
+
 def split_decisions(trainer: pl.Trainer) -> dict[str, Any]:
     """Decisions that can split the ranks, as this rank's trainer holds them now.
 
@@ -223,6 +246,8 @@ class _LightningAdapter(Callback):
         self._unhook: Callable[[], None] | None = None
         #: ``should_stop`` as last recorded in the step log this fit (``None``: not yet).
         self._should_stop: Any = None
+        #: Where ``trainer.global_step`` is read from (:func:`step_tracker`), each epoch.
+        self._steps_taken: Any = None
 
     def _fire(self, trainer: pl.Trainer, event: Event, **facts: Any) -> None:
         """Fires ``event`` at the trainer's step and epoch."""
@@ -261,7 +286,7 @@ class _LightningAdapter(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """FIT_START with the train loader and every val loader known now."""
-        self._should_stop = None
+        self._should_stop = self._steps_taken = None
         train = train_loader(trainer)
         loaders = [train] if train else []
         # Lightning loads the val loaders before on_train_start when val is due in the
@@ -285,13 +310,17 @@ class _LightningAdapter(Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EPOCH_START with the train loader."""
+        self._steps_taken = step_tracker(trainer)
         self._fire(trainer, Event.EPOCH_START, loader=train_loader(trainer))
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """DATA_FETCH_END then TRAIN_BATCH_START, in the step log (the step read once)."""
-        self.runner.steps.fetch_end_batch_start(trainer.global_step)
+        tracker = self._steps_taken
+        self.runner.steps.fetch_end_batch_start(
+            trainer.global_step if tracker is None else tracker.completed
+        )
 
     def on_train_batch_end(
         self,
@@ -307,12 +336,14 @@ class _LightningAdapter(Callback):
         rarely): the hang watchdog keeps each decision with the step it last changed,
         and a dict a step is one more allocation on a cold cache.
         """
+        tracker = self._steps_taken
+        step = trainer.global_step if tracker is None else tracker.completed
         should_stop = trainer.should_stop
         if should_stop is self._should_stop:
-            self.runner.steps.batch_end_fetch_start(trainer.global_step)
+            self.runner.steps.batch_end_fetch_start(step)
             return
         self._should_stop = should_stop
-        self.runner.steps.batch_end_fetch_start(trainer.global_step, {"should_stop": should_stop})
+        self.runner.steps.batch_end_fetch_start(step, {"should_stop": should_stop})
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EVAL_START for every val loader, in Lightning's order."""
