@@ -220,7 +220,7 @@ class PartPending:
         """
         if self._whole is None:
             raise RuntimeError(f"part {self.part!r} was posted but never sent")
-        verdicts = self._whole.result(timeout_s).parts
+        verdicts = self._whole.result(timeout_s)[0]
         if self.part not in verdicts:
             raise RuntimeError(
                 f"rankguard exchange part {self.part!r} failed: the deciding rank did not post "
@@ -244,27 +244,19 @@ class PartPending:
         whole = self._whole
         if whole is None or not whole.done or whole._error is not None:
             return batch + interval
-        agreed: _Verdicts = whole._value
+        _, latest, pace = whole._value  # see _Verdicts
         stretch = 1
-        if auto and agreed.pace:
-            stretch = max(1, math.ceil(AUTO_INTERVAL_S / (interval * agreed.pace)))
-        return max(batch, agreed.batch) + interval * stretch
+        if auto and pace:
+            stretch = max(1, math.ceil(AUTO_INTERVAL_S / (interval * pace)))
+        return max(batch, latest) + interval * stretch
 
 
-@dataclass(frozen=True)
-class _Verdicts:
-    """An interval exchange's verdict: each part's, and what the ranks agreed on.
-
-    Attributes:
-        parts: Each part's verdict (a :class:`_PartFailed` where it has none).
-        batch: The latest train batch any rank posted the exchange at.
-        pace: The slowest rank's seconds per train batch since its last exchange
-            (or the fit's start), ``None`` where no rank could measure it.
-    """
-
-    parts: dict[str, Any]
-    batch: int
-    pace: float | None
+#: An interval exchange's verdict, ``(parts, batch, pace)``: each part's verdict (a
+#: :class:`_PartFailed` where it has none); the latest train batch any rank posted the
+#: exchange at; the slowest rank's seconds per train batch since its last exchange (or the
+#: fit's start), ``None`` where no rank could measure it. A plain tuple: it goes over the
+#: store to every rank at every exchange (a dataclass pickles 90 bytes longer).
+_Verdicts = tuple[dict[str, Any], int, "float | None"]
 
 
 class IntervalExchange:
@@ -361,13 +353,13 @@ def _decide_parts(decides: Mapping[str, Decide], values: Mapping[int, Any]) -> _
     """Each part's verdict over the ranks that sent it (the deciding rank's parts)."""
     batches = {rank: value[0] for rank, value in values.items()}
     paces = [value[2] for value in values.values() if value[2] is not None]
-    agreed = partial(_Verdicts, batch=max(batches.values()), pace=max(paces, default=None))
+    latest, pace = max(batches.values()), max(paces, default=None)
     if len(set(batches.values())) > 1:
         failed = _PartFailed(
             f"the ranks posted it at different train batches ({batches}): are the guards "
             "set the same on every rank?"
         )
-        return agreed(dict.fromkeys(decides, failed))
+        return dict.fromkeys(decides, failed), latest, pace
     verdicts: dict[str, Any] = {}
     for part, decide in decides.items():
         sent = {rank: value[1][part] for rank, value in values.items() if part in value[1]}
@@ -382,4 +374,4 @@ def _decide_parts(decides: Mapping[str, Decide], values: Mapping[int, Any]) -> _
         except Exception as exc:
             logger.exception("rankguard: deciding exchange part %r failed", part)
             verdicts[part] = _PartFailed(f"{type(exc).__name__}: {exc}")
-    return agreed(verdicts)
+    return verdicts, latest, pace
