@@ -58,7 +58,7 @@ AUTO_INTERVAL = 50
 #: ... and the shortest time between them: where :data:`AUTO_INTERVAL` batches take less,
 #: the interval is the smallest multiple of it that takes this long at the pace of the
 #: last one (an exchange costs 400-550 us of CPU in a fit: at 10 ms steps, 50 batches
-#: apart, that is 1 us a step; 5 s apart, 0.1 us).
+#: apart, that is 10 us a step; 5 s apart, 1 us).
 AUTO_INTERVAL_S = 5.0
 
 
