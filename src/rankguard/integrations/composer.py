@@ -376,9 +376,11 @@ class _ComposerAdapter(Callback):
             return
         runner = self.runner
         if core_event is CoreEvent.CHECKPOINT_SAVE_START and not (
-            runner.handlers[core_event] and self._save_due(state, event)
+            runner.handlers[core_event]
+            and (event is _BATCH_CHECKPOINT or self._save_due(state, event))
         ):
-            return  # EPOCH_CHECKPOINT: a save only when a saver says so
+            return  # a save only when a guard handles it and a saver says so (asked above
+            # for BATCH_CHECKPOINT, not twice)
         if core_event in _FIT_BOUNDS:
             self._fitting = core_event is CoreEvent.FIT_START
             self._passes.clear()
