@@ -28,6 +28,23 @@ if rg_olmo_core is not None:
     ADAPTERS.append(rg_olmo_core)
 
 
+def cpu_trainer(**settings):
+    """A one-process Lightning trainer on the CPU that logs and prints nothing of its own.
+
+    One epoch and no checkpoints unless ``settings`` say otherwise.
+    """
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **{"max_epochs": 1, "enable_checkpointing": False, **settings},
+    )
+
+
 def callback_classes(module):
     return [getattr(module, name) for name in [*GUARD_CLASSES, "RankGuard"]]
 
@@ -135,16 +152,7 @@ def test_lightning_single_process_fit_is_silent(caplog):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     caplog.set_level(logging.WARNING, logger="rankguard")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[rg_lightning.RankGuard()],
-    )
+    trainer = cpu_trainer(callbacks=[rg_lightning.RankGuard()])
     trainer.fit(Module(), DataLoader(Points(16), batch_size=4), DataLoader(Points(8), batch_size=4))
     assert [r for r in caplog.records if r.name.startswith("rankguard")] == []
 
@@ -281,13 +289,9 @@ def test_lightning_every_save_and_resume_pass_through_rankguard(tmp_path):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def fit(recorder, **kwargs):
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=1,
+        trainer = cpu_trainer(
             max_epochs=kwargs.pop("max_epochs", 1),
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+            enable_checkpointing=True,
             callbacks=[
                 rg_lightning._LightningAdapter([recorder]),
                 ModelCheckpoint(
@@ -340,15 +344,7 @@ def test_lightning_split_decisions_read_should_stop_and_the_synced_keys_of_the_r
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer()
     trainer.fit(Module(), DataLoader(Points(16), batch_size=4))
     # One process: Lightning syncs nothing (sync_dist only applies when distributed); the
     # 2-rank run in tests/frameworks/test_deadlock_e2e.py reads the synced key.
@@ -394,16 +390,7 @@ def test_lightning_step_log_reads_global_step_from_its_tracker_in_either_optimiz
             logged.append((trainer.global_step, None if entry is None else entry[2]))
 
     guard = RankGuard(hang_watchdog=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[guard, Probe()],
-    )
+    trainer = cpu_trainer(max_epochs=2, callbacks=[guard, Probe()])
     trainer.fit(Module(), DataLoader(Points(16), batch_size=4))
     assert len(logged) == 8
     steps_taken = [global_step for global_step, _ in logged]
