@@ -146,6 +146,10 @@ HISTORY = 256  # heartbeats kept per rank for rank{N}.jsonl
 MAX_FRAMES = 64  # frames of the training loop read at each exchange
 #: While this rank makes no progress, its own stack is sampled this often (seconds).
 PROBE_PERIOD_S = 0.5
+#: While it makes progress, the watchdog thread wakes this often (seconds) to read the step
+#: log: a wake costs tens of µs of CPU and a read a fixed cost besides its entries', so
+#: rarer reads while training goes on make the thread's share of a step 2-3 times smaller.
+READ_PERIOD_S = 2.0
 #: A deadlock seen at one exchange is confirmed by the next, this long after (seconds): ranks
 #: leave one collective a few milliseconds apart, so a status sampled just before one rank
 #: returned from it must not confirm it.
@@ -507,7 +511,8 @@ class HangWatchdog(Guard):
         """Reads the step log now (this guard's part: :meth:`read_steps`).
 
         The watchdog thread calls it before it reads what the heartbeats say (at
-        least every :data:`PROBE_PERIOD_S` between exchanges); the main thread at
+        least every :data:`READ_PERIOD_S` between exchanges, every :data:`PROBE_PERIOD_S`
+        while the loop makes no progress); the main thread at
         fit end, at a checkpoint save and when it stops the thread.
         """
         self.steps.drain()
@@ -658,7 +663,7 @@ class HangWatchdog(Guard):
         """After the first train batch, and once calibrated: the thread exchanges at once.
 
         Seen when the step log is read at the next batch's start (``due``) or by the
-        thread (within :data:`PROBE_PERIOD_S`), not an exchange period later: the other
+        thread (within :data:`READ_PERIOD_S`), not an exchange period later: the other
         ranks learn this rank left start-up, then its calibrated deadlines (3 train
         intervals a step), which bound how long it may go silent (a rank that freezes
         next is judged by them).
@@ -953,11 +958,22 @@ class HangWatchdog(Guard):
         until = _now() + self.exchange_period_s
         while not self._wake.is_set():
             left = until - _now()
-            if left <= 0 or self._wake.wait(min(left, PROBE_PERIOD_S)):
+            if left <= 0 or self._wake.wait(min(left, self._probe_period())):
                 break
             if self._settled_at_rendezvous():
                 break
         self._wake.clear()
+
+    def _probe_period(self) -> float:
+        """:data:`READ_PERIOD_S` while the loop makes progress, else :data:`PROBE_PERIOD_S`.
+
+        The last read's newest heartbeat tells: a loop that came to wait at a rendezvous
+        just after it is sampled at the next wake, so it settles at most a read period later.
+        """
+        beat = self._beat
+        if beat is not None and beat.kind != "done" and _now() - beat.at < PROBE_PERIOD_S:
+            return READ_PERIOD_S
+        return PROBE_PERIOD_S
 
     def _settled_at_rendezvous(self) -> bool:
         """Whether the loop, without progress, has waited at one rendezvous for its settle time.
