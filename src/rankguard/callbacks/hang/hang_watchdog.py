@@ -470,6 +470,7 @@ class HangWatchdog(Guard):
         self._deadline_s: dict[str, float] = self.ceilings
         self._steps_done = 0  # train batches ended, as read from the step log
         self._wake_at = 1  # the next of them after which the thread exchanges at once
+        self._read_wake = False  # the thread read a wake point: exchange at once
         self.due = 1  # the first train batch's start: on_due
         self._after_eval = False
         self._incident: Runs = ()
@@ -649,28 +650,42 @@ class HangWatchdog(Guard):
     on_epoch_end = _heartbeat_handler("epoch_end")
 
     def on_due(self, batches: int) -> None:
-        """At the start of the batch after a wake point: reads the step log.
+        """At the start of the batch after a wake point: wakes the thread, which reads the log.
 
-        Reading it wakes the thread at the wake point (see :meth:`_exchange_now`) without
-        waiting for its next read; the thread starts here if no fit start started it.
+        The thread's read finds the wake point passed and exchanges at once (see
+        :meth:`_exchange_now`) without waiting for its next read; the training thread
+        only sets a flag. The thread starts here if no fit start started it.
         """
-        self.steps.drain()
         if self._thread is None:
             self._start()
-        self.due = self._wake_at + 1 if self._wake_at else math.inf
+        ended = batches - 1
+        if ended:
+            self._wake.set()
+        self.due = next((at + 1 for at in self._wake_points() if at > ended), math.inf)
+
+    def _wake_points(self) -> tuple[int, int]:
+        """The train batches ended after which the thread exchanges at once.
+
+        The first, and the one after which its deadlines are calibrated.
+        """
+        return 1, self.warmup_steps + MIN_SAMPLES // 3 + 1
 
     def _exchange_now(self) -> None:
         """After the first train batch, and once calibrated: the thread exchanges at once.
 
-        Seen when the step log is read at the next batch's start (``due``) or by the
-        thread (within :data:`READ_PERIOD_S`), not an exchange period later: the other
-        ranks learn this rank left start-up, then its calibrated deadlines (3 train
-        intervals a step), which bound how long it may go silent (a rank that freezes
-        next is judged by them).
+        Seen when the thread reads the step log, woken at the next batch's start
+        (``due``) or within :data:`READ_PERIOD_S`, not an exchange period later: the
+        other ranks learn this rank left start-up, then its calibrated deadlines (3
+        train intervals a step), which bound how long it may go silent (a rank that
+        freezes next is judged by them). Read by the thread itself before a status, it
+        needs no wake: that status is the exchange.
         """
-        calibrated = self.warmup_steps + MIN_SAMPLES // 3 + 1
+        calibrated = self._wake_points()[1]
         self._wake_at = calibrated if self._wake_at < calibrated else 0
-        self._wake.set()
+        if threading.current_thread() is self._thread:
+            self._read_wake = True  # :meth:`_sleep` ends at once; the next status clears it
+        else:
+            self._wake.set()
 
     def on_eval_end(self, facts: EventFacts) -> None:
         """Records a heartbeat; the after-eval deadline applies until the next data fetch."""
@@ -917,8 +932,10 @@ class HangWatchdog(Guard):
             suspect = self._last.suspect if self._last is not None else None
             decide = functools.partial(diagnose, incident=self._incident, suspect=suspect)
             try:
+                status = self._status()
+                self._read_wake = False  # a wake point read so far: this status tells it
                 verdict = self.channel.exchange(
-                    STATUS_EXCHANGE, self._status(), decide, timeout_s=self.exchange_timeout_s
+                    STATUS_EXCHANGE, status, decide, timeout_s=self.exchange_timeout_s
                 )
             except RanksMissingError as missing:
                 self._failures += 1
@@ -956,7 +973,7 @@ class HangWatchdog(Guard):
     def _sleep(self) -> None:
         """Waits for the next exchange; sooner when this rank's loop settles at a rendezvous."""
         until = _now() + self.exchange_period_s
-        while not self._wake.is_set():
+        while not self._wake.is_set() and not self._read_wake:
             left = until - _now()
             if left <= 0 or self._wake.wait(min(left, self._probe_period())):
                 break
