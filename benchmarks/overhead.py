@@ -12,19 +12,25 @@ budget and ``OVER`` where it is above it:
   PyTorch's slower call of a hooked module included (measured apart, per call).
   Fit start and end (the one-off checks) are left out. The thread's own CPU clock
   (``time.thread_time``), less the clock's own cost per timed call: other
-  processes on the cores do not inflate it. Budget: 10 us.
+  processes on the cores do not inflate it. In the steady state, as a long fit
+  pays it: what the thread had spent, read past a third of the fit and again near
+  its end (900 steps hold an interval exchange of the monitors in that window).
+  Budget: 10 us. Beside it, the same over the whole fit, with its one-off costs (the
+  first batches' wakes of the watchdog, the straggler monitor's warm-up, the first
+  interval's exchange).
 * **over floor**: the train thread's figure less the floor's: the same entry points
   timed the same way in a fit with an empty callback of the framework in rankguard's
   place (a loop: a wrapper making the loop's two calls a batch to methods that do
   nothing). A framework calls every callback at each of its events (Composer about 13
   times a batch) and the first code to run after the forward or the backward runs on
-  a cold cache; the floor is what any callback pays for that. Budget: 10 us.
+  a cold cache; the floor is what any callback pays for that (over its whole fit: an
+  empty callback has no one-off costs). Budget: 10 us.
 * **background**: CPU time per step of rankguard's own threads (the hang
   watchdog, the interval exchange) in the steady state: each thread's clock read
   from another thread (``time.pthread_getcpuclockid``) past a third of the fit and
   again near its end, in all and by thread. Budget: 10 us. Beside it, the same
   over the whole fit (each thread's clock read when it ends), whose one-off costs
-  (thread starts, store connections, the first and last exchanges) a 300-step fit
+  (thread starts, store connections, the first and last exchanges) a short fit
   spreads thin enough to show; a real fit's thousands of steps do not.
 * **ratio**: median wall time of the fits with rankguard over those without, and
   the run-to-run spread of the fits without (max - min over median). Budget: the
@@ -36,7 +42,8 @@ with and one without rankguard per framework, ``DIR/<framework>-with.prof``) and
 prints rankguard's top entries: own time plus time in the non-rankguard functions
 they call (cProfile's cost per call inflates them; read them as proportions).
 
-Usage: ``python benchmarks/overhead.py [--rounds 4] [--steps 300] [--frameworks composer,torch]``
+Usage: ``python benchmarks/overhead.py [--rounds 2] [--steps 900] [--frameworks composer,torch]``
+(about 8 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -97,16 +104,37 @@ def budget(value: float, limit: float) -> str:
     return f"{value:6.1f} us (budget {limit:.0f}){'  OVER' if value > limit else ''}"
 
 
+def train_figures(
+    adapter_s: float, hooks_s: float, hook_calls: float, hook_dispatch_s: float
+) -> tuple[float, float, float, float]:
+    """Per step, in us: adapter, hooks, PyTorch's hooked-call path; and hooked calls."""
+    return 1e6 * adapter_s, 1e6 * hooks_s, 1e6 * hook_dispatch_s * hook_calls, hook_calls
+
+
 def report(framework: str, t: dict) -> None:
     """Prints one framework's figures beside their budgets."""
     steps = t["steps"]
     without, with_ = statistics.median(t["without"]), statistics.median(t["with"])
     ratio = with_ / without
     spread = (max(t["without"]) - min(t["without"])) / without if len(t["without"]) > 1 else 0.0
-    adapter = 1e6 * statistics.median(t["adapter"]) / steps
-    hooks = 1e6 * statistics.median(t["hooks"]) / steps
-    hooked = statistics.median(t["hook_calls"]) / steps
-    dispatch = 1e6 * t["hook_dispatch_s"][0] * hooked
+    whole = train_figures(
+        statistics.median(t["adapter"]) / steps,
+        statistics.median(t["hooks"]) / steps,
+        statistics.median(t["hook_calls"]) / steps,
+        t["hook_dispatch_s"][0],
+    )
+    runs = [fit for fit in t.get("steady_train", []) if fit]
+    steady_train = (
+        train_figures(
+            statistics.median(fit["adapter"] for fit in runs),
+            statistics.median(fit["hooks"] for fit in runs),
+            statistics.median(fit["hook_calls"] for fit in runs),
+            t["hook_dispatch_s"][0],
+        )
+        if runs
+        else None
+    )
+    adapter, hooks, dispatch, hooked = steady_train or whole
     train = adapter + hooks + dispatch
     background = 1e6 * statistics.median(t["background"]) / steps
     steady = (
@@ -117,11 +145,20 @@ def report(framework: str, t: dict) -> None:
     floor = 1e6 * statistics.median(t["floor"]) / steps if t.get("floor") else None
     over = "  OVER" if ratio > 1 + spread else ""
     print(f"{framework:<12} {steps:>5} {1000 * without / steps:>8.1f}")
-    print(f"  train thread: {budget(train, TRAIN_BUDGET_US)}  per step")
+    state = ", steady state" if steady_train else ""
+    print(f"  train thread: {budget(train, TRAIN_BUDGET_US)}  per step{state}")
     print(
         f"    adapter + dispatch + guards {adapter:.1f} us; forward hooks {hooks:.1f} us + "
-        f"PyTorch's hooked-call path {dispatch:.1f} us ({hooked:.1f} hooked calls per step)"
+        f"PyTorch's hooked-call path {dispatch:.1f} us ({hooked:.2f} hooked calls per step)"
     )
+    if steady_train:
+        whole_train = sum(whole[:3])
+        print(
+            f"    from a third of the fit to its end; {whole_train:.1f} us a step over the whole "
+            f"fit, with its one-off costs ({1e-3 * steps * (whole_train - train):.1f} ms a fit: "
+            "the first batches' wakes of the watchdog, the straggler monitor's warm-up, the "
+            "first interval's exchange)"
+        )
     if floor is not None:
         print(f"  over floor:   {budget(train - floor, TRAIN_BUDGET_US)}  per step")
         print(f"    floor: an empty {FLOOR[framework]}, timed the same way: {floor:.1f} us")
@@ -180,8 +217,8 @@ def print_profile(path: Path, steps: int, top: int = 12) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=900)
     parser.add_argument("--frameworks", default="composer,lightning,torch,transformers")
     parser.add_argument(
         "--config",

@@ -351,14 +351,16 @@ def count_rankguard_threads() -> None:
 
 
 class SteadySampler:
-    """Reads rankguard's threads' CPU clocks from a thread of its own, past a third of the fit.
+    """Reads rankguard's CPU clocks from a thread of its own, past a third of the fit.
 
-    Every ``period_s`` it reads the train batches the fit's step log has started and
-    each ``rankguard-*`` thread's CPU clock (``time.pthread_getcpuclockid``): the first
-    reading past ``steps // 3`` batches and the last before the fit ends give the
-    threads' CPU per batch in the steady state, without the fit's one-off costs (thread
-    start, store connections, the first exchanges, the last ones at fit end). Its own
-    thread is not rankguard's: not counted.
+    Every ``period_s`` it reads the train batches the fit's step log has started,
+    each ``rankguard-*`` thread's CPU clock (``time.pthread_getcpuclockid``) and what
+    the training thread has spent inside rankguard so far (``INSIDE``): the first
+    reading past ``steps // 3`` batches and the last before the fit ends give the CPU
+    per batch in the steady state, without the fit's one-off costs (thread start,
+    store connections, the first exchanges, the last ones at fit end; on the training
+    thread, the first batches' wakes of the watchdog, the straggler monitor's warm-up,
+    the first interval's exchange). Its own thread is not rankguard's: not counted.
     """
 
     def __init__(self, steps: int, period_s: float = 0.02) -> None:
@@ -372,13 +374,19 @@ class SteadySampler:
         self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
         self._thread.start()
 
-    def _read(self) -> tuple[int, dict[int, float]] | None:
+    def _read(self) -> tuple[int, dict[int, float], tuple[float, float, int]] | None:
         import threading
 
         runner = RUNNERS[-1] if RUNNERS else None
         if runner is None:
             return None
         batches = runner.steps.batches
+        # What the training thread has spent inside rankguard so far (see INSIDE).
+        inside = (
+            INSIDE["adapter"] - INSIDE["adapter_timer"],
+            INSIDE["hooks"] - INSIDE["hooks_timer"],
+            HOOK_CALLS[0],
+        )
         clocks = {}
         for thread in threading.enumerate():
             if thread.name.startswith(THREAD_PREFIX) and thread.ident is not None:
@@ -389,7 +397,7 @@ class SteadySampler:
                 except OSError:  # ended meanwhile
                     continue
                 self.names[thread.ident] = thread.name[len(THREAD_PREFIX) :]
-        return batches, clocks
+        return batches, clocks, inside
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
@@ -407,12 +415,27 @@ class SteadySampler:
         self._thread.join()
         if self.first is None or self.last is None or self.last[0] <= self.first[0]:
             return None
-        (b0, c0), (b1, c1) = self.first, self.last
+        (b0, c0, _), (b1, c1, _) = self.first, self.last
         spent: dict[str, float] = {}
         for ident, cpu in c1.items():
             name = self.names[ident]
             spent[name] = spent.get(name, 0.0) + (cpu - c0.get(ident, 0.0)) / (b1 - b0)
         return spent
+
+    def train_per_batch(self) -> dict[str, float] | None:
+        """The training thread's figures (``adapter``, ``hooks`` in seconds, ``hook_calls``)
+        per train batch between the two readings: rankguard's steady state, as in a long fit.
+
+        Call after :meth:`per_batch_s` (which stops the sampler).
+        """
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return None
+        (b0, _, i0), (b1, _, i1) = self.first, self.last
+        keys = ("adapter", "hooks", "hook_calls")
+        return {
+            key: (after - before) / (b1 - b0)
+            for key, before, after in zip(keys, i0, i1, strict=True)
+        }
 
 
 def track_runners() -> None:
@@ -518,7 +541,7 @@ def main() -> None:
         time_rankguard(framework)
         track_runners()
     times: dict[str, list[float]] = {"without": [], "with": []}
-    for key in ("adapter", "hooks", "background", "steady", "hook_calls", "floor"):
+    for key in ("adapter", "hooks", "background", "steady", "steady_train", "hook_calls", "floor"):
         times[key] = []
     for i in range(2 * rounds):
         mode = "with" if i % 2 == (i // 2) % 2 else "without"  # ABBA order cancels drift
@@ -534,6 +557,7 @@ def main() -> None:
             steady = sampler.per_batch_s() if sampler is not None else None
             if steady is not None:
                 times["steady"].append(steady)
+                times["steady_train"].append(sampler.train_per_batch())
             join_rankguard_threads()
             times["adapter"].append(INSIDE["adapter"] - INSIDE["adapter_timer"])
             times["hooks"].append(INSIDE["hooks"] - INSIDE["hooks_timer"])
