@@ -381,12 +381,7 @@ class SteadySampler:
         if runner is None:
             return None
         batches = runner.steps.batches
-        # What the training thread has spent inside rankguard so far (see INSIDE).
-        inside = (
-            INSIDE["adapter"] - INSIDE["adapter_timer"],
-            INSIDE["hooks"] - INSIDE["hooks_timer"],
-            HOOK_CALLS[0],
-        )
+        inside = spent_inside()
         clocks = {}
         for thread in threading.enumerate():
             if thread.name.startswith(THREAD_PREFIX) and thread.ident is not None:
@@ -408,14 +403,21 @@ class SteadySampler:
                 self.first = reading
             self.last = reading
 
+    def _window(self) -> tuple[tuple, tuple] | None:
+        """The first and last readings, if they span some batches."""
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return None
+        return self.first, self.last
+
     def per_batch_s(self) -> dict[str, float] | None:
         """CPU seconds per train batch of each of rankguard's threads (by name), between the
         two readings."""
         self._stop.set()
         self._thread.join()
-        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+        window = self._window()
+        if window is None:
             return None
-        (b0, c0, _), (b1, c1, _) = self.first, self.last
+        (b0, c0, _), (b1, c1, _) = window
         spent: dict[str, float] = {}
         for ident, cpu in c1.items():
             name = self.names[ident]
@@ -428,14 +430,25 @@ class SteadySampler:
 
         Call after :meth:`per_batch_s` (which stops the sampler).
         """
-        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+        window = self._window()
+        if window is None:
             return None
-        (b0, _, i0), (b1, _, i1) = self.first, self.last
+        (b0, _, i0), (b1, _, i1) = window
         keys = ("adapter", "hooks", "hook_calls")
         return {
             key: (after - before) / (b1 - b0)
             for key, before, after in zip(keys, i0, i1, strict=True)
         }
+
+
+def spent_inside() -> tuple[float, float, int]:
+    """What the training thread has spent inside rankguard so far (see ``INSIDE``): the
+    adapter's and the hooks' CPU seconds, less the clock's own cost, and the hooked calls."""
+    return (
+        INSIDE["adapter"] - INSIDE["adapter_timer"],
+        INSIDE["hooks"] - INSIDE["hooks_timer"],
+        HOOK_CALLS[0],
+    )
 
 
 def track_runners() -> None:
@@ -559,9 +572,10 @@ def main() -> None:
                 times["steady"].append(steady)
                 times["steady_train"].append(sampler.train_per_batch())
             join_rankguard_threads()
-            times["adapter"].append(INSIDE["adapter"] - INSIDE["adapter_timer"])
-            times["hooks"].append(INSIDE["hooks"] - INSIDE["hooks_timer"])
-            times["hook_calls"].append(HOOK_CALLS[0])
+            adapter, hooks, hook_calls = spent_inside()
+            times["adapter"].append(adapter)
+            times["hooks"].append(hooks)
+            times["hook_calls"].append(hook_calls)
             times["background"].append(INSIDE["background"])
             if not profile_dir:  # the floor: an empty callback at the same entry points
                 fit("floor", steps)
