@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -237,3 +240,30 @@ def test_take_closed_returns_the_interval_of_its_batch_and_drops_older_ones_only
     assert closed == {150: "third"}  # 50 was never taken: dropped; 150 is not yet due
     assert steps.take_closed(closed, 200) is None  # never closed (a log reset under it)
     assert closed == {}
+
+
+def test_drain_while_the_training_thread_appends_loses_and_reorders_no_entry():
+    steps, read = StepLog(), []
+    steps.connect([read.extend], on_due=lambda batches: batches + 10**9)
+    total = 200_000
+
+    def train() -> None:
+        for step in range(total):
+            steps.batch_end_fetch_start(step)
+
+    thread = threading.Thread(target=train)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads take turns between any two bytecodes
+    try:
+        thread.start()
+        drains = 0
+        while thread.is_alive():
+            steps.drain()  # the watchdog's reads, concurrent with the appends
+            drains += 1
+        thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    steps.drain()
+    assert drains > 1
+    assert [entry[2] for entry in read] == list(range(total))
+    assert steps.entries == []

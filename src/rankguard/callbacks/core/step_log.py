@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections import deque
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any, TypeVar
@@ -81,7 +80,9 @@ class StepLog:
     """
 
     def __init__(self) -> None:
-        self.entries: deque[Entry] = deque()
+        # A list: the training thread appends at its end; a read takes the entries it
+        # found (a slice) and deletes them (a slice), two C calls whatever their number.
+        self.entries: list[Entry] = []
         self.batches = 0
         self.due: float = 1  # the first batch asks the guards for theirs
         self.fetch_clock: Any = None
@@ -203,7 +204,9 @@ class StepLog:
             entries = self.entries
             if not entries:
                 return
-            taken = [entries.popleft() for _ in range(len(entries))]
+            count = len(entries)
+            taken = entries[:count]
+            del entries[:count]  # what the training thread appended since stays
             for reader in self._readers:
                 try:
                     reader(taken)
