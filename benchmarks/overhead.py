@@ -187,7 +187,10 @@ def report(framework: str, t: dict) -> None:
 
 
 def print_profile(path: Path, steps: int, top: int = 12) -> None:
-    """Prints rankguard's top functions in a profile: own time plus non-rankguard callees."""
+    """Prints rankguard's top functions in a profile: own time plus non-rankguard callees.
+
+    The training loop, where rankguard calls it, and the user's loader are not counted.
+    """
     import pstats
 
     stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
@@ -196,12 +199,22 @@ def print_profile(path: Path, steps: int, top: int = 12) -> None:
     def is_ours(fn: tuple) -> bool:  # rankguard's package, not a framework's callbacks/
         return fn[0].startswith(ours)
 
+    # The framework's own loop where rankguard calls it (the HF Trainer's ``train``, behind
+    # the wrapper that reads its resume argument): the functions above rankguard's per-step
+    # entry points (called every step), found through their callers (not through builtins,
+    # which every caller shares).
+    loop, frontier = set(), [fn for fn in stats if is_ours(fn) and stats[fn][1] >= steps]
+    while frontier:
+        for caller in stats[frontier.pop()][4]:
+            if not is_ours(caller) and caller[0] != "~" and caller not in loop:
+                loop.add(caller)
+                frontier.append(caller)
     spent: dict[tuple, float] = {}
     for fn, (_, _, own, _, callers) in stats.items():
         if is_ours(fn):
             spent[fn] = spent.get(fn, 0.0) + own
             continue
-        if fn[2] == "<built-in method builtins.next>":  # the user's loader, behind run.train
+        if fn in loop or fn[2] == "<built-in method builtins.next>":  # or the user's loader
             continue
         for caller, (_, _, _, cumulative) in callers.items():
             if is_ours(caller):
