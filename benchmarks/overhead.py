@@ -117,11 +117,12 @@ def report(framework: str, t: dict) -> None:
     without, with_ = statistics.median(t["without"]), statistics.median(t["with"])
     ratio = with_ / without
     spread = (max(t["without"]) - min(t["without"])) / without if len(t["without"]) > 1 else 0.0
+    dispatch_s = t["hook_dispatch_s"][0]
     whole = train_figures(
         statistics.median(t["adapter"]) / steps,
         statistics.median(t["hooks"]) / steps,
         statistics.median(t["hook_calls"]) / steps,
-        t["hook_dispatch_s"][0],
+        dispatch_s,
     )
     runs = [fit for fit in t.get("steady_train", []) if fit]
     steady_train = (
@@ -129,7 +130,7 @@ def report(framework: str, t: dict) -> None:
             statistics.median(fit["adapter"] for fit in runs),
             statistics.median(fit["hooks"] for fit in runs),
             statistics.median(fit["hook_calls"] for fit in runs),
-            t["hook_dispatch_s"][0],
+            dispatch_s,
         )
         if runs
         else None
@@ -145,7 +146,12 @@ def report(framework: str, t: dict) -> None:
     floor = 1e6 * statistics.median(t["floor"]) / steps if t.get("floor") else None
     over = "  OVER" if ratio > 1 + spread else ""
     print(f"{framework:<12} {steps:>5} {1000 * without / steps:>8.1f}")
-    state = ", steady state" if steady_train else ""
+    per_fit = [
+        sum(train_figures(fit["adapter"], fit["hooks"], fit["hook_calls"], dispatch_s)[:3])
+        for fit in runs
+    ]
+    fits = ", ".join(f"{us:.1f}" for us in per_fit)
+    state = f", steady state (median of fits {fits})" if steady_train else ""
     print(f"  train thread: {budget(train, TRAIN_BUDGET_US)}  per step{state}")
     print(
         f"    adapter + dispatch + guards {adapter:.1f} us; forward hooks {hooks:.1f} us + "
@@ -165,7 +171,11 @@ def report(framework: str, t: dict) -> None:
     if steady is None:
         print(f"  background:   {budget(background, BACKGROUND_BUDGET_US)}  per step")
     else:
-        print(f"  background:   {budget(steady, BACKGROUND_BUDGET_US)}  per step, steady state")
+        fits = ", ".join(f"{1e6 * sum(fit.values()):.1f}" for fit in t["steady"])
+        print(
+            f"  background:   {budget(steady, BACKGROUND_BUDGET_US)}  per step, steady state "
+            f"(median of fits {fits})"
+        )
         names = sorted({name for fit in t["steady"] for name in fit})
         print(
             "    by thread: "
