@@ -65,7 +65,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -74,6 +73,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from launch import free_port  # noqa: E402
+
 ROOT = HERE.parent
 SCENARIOS = {
     "post_eval_stall": "post-eval stall",
@@ -230,12 +232,6 @@ def worker(scenario: str, out: Path, mode: str) -> None:
 
 
 # -- driver ------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(scenario: str, out: Path, mode: str) -> list[subprocess.Popen]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,10 +33,24 @@ def job_env(**extra: str) -> dict[str, str]:
     return env
 
 
+#: Ports :func:`free_port` picks from: below Linux's ephemeral range (32768-60999), from which
+#: the kernel gives every outgoing connection its local port and every ``bind(0)`` its port,
+#: so a port found free here is not handed to another process before the launcher binds it.
+PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no socket holds now, outside the kernel's ephemeral range (see :data:`PORTS`)."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.choice(PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {PORTS.start}-{PORTS.stop - 1} after 100 tries")
 
 
 def descendants(pid: int) -> list[int]:

@@ -110,8 +110,9 @@ def job(request, tmp_path_factory) -> dict[str, Any]:
         (out / "node1_disk").mkdir()
         prefix = {1: node_disk(str(out / "node1_disk"), str(out / "local"))}
         scenarios += NODE_LOCAL_SCENARIOS
+    # Below pytest's 300 s: a job that hangs is killed and its nodes' output shown.
     results = launch_nodes(
-        spec["job"], [str(out), *scenarios], nodes=2, per_node=1, timeout=300, prefix=prefix
+        spec["job"], [str(out), *scenarios], nodes=2, per_node=1, timeout=240, prefix=prefix
     )
     for node, result in enumerate(results):
         assert result.returncode == 0, f"node {node}:\n{result.stderr[-4000:]}"
