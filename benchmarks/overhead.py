@@ -111,6 +111,11 @@ def train_figures(
     return 1e6 * adapter_s, 1e6 * hooks_s, 1e6 * hook_dispatch_s * hook_calls, hook_calls
 
 
+def _listed(figures: list[float]) -> str:
+    """Each fit's figure, in us, as the output lists them."""
+    return ", ".join(f"{us:.1f}" for us in figures)
+
+
 def report(framework: str, t: dict) -> None:
     """Prints one framework's figures beside their budgets."""
     steps = t["steps"]
@@ -138,20 +143,16 @@ def report(framework: str, t: dict) -> None:
     adapter, hooks, dispatch, hooked = steady_train or whole
     train = adapter + hooks + dispatch
     background = 1e6 * statistics.median(t["background"]) / steps
-    steady = (
-        1e6 * statistics.median(map(sum, map(dict.values, t["steady"])))
-        if t.get("steady")
-        else None
-    )
+    steady_fits = [1e6 * sum(fit.values()) for fit in t.get("steady", [])]  # each fit's
+    steady = statistics.median(steady_fits) if steady_fits else None
     floor = 1e6 * statistics.median(t["floor"]) / steps if t.get("floor") else None
     over = "  OVER" if ratio > 1 + spread else ""
     print(f"{framework:<12} {steps:>5} {1000 * without / steps:>8.1f}")
-    per_fit = [
+    train_fits = [
         sum(train_figures(fit["adapter"], fit["hooks"], fit["hook_calls"], dispatch_s)[:3])
         for fit in runs
     ]
-    fits = ", ".join(f"{us:.1f}" for us in per_fit)
-    state = f", steady state (median of fits {fits})" if steady_train else ""
+    state = f", steady state (median of fits {_listed(train_fits)})" if steady_train else ""
     print(f"  train thread: {budget(train, TRAIN_BUDGET_US)}  per step{state}")
     print(
         f"    adapter + dispatch + guards {adapter:.1f} us; forward hooks {hooks:.1f} us + "
@@ -171,10 +172,9 @@ def report(framework: str, t: dict) -> None:
     if steady is None:
         print(f"  background:   {budget(background, BACKGROUND_BUDGET_US)}  per step")
     else:
-        fits = ", ".join(f"{1e6 * sum(fit.values()):.1f}" for fit in t["steady"])
         print(
             f"  background:   {budget(steady, BACKGROUND_BUDGET_US)}  per step, steady state "
-            f"(median of fits {fits})"
+            f"(median of fits {_listed(steady_fits)})"
         )
         names = sorted({name for fit in t["steady"] for name in fit})
         print(
