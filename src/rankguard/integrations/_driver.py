@@ -68,6 +68,11 @@ class EventDriver:
         saving: Between :meth:`save_start` and :meth:`save_end`.
         evals: The eval loaders started and not yet ended, in order.
         eval_batches: Eval batches started of ``evals[0]``.
+        batch_open: Whether a train batch started and has not ended.
+        fetching: Whether a fetch window is open. The usual step goes from a fetch
+            (``fetching``, no ``batch_open``) to a batch and back; an adapter may make
+            those two moves itself, as :meth:`fetch_end_batch_start`'s and
+            :meth:`fetch_start`'s first branches do (the Hugging Face Trainer's does).
     """
 
     def __init__(self, runner: GuardRunner, log_metrics: MetricSink | None = None) -> None:
@@ -84,14 +89,9 @@ class EventDriver:
         self.saving = False
         self.evals: list[LoaderFacts] = []
         self.eval_batches = 0
-        self._batch_open = False
+        self.batch_open = False
         self._eval_batch_open = False
-        self._fetching = False
-
-    @property
-    def batch_open(self) -> bool:
-        """Whether a train batch started and has not ended."""
-        return self._batch_open
+        self.fetching = False
 
     def fire(self, event: Event, **facts: Any) -> None:
         """Fires ``event`` with the current step and epoch and ``facts``."""
@@ -146,40 +146,40 @@ class EventDriver:
     def epoch_start(self, loader: LoaderFacts | None) -> None:
         """EPOCH_START; a fetch window open before it is abandoned."""
         self.end_train_batch()
-        self._fetching = False
+        self.fetching = False
         self.epoch += 1
         self.fire(Event.EPOCH_START, loader=loader)
 
     def epoch_end(self, loader: LoaderFacts | None, loader_pass: LoaderPass | None = None) -> None:
         """EPOCH_END of the current epoch (its last train batch ends; a fetch window is dropped)."""
         self.end_train_batch()
-        self._fetching = False
+        self.fetching = False
         self.fire(Event.EPOCH_END, loader=loader, loader_pass=loader_pass)
 
     def fetch_start(self) -> None:
         """DATA_FETCH_START, once per fetch (ends the train batch before it)."""
-        if self._batch_open:
-            if not self._fetching:  # the usual step: its end and the next fetch in one call
-                self._batch_open, self._fetching = False, True
+        if self.batch_open:
+            if not self.fetching:  # the usual step: its end and the next fetch in one call
+                self.batch_open, self.fetching = False, True
                 self.step = step = self.step + 1
                 self._steps.batch_end_fetch_start(step - 1, fetch_step=step)
                 return
             self.end_train_batch()
-        if not self._fetching:
-            self._fetching = True
+        if not self.fetching:
+            self.fetching = True
             self._steps.fetch_start(self.step)
 
     def fetch_end(self) -> None:
         """DATA_FETCH_END (a window nobody opened opens here, empty)."""
-        if self._batch_open or not self._fetching:
+        if self.batch_open or not self.fetching:
             self.fetch_start()
-        self._fetching = False
+        self.fetching = False
         self._steps.fetch_end(self.step)
 
     def fetch_end_batch_start(self) -> None:
         """DATA_FETCH_END (as :meth:`fetch_end`), then TRAIN_BATCH_START."""
-        if self._fetching and not self._batch_open:  # the usual step, as train_batch_start's
-            self._fetching, self._batch_open = False, True
+        if self.fetching and not self.batch_open:  # the usual step, as train_batch_start's
+            self.fetching, self.batch_open = False, True
             self._steps.fetch_end_batch_start(self.step)
             return
         self.fetch_end()  # no fetch open: it opens here, empty
@@ -187,19 +187,19 @@ class EventDriver:
 
     def train_batch_start(self) -> None:
         """TRAIN_BATCH_START of batch :attr:`step` (ends an open fetch first)."""
-        if self._fetching and not self._batch_open:  # the usual step: both in one call
-            self._fetching, self._batch_open = False, True
+        if self.fetching and not self.batch_open:  # the usual step: both in one call
+            self.fetching, self.batch_open = False, True
             self._steps.fetch_end_batch_start(self.step)
             return
-        if self._fetching:
+        if self.fetching:
             self.fetch_end()
-        self._batch_open = True
+        self.batch_open = True
         self._steps.batch_start(self.step)
 
     def end_train_batch(self) -> None:
         """TRAIN_BATCH_END of the open train batch, if one is open."""
-        if self._batch_open:
-            self._batch_open = False
+        if self.batch_open:
+            self.batch_open = False
             self._steps.batch_end(self.step)
             self.step += 1
 
@@ -210,7 +210,7 @@ class EventDriver:
         if self.evals:
             raise RuntimeError("rankguard: EVAL_START while an eval is running (expected EVAL_END)")
         self.end_train_batch()
-        self._fetching = False
+        self.fetching = False
         self.evals = list(loaders)
         self.eval_batches = 0
         self._eval_batch_open = False
@@ -253,7 +253,7 @@ class EventDriver:
         if self.saving:
             raise RuntimeError("rankguard: CHECKPOINT_SAVE_START during a save")
         self.end_train_batch()
-        self._fetching = False
+        self.fetching = False
         self.saving = True
         self.fire(Event.CHECKPOINT_SAVE_START, directories=list(directories), model=model)
 

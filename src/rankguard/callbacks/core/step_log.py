@@ -77,6 +77,8 @@ class StepLog:
             runs, the log is not read): the straggler monitor hooks the model's
             forward for the batches it times with it.
         switch_at: The value of ``batches`` at which ``switch`` runs next.
+        act_at: The lower of ``due`` and ``switch_at``: the one threshold a batch's start
+            compares ``batches`` with before it calls :meth:`act` (kept by their setters).
     """
 
     def __init__(self) -> None:
@@ -84,15 +86,36 @@ class StepLog:
         # found (a slice) and deletes them (a slice), two C calls whatever their number.
         self.entries: list[Entry] = []
         self.batches = 0
-        self.due: float = 1  # the first batch asks the guards for theirs
+        self.act_at: float = 1
+        self._due_at: float = 1  # the first batch asks the guards for theirs
+        self._switch_at: float = math.inf
         self.fetch_clock: Any = None
         self.watched: set[int] = set()
         self.switch: Callable[[int], float] | None = None
-        self.switch_at: float = math.inf
         self._armed: Any = None  # the fetch clock armed for the open fetch window
         self._lock = threading.Lock()
         self._readers: list[StepReader] = []
         self._on_due: Callable[[int], float] | None = None
+
+    @property
+    def due(self) -> float:
+        """The value of ``batches`` at which a batch's start calls the due handler."""
+        return self._due_at
+
+    @due.setter
+    def due(self, batches: float) -> None:
+        self._due_at = batches
+        self.act_at = min(batches, self._switch_at)
+
+    @property
+    def switch_at(self) -> float:
+        """The value of ``batches`` at which a batch's start calls ``switch``."""
+        return self._switch_at
+
+    @switch_at.setter
+    def switch_at(self, batches: float) -> None:
+        self._switch_at = batches
+        self.act_at = min(self._due_at, batches)
 
     def connect(self, readers: list[StepReader], on_due: Callable[[int], float]) -> None:
         """Sets who reads the log and the training thread's due handler (its next due back)."""
@@ -139,10 +162,8 @@ class StepLog:
         """A train batch starts; at the due batch, the guards act (see :attr:`due`)."""
         self.entries.append((perf_counter(), BATCH_START, step, None, None, None))
         self.batches = batches = self.batches + 1
-        if batches >= self.due:
-            self._due(batches)
-        if batches >= self.switch_at:
-            self.switch_at = self.switch(batches)  # type: ignore[misc]
+        if batches >= self.act_at:
+            self.act(batches)
 
     def batch_end(self, step: int, decisions: dict[str, Any] | None = None) -> None:
         """The train batch ended, with the framework's split decisions if it has any."""
@@ -157,11 +178,16 @@ class StepLog:
             self.batch_start(step)
             return
         self.entries.append((perf_counter(), FETCH_END_BATCH_START, step, None, None, None))
-        # batch_start's count, due and switch, inline: a call costs more than they do here
+        # batch_start's count and threshold, inline: a call costs more than they do here
         self.batches = batches = self.batches + 1
-        if batches >= self.due:
+        if batches >= self.act_at:
+            self.act(batches)
+
+    def act(self, batches: int) -> None:
+        """At train batch ``batches`` (``>= act_at``): the due handler, then ``switch``, if due."""
+        if batches >= self._due_at:
             self._due(batches)
-        if batches >= self.switch_at:
+        if batches >= self._switch_at:
             self.switch_at = self.switch(batches)  # type: ignore[misc]
 
     def batch_end_fetch_start(
