@@ -242,6 +242,24 @@ def test_take_closed_returns_the_interval_of_its_batch_and_drops_older_ones_only
     assert closed == {}
 
 
+def test_a_batch_start_calls_the_due_handler_and_the_switch_each_at_its_own_batch():
+    calls = []
+    steps = StepLog()
+    steps.connect([], on_due=lambda batches: calls.append(("due", batches)) or batches + 3)
+
+    def switch(batches: int) -> float:
+        calls.append(("switch", batches))
+        return batches + 2
+
+    steps.switch, steps.switch_at = switch, 2
+    for step in range(6):  # both kinds of batch start share the one threshold
+        if step % 2:
+            steps.batch_start(step)
+        else:
+            steps.fetch_end_batch_start(step)
+    assert calls == [("due", 1), ("switch", 2), ("due", 4), ("switch", 4), ("switch", 6)]
+    assert (steps.due, steps.switch_at, steps.act_at) == (7, 8, 7)
+
 def test_drain_while_the_training_thread_appends_loses_and_reorders_no_entry():
     steps, read = StepLog(), []
     steps.connect([read.extend], on_due=lambda batches: batches + 10**9)
