@@ -260,6 +260,7 @@ def test_a_batch_start_calls_the_due_handler_and_the_switch_each_at_its_own_batc
     assert calls == [("due", 1), ("switch", 2), ("due", 4), ("switch", 4), ("switch", 6)]
     assert (steps.due, steps.switch_at, steps.act_at) == (7, 8, 7)
 
+
 def test_drain_while_the_training_thread_appends_loses_and_reorders_no_entry():
     steps, read = StepLog(), []
     steps.connect([read.extend], on_due=lambda batches: batches + 10**9)
