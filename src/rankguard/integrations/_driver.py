@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from time import perf_counter
 from typing import Any
 
 from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts, LoaderPass
 from rankguard.callbacks.core.guard import GuardRunner, MetricSink
+from rankguard.callbacks.core.step_log import BATCH_END_FETCH_START, FETCH_END_BATCH_START
 
 __all__ = ["EventDriver", "inspection_limits"]
 
@@ -159,10 +161,13 @@ class EventDriver:
     def fetch_start(self) -> None:
         """DATA_FETCH_START, once per fetch (ends the train batch before it)."""
         if self.batch_open:
-            if not self.fetching:  # the usual step: its end and the next fetch in one call
+            if not self.fetching:  # the usual step: its end and the next fetch in one entry
                 self.batch_open, self.fetching = False, True
                 self.step = step = self.step + 1
-                self._steps.batch_end_fetch_start(step - 1, fetch_step=step)
+                # StepLog.batch_end_fetch_start, inline (see :meth:`fetch_end_batch_start`)
+                self._steps.entries.append(
+                    (perf_counter(), BATCH_END_FETCH_START, step - 1, step, None, None)
+                )
                 return
             self.end_train_batch()
         if not self.fetching:
@@ -180,7 +185,16 @@ class EventDriver:
         """DATA_FETCH_END (as :meth:`fetch_end`), then TRAIN_BATCH_START."""
         if self.fetching and not self.batch_open:  # the usual step, as train_batch_start's
             self.fetching, self.batch_open = False, True
-            self._steps.fetch_end_batch_start(self.step)
+            # StepLog.fetch_end_batch_start, inline (the driver never arms a fetch clock):
+            # a loop calls this right after the optimizer step, on a cold cache, where a
+            # frame costs about 2 us (docs/design.md#overhead-what-a-step-costs).
+            steps = self._steps
+            steps.entries.append(
+                (perf_counter(), FETCH_END_BATCH_START, self.step, None, None, None)
+            )
+            steps.batches = batches = steps.batches + 1
+            if batches >= steps.act_at:
+                steps.act(batches)
             return
         self.fetch_end()  # no fetch open: it opens here, empty
         self.train_batch_start()

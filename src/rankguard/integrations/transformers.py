@@ -275,10 +275,9 @@ class _TrainerAdapter(TrainerCallback):
             if driver.saving:  # a "best" save that did not happen
                 driver.save_end()
             if driver.fetching and not driver.batch_open:
-                # The usual step, as EventDriver.fetch_end_batch_start and
-                # StepLog.fetch_end_batch_start make it (the driver never arms a fetch
-                # clock), inline: here, on the cache the backward and the optimizer left
-                # cold, each frame costs about 2 us, and this hook runs every step.
+                # The usual step, as EventDriver.fetch_end_batch_start makes it, inline:
+                # here, on the cache the backward and the optimizer left cold, each frame
+                # costs about 2 us, and this hook runs every step.
                 driver.fetching, driver.batch_open = False, True
                 steps = self._steps
                 steps.entries.append(
@@ -301,8 +300,7 @@ class _TrainerAdapter(TrainerCallback):
             if not (control.should_evaluate or control.should_save or control.should_log):
                 if driver.batch_open and not driver.fetching:
                     # The usual step: the batch ends, the next fetch starts, as
-                    # EventDriver.fetch_start and StepLog.batch_end_fetch_start make it,
-                    # inline (see on_step_begin).
+                    # EventDriver.fetch_start makes it, inline (see on_step_begin).
                     driver.batch_open, driver.fetching = False, True
                     driver.step = step = driver.step + 1
                     self._steps.entries.append(
