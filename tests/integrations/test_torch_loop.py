@@ -22,7 +22,7 @@ from rankguard.callbacks.core.events import LoaderPass
 from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations import torch as rg_torch
 from rankguard.integrations.torch import RankGuard
-from tests.e2e.common import EventLog, Points
+from tests.e2e.common import PER_STEP_NAMES, EventLog, Points
 from tests.mp import run_ranks
 
 QUICK = {"hang_watchdog": {"exchange_period_s": 0.2}}
@@ -99,6 +99,45 @@ def test_loop_events_follow_the_documented_order(tmp_path):
         ("fit_end", 2, None),
     ]
     assert (run.step, run.epoch) == (2, 0)
+
+
+class DueLog(EventLog):
+    """An event log that acts at the start of train batch 3, then of every second batch."""
+
+    name = "due_log"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.due = 3
+        self.acted: list[tuple[int, tuple]] = []
+
+    def on_due(self, batches: int) -> None:
+        self.steps.drain()
+        self.acted.append((batches, self.events[-1]))
+        self.due = batches + 2
+
+
+def test_usual_steps_record_every_event_and_act_at_the_due_batch_start():
+    """The loop's usual steps (one entry a call, made inline) read as the four events."""
+    log = DueLog()
+    model, optimizer = model_and_optimizer()
+    train, _ = loaders(n_train=10)  # 5 batches
+    with rg_torch._LoopGuard([log]).fit(model, optimizer, train) as run:
+        for batch in run.train(train):
+            step(model, optimizer, batch)
+    per_step = [(event, step) for event, step, _ in log.events if event in PER_STEP_NAMES]
+    expected = []
+    for n in range(5):
+        expected += [
+            ("data_fetch_start", n),
+            ("data_fetch_end", n),
+            ("train_batch_start", n),
+            ("train_batch_end", n),
+        ]
+    expected.append(("data_fetch_start", 5))  # the fetch that found the loader exhausted
+    assert per_step == expected
+    # Batches count from 1: batch 3 is step 2; each due saw its own batch's start.
+    assert log.acted == [(3, ("train_batch_start", 2, None)), (5, ("train_batch_start", 4, None))]
 
 
 class PassLog(Guard):
