@@ -145,7 +145,8 @@ def rendezvous(stack: Frames) -> str | None:
 
 def library_paths() -> tuple[str, ...]:
     """Folders whose code is not the user's: the standard library, site-packages, rankguard."""
-    paths = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    scheme = sysconfig.get_paths()  # about 0.5 ms a call: once, not once a key
+    paths = {scheme[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
     paths.update(site.getsitepackages() if hasattr(site, "getsitepackages") else ())
     paths.add(site.getusersitepackages() if hasattr(site, "getusersitepackages") else "")
     paths.add(os.path.dirname(os.__file__))
