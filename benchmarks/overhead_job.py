@@ -554,7 +554,16 @@ def main() -> None:
         time_rankguard(framework)
         track_runners()
     times: dict[str, list[float]] = {"without": [], "with": []}
-    for key in ("adapter", "hooks", "background", "steady", "steady_train", "hook_calls", "floor"):
+    for key in (
+        "adapter",
+        "hooks",
+        "background",
+        "steady",
+        "steady_train",
+        "hook_calls",
+        "floor",
+        "floor_s",
+    ):
         times[key] = []
     for i in range(2 * rounds):
         mode = "with" if i % 2 == (i // 2) % 2 else "without"  # ABBA order cancels drift
@@ -578,7 +587,7 @@ def main() -> None:
             times["hook_calls"].append(hook_calls)
             times["background"].append(INSIDE["background"])
             if not profile_dir:  # the floor: an empty callback at the same entry points
-                fit("floor", steps)
+                times["floor_s"].append(fit("floor", steps))
                 times["floor"].append(INSIDE["floor"] - INSIDE["floor_timer"])
     times["hook_dispatch_s"] = [hook_dispatch_s()]
 
