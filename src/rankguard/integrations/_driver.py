@@ -183,7 +183,7 @@ class EventDriver:
 
     def fetch_end_batch_start(self) -> None:
         """DATA_FETCH_END (as :meth:`fetch_end`), then TRAIN_BATCH_START."""
-        if self.fetching and not self.batch_open:  # the usual step, as train_batch_start's
+        if self.fetching and not self.batch_open:  # the usual step (train_batch_start's too)
             self.fetching, self.batch_open = False, True
             # StepLog.fetch_end_batch_start, inline (the driver never arms a fetch clock):
             # a loop calls this right after the optimizer step, on a cold cache, where a
@@ -201,9 +201,8 @@ class EventDriver:
 
     def train_batch_start(self) -> None:
         """TRAIN_BATCH_START of batch :attr:`step` (ends an open fetch first)."""
-        if self.fetching and not self.batch_open:  # the usual step: both in one call
-            self.fetching, self.batch_open = False, True
-            self._steps.fetch_end_batch_start(self.step)
+        if self.fetching and not self.batch_open:  # the usual step: both in one entry
+            self.fetch_end_batch_start()
             return
         if self.fetching:
             self.fetch_end()
