@@ -1,63 +1,105 @@
-# `make test`, `make check` and `make demo` create .venv from nothing (Python >= 3.10 and
-# network access to the package index), with the exact versions of requirements.lock.
+# Two locked environments, one per world rankguard supports (README, "Tested versions"):
+#   .venv           today's stack: torch 2.13, Lightning 2.6, transformers 5, datasets 5,
+#                   OLMo-core 3 (requirements.lock); the HF Trainer, OLMo-core, Lightning and loops
+#   .venv-composer  Composer's stack: mosaicml 0.32.1 pins torch < 2.7.1 and mosaicml-streaming
+#                   0.13 transformers < 5 (requirements-composer.lock); Composer, and the older
+#                   Lightning/transformers 4/OLMo-core 2.4 users who have not upgraded
+# `make test` creates both from nothing (Python >= 3.11 and the package index); `make demo` and
+# `make check` only the one they run in.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.rankguard-installed
 LOCK := requirements.lock
+VENV_COMPOSER := .venv-composer
+CBIN := $(VENV_COMPOSER)/bin
+LOCK_COMPOSER := requirements-composer.lock
+STAMP := .rankguard-installed
+# The extras each world installs (rankguard[all] is Composer's world: it includes Composer).
+EXTRAS := lightning,transformers,olmo-core,report,test
+EXTRAS_COMPOSER := all,test
+PYTEST := -m pytest -n 2 --dist loadfile
 
-.PHONY: venv test check lint demo docs bench lock clean
+.PHONY: venv venv-composer test test-today test-composer check lint demo docs bench lock \
+	install-check clean
 
-# uv installs the same pins as pip would, in a quarter of the time (parallel downloads);
-# --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set, every rank of every
-# test run would otherwise compile torch and the frameworks from source (imports 2x slower).
-$(STAMP): pyproject.toml $(LOCK)
+# uv installs the lock's pins in a quarter of pip's time (parallel downloads); torch comes first
+# through pip, which honours the machine's pip configuration (a local wheel folder or a CPU-only
+# index) that uv does not read. --compile-bytecode as pip does: where PYTHONDONTWRITEBYTECODE
+# is set, every rank of every test would otherwise compile the frameworks from source.
+$(VENV)/$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -c $(LOCK) uv
-	$(BIN)/uv pip install --compile-bytecode --python $(BIN)/python -c $(LOCK) pip setuptools wheel -e '.[all,test]'
-	touch $(STAMP)
+	$(BIN)/python -m pip install -q -c $(LOCK) uv torch
+	$(BIN)/uv pip install --compile-bytecode --python $(BIN)/python -c $(LOCK) pip setuptools wheel -e '.[$(EXTRAS)]'
+	touch $@
 
-venv: $(STAMP)
+$(VENV_COMPOSER)/$(STAMP): pyproject.toml $(LOCK_COMPOSER)
+	test -x $(CBIN)/python || $(PYTHON) -m venv $(VENV_COMPOSER)
+	$(CBIN)/python -m pip install -q -c $(LOCK_COMPOSER) uv
+	$(CBIN)/uv pip install --compile-bytecode --python $(CBIN)/python -c $(LOCK_COMPOSER) pip setuptools wheel -e '.[$(EXTRAS_COMPOSER)]'
+	touch $@
 
-# mypy over the public surface: the README's quickstart for every integration and the
-# integration modules, against the package as installed (tools/typecheck.py; about 1 s).
+venv: $(VENV)/$(STAMP)
+venv-composer: $(VENV_COMPOSER)/$(STAMP)
+
+# ruff over the tree; mypy over the public surface: the README's quickstart for every
+# integration and the integration modules (tools/typecheck.py; the frameworks read as Any).
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python tools/typecheck.py
 
-# Everything: unit tests and every real multi-rank framework run (what CI runs), on two
-# workers (each test file stays on one); then, alone, the tests that compare ranks'
-# measured compute times (marker `timing`), which a second worker's load would skew.
-test: lint
-	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not timing" --durations=15
-	$(BIN)/python -m pytest -m timing --durations=5
+# Everything (what CI runs): in each world, the unit tests and the real multi-rank runs of the
+# frameworks that live there (markers in tests/conftest.py), on two workers (each test file
+# stays on one); then, alone, the tests that compare ranks' measured compute times (marker
+# `timing`), which a second worker's load would skew. Composer's world also runs a short smoke
+# of the older Lightning, transformers 4 and OLMo-core 2.4 (marker `older`).
+test: lint test-today test-composer
 
-# The inner loop: lint and every test that starts no framework launcher, on two workers
-# (each test file stays on one).
+test-today: venv
+	$(BIN)/python $(PYTEST) -m "not composer and not timing" --durations=10
+	$(BIN)/python -m pytest -m "timing and not composer" --durations=3
+
+test-composer: venv venv-composer
+	$(CBIN)/python $(PYTEST) -m "(not framework or composer or older) and not timing" --durations=10
+	$(CBIN)/python -m pytest -m "timing and composer" --durations=3
+
+# The inner loop: lint and every test that starts no framework launcher, in today's stack.
 check: lint
-	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not framework" -q --durations=5
+	$(BIN)/python $(PYTEST) -m "not framework and not composer" -q --durations=5
 
-demo: venv
-	$(BIN)/python examples/demo.py
+# Real 2-rank Composer trainings (examples/demo.py).
+demo: venv-composer
+	$(CBIN)/python examples/demo.py
 
-# Regenerates docs/reference.md, docs/failures.md and README.md's failure table; reruns
-# the example runs whose recorded output (docs/outputs/) no longer matches the code.
-docs: venv
+# Regenerates docs/reference.md, docs/failures.md and README.md's failure table; reruns the
+# example runs whose recorded output (docs/outputs/) no longer matches the code (each with its
+# framework's environment).
+docs: venv venv-composer
 	$(BIN)/python docs/generate.py
 
-bench: venv
-	$(BIN)/python benchmarks/overhead.py
+bench: venv venv-composer
+	$(BIN)/python benchmarks/overhead.py --frameworks lightning,torch,hf
+	$(CBIN)/python benchmarks/overhead.py --frameworks composer
 
-# The one deliberate way to move to newer releases: resolves the extras' ranges in a
-# scratch environment and rewrites requirements.lock with what it installed.
+# Installing rankguard with the extras of each world's frameworks into that world's locked
+# environment must change no installed package (pip's dry run reports rankguard alone).
+install-check: venv venv-composer
+	$(BIN)/python tools/install_check.py --extras lightning,transformers,olmo-core,report
+	$(CBIN)/python tools/install_check.py --extras composer,lightning,transformers,olmo-core,streaming,report
+
+# The one deliberate way to move to newer releases: resolves each world's extras in a scratch
+# environment and rewrites its lock with what it installed (torch's local build tag dropped).
 lock:
+	$(MAKE) _lock L=$(LOCK) X='$(EXTRAS)'
+	$(MAKE) _lock L=$(LOCK_COMPOSER) X='$(EXTRAS_COMPOSER)'
+
+_lock:
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
-	.venv-lock/bin/python -m pip install --upgrade pip setuptools wheel
-	.venv-lock/bin/python -m pip install uv '.[all,test]'
+	.venv-lock/bin/python -m pip install --upgrade pip setuptools wheel uv
+	.venv-lock/bin/python -m pip install '.[$(X)]'
 	{ echo "# Exact versions of the environment make creates (pip -c). Refresh: make lock."; \
-	  .venv-lock/bin/python -m pip freeze --all | grep -v '^rankguard'; } > $(LOCK)
+	  .venv-lock/bin/python -m pip freeze --all | grep -v '^rankguard' | sed 's/+cpu$$//'; } > $(L)
 	rm -rf .venv-lock build *.egg-info
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_COMPOSER) *.egg-info .pytest_cache

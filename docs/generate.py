@@ -178,7 +178,8 @@ RANK_LOGS = "/tmp/rankguard-rank{rank}.err"
 
 @dataclass(frozen=True)
 class Example:
-    """An example script with a ``--fault`` option and its launch command (``.venv/bin/...``).
+    """An example script with a ``--fault`` option and its launch command (``.venv/bin/...``,
+    or ``.venv-composer/bin/...`` for Composer, which lives in its own environment).
 
     Composer's launcher shows local rank 0's output only (and another rank's when that
     rank fails on its own); its command gets ``--stderr`` so every rank's log is kept.
@@ -233,7 +234,8 @@ def examples() -> list[Example]:
         if command.startswith("composer "):  # keep every rank's log, not rank 0's alone
             launcher, script, args = command.partition(f"examples/{path.name}")
             command = f"{launcher}--stderr {RANK_LOGS} {script}{args}"
-        found.append(Example(path.name, framework, f".venv/bin/{command}", offered))
+        venv = ".venv-composer" if framework == "composer" else ".venv"
+        found.append(Example(path.name, framework, f"{venv}/bin/{command}", offered))
     order = list(FRAMEWORK_NAMES)
     return sorted(found, key=lambda e: order.index(e.framework) if e.framework in order else 99)
 

@@ -153,6 +153,7 @@ def test_auto_decides_to_switch_to_sharded_when_that_fits_and_the_job_can_switch
     assert _four_ranks(6 * GiB, mode="warn", switchable=True).action == "warn"
 
 
+@pytest.mark.composer  # the fix names every registered framework's setting, Composer's too
 def test_auto_raises_naming_the_setting_when_the_job_cannot_switch():
     plan = _four_ranks(6 * GiB, setting="FSDPStrategy(state_dict_type='sharded')")
     assert plan.action == "raise"

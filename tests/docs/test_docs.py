@@ -200,9 +200,11 @@ def _names_your_own_script(command: str) -> bool:
 
 
 @pytest.mark.framework
+@pytest.mark.composer  # the commands run in both worlds' environments
 def test_every_quick_documented_command_works_as_written(tmp_path):
     """Runs each in a copy of the docs and examples, from a folder laid out like the repository."""
-    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    for venv in (".venv", ".venv-composer"):
+        (tmp_path / venv).symlink_to(ROOT / venv)
     shutil.copytree(DOCS, tmp_path / "docs")
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     quick = _quick_commands()

@@ -21,7 +21,7 @@ import pytest
 from rankguard.callbacks.hang.hang_watchdog import HANG_EXIT_CODE
 from tests.mp import run_job
 
-pytestmark = pytest.mark.framework
+pytestmark = [pytest.mark.framework, pytest.mark.composer]
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).parent / "torchrun"

@@ -14,7 +14,6 @@ import pytest
 import yaml
 
 from rankguard.callbacks import GUARDS
-from rankguard.integrations import composer as rg_composer
 from rankguard.integrations.config import CALLBACK_NAMES, FRAMEWORKS, build_callbacks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,6 +24,8 @@ def guard(callback, name):
 
 
 def test_every_callback_is_an_llmfoundry_entry_point():
+    from rankguard.integrations import composer as rg_composer
+
     found = {ep.name: ep for ep in entry_points(group="llmfoundry_callbacks")}
     assert set(found) == set(CALLBACK_NAMES)
     for name, ep in found.items():
@@ -32,6 +33,8 @@ def test_every_callback_is_an_llmfoundry_entry_point():
 
 
 def test_llmfoundry_yaml_builds_callbacks_as_llmfoundry_does():
+    from rankguard.integrations import composer as rg_composer
+
     # llm-foundry: look the name up in the entry-point group, call it with the YAML kwargs.
     config = yaml.safe_load((ROOT / "examples" / "llmfoundry_callbacks.yaml").read_text())
     registry = {ep.name: ep for ep in entry_points(group="llmfoundry_callbacks")}
@@ -54,7 +57,7 @@ def test_build_callbacks_from_a_plain_dict(framework):
 
 def test_unknown_names_and_settings_list_the_valid_ones_with_a_suggestion():
     with pytest.raises(ValueError, match="Did you mean 'rank_guard'"):
-        build_callbacks({"rankguard": {}}, "composer")
+        build_callbacks({"rankguard": {}}, "lightning")
     with pytest.raises(ValueError, match="Did you mean 'eval_end_timeout_s'"):
         build_callbacks({"batch_parity_guard": {"eval_end_timeout": 5}}, "lightning")
     with pytest.raises(
