@@ -37,6 +37,7 @@ class Outcome:
     error: str | None = None
     error_attrs: dict | None = None
     elapsed_s: float | None = None
+    setup_failed: bool = False  # the process group's set-up raised, before ``fn`` ran
 
 
 def _fresh_generators() -> None:
@@ -52,15 +53,25 @@ def _fresh_generators() -> None:
     torch.seed()
 
 
-def _worker(fn, rank, world_size, init_file, args, queue):
+def gloo_setup(rank: int, world_size: int, init_file: str) -> None:
+    """Joins the ranks' gloo process group through a file store (no ports)."""
     import torch.distributed as dist
 
-    _fresh_generators()
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
+
+
+def _worker(fn, rank, world_size, init_file, args, queue, setup):
+    _fresh_generators()
     start = time.monotonic()
     try:
+        try:
+            setup(rank, world_size, init_file)
+        except BaseException as exc:  # e.g. gloo's connectFullMesh: "Connection closed by peer"
+            error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+            queue.put(Outcome(rank, 1, error_type="SetupError", error=error, setup_failed=True))
+            return
         value = fn(rank, world_size, *args)
         queue.put(Outcome(rank, 0, value=value, elapsed_s=time.monotonic() - start))
     except BaseException as exc:
@@ -99,19 +110,42 @@ def run_ranks(
     *args,
     timeout_s: float = 60.0,
     until: Collection[int] | None = None,
+    setup: Callable[[int, int, str], None] = gloo_setup,
 ) -> list[Outcome]:
     """Runs ``fn`` on ``world_size`` spawned ranks; kills them all after ``timeout_s``.
 
     ``until``: the ranks whose outcomes the test reads; once they all reported,
     the others (e.g. a rank made to stay stuck) are killed instead of awaited.
+    A process group whose set-up fails on any rank (a passing fault of the machine's
+    sockets) is set up again once, every rank anew; a second failure fails the test
+    with the set-up's own error. ``setup(rank, world_size, init_file)``: how each rank
+    joins its process group (:func:`gloo_setup`).
     """
+    outcomes = _run_ranks_once(fn, world_size, args, timeout_s, until, setup)
+    if any(o.setup_failed for o in outcomes):
+        outcomes = _run_ranks_once(fn, world_size, args, timeout_s, until, setup)
+    failed = [o for o in outcomes if o.setup_failed]
+    if failed:
+        pytest.fail(f"the gloo process group's set-up failed twice:\n{failed[0].error}")
+    return outcomes
+
+
+def _run_ranks_once(
+    fn: Callable,
+    world_size: int,
+    args: tuple,
+    timeout_s: float,
+    until: Collection[int] | None,
+    setup: Callable[[int, int, str], None],
+) -> list[Outcome]:
+    """One try of :func:`run_ranks`; it ends early when a rank's set-up failed."""
     wanted = set(range(world_size) if until is None else until)
     ctx = _context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, init_file, args, queue))
+            ctx.Process(target=_worker, args=(fn, r, world_size, init_file, args, queue, setup))
             for r in range(world_size)
         ]
         for p in procs:
@@ -122,6 +156,8 @@ def run_ranks(
             try:
                 o = queue.get(timeout=0.2)
                 outcomes[o.rank] = o
+                if o.setup_failed:
+                    deadline = time.monotonic()  # the other ranks cannot pair up now
             except queue_mod.Empty:
                 if all(not p.is_alive() for p in procs) and queue.empty():
                     break
