@@ -56,7 +56,7 @@ lint: venv
 test: lint test-today test-composer
 
 test-today: venv
-	$(BIN)/python $(PYTEST) -m "not composer and not timing" --durations=10
+	$(BIN)/python $(PYTEST) -m "not composer and not older and not timing" --durations=10
 	$(BIN)/python -m pytest -m "timing and not composer" --durations=3
 
 test-composer: venv venv-composer

@@ -10,7 +10,7 @@
   the same prose files.
 
 Each recorded output starts with the command that produced it, a digest of
-the example's code and the framework versions ``requirements.lock`` pins
+the example's code and the framework versions its environment's lock pins
 (:func:`example_digest`), and how the run ended; ``docs/outputs/words.json``
 lists, per recording, the words of rankguard's code its rankguard lines quote
 (:func:`quoted_words`). A recording is stale, and rerun, when rerunning it
@@ -62,9 +62,13 @@ HANG_REPORT = DOCS / "hang-report"
 CODE = ("src",)
 #: Besides rankguard's code, the fault injection every example shares: its words count too.
 SHARED_EXAMPLE_CODE = ("examples/faults.py",)
-#: The lock of the environment ``make`` creates: the frameworks' versions an output depends on.
+#: The locks of the environments ``make`` creates: the frameworks' versions an output depends
+#: on. Composer's examples run in Composer's world, every other example in today's.
 LOCK = ROOT / "requirements.lock"
+LOCK_COMPOSER = ROOT / "requirements-composer.lock"
 FRAMEWORKS = ("torch", "mosaicml", "lightning", "transformers", "accelerate", "datasets")
+#: What one example's output depends on besides :data:`FRAMEWORKS`, by its framework.
+FRAMEWORK_PACKAGES = {"olmo": ("ai2-olmo-core",)}
 #: Shorter string literals ("rank ", ", ") are too common to tell one message from another.
 MIN_WORDS = 12
 #: Per recording, the words of rankguard's code it quotes (see :func:`stale`).
@@ -106,9 +110,14 @@ def _documented(tree: ast.AST) -> list[ast.AST]:
     ]
 
 
-def _pinned(package: str) -> str:
-    """The version of ``package`` that :data:`LOCK` pins (``-`` where it pins none)."""
-    for line in LOCK.read_text(encoding="utf-8").splitlines():
+def lock_of(framework: str) -> Path:
+    """The lock of the environment the examples of ``framework`` run in."""
+    return LOCK_COMPOSER if framework == "composer" else LOCK
+
+
+def _pinned(package: str, lock: Path) -> str:
+    """The version of ``package`` that ``lock`` pins (``-`` where it pins none)."""
+    for line in lock.read_text(encoding="utf-8").splitlines():
         name, _, pinned = line.partition("==")
         if name.strip().lower() == package:
             return pinned.strip()
@@ -120,12 +129,14 @@ def example_digest(script: str) -> str:
     """A digest of what makes a run of ``script`` the run it is.
 
     The example's code (not its comments or docstrings: outputs quote no line
-    numbers, see :func:`normalise`) and the framework versions :data:`LOCK` pins.
-    A release upstream changes nothing here until the lock is refreshed.
+    numbers, see :func:`normalise`) and the framework versions its environment's lock
+    pins (:func:`lock_of`). A release upstream changes nothing here until the lock is
+    refreshed.
     """
+    framework = script.split("_")[0]
     digest = hashlib.sha256(_code_of(EXAMPLES / script).encode())
-    for package in FRAMEWORKS:
-        digest.update(f"{package}=={_pinned(package)}".encode())
+    for package in (*FRAMEWORKS, *FRAMEWORK_PACKAGES.get(framework, ())):
+        digest.update(f"{package}=={_pinned(package, lock_of(framework))}".encode())
     return digest.hexdigest()[:16]
 
 

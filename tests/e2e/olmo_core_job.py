@@ -177,6 +177,9 @@ def build_trainer(
         max_duration=Duration.steps(steps),
         metrics_collect_interval=2,
         callbacks=olmo_callbacks,
+        # OLMo-core 3.0's asynchronous bookkeeping issues collectives from two threads, which
+        # on 2 CPU ranks can cross and abort a healthy job (docs/integrations.md).
+        async_bookkeeping=False,
     )
     return config.build(module, loader)
 
