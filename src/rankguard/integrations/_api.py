@@ -30,8 +30,8 @@ _F = TypeVar("_F", bound=Callable[..., None])
 
 
 def _adapter_init(self: Any, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
-    """Hands the guards to the adapter: the base after :class:`_Public` in the class's order."""
-    init: Callable[..., None] = super(_Public, self).__init__
+    """Hands the guards to the adapter: the base after :class:`_Settings` in the class's order."""
+    init: Callable[..., None] = super(_Settings, self).__init__
     init(guards, exchange_timeout_s)
 
 
@@ -62,7 +62,7 @@ def guard_settings(guard: Callable[_P, Guard]) -> Callable[[Callable[..., None]]
     """Makes the decorated ``__init__`` take and build the core ``guard``'s own settings.
 
     Editors and type checkers show ``guard``'s settings (its ``__init__``, the
-    one definition); the decorated function only gives its docstring. The one
+    one definition); the decorated function only gives its name. The one
     that runs passes on only the settings given, so the adapter's
     ``framework_defaults`` apply to the others (and an unknown setting raises
     the ``ValueError`` naming the closest one).
@@ -73,6 +73,7 @@ def guard_settings(guard: Callable[_P, Guard]) -> Callable[[Callable[..., None]]
         _adapter_init(self, single_guard(name, settings, _framework_defaults(self)))
 
     def declare(declared: Callable[..., None]) -> _Init[_P]:
+        declared.__doc__ = f"Builds :class:`rankguard.callbacks.{guard.__name__}` (its settings)."
         return _declared(__init__, guard.__init__, declared, name)  # type: ignore[misc]
 
     return declare
@@ -84,7 +85,10 @@ def _declared(
     declared: Callable[..., None],
     guard: str | None,
 ) -> Any:
-    """``init`` with ``settings``' signature (config tools read it), ``declared``'s name and doc."""
+    """``init`` with ``settings``' signature (config tools read it), ``declared``'s name and doc.
+
+    ``init.guard`` is the guard name it builds (``None``: every guard), for :func:`_own_init`.
+    """
     signature = inspect.signature(settings, eval_str=True)
     vars(init).update(__signature__=signature, guard=guard)
     init.__doc__ = declared.__doc__
@@ -92,7 +96,7 @@ def _declared(
     return init
 
 
-class _Public:
+class _Settings:
     """Base of the settings classes below; an integration's class gets its own ``__init__``.
 
     That ``__init__`` is the settings class's, with the adapter's
@@ -102,15 +106,13 @@ class _Public:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if any(not issubclass(base, _Public) for base in cls.__bases__):  # joins an adapter
+        if any(not issubclass(base, _Settings) for base in cls.__bases__):  # joins an adapter
             cls.__init__ = _own_init(cls)  # type: ignore[method-assign]
 
 
 def _own_init(cls: type) -> Callable[..., None]:
     """A copy of ``cls``'s settings ``__init__`` that shows ``cls``'s own defaults."""
-    shared: Callable[..., None] = vars(next(k for k in cls.__mro__ if "__init__" in vars(k)))[
-        "__init__"
-    ]
+    shared: Callable[..., None] = inspect.getattr_static(cls, "__init__")
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         shared(self, *args, **kwargs)
@@ -127,7 +129,7 @@ def _own_init(cls: type) -> Callable[..., None]:
     return __init__
 
 
-class RankGuardSettings(_Public):
+class RankGuardSettings(_Settings):
     """Every rankguard guard with sound defaults (``RankGuard`` of each integration)."""
 
     @bundle_settings
@@ -165,65 +167,57 @@ class RankGuardSettings(_Public):
         """
 
 
-class HangWatchdogSettings(_Public):
+class HangWatchdogSettings(_Settings):
     """The hang watchdog alone."""
 
     @guard_settings(HangWatchdog)
-    def __init__(self, **settings: Any) -> None:
-        """Builds :class:`rankguard.callbacks.HangWatchdog` (settings documented there)."""
+    def __init__(self, **settings: Any) -> None: ...
 
 
-class DataConsistencyGuardSettings(_Public):
+class DataConsistencyGuardSettings(_Settings):
     """The data consistency guard alone."""
 
     @guard_settings(DataConsistencyGuard)
-    def __init__(self, **settings: Any) -> None:
-        """Builds :class:`rankguard.callbacks.DataConsistencyGuard` (settings documented there)."""
+    def __init__(self, **settings: Any) -> None: ...
 
 
-class DropLastGuardSettings(_Public):
+class DropLastGuardSettings(_Settings):
     """The drop-last guard alone."""
 
     @guard_settings(DropLastGuard)
-    def __init__(self, **settings: Any) -> None:
-        """Builds :class:`rankguard.callbacks.DropLastGuard` (settings documented there)."""
+    def __init__(self, **settings: Any) -> None: ...
 
 
-class BatchParityGuardSettings(_Public):
+class BatchParityGuardSettings(_Settings):
     """The batch parity guard alone."""
 
     @guard_settings(BatchParityGuard)
-    def __init__(self, **settings: Any) -> None:
-        """Builds :class:`rankguard.callbacks.BatchParityGuard` (settings documented there)."""
+    def __init__(self, **settings: Any) -> None: ...
 
 
-class SharedDirBarrierSettings(_Public):
+class SharedDirBarrierSettings(_Settings):
     """The shared-directory barrier alone."""
 
     @guard_settings(SharedDirBarrier)
-    def __init__(self, **settings: Any) -> None:
-        """Builds :class:`rankguard.callbacks.SharedDirBarrier` (settings documented there)."""
+    def __init__(self, **settings: Any) -> None: ...
 
 
-class CheckpointPlannerSettings(_Public):
+class CheckpointPlannerSettings(_Settings):
     """The checkpoint planner alone."""
 
     @guard_settings(CheckpointPlanner)
-    def __init__(self, **settings: Any) -> None:
-        """Builds :class:`rankguard.callbacks.CheckpointPlanner` (settings documented there)."""
+    def __init__(self, **settings: Any) -> None: ...
 
 
-class DataStallMonitorSettings(_Public):
+class DataStallMonitorSettings(_Settings):
     """The data stall monitor alone."""
 
     @guard_settings(DataStallMonitor)
-    def __init__(self, **settings: Any) -> None:
-        """Builds :class:`rankguard.callbacks.DataStallMonitor` (settings documented there)."""
+    def __init__(self, **settings: Any) -> None: ...
 
 
-class StragglerMonitorSettings(_Public):
+class StragglerMonitorSettings(_Settings):
     """The straggler monitor alone."""
 
     @guard_settings(StragglerMonitor)
-    def __init__(self, **settings: Any) -> None:
-        """Builds :class:`rankguard.callbacks.StragglerMonitor` (settings documented there)."""
+    def __init__(self, **settings: Any) -> None: ...

@@ -27,17 +27,7 @@ from rankguard.callbacks.checkpoint.plan import register_sharded_setting
 from rankguard.callbacks.core.events import Event as CoreEvent
 from rankguard.callbacks.core.events import EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
-from rankguard.integrations._api import (
-    BatchParityGuardSettings,
-    CheckpointPlannerSettings,
-    DataConsistencyGuardSettings,
-    DataStallMonitorSettings,
-    DropLastGuardSettings,
-    HangWatchdogSettings,
-    RankGuardSettings,
-    SharedDirBarrierSettings,
-    StragglerMonitorSettings,
-)
+from rankguard.integrations import _api
 
 try:
     from composer import Trainer
@@ -444,39 +434,39 @@ class _ComposerAdapter(Callback):
         self.runner.close()
 
 
-class RankGuard(RankGuardSettings, _ComposerAdapter):
+class RankGuard(_api.RankGuardSettings, _ComposerAdapter):
     """Every rankguard guard with sound defaults, as a Composer callback."""
 
 
-class HangWatchdog(HangWatchdogSettings, _ComposerAdapter):
+class HangWatchdog(_api.HangWatchdogSettings, _ComposerAdapter):
     """The hang watchdog, as a Composer callback."""
 
 
-class DataConsistencyGuard(DataConsistencyGuardSettings, _ComposerAdapter):
+class DataConsistencyGuard(_api.DataConsistencyGuardSettings, _ComposerAdapter):
     """The data consistency guard, as a Composer callback."""
 
 
-class DropLastGuard(DropLastGuardSettings, _ComposerAdapter):
+class DropLastGuard(_api.DropLastGuardSettings, _ComposerAdapter):
     """The drop-last guard, as a Composer callback."""
 
 
-class BatchParityGuard(BatchParityGuardSettings, _ComposerAdapter):
+class BatchParityGuard(_api.BatchParityGuardSettings, _ComposerAdapter):
     """The batch parity guard, as a Composer callback."""
 
 
-class SharedDirBarrier(SharedDirBarrierSettings, _ComposerAdapter):
+class SharedDirBarrier(_api.SharedDirBarrierSettings, _ComposerAdapter):
     """The shared-directory barrier, as a Composer callback."""
 
 
-class CheckpointPlanner(CheckpointPlannerSettings, _ComposerAdapter):
+class CheckpointPlanner(_api.CheckpointPlannerSettings, _ComposerAdapter):
     """The checkpoint planner, as a Composer callback."""
 
 
-class DataStallMonitor(DataStallMonitorSettings, _ComposerAdapter):
+class DataStallMonitor(_api.DataStallMonitorSettings, _ComposerAdapter):
     """The data stall monitor, as a Composer callback."""
 
 
-class StragglerMonitor(StragglerMonitorSettings, _ComposerAdapter):
+class StragglerMonitor(_api.StragglerMonitorSettings, _ComposerAdapter):
     """The straggler monitor, as a Composer callback."""
 
 

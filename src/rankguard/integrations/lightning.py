@@ -30,17 +30,7 @@ from typing import Any
 from rankguard.callbacks.checkpoint.plan import register_sharded_setting
 from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
-from rankguard.integrations._api import (
-    BatchParityGuardSettings,
-    CheckpointPlannerSettings,
-    DataConsistencyGuardSettings,
-    DataStallMonitorSettings,
-    DropLastGuardSettings,
-    HangWatchdogSettings,
-    RankGuardSettings,
-    SharedDirBarrierSettings,
-    StragglerMonitorSettings,
-)
+from rankguard.integrations import _api
 
 try:
     import lightning.pytorch as pl
@@ -430,39 +420,39 @@ class _LightningAdapter(Callback):
         self.runner.close()
 
 
-class RankGuard(RankGuardSettings, _LightningAdapter):
+class RankGuard(_api.RankGuardSettings, _LightningAdapter):
     """Every rankguard guard with sound defaults, as a Lightning callback."""
 
 
-class HangWatchdog(HangWatchdogSettings, _LightningAdapter):
+class HangWatchdog(_api.HangWatchdogSettings, _LightningAdapter):
     """The hang watchdog, as a Lightning callback."""
 
 
-class DataConsistencyGuard(DataConsistencyGuardSettings, _LightningAdapter):
+class DataConsistencyGuard(_api.DataConsistencyGuardSettings, _LightningAdapter):
     """The data consistency guard, as a Lightning callback."""
 
 
-class DropLastGuard(DropLastGuardSettings, _LightningAdapter):
+class DropLastGuard(_api.DropLastGuardSettings, _LightningAdapter):
     """The drop-last guard, as a Lightning callback."""
 
 
-class BatchParityGuard(BatchParityGuardSettings, _LightningAdapter):
+class BatchParityGuard(_api.BatchParityGuardSettings, _LightningAdapter):
     """The batch parity guard, as a Lightning callback."""
 
 
-class SharedDirBarrier(SharedDirBarrierSettings, _LightningAdapter):
+class SharedDirBarrier(_api.SharedDirBarrierSettings, _LightningAdapter):
     """The shared-directory barrier, as a Lightning callback."""
 
 
-class CheckpointPlanner(CheckpointPlannerSettings, _LightningAdapter):
+class CheckpointPlanner(_api.CheckpointPlannerSettings, _LightningAdapter):
     """The checkpoint planner, as a Lightning callback."""
 
 
-class DataStallMonitor(DataStallMonitorSettings, _LightningAdapter):
+class DataStallMonitor(_api.DataStallMonitorSettings, _LightningAdapter):
     """The data stall monitor, as a Lightning callback."""
 
 
-class StragglerMonitor(StragglerMonitorSettings, _LightningAdapter):
+class StragglerMonitor(_api.StragglerMonitorSettings, _LightningAdapter):
     """The straggler monitor, as a Lightning callback."""
 
 

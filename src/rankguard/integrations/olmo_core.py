@@ -22,17 +22,7 @@ from rankguard.callbacks.checkpoint.shared_dir_barrier import (
 )
 from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
-from rankguard.integrations._api import (
-    BatchParityGuardSettings,
-    CheckpointPlannerSettings,
-    DataConsistencyGuardSettings,
-    DataStallMonitorSettings,
-    DropLastGuardSettings,
-    HangWatchdogSettings,
-    RankGuardSettings,
-    SharedDirBarrierSettings,
-    StragglerMonitorSettings,
-)
+from rankguard.integrations import _api
 from rankguard.integrations._driver import EventDriver
 
 try:
@@ -486,39 +476,39 @@ class _OlmoCoreAdapter(Callback):
             unhook()
 
 
-class RankGuard(RankGuardSettings, _OlmoCoreAdapter):
+class RankGuard(_api.RankGuardSettings, _OlmoCoreAdapter):
     """Every rankguard guard with sound defaults, as an OLMo-core ``Callback``."""
 
 
-class HangWatchdog(HangWatchdogSettings, _OlmoCoreAdapter):
+class HangWatchdog(_api.HangWatchdogSettings, _OlmoCoreAdapter):
     """The hang watchdog, as an OLMo-core ``Callback``."""
 
 
-class DataConsistencyGuard(DataConsistencyGuardSettings, _OlmoCoreAdapter):
+class DataConsistencyGuard(_api.DataConsistencyGuardSettings, _OlmoCoreAdapter):
     """The data consistency guard, as an OLMo-core ``Callback``."""
 
 
-class DropLastGuard(DropLastGuardSettings, _OlmoCoreAdapter):
+class DropLastGuard(_api.DropLastGuardSettings, _OlmoCoreAdapter):
     """The drop-last guard, as an OLMo-core ``Callback``."""
 
 
-class BatchParityGuard(BatchParityGuardSettings, _OlmoCoreAdapter):
+class BatchParityGuard(_api.BatchParityGuardSettings, _OlmoCoreAdapter):
     """The batch parity guard, as an OLMo-core ``Callback``."""
 
 
-class SharedDirBarrier(SharedDirBarrierSettings, _OlmoCoreAdapter):
+class SharedDirBarrier(_api.SharedDirBarrierSettings, _OlmoCoreAdapter):
     """The shared-directory barrier, as an OLMo-core ``Callback``."""
 
 
-class CheckpointPlanner(CheckpointPlannerSettings, _OlmoCoreAdapter):
+class CheckpointPlanner(_api.CheckpointPlannerSettings, _OlmoCoreAdapter):
     """The checkpoint planner, as an OLMo-core ``Callback``."""
 
 
-class DataStallMonitor(DataStallMonitorSettings, _OlmoCoreAdapter):
+class DataStallMonitor(_api.DataStallMonitorSettings, _OlmoCoreAdapter):
     """The data stall monitor, as an OLMo-core ``Callback``."""
 
 
-class StragglerMonitor(StragglerMonitorSettings, _OlmoCoreAdapter):
+class StragglerMonitor(_api.StragglerMonitorSettings, _OlmoCoreAdapter):
     """The straggler monitor, as an OLMo-core ``Callback``."""
 
 

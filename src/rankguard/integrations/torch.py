@@ -15,17 +15,7 @@ from typing import Any
 
 from rankguard.callbacks.core.events import LoaderFacts, LoaderPass
 from rankguard.callbacks.core.guard import Guard, GuardRunner
-from rankguard.integrations._api import (
-    BatchParityGuardSettings,
-    CheckpointPlannerSettings,
-    DataConsistencyGuardSettings,
-    DataStallMonitorSettings,
-    DropLastGuardSettings,
-    HangWatchdogSettings,
-    RankGuardSettings,
-    SharedDirBarrierSettings,
-    StragglerMonitorSettings,
-)
+from rankguard.integrations import _api
 from rankguard.integrations._driver import EventDriver
 
 logger = logging.getLogger(__name__)
@@ -632,39 +622,39 @@ class _Save:
             run._driver.saving = False
 
 
-class RankGuard(RankGuardSettings, _LoopGuard):
+class RankGuard(_api.RankGuardSettings, _LoopGuard):
     """Every rankguard guard with sound defaults, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class HangWatchdog(HangWatchdogSettings, _LoopGuard):
+class HangWatchdog(_api.HangWatchdogSettings, _LoopGuard):
     """The hang watchdog, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class DataConsistencyGuard(DataConsistencyGuardSettings, _LoopGuard):
+class DataConsistencyGuard(_api.DataConsistencyGuardSettings, _LoopGuard):
     """The data consistency guard, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class DropLastGuard(DropLastGuardSettings, _LoopGuard):
+class DropLastGuard(_api.DropLastGuardSettings, _LoopGuard):
     """The drop-last guard, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class BatchParityGuard(BatchParityGuardSettings, _LoopGuard):
+class BatchParityGuard(_api.BatchParityGuardSettings, _LoopGuard):
     """The batch parity guard, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class SharedDirBarrier(SharedDirBarrierSettings, _LoopGuard):
+class SharedDirBarrier(_api.SharedDirBarrierSettings, _LoopGuard):
     """The shared-directory barrier, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class CheckpointPlanner(CheckpointPlannerSettings, _LoopGuard):
+class CheckpointPlanner(_api.CheckpointPlannerSettings, _LoopGuard):
     """The checkpoint planner, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class DataStallMonitor(DataStallMonitorSettings, _LoopGuard):
+class DataStallMonitor(_api.DataStallMonitorSettings, _LoopGuard):
     """The data stall monitor, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class StragglerMonitor(StragglerMonitorSettings, _LoopGuard):
+class StragglerMonitor(_api.StragglerMonitorSettings, _LoopGuard):
     """The straggler monitor, as a hand-written loop's guard (``guard.fit``)."""
 
 

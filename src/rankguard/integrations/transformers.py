@@ -21,17 +21,7 @@ from typing import Any
 from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.callbacks.core.step_log import BATCH_END_FETCH_START, FETCH_END_BATCH_START
-from rankguard.integrations._api import (
-    BatchParityGuardSettings,
-    CheckpointPlannerSettings,
-    DataConsistencyGuardSettings,
-    DataStallMonitorSettings,
-    DropLastGuardSettings,
-    HangWatchdogSettings,
-    RankGuardSettings,
-    SharedDirBarrierSettings,
-    StragglerMonitorSettings,
-)
+from rankguard.integrations import _api
 from rankguard.integrations._driver import EventDriver
 
 try:
@@ -421,39 +411,39 @@ class _TrainerAdapter(TrainerCallback):
         self.runner.close()
 
 
-class RankGuard(RankGuardSettings, _TrainerAdapter):
+class RankGuard(_api.RankGuardSettings, _TrainerAdapter):
     """Every rankguard guard with sound defaults, as a Hugging Face ``TrainerCallback``."""
 
 
-class HangWatchdog(HangWatchdogSettings, _TrainerAdapter):
+class HangWatchdog(_api.HangWatchdogSettings, _TrainerAdapter):
     """The hang watchdog, as a Hugging Face ``TrainerCallback``."""
 
 
-class DataConsistencyGuard(DataConsistencyGuardSettings, _TrainerAdapter):
+class DataConsistencyGuard(_api.DataConsistencyGuardSettings, _TrainerAdapter):
     """The data consistency guard, as a Hugging Face ``TrainerCallback``."""
 
 
-class DropLastGuard(DropLastGuardSettings, _TrainerAdapter):
+class DropLastGuard(_api.DropLastGuardSettings, _TrainerAdapter):
     """The drop-last guard, as a Hugging Face ``TrainerCallback``."""
 
 
-class BatchParityGuard(BatchParityGuardSettings, _TrainerAdapter):
+class BatchParityGuard(_api.BatchParityGuardSettings, _TrainerAdapter):
     """The batch parity guard, as a Hugging Face ``TrainerCallback``."""
 
 
-class SharedDirBarrier(SharedDirBarrierSettings, _TrainerAdapter):
+class SharedDirBarrier(_api.SharedDirBarrierSettings, _TrainerAdapter):
     """The shared-directory barrier, as a Hugging Face ``TrainerCallback``."""
 
 
-class CheckpointPlanner(CheckpointPlannerSettings, _TrainerAdapter):
+class CheckpointPlanner(_api.CheckpointPlannerSettings, _TrainerAdapter):
     """The checkpoint planner, as a Hugging Face ``TrainerCallback``."""
 
 
-class DataStallMonitor(DataStallMonitorSettings, _TrainerAdapter):
+class DataStallMonitor(_api.DataStallMonitorSettings, _TrainerAdapter):
     """The data stall monitor, as a Hugging Face ``TrainerCallback``."""
 
 
-class StragglerMonitor(StragglerMonitorSettings, _TrainerAdapter):
+class StragglerMonitor(_api.StragglerMonitorSettings, _TrainerAdapter):
     """The straggler monitor, as a Hugging Face ``TrainerCallback``."""
 
 
