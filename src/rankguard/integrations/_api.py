@@ -25,7 +25,6 @@ from rankguard.callbacks.straggler.straggler_monitor import StragglerMonitor
 from rankguard.integrations._common import Defaults, bundle_guards, single_guard
 
 _P = ParamSpec("_P")
-_Init = Callable[Concatenate[Any, _P], None]
 _F = TypeVar("_F", bound=Callable[..., None])
 
 
@@ -58,7 +57,9 @@ def bundle_settings(declared: _F) -> _F:
     return _declared(__init__, declared, declared, None)  # type: ignore[no-any-return]
 
 
-def guard_settings(guard: Callable[_P, Guard]) -> Callable[[Callable[..., None]], _Init[_P]]:
+def guard_settings(
+    guard: Callable[_P, Guard],
+) -> Callable[[Callable[..., None]], Callable[Concatenate[Any, _P], None]]:
     """Makes the decorated ``__init__`` take and build the core ``guard``'s own settings.
 
     Editors and type checkers show ``guard``'s settings (its ``__init__``, the
@@ -72,7 +73,7 @@ def guard_settings(guard: Callable[_P, Guard]) -> Callable[[Callable[..., None]]
     def __init__(self: Any, **settings: Any) -> None:
         _adapter_init(self, single_guard(name, settings, _framework_defaults(self)))
 
-    def declare(declared: Callable[..., None]) -> _Init[_P]:
+    def declare(declared: Callable[..., None]) -> Callable[Concatenate[Any, _P], None]:
         declared.__doc__ = f"Builds :class:`rankguard.callbacks.{guard.__name__}` (its settings)."
         return _declared(__init__, guard.__init__, declared, name)  # type: ignore[misc]
 
