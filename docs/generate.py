@@ -901,12 +901,14 @@ def textwrap_dedent(text: str) -> str:
 
 
 def _bundle_lines() -> list[str]:
-    """``RankGuard``'s signature, one argument a line, from the adapters' shared signature."""
-    from rankguard.integrations import _common
+    """``RankGuard``'s signature, one argument a line, as every integration declares it."""
+    import inspect
+
+    from rankguard.integrations._api import RankGuardSettings
 
     lines = ["RankGuard("]
     star = False
-    for param in list(_common._bundle_signature().parameters.values())[1:]:
+    for param in list(inspect.signature(RankGuardSettings.__init__).parameters.values())[1:]:
         if param.kind is param.KEYWORD_ONLY and not star:
             lines.append("    *,")
             star = True

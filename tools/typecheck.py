@@ -3,7 +3,9 @@
 Runs mypy with the settings of ``[tool.mypy]`` in ``pyproject.toml``
 (``mypy_path = "src"``: the package as a wheel lays it out) on
 :data:`TARGETS`: the README's quickstart for every integration
-(``tests/typecheck/quickstart.py``) and the integration modules.
+(``tests/typecheck/quickstart.py``), the mistakes it must reject
+(``tests/typecheck/mistakes.py``), the integration modules and the one
+declaration of their public classes' settings (``_api.py``).
 
 Usage::
 
@@ -21,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 INTEGRATIONS = ("composer", "lightning", "olmo_core", "torch", "transformers")
 TARGETS = [
     "tests/typecheck/quickstart.py",
+    "tests/typecheck/mistakes.py",
+    "src/rankguard/integrations/_api.py",
     *[f"src/rankguard/integrations/{name}.py" for name in INTEGRATIONS],
 ]
 

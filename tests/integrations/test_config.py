@@ -77,6 +77,22 @@ def test_signatures_show_every_setting_to_config_tools(framework):
     assert params["eval_end_timeout_s"].default == 120.0
 
 
+def test_lightning_cli_builds_a_single_guard_with_lightnings_defaults():
+    """jsonargparse passes every default the signature shows: the class's own, not the core's."""
+    jsonargparse = pytest.importorskip("jsonargparse")
+    from lightning.pytorch.callbacks import Callback
+
+    from rankguard.integrations import lightning as rg_lightning
+
+    parser = jsonargparse.ArgumentParser()
+    parser.add_argument("--callback", type=Callback)
+    config = parser.parse_args(["--callback", "rankguard.integrations.lightning.CheckpointPlanner"])
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    (planner,) = instantiate(config).callback.runner.guards
+    (direct,) = rg_lightning.CheckpointPlanner().runner.guards
+    assert planner.writer == direct.writer == "buffer"
+
+
 def run_cli(tmp_path, *extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [

@@ -30,7 +30,7 @@ from typing import Any
 from rankguard.callbacks.checkpoint.plan import register_sharded_setting
 from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
-from rankguard.integrations._common import bundle_init, guard_init
+from rankguard.integrations import _api
 
 try:
     import lightning.pytorch as pl
@@ -236,6 +236,9 @@ def split_decisions(trainer: pl.Trainer) -> dict[str, Any]:
 class _LightningAdapter(Callback):
     """Drives a :class:`GuardRunner` from Lightning hooks."""
 
+    #: Lightning's own guard settings, under the user's (``rankguard.integrations._api``).
+    framework_defaults = LIGHTNING_DEFAULTS
+
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
         for guard in guards:
             if guard.name == "drop_last_guard" and getattr(guard, "mode", None) == "enforce":
@@ -417,176 +420,40 @@ class _LightningAdapter(Callback):
         self.runner.close()
 
 
-# -- Public classes: written by tools/generate_api.py from the guard registry; do not edit
-# (tests/integrations/test_api.py checks it): run `python tools/generate_api.py` after
-# changing a guard's settings or the registry.
+class RankGuard(_api.RankGuardSettings, _LightningAdapter):
+    """Every rankguard guard with sound defaults, as a Lightning callback."""
 
 
-class RankGuard(_LightningAdapter):
-    """Every rankguard guard with sound defaults, as a Lightning callback.
-
-    Args:
-        exchange_timeout_s: How long a cross-rank check waits for every rank
-            before naming the ones that did not arrive (seconds; grows by 5 ms
-            per rank with the world size, see ``docs/scale.md``). The hang
-            watchdog's own exchanges use its settings.
-        **per_guard_config: Per guard, by snake-case name, a dict of its
-            settings or ``False`` to leave it out, e.g.
-            ``RankGuard(batch_parity_guard={"on_violation": "warn"}, drop_last_guard=False)``.
-    """
-
-    @bundle_init(_LightningAdapter, LIGHTNING_DEFAULTS)
-    def __init__(
-        self,
-        exchange_timeout_s: float = 300.0,
-        *,
-        hang_watchdog: dict[str, Any] | bool = True,
-        data_consistency_guard: dict[str, Any] | bool = True,
-        drop_last_guard: dict[str, Any] | bool = True,
-        batch_parity_guard: dict[str, Any] | bool = True,
-        shared_dir_barrier: dict[str, Any] | bool = True,
-        checkpoint_planner: dict[str, Any] | bool = True,
-        data_stall_monitor: dict[str, Any] | bool = True,
-        straggler_monitor: dict[str, Any] | bool = True,
-    ) -> None:
-        """Builds the guards of :class:`RankGuard`."""
+class HangWatchdog(_api.HangWatchdogSettings, _LightningAdapter):
+    """The hang watchdog, as a Lightning callback."""
 
 
-class HangWatchdog(_LightningAdapter):
-    """A Lightning callback for :class:`rankguard.callbacks.HangWatchdog` (same arguments)."""
-
-    @guard_init(_LightningAdapter, "hang_watchdog", LIGHTNING_DEFAULTS)
-    def __init__(
-        self,
-        *,
-        timeout_s: float | None = None,
-        eval_timeout_s: float | None = None,
-        post_eval_timeout_s: float | None = None,
-        checkpoint_timeout_s: float | None = None,
-        first_step_timeout_s: float = 1800.0,
-        action: str = "abort",
-        abort_at: str = "ceiling",
-        report_dir: str = "./rankguard_reports",
-        exchange_period_s: float = 10.0,
-        auto_calibrate: bool = True,
-        warmup_steps: int = 10,
-        calibration_factor: float = 10.0,
-        floor_s: float = 30.0,
-        deadlock_action: str = "abort",
-        deadlock_after_s: float = 3.0,
-    ) -> None:
-        """Builds the guards of :class:`HangWatchdog`."""
+class DataConsistencyGuard(_api.DataConsistencyGuardSettings, _LightningAdapter):
+    """The data consistency guard, as a Lightning callback."""
 
 
-class DataConsistencyGuard(_LightningAdapter):
-    """A Lightning callback for :class:`rankguard.callbacks.DataConsistencyGuard` (same arguments)."""  # noqa: E501
-
-    @guard_init(_LightningAdapter, "data_consistency_guard", LIGHTNING_DEFAULTS)
-    def __init__(
-        self,
-        *,
-        on_violation: str = "raise",
-        sample_items: int = 16,
-        check_content: bool | str = "auto",
-        check_rng: bool = True,
-    ) -> None:
-        """Builds the guards of :class:`DataConsistencyGuard`."""
+class DropLastGuard(_api.DropLastGuardSettings, _LightningAdapter):
+    """The drop-last guard, as a Lightning callback."""
 
 
-class DropLastGuard(_LightningAdapter):
-    """A Lightning callback for :class:`rankguard.callbacks.DropLastGuard` (same arguments)."""
-
-    @guard_init(_LightningAdapter, "drop_last_guard", LIGHTNING_DEFAULTS)
-    def __init__(
-        self,
-        *,
-        mode: str = "check",
-        on_violation: str = "raise",
-        warn_eval_padding: bool = True,
-    ) -> None:
-        """Builds the guards of :class:`DropLastGuard`."""
+class BatchParityGuard(_api.BatchParityGuardSettings, _LightningAdapter):
+    """The batch parity guard, as a Lightning callback."""
 
 
-class BatchParityGuard(_LightningAdapter):
-    """A Lightning callback for :class:`rankguard.callbacks.BatchParityGuard` (same arguments)."""
-
-    @guard_init(_LightningAdapter, "batch_parity_guard", LIGHTNING_DEFAULTS)
-    def __init__(
-        self,
-        *,
-        on_violation: str = "raise",
-        eval_end_timeout_s: float = 120.0,
-        check_train: bool = True,
-        check_eval: bool = True,
-        max_count_samples: int = 1000000,
-    ) -> None:
-        """Builds the guards of :class:`BatchParityGuard`."""
+class SharedDirBarrier(_api.SharedDirBarrierSettings, _LightningAdapter):
+    """The shared-directory barrier, as a Lightning callback."""
 
 
-class SharedDirBarrier(_LightningAdapter):
-    """A Lightning callback for :class:`rankguard.callbacks.SharedDirBarrier` (same arguments)."""
-
-    @guard_init(_LightningAdapter, "shared_dir_barrier", LIGHTNING_DEFAULTS)
-    def __init__(
-        self,
-        *,
-        on_violation: str = "raise",
-        timeout_s: float = 600.0,
-        poll_s: float = 0.05,
-        probe_wait_s: float = 2.0,
-        on_node_local: str = "warn",
-    ) -> None:
-        """Builds the guards of :class:`SharedDirBarrier`."""
+class CheckpointPlanner(_api.CheckpointPlannerSettings, _LightningAdapter):
+    """The checkpoint planner, as a Lightning callback."""
 
 
-class CheckpointPlanner(_LightningAdapter):
-    """A Lightning callback for :class:`rankguard.callbacks.CheckpointPlanner` (same arguments)."""
-
-    @guard_init(_LightningAdapter, "checkpoint_planner", LIGHTNING_DEFAULTS)
-    def __init__(
-        self,
-        *,
-        mode: str = "warn",
-        materialize: str = "rank0",
-        writer: str = "file",
-        host_memory_bytes: int | None = None,
-        state_dict_type: str = "full",
-    ) -> None:
-        """Builds the guards of :class:`CheckpointPlanner`."""
+class DataStallMonitor(_api.DataStallMonitorSettings, _LightningAdapter):
+    """The data stall monitor, as a Lightning callback."""
 
 
-class DataStallMonitor(_LightningAdapter):
-    """A Lightning callback for :class:`rankguard.callbacks.DataStallMonitor` (same arguments)."""
-
-    @guard_init(_LightningAdapter, "data_stall_monitor", LIGHTNING_DEFAULTS)
-    def __init__(
-        self,
-        *,
-        on_violation: str = "warn",
-        threshold: float = 0.5,
-        window: int = 10,
-        interval: int | None = None,
-    ) -> None:
-        """Builds the guards of :class:`DataStallMonitor`."""
-
-
-class StragglerMonitor(_LightningAdapter):
-    """A Lightning callback for :class:`rankguard.callbacks.StragglerMonitor` (same arguments)."""
-
-    @guard_init(_LightningAdapter, "straggler_monitor", LIGHTNING_DEFAULTS)
-    def __init__(
-        self,
-        *,
-        on_violation: str = "warn",
-        threshold: float = 0.7,
-        window: int = 3,
-        interval: int | None = None,
-        warmup_steps: int = 20,
-        timed_batches: int = 8,
-        min_excess_s: float = 0.001,
-        min_forward_s: float | None = None,
-    ) -> None:
-        """Builds the guards of :class:`StragglerMonitor`."""
+class StragglerMonitor(_api.StragglerMonitorSettings, _LightningAdapter):
+    """The straggler monitor, as a Lightning callback."""
 
 
 __all__ = [

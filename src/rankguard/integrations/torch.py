@@ -1,7 +1,7 @@
 """rankguard for hand-written training loops (plain ``torchrun``, DDP, FSDP2).
 
 Holds ``RankGuard`` (with ``fit``, ``load`` and the ``run`` wrappers) and one
-callback per guard (written by ``tools/generate_api.py``).
+callback per guard (settings declared in ``rankguard.integrations._api``).
 See docs/integrations.md#what-the-wrappers-infer.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from rankguard.callbacks.core.events import LoaderFacts, LoaderPass
 from rankguard.callbacks.core.guard import Guard, GuardRunner
-from rankguard.integrations._common import bundle_init, guard_init
+from rankguard.integrations import _api
 from rankguard.integrations._driver import EventDriver
 
 logger = logging.getLogger(__name__)
@@ -622,176 +622,40 @@ class _Save:
             run._driver.saving = False
 
 
-# -- Public classes: written by tools/generate_api.py from the guard registry; do not edit
-# (tests/integrations/test_api.py checks it): run `python tools/generate_api.py` after
-# changing a guard's settings or the registry.
+class RankGuard(_api.RankGuardSettings, _LoopGuard):
+    """Every rankguard guard with sound defaults, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class RankGuard(_LoopGuard):
-    """Every rankguard guard with sound defaults, as a hand-written loop's guard (``guard.fit``).
-
-    Args:
-        exchange_timeout_s: How long a cross-rank check waits for every rank
-            before naming the ones that did not arrive (seconds; grows by 5 ms
-            per rank with the world size, see ``docs/scale.md``). The hang
-            watchdog's own exchanges use its settings.
-        **per_guard_config: Per guard, by snake-case name, a dict of its
-            settings or ``False`` to leave it out, e.g.
-            ``RankGuard(batch_parity_guard={"on_violation": "warn"}, drop_last_guard=False)``.
-    """
-
-    @bundle_init(_LoopGuard)
-    def __init__(
-        self,
-        exchange_timeout_s: float = 300.0,
-        *,
-        hang_watchdog: dict[str, Any] | bool = True,
-        data_consistency_guard: dict[str, Any] | bool = True,
-        drop_last_guard: dict[str, Any] | bool = True,
-        batch_parity_guard: dict[str, Any] | bool = True,
-        shared_dir_barrier: dict[str, Any] | bool = True,
-        checkpoint_planner: dict[str, Any] | bool = True,
-        data_stall_monitor: dict[str, Any] | bool = True,
-        straggler_monitor: dict[str, Any] | bool = True,
-    ) -> None:
-        """Builds the guards of :class:`RankGuard`."""
+class HangWatchdog(_api.HangWatchdogSettings, _LoopGuard):
+    """The hang watchdog, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class HangWatchdog(_LoopGuard):
-    """A hand-written loop's guard (``guard.fit``) for :class:`rankguard.callbacks.HangWatchdog` (same arguments)."""  # noqa: E501
-
-    @guard_init(_LoopGuard, "hang_watchdog")
-    def __init__(
-        self,
-        *,
-        timeout_s: float | None = None,
-        eval_timeout_s: float | None = None,
-        post_eval_timeout_s: float | None = None,
-        checkpoint_timeout_s: float | None = None,
-        first_step_timeout_s: float = 1800.0,
-        action: str = "abort",
-        abort_at: str = "ceiling",
-        report_dir: str = "./rankguard_reports",
-        exchange_period_s: float = 10.0,
-        auto_calibrate: bool = True,
-        warmup_steps: int = 10,
-        calibration_factor: float = 10.0,
-        floor_s: float = 30.0,
-        deadlock_action: str = "abort",
-        deadlock_after_s: float = 3.0,
-    ) -> None:
-        """Builds the guards of :class:`HangWatchdog`."""
+class DataConsistencyGuard(_api.DataConsistencyGuardSettings, _LoopGuard):
+    """The data consistency guard, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class DataConsistencyGuard(_LoopGuard):
-    """A hand-written loop's guard (``guard.fit``) for :class:`rankguard.callbacks.DataConsistencyGuard` (same arguments)."""  # noqa: E501
-
-    @guard_init(_LoopGuard, "data_consistency_guard")
-    def __init__(
-        self,
-        *,
-        on_violation: str = "raise",
-        sample_items: int = 16,
-        check_content: bool | str = "auto",
-        check_rng: bool = True,
-    ) -> None:
-        """Builds the guards of :class:`DataConsistencyGuard`."""
+class DropLastGuard(_api.DropLastGuardSettings, _LoopGuard):
+    """The drop-last guard, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class DropLastGuard(_LoopGuard):
-    """A hand-written loop's guard (``guard.fit``) for :class:`rankguard.callbacks.DropLastGuard` (same arguments)."""  # noqa: E501
-
-    @guard_init(_LoopGuard, "drop_last_guard")
-    def __init__(
-        self,
-        *,
-        mode: str = "check",
-        on_violation: str = "raise",
-        warn_eval_padding: bool = True,
-    ) -> None:
-        """Builds the guards of :class:`DropLastGuard`."""
+class BatchParityGuard(_api.BatchParityGuardSettings, _LoopGuard):
+    """The batch parity guard, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class BatchParityGuard(_LoopGuard):
-    """A hand-written loop's guard (``guard.fit``) for :class:`rankguard.callbacks.BatchParityGuard` (same arguments)."""  # noqa: E501
-
-    @guard_init(_LoopGuard, "batch_parity_guard")
-    def __init__(
-        self,
-        *,
-        on_violation: str = "raise",
-        eval_end_timeout_s: float = 120.0,
-        check_train: bool = True,
-        check_eval: bool = True,
-        max_count_samples: int = 1000000,
-    ) -> None:
-        """Builds the guards of :class:`BatchParityGuard`."""
+class SharedDirBarrier(_api.SharedDirBarrierSettings, _LoopGuard):
+    """The shared-directory barrier, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class SharedDirBarrier(_LoopGuard):
-    """A hand-written loop's guard (``guard.fit``) for :class:`rankguard.callbacks.SharedDirBarrier` (same arguments)."""  # noqa: E501
-
-    @guard_init(_LoopGuard, "shared_dir_barrier")
-    def __init__(
-        self,
-        *,
-        on_violation: str = "raise",
-        timeout_s: float = 600.0,
-        poll_s: float = 0.05,
-        probe_wait_s: float = 2.0,
-        on_node_local: str = "warn",
-    ) -> None:
-        """Builds the guards of :class:`SharedDirBarrier`."""
+class CheckpointPlanner(_api.CheckpointPlannerSettings, _LoopGuard):
+    """The checkpoint planner, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class CheckpointPlanner(_LoopGuard):
-    """A hand-written loop's guard (``guard.fit``) for :class:`rankguard.callbacks.CheckpointPlanner` (same arguments)."""  # noqa: E501
-
-    @guard_init(_LoopGuard, "checkpoint_planner")
-    def __init__(
-        self,
-        *,
-        mode: str = "warn",
-        materialize: str = "rank0",
-        writer: str = "file",
-        host_memory_bytes: int | None = None,
-        state_dict_type: str = "full",
-    ) -> None:
-        """Builds the guards of :class:`CheckpointPlanner`."""
+class DataStallMonitor(_api.DataStallMonitorSettings, _LoopGuard):
+    """The data stall monitor, as a hand-written loop's guard (``guard.fit``)."""
 
 
-class DataStallMonitor(_LoopGuard):
-    """A hand-written loop's guard (``guard.fit``) for :class:`rankguard.callbacks.DataStallMonitor` (same arguments)."""  # noqa: E501
-
-    @guard_init(_LoopGuard, "data_stall_monitor")
-    def __init__(
-        self,
-        *,
-        on_violation: str = "warn",
-        threshold: float = 0.5,
-        window: int = 10,
-        interval: int | None = None,
-    ) -> None:
-        """Builds the guards of :class:`DataStallMonitor`."""
-
-
-class StragglerMonitor(_LoopGuard):
-    """A hand-written loop's guard (``guard.fit``) for :class:`rankguard.callbacks.StragglerMonitor` (same arguments)."""  # noqa: E501
-
-    @guard_init(_LoopGuard, "straggler_monitor")
-    def __init__(
-        self,
-        *,
-        on_violation: str = "warn",
-        threshold: float = 0.7,
-        window: int = 3,
-        interval: int | None = None,
-        warmup_steps: int = 20,
-        timed_batches: int = 8,
-        min_excess_s: float = 0.001,
-        min_forward_s: float | None = None,
-    ) -> None:
-        """Builds the guards of :class:`StragglerMonitor`."""
+class StragglerMonitor(_api.StragglerMonitorSettings, _LoopGuard):
+    """The straggler monitor, as a hand-written loop's guard (``guard.fit``)."""
 
 
 __all__ = [  # noqa: RUF022
