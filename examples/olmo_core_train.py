@@ -223,9 +223,6 @@ def main() -> None:
         max_duration=Duration.epochs(fault.epochs),
         metrics_collect_interval=steps_per_epoch,
         callbacks=callbacks,
-        # OLMo-core 3.0's asynchronous bookkeeping issues collectives from two threads, which
-        # on 2 CPU ranks can cross and abort a healthy job (docs/integrations.md).
-        async_bookkeeping=False,
     ).build(module, loader)
     trainer.fit()
     fault.report(rank)

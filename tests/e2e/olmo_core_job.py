@@ -164,7 +164,11 @@ def build_trainer(
         state_dict_save_opts=state_dict_save_opts,
     ).build(model, device=torch.device("cpu"))
     olmo_callbacks: dict[str, Callback] = {
-        "checkpointer": CheckpointerCallback(save_interval=save_interval),
+        # Synchronous saves: OLMo-core 3.0's asynchronous save records a reduced metric
+        # (`checkpoint/save_async_duration_s`) on each rank when its own save ends, so ranks'
+        # metric flushes can differ and the flush's collective aborts or hangs
+        # (docs/integrations.md).
+        "checkpointer": CheckpointerCallback(save_interval=save_interval, save_async=False),
         **callbacks,
     }
     if eval_sequences is not None:
@@ -177,9 +181,6 @@ def build_trainer(
         max_duration=Duration.steps(steps),
         metrics_collect_interval=2,
         callbacks=olmo_callbacks,
-        # OLMo-core 3.0's asynchronous bookkeeping issues collectives from two threads, which
-        # on 2 CPU ranks can cross and abort a healthy job (docs/integrations.md).
-        async_bookkeeping=False,
     )
     return config.build(module, loader)
 
