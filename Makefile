@@ -78,7 +78,7 @@ docs: venv venv-composer
 	$(BIN)/python docs/generate.py
 
 bench: venv venv-composer
-	$(BIN)/python benchmarks/overhead.py --frameworks lightning,torch,hf
+	$(BIN)/python benchmarks/overhead.py --frameworks lightning,torch,transformers
 	$(CBIN)/python benchmarks/overhead.py --frameworks composer
 
 # Installing rankguard with the extras of each world's frameworks into that world's locked
