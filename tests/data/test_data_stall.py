@@ -477,7 +477,7 @@ def test_a_loader_starved_from_its_first_batch_is_named_before_it_dies_at_its_ei
     outcomes = run_ranks(_starved_from_the_first_batch, 2, timeout_s=60)
     for o in outcomes:
         assert o.error is None, o.error
-    for rank, outcome in enumerate(outcomes):
+    for outcome in outcomes:
         warnings = [(b, m) for b, m in outcome.value if "cannot keep up" in m]
         # The first verdict goes at batch 3's start, every rank acts on it at batch 4's.
         assert [b for b, _ in warnings] == [4], outcome.value

@@ -48,6 +48,9 @@ FIX = (
 #: loader starved from its first batch is named by its third to fifth (one that dies at
 #: its eighth is named before it does). Each is one exchange: a handful per fit.
 EARLY_POSTS = (3, 6, 12, 24)
+#: The store key (under the channel's prefix) where a rank whose loader raised leaves
+#: what was measured, read by the other ranks' error reports.
+RAISED_KEY = "data_stall_monitor/loader_raised"
 #: Measured steps below which the early verdicts name no rank (a step is measured
 #: from one train batch's start to the next: batch 3's start closes the second).
 EARLY_MIN_STEPS = 2
@@ -479,13 +482,47 @@ class DataStallMonitor(Guard):
         if worker and not self._fit_steps and verdict is None:
             return None
         if not worker and self._fetch_start is None:
-            return None  # not raised while fetching a train batch
-        return describe_raise(
+            return self._peer_failure()  # not raised while fetching: maybe another's loader
+        message = describe_raise(
             self.channel.rank,
             self._started + 1,
             self._fit_totals(),
             None if verdict is None else verdict.others_wait_s,
             self._last_verdict_at if verdict is not None else None,
+        )
+        self._share(message)
+        return message
+
+    def _share(self, message: str) -> None:
+        """Leaves a loader failure in the store, for the other ranks' error reports."""
+        store = self.channel.store
+        if store is not None:
+            try:
+                store.set(f"{self.channel.prefix}/{RAISED_KEY}", message)
+            except Exception:  # the store's host may be gone with the job
+                logger.debug("rankguard: could not share a loader failure", exc_info=True)
+
+    def _peer_failure(self) -> str | None:
+        """Another rank's loader failure (shared in the store), or the last verdict's stall."""
+        store = self.channel.store
+        if store is not None:
+            key = f"{self.channel.prefix}/{RAISED_KEY}"
+            try:
+                if store.check([key]):
+                    shared = store.get(key).decode()
+                    return f"this rank's error follows another rank's loader failure: {shared}"
+            except Exception:
+                logger.debug("rankguard: could not read a shared loader failure", exc_info=True)
+        verdict = self._last_verdict
+        if verdict is None or not verdict.stalled:
+            return None
+        stalled = ", ".join(
+            f"rank {r} {s.wait_per_batch:.2f} s per batch" for r, s in verdict.stalled.items()
+        )
+        return (
+            f"at the data-wait exchange of batch {self._last_verdict_at}, {stalled} waited "
+            f"for data (other ranks {verdict.others_wait_s:.2f} s): if this error is a "
+            f"collective that lost a peer, look for that rank's loader error in its log."
         )
 
     def _fit_totals(self) -> IntervalStats:
