@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 import socket
 
 import numpy as np
-
 import pytest
 
 pytest.importorskip("olmo_core", reason="needs rankguard[olmo-core]")
@@ -214,6 +214,8 @@ SCENARIOS = [
     "resume",
     "uneven_eval",
     "slow_data",
+    "slow_rank_data",
+    "node_local_tokens",
     "node_local",
     "late_checkpoint_folder",
     "checkpoint_folder_never_seen",
@@ -274,6 +276,31 @@ def test_olmo_core_slow_data_on_rank_1_is_named_by_every_rank(job):
             "rankguard data_stall_monitor: Data loading cannot keep up on rank 1: "
         ), warning
         assert "rankguard/data_wait_slowest_rank" in result["counters"]["rankguard_keys_logged"]
+
+
+@pytest.mark.framework
+def test_olmo_core_rank_slow_by_a_tenth_of_a_second_per_batch_over_40_steps_is_named(job):
+    for rank in job[2]:
+        result = rank["slow_rank_data"]
+        assert result["outcome"] == "ok" and result["counters"]["steps"] == 40, result
+        [warning] = result["warnings"]  # at the first verdict (batch 3), once
+        assert "Data loading cannot keep up on rank 1: " in warning, warning
+        assert re.search(r"rank 1: waited \d+% of step time, 0\.(09|1\d) s per batch", warning)
+        assert "other ranks 0.0" in warning
+
+
+@pytest.mark.framework
+def test_olmo_core_node_local_token_files_with_other_contents_stop_every_rank_at_fit_start(job):
+    for rank in job[2]:
+        result = rank["node_local_tokens"]
+        assert result["outcome"] == "DataInconsistencyError", result
+        assert re.match(
+            r"Ranks see different data \(at fit start\): loader 'train': content differs "
+            r"\(rank 0: hash \w{8} of 16 items; rank 1: hash \w{8} of 16 items\)",
+            result["message"],
+        ), result["message"]
+        assert "token files on node-local disks" in result["message"]
+        assert result["counters"]["steps"] == 0
 
 
 @pytest.mark.framework
