@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -176,8 +177,9 @@ def streams(train_n: int, eval_n: int) -> None:
     seed_everything(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    train_loader = DataLoader(ClaimedStream(train_n, claimed=16), batch_size=4)
-    eval_loader = DataLoader(ClaimedStream(eval_n, claimed=16), batch_size=4)
+    rank = dist.get_rank()
+    train_loader = DataLoader(ClaimedStream(train_n, claimed=16, seed=rank), batch_size=4)
+    eval_loader = DataLoader(ClaimedStream(eval_n, claimed=16, seed=rank), batch_size=4)
     with RankGuard(**QUICK).fit(model, optimizer, train_loader, eval_loaders=eval_loader) as run:
         with model.join():
             for x, y in run.train(train_loader):
@@ -312,6 +314,39 @@ def starved_loader() -> None:
     slow_loop(0.25, 20, raise_at=8)
 
 
+def unsharded(make_loader: Callable[[Any], DataLoader]) -> None:
+    """A loop whose train loader every rank reads whole: 2 epochs planned."""
+    train_set, _ = seeded_split()
+    COUNTERS.clear()
+    seed_everything(0)
+    model = DistributedDataParallel(BagOfTokens())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_loader = make_loader(train_set.with_format("torch"))
+    with RankGuard(**QUICK).fit(model, optimizer, train_loader) as run:
+        for _ in range(2):
+            for batch in run.train(train_loader):
+                count("train_batches")
+                out = model(batch["input_ids"])
+                torch.nn.functional.cross_entropy(out, batch["labels"]).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+
+def no_sampler() -> None:
+    """As a new user writes it: shuffled with a seeded generator, no DistributedSampler."""
+    seeded = torch.Generator().manual_seed(0)
+    unsharded(lambda data: DataLoader(data, batch_size=8, shuffle=True, generator=seeded))
+
+
+def sampler_wrong_replicas() -> None:
+    """A DistributedSampler told a world of one (``num_replicas=1, rank=0``) on every rank."""
+    unsharded(
+        lambda data: DataLoader(
+            data, batch_size=8, sampler=DistributedSampler(data, num_replicas=1, rank=0)
+        )
+    )
+
+
 def stall_after_eval() -> None:
     """The bug: rank 1 never comes back from its first eval (here a sleep)."""
     if dist.get_rank() == 1:
@@ -350,6 +385,8 @@ SCENARIOS = {
     "straggler": straggler,
     "slow_rank_data": slow_rank_data,
     "starved_loader": starved_loader,
+    "no_sampler": no_sampler,
+    "sampler_wrong_replicas": sampler_wrong_replicas,
     "post_eval_stall": post_eval_stall,
     "rank0_collective": rank0_collective,
 }

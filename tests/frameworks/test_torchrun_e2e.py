@@ -298,7 +298,7 @@ def test_hf_rank_stalled_after_eval_is_named_with_its_stack_and_every_rank_exits
 
 
 #: Data faults in a loop, one launch: the last scenario's loader raises, which ends it.
-DATA_SCENARIOS = ["slow_rank_data", "starved_loader"]
+DATA_SCENARIOS = ["no_sampler", "sampler_wrong_replicas", "slow_rank_data", "starved_loader"]
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +339,31 @@ def test_loop_loader_starved_from_its_first_batch_is_named_before_it_raises_at_i
     assert re.search(r"\[rank 1\] ERROR .*data-loading thread failed.*" + measured, output)
     follows = r"\[rank 0\] ERROR .*follows another rank's loader failure: "
     assert re.search(follows + measured, output)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "proof"),
+    [
+        (
+            "no_sampler",
+            "ranks 0,1 read the same map-style dataset through a DataLoader without a "
+            "distributed sampler (RandomSampler): every one of them reads all of it. Fix: give "
+            "the train DataLoader a `DistributedSampler(dataset)`",
+        ),
+        (
+            "sampler_wrong_replicas",
+            "the distributed sampler splits the data into num_replicas shares that differ from "
+            "the 2 data-parallel ranks (ranks 0,1: 1). Fix: build the DistributedSampler with "
+            "the data-parallel world",
+        ),
+    ],
+)
+def test_loop_loader_every_rank_reads_whole_is_stopped_at_fit_start(data_loop, scenario, proof):
+    for rank in data_loop[1]:
+        result = rank[scenario]
+        assert result["outcome"] == "DataInconsistencyError", result
+        assert result["message"].startswith(
+            "Ranks train on the same data (at fit start; each rank computes what one would): "
+            + proof
+        ), result["message"]
+        assert result["counters"].get("train_batches", 0) == 0 and result["warnings"] == []
