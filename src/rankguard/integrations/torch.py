@@ -697,6 +697,8 @@ class DataConsistencyGuard(_LoopGuard):
         sample_items: int = 16,
         check_content: bool | str = "auto",
         check_rng: bool = True,
+        check_sharding: bool = True,
+        data_parallel_size: int | None = None,
     ) -> None:
         """Builds the guards of :class:`DataConsistencyGuard`."""
 
