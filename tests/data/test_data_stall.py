@@ -482,7 +482,10 @@ def test_a_loader_starved_from_its_first_batch_is_named_before_it_dies_at_its_ei
         # The first verdict goes at batch 3's start, every rank acts on it at batch 4's.
         assert [b for b, _ in warnings] == [4], outcome.value
         message = warnings[0][1]
-        assert "cannot keep up on rank 1:" in message and "2 of its first 2 steps slow" in message
+        assert (
+            "cannot keep up on rank 1:" in message
+            and "2 slow steps in a row (2 of the fit's first 2)" in message
+        )
         assert "other ranks 0.00 s per batch" in message, message
     errors = [m for _, m in outcomes[1].value if "loader raised" in m]
     assert len(errors) == 1, outcomes[1].value

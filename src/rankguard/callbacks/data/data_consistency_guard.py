@@ -41,10 +41,8 @@ FIX_SPLIT = (
     "split and shuffle (Hugging Face `train_test_split(..., seed=42)`, scikit-learn "
     "`random_state=42`), and seed python `random` and numpy as well as torch with the same "
     "value on every rank (`random.seed(s); numpy.random.seed(s); torch.manual_seed(s)`, or "
-    "Lightning's `seed_everything(s)`), or build the split once and save it. Files each node "
-    "prepared itself (token files on node-local disks) must be the same bytes: read them from "
-    "shared storage or compare their checksums. If each rank loads its own shard on purpose, "
-    "set `check_content=False`."
+    "Lightning's `seed_everything(s)`), or build the split once and save it. If each rank "
+    "loads its own shard on purpose, set `check_content=False`."
 )
 FIX_SAMPLER_SEED = (
     "Fix: give the sampler the same `seed` on every rank (a DistributedSampler shuffles with "

@@ -163,21 +163,21 @@ def describe_stall(
     """The warning or error message for stalled ranks (``others_wait_s``: the others' wait)."""
     details = "; ".join(
         f"rank {r}: waited {s.fraction or 0.0:.0%} of step time, {s.wait_per_batch:.2f} s per "
-        f"batch, {s.fit_slow} of its first {s.fit_steps} steps slow, "
-        f"{s.longest_run} in a row, {s.throughput()}"
-        if s.fit_steps < window
-        else f"rank {r}: waited {s.fraction or 0.0:.0%} of step time, {s.wait_per_batch:.2f} s "
-        f"per batch, {s.longest_run} slow steps in a row, {s.throughput()}"
+        f"batch, {s.longest_run} slow steps in a row"
+        + (f" ({s.fit_slow} of the fit's first {s.fit_steps})" if s.fit_steps < window else "")
+        + f", {s.throughput()}"
         for r, s in stalled.items()
     )
     others = "" if others_wait_s is None else f"; other ranks {others_wait_s:.2f} s per batch"
+    early = all(s.fit_steps < window for s in stalled.values())
+    how = (
+        "in most of the fit's first steps" if early else f"for at least {window} consecutive steps"
+    )
     return (
         f"Data loading cannot keep up on {rank_label(stalled)}: waited for the next batch "
-        f"more than {threshold:.0%} of step time for at least {window} consecutive steps, or "
-        f"for most of the fit's first steps ({details}{others}); in a multi-rank job every "
-        f"other rank waits for {'it' if len(stalled) == 1 else 'them'} at each collective. "
-        f"A loader starved like this may also fail outright (a data thread or worker that "
-        f"gives up). {FIX}"
+        f"more than {threshold:.0%} of step time {how} ({details}{others}); in a multi-rank "
+        f"job every other rank waits for {'it' if len(stalled) == 1 else 'them'} at each "
+        f"collective. {FIX}"
     )
 
 
