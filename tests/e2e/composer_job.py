@@ -355,6 +355,11 @@ DATA = {
     ),
     "stall_healthy": lambda: stall(None),
     "stall_rank1": lambda: stall(1),
+    # A stream that ignores the rank (Composer checks map-style loaders only): every rank
+    # reads the same 8 batches.
+    "iterable_ignores_rank": lambda: fit_data(
+        DataLoader(ClaimedStream(32, claimed=32), batch_size=4), sharded(16), RankGuard()
+    ),
 }
 
 

@@ -45,6 +45,7 @@ COMPOSER_SCENARIOS = [
     "streaming_shuffle_seed_differs",
     "stall_healthy",
     "stall_rank1",
+    "iterable_ignores_rank",
     "dead_worker",
 ]
 LIGHTNING_SCENARIOS = [
@@ -288,6 +289,16 @@ def test_composer_dead_worker_is_logged_with_rank_and_step(composer_job):
         r"batch \d+ ",
         told["message"],
     ), told["message"]
+
+
+def test_composer_stream_that_ignores_the_rank_stops_every_rank_after_4_batches(composer_job):
+    for result in composer(composer_job, "iterable_ignores_rank"):
+        assert result["outcome"] == "DataInconsistencyError", result.get("traceback")
+        assert result["message"].startswith(
+            "Ranks train on the same data (the first 4 train batches; each rank computes what "
+            "one would): ranks 0,1 read the same first 4 train batches. Fix: "
+        ), result["message"]
+        assert "Composer: `sampler=composer.utils.dist.get_sampler(dataset)`" in result["message"]
 
 
 def test_lightning_custom_iterable_that_ignores_the_rank_stops_every_rank_after_4_batches(
