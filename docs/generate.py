@@ -189,8 +189,10 @@ RANK_LOGS = "/tmp/rankguard-rank{rank}.err"
 
 @dataclass(frozen=True)
 class Example:
-    """An example script with a ``--fault`` option and its launch command (``.venv/bin/...``,
-    or ``.venv-composer/bin/...`` for Composer, which lives in its own environment).
+    """An example script with a ``--fault`` option and its launch command.
+
+    The command runs the example in its framework's environment: ``.venv/bin/...``, or
+    ``.venv-composer/bin/...`` for Composer, which lives in its own.
 
     Composer's launcher shows local rank 0's output only (and another rank's when that
     rank fails on its own); its command gets ``--stderr`` so every rank's log is kept.

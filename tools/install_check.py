@@ -46,14 +46,14 @@ def main() -> int:
     extras = parser.parse_args().extras
     plan = planned_installs(extras)
     others = [(name, new) for name, new in plan if name.lower() != "rankguard"]
-    print(f"{sys.prefix}: pip install 'rankguard[{extras}]' --dry-run would install:")
-    for name, new in plan:
-        print(f"  {name} {new} (installed: {installed(name)})")
+    lines = [f"{sys.prefix}: pip install 'rankguard[{extras}]' --dry-run would install:"]
+    lines += [f"  {name} {new} (installed: {installed(name)})" for name, new in plan]
     if others:
-        print(f"FAIL: {len(others)} package(s) besides rankguard would change.")
-        return 1
-    print("OK: rankguard alone; every installed package stays as it is.")
-    return 0
+        lines.append(f"FAIL: {len(others)} package(s) besides rankguard would change.")
+    else:
+        lines.append("OK: rankguard alone; every installed package stays as it is.")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 1 if others else 0
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -97,7 +98,7 @@ def test_healthy_run_logs_metrics_and_never_warns(runs):
     for rank_runs in runs:
         warnings, metrics = rank_runs["healthy"]
         assert warnings == []
-        assert len(metrics) == STEPS // INTERVAL
+        assert len(metrics) == 1 + STEPS // INTERVAL  # the early verdict at batch 3, then 5, 10..
         assert set(metrics[-1]) == {
             "rankguard/data_wait_s",
             "rankguard/data_wait_fraction",
@@ -134,9 +135,9 @@ def test_a_left_interval_exchanges_less_often_at_fast_steps_at_the_same_batches_
         assert o.error is None, o.error
     posted, logged, exchanges = outcomes[0].value
     assert outcomes[1].value == outcomes[0].value  # the same batches on every rank
-    assert posted[0] == 50 and all(b % 50 == 0 for b in posted)
-    # 600 batches of 2 ms: 12 exchanges at every 50; a few at 0.3 s each.
-    assert 2 <= len(posted) <= 6
+    # The early verdicts, then the intervals: 12 exchanges at every 50; a few at 0.3 s each.
+    assert posted[:5] == [3, 6, 12, 24, 50] and all(b % 50 == 0 for b in posted[4:])
+    assert 2 <= len(posted) - 4 <= 6
     assert logged == exchanges == len(posted)
 
 
@@ -386,7 +387,8 @@ def test_a_collective_in_the_fetch_window_is_not_counted_as_data_wait():
     monitor.bind(SideChannel(None), log_metrics=metrics.append)
     data = _Profiled(delay_s=0.0)
     _composer_like_steps(monitor, data, collective_s=0.03, steps=6)
-    [logged] = metrics  # no DataStallError although every window was 85% waiting
+    early, logged = metrics  # no DataStallError although every window was 85% waiting
+    assert early["rankguard/data_wait_fraction"] < 0.2  # the early verdict at batch 3
     assert logged["rankguard/data_wait_fraction"] < 0.2
     assert logged["rankguard/data_wait_s"] < 0.01
     # A window that looks slow is not measured; the next fetch is timed to the loader's return.
@@ -437,3 +439,73 @@ def test_a_connection_lost_while_receiving_a_batch_is_a_dead_worker():
     with pytest.raises(ConnectionResetError) as info:
         next(iter(DataLoader(_RemoteReads())))
     assert worker_failure(info.value) is None
+
+
+def _starved_from_the_first_batch(rank, world_size):
+    """Default settings; rank 1's loader waits 30 ms a batch from its first and raises at its 8th.
+
+    Returns the batches at which rankguard warned, and what it logged at the error.
+    """
+    records = _Records()
+    logging.getLogger("rankguard").addHandler(records)
+    monitor = DataStallMonitor()
+    monitor.bind(SideChannel.from_environment(timeout_s=20), log_metrics=lambda metrics: None)
+    loader = DataLoader(list(range(80)), batch_size=8)
+    monitor.on_fit_start(EventFacts.for_loaders([LoaderFacts("train", loader, is_train=True)]))
+    try:
+        for step in range(10):
+            records.batch = step + 1
+            monitor.handle(Event.DATA_FETCH_START, EventFacts(step=step))
+            if rank == 1:
+                time.sleep(SLOW_FETCH_S)
+                if step == 7:
+                    error = RuntimeError("generator thread data thread 3 failed")
+                    monitor.on_error(error, EventFacts(step=step))
+                    break
+            monitor.handle(Event.DATA_FETCH_END, EventFacts(step=step))
+            monitor.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
+            # Rank 0 waits for rank 1 in the step's collective (DDP's gradient all_reduce).
+            time.sleep(COMPUTE_S + (SLOW_FETCH_S if rank == 0 else 0.0))
+            monitor.handle(Event.TRAIN_BATCH_END, EventFacts(step=step))
+    finally:
+        logging.getLogger("rankguard").removeHandler(records)
+        monitor.close()
+    return records.batches
+
+
+def test_a_loader_starved_from_its_first_batch_is_named_before_it_dies_at_its_eighth():
+    outcomes = run_ranks(_starved_from_the_first_batch, 2, timeout_s=60)
+    for o in outcomes:
+        assert o.error is None, o.error
+    for outcome in outcomes:
+        warnings = [(b, m) for b, m in outcome.value if "cannot keep up" in m]
+        # The first verdict goes at batch 3's start, every rank acts on it at batch 4's.
+        assert [b for b, _ in warnings] == [4], outcome.value
+        message = warnings[0][1]
+        assert (
+            "cannot keep up on rank 1:" in message
+            and "2 slow steps in a row (2 of the fit's first 2)" in message
+        )
+        assert "other ranks 0.00 s per batch" in message, message
+    errors = [m for _, m in outcomes[1].value if "loader raised" in m]
+    assert len(errors) == 1, outcomes[1].value
+    assert re.search(
+        r"rank 1's loader raised at batch 8 after waiting (8\d|9\d)% of its step time in 6 "
+        r"measured steps \(0\.0\d s per batch, 6 steps slow; other ranks 0\.00 s at the "
+        r"exchange of batch 6\)",
+        errors[0],
+    ), errors[0]
+
+
+def test_early_verdicts_name_a_rank_slow_on_most_of_its_first_steps_only():
+    def stats(slow, steps, run):
+        return IntervalStats(slow * 0.1, steps * 0.12, steps, run, None, steps, slow)
+
+    fast = stats(0, 2, 0)
+    verdict = stall_verdict({0: fast, 1: stats(2, 2, 2)}, window=10, threshold=0.5)
+    assert list(verdict.stalled) == [1] and verdict.others_wait_s == 0.0
+    # One slow step of two is not most; one measured step is too few to judge.
+    assert stall_verdict({0: fast, 1: stats(1, 2, 1)}, window=10, threshold=0.5).stalled == {}
+    assert stall_verdict({0: fast, 1: stats(1, 1, 1)}, window=10, threshold=0.5).stalled == {}
+    # From `window` measured steps on, only a run of `window` slow steps is a stall.
+    assert stall_verdict({0: fast, 1: stats(8, 12, 4)}, window=10, threshold=0.5).stalled == {}

@@ -176,10 +176,14 @@ def run_scenarios(scenarios: dict, counters: dict) -> None:
 
 
 class Stream(IterableDataset):
-    """An iterable (streaming-style) dataset without ``__len__``: ``n`` points."""
+    """An iterable (streaming-style) dataset without ``__len__``: ``n`` points.
 
-    def __init__(self, n: int) -> None:
-        self.points = Points(n)
+    ``seed``: which points (a rank's own stream gives its rank: a stream that ignores
+    the rank gives every rank the same batches, which rankguard names).
+    """
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.points = Points(n, seed)
 
     def __iter__(self):
         return (self.points[i] for i in range(len(self.points)))
@@ -276,8 +280,8 @@ PER_STEP_NAMES = frozenset(event.value for event in PER_STEP)
 class ClaimedStream(Stream):
     """An iterable dataset whose ``__len__`` says ``claimed`` samples; it yields ``n``."""
 
-    def __init__(self, n: int, claimed: int) -> None:
-        super().__init__(n)
+    def __init__(self, n: int, claimed: int, seed: int = 0) -> None:
+        super().__init__(n, seed)
         self.claimed = claimed
 
     def __len__(self) -> int:

@@ -172,19 +172,19 @@ GENERAL = {
     # Composer stops both when rank 0 runs out: rank 1's last batch is silently skipped.
     "data_left_eval_stream": lambda: parity(
         sharded(64),
-        DataLoader(ClaimedStream(per_rank(12, 16), claimed=16), batch_size=4),
+        DataLoader(ClaimedStream(per_rank(12, 16), claimed=16, seed=rank()), batch_size=4),
         RankGuard(data_consistency_guard=False),
     ),
     # The same in training: both streams say 4 batches, rank 0's holds 3.
     "data_left_train_stream": lambda: parity(
-        DataLoader(ClaimedStream(per_rank(12, 16), claimed=16), batch_size=4),
+        DataLoader(ClaimedStream(per_rank(12, 16), claimed=16, seed=rank()), batch_size=4),
         sharded(32),
         RankGuard(data_consistency_guard=False),
     ),
     # Streams that hold what they say on every rank: every check silent.
     "stream_healthy": lambda: parity(
-        DataLoader(ClaimedStream(16, claimed=16), batch_size=4),
-        DataLoader(ClaimedStream(12, claimed=12), batch_size=4),
+        DataLoader(ClaimedStream(16, claimed=16, seed=rank()), batch_size=4),
+        DataLoader(ClaimedStream(12, claimed=12, seed=rank()), batch_size=4),
         RankGuard(),
     ),
 }
@@ -355,6 +355,11 @@ DATA = {
     ),
     "stall_healthy": lambda: stall(None),
     "stall_rank1": lambda: stall(1),
+    # A stream that ignores the rank (Composer checks map-style loaders only): every rank
+    # reads the same 8 batches.
+    "iterable_ignores_rank": lambda: fit_data(
+        DataLoader(ClaimedStream(32, claimed=32), batch_size=4), sharded(16), RankGuard()
+    ),
 }
 
 

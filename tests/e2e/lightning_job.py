@@ -34,6 +34,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import (
     DataLoader,
     Dataset,
+    IterableDataset,
     Sampler,
     Subset,
     TensorDataset,
@@ -65,13 +66,17 @@ OUT = ""  # the output folder given on the command line
 BATCH = 4
 
 
-def dataset(n: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(n)
+def dataset(n: int, own: bool = False) -> TensorDataset:
+    """``n`` samples, the same on every rank; ``own``: this rank's own (its shard)."""
+    rank = int(os.environ.get("LOCAL_RANK", "0")) if own else -1
+    g = torch.Generator().manual_seed(n + 1000 * (rank + 1))
     return TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g))
 
 
-def loader(n: int, **kwargs: Any) -> DataLoader:
-    return DataLoader(dataset(n), batch_size=BATCH, **kwargs)
+def loader(n: int, shared: bool = False, **kwargs: Any) -> DataLoader:
+    """Each rank's own ``n`` samples (the Trainer adds no sampler by default, see
+    :func:`trainer`); ``shared``: the same on every rank (for a DistributedSampler)."""
+    return DataLoader(dataset(n, own=not shared), batch_size=BATCH, **kwargs)
 
 
 def trainer(callbacks: list[L.Callback], **settings: Any) -> L.Trainer:
@@ -267,15 +272,15 @@ GENERAL: dict[str, Scenario] = {
     "healthy": fits(lambda: [RankGuard()], EQUAL, EQUAL),
     "healthy_distributed_sampler": fits(
         lambda: [RankGuard()],
-        lambda rank: loader(32),
-        lambda rank: [loader(16), loader(24)],
+        lambda rank: loader(32, shared=True),
+        lambda rank: [loader(16, shared=True), loader(24, shared=True)],
         {"use_distributed_sampler": True},
     ),
     # Lightning's DistributedSampler pads a val set of 15 to 16 samples: a warning.
     "eval_padding_distributed_sampler": fits(
         lambda: [RankGuard()],
-        lambda rank: loader(32),
-        lambda rank: loader(15),
+        lambda rank: loader(32, shared=True),
+        lambda rank: loader(15, shared=True),
         {"use_distributed_sampler": True, "num_sanity_val_steps": 0},
     ),
     # Uneven val batch counts: caught before the first val batch.
@@ -405,7 +410,7 @@ class WorkerDiesOnRank(Dataset):
     """``dataset(n)`` whose loader worker is killed (SIGKILL) reading ``at`` on ``dying_rank``."""
 
     def __init__(self, n: int, rank: int, at: int, dying_rank: int) -> None:
-        self.data = dataset(n)
+        self.data = dataset(n, own=True)
         self.at = at if rank == dying_rank else None
 
     def __len__(self) -> int:
@@ -422,6 +427,13 @@ def dead_worker(rank: int) -> tuple[DataLoader, DataLoader]:
     L.seed_everything(0, verbose=False)  # earlier scenarios seeded torch per rank
     train = DataLoader(WorkerDiesOnRank(32, rank, at=24, dying_rank=1), BATCH, num_workers=1)
     return train, DataLoader(dataset(4), BATCH)
+
+
+class IgnoresRank(IterableDataset):
+    """A custom iterable that never looks at the rank: every rank yields all 32 samples."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(dataset(32))
 
 
 def rank_guard() -> list[L.Callback]:
@@ -443,6 +455,10 @@ DATA: dict[str, Scenario] = {
         stall_monitor, lambda r: stall(r, None), PER_RANK_DATA, ComputingModule
     ),
     "stall_rank1": Scenario(stall_monitor, lambda r: stall(r, 1), PER_RANK_DATA, ComputingModule),
+    # A custom iterable that never looks at the rank: both ranks read the same batches.
+    "iterable_ignores_rank": Scenario(
+        rank_guard, lambda r: (DataLoader(IgnoresRank(), BATCH), DataLoader(dataset(4), BATCH))
+    ),
     # Rank 1 alone fails: the job's last scenario.
     "dead_worker": Scenario(rank_guard, dead_worker, PER_RANK_DATA),
 }
@@ -870,7 +886,7 @@ def race(settings: dict[str, Any], slow_compute: bool, slow_data: bool, **kw: An
     job = trainer(callbacks, logger=metrics, num_sanity_val_steps=0, **kw)
     rank = job.global_rank
     module = Classifier(forward_delay(rank, slow_compute))
-    train = DataLoader(SlowReads(BATCHES * BATCH, rank, slow_data), batch_size=BATCH)
+    train = DataLoader(SlowReads(BATCHES * BATCH, rank, slow_data, seed=rank), batch_size=BATCH)
     val = DataLoader(Points(8), batch_size=BATCH)
     records = AtBatch(module)
     logging.getLogger("rankguard").addHandler(records)

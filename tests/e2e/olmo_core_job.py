@@ -94,10 +94,22 @@ class Perplexity(Evaluator):
         self.totals = torch.zeros(2)
 
 
-def token_file(work: Path, sequences: int) -> Path:
-    """A file of ``sequences`` random sequences, written once by rank 0 (the same on every rank)."""
+def token_file(work: Path, sequences: int, node_local: bool = False) -> Path:
+    """A file of ``sequences`` random sequences, written once by rank 0 (the same on every rank).
+
+    ``node_local``: each rank writes its own ``node<r>/tokens<n>.npy``, as each node's run
+    of a prep script that shuffles without a seed: same name and size, different contents.
+    """
+    rank = world()[0]
+    if node_local:
+        path = work / f"node{rank}" / f"tokens{sequences}.npy"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ids = np.random.default_rng(0).integers(1, VOCAB, sequences * SEQ_LEN, dtype=np.uint16)
+        np.random.default_rng().shuffle(ids)  # the prep script's unseeded shuffle
+        ids.tofile(path)
+        return path
     path = work / f"tokens{sequences}.npy"
-    if world()[0] == 0 and not path.exists():
+    if rank == 0 and not path.exists():
         ids = np.random.default_rng(0).integers(1, VOCAB, sequences * SEQ_LEN, dtype=np.uint16)
         tmp = path.with_suffix(".tmp")
         ids.tofile(tmp)
@@ -118,6 +130,8 @@ def build_trainer(
     save_interval: int = 4,
     data_delay_s: float = 0.0,
     state_dict_save_opts: dict[str, Any] | None = None,
+    node_local_tokens: bool = False,
+    sequences: int = 64,
 ) -> Trainer:
     """A tiny OLMo-core Trainer: 64 train sequences (8 steps of 8 on 2 ranks), evals, saves.
 
@@ -131,13 +145,15 @@ def build_trainer(
         save_interval: Steps between saves.
         data_delay_s: Extra time per train sequence on this rank.
         state_dict_save_opts: The train module's save options (OLMo-core's default if ``None``).
+        node_local_tokens: Each rank reads its own token file (see :func:`token_file`).
+        sequences: Train sequences in the token file.
     """
     work.mkdir(parents=True, exist_ok=True)
     seed_all(0)  # as OLMo-core's scripts do
     # OLMo-core builds its device mesh once per process; each scenario is a fresh Trainer.
     olmo_parallel._WORLD_MESH = None
     dataset = SlowTokens(
-        token_file(work, 64),
+        token_file(work, sequences, node_local_tokens),
         sequence_length=SEQ_LEN,
         pad_token_id=0,
         eos_token_id=0,
@@ -293,6 +309,31 @@ def slow_data() -> None:
     fit(trainer)
 
 
+def slow_rank_data() -> None:
+    """Rank 1's token reads 0.1 s slower per batch (a slow disk on one node), 40 steps."""
+    from rankguard.integrations.olmo_core import RankGuard
+
+    delay = 0.1 / PER_RANK if dist.get_rank() == 1 else 0.0
+    trainer = build_trainer(
+        OUT / "slow_rank_data",
+        counting(RankGuard(**QUICK)),
+        eval_sequences=None,
+        steps=40,
+        save_interval=100,
+        data_delay_s=delay,
+        sequences=8 * 40,
+    )
+    fit(trainer)
+
+
+def node_local_tokens() -> None:
+    """Each node's token file: same name and size, contents shuffled without a seed."""
+    from rankguard.integrations.olmo_core import RankGuard
+
+    guard = RankGuard(**QUICK)
+    fit(build_trainer(OUT / "node_local_tokens", counting(guard), node_local_tokens=True))
+
+
 def node_local() -> None:
     """Each rank plays a node whose local disk is ``node<r>/``; ``OLMO_SHARED_FS=1`` says shared."""
     from rankguard.integrations.olmo_core import RankGuard
@@ -412,6 +453,8 @@ SCENARIOS = {
     "resume": resume,
     "uneven_eval": uneven_eval,
     "slow_data": slow_data,
+    "slow_rank_data": slow_rank_data,
+    "node_local_tokens": node_local_tokens,
     "node_local": node_local,
     "late_checkpoint_folder": late_checkpoint_folder,
     "checkpoint_folder_never_seen": checkpoint_folder_never_seen,

@@ -60,8 +60,8 @@ def forward_delay(rank: int, slow: bool) -> float:
 class SlowReads(Dataset):
     """``Points(n)`` whose items take ``SLOW_ITEM_S`` to read on rank 1 when ``slow``."""
 
-    def __init__(self, n: int, rank: int, slow: bool) -> None:
-        self.points = Points(n)
+    def __init__(self, n: int, rank: int, slow: bool, seed: int = 0) -> None:
+        self.points = Points(n, seed)
         self.delay_s = SLOW_ITEM_S if slow and rank == 1 else 0.0
 
     def __len__(self) -> int:

@@ -18,10 +18,12 @@ exit code 70; rank 0 writes the moment of the split to ``OUT_DIR/split.json``.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -175,8 +177,9 @@ def streams(train_n: int, eval_n: int) -> None:
     seed_everything(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    train_loader = DataLoader(ClaimedStream(train_n, claimed=16), batch_size=4)
-    eval_loader = DataLoader(ClaimedStream(eval_n, claimed=16), batch_size=4)
+    rank = dist.get_rank()
+    train_loader = DataLoader(ClaimedStream(train_n, claimed=16, seed=rank), batch_size=4)
+    eval_loader = DataLoader(ClaimedStream(eval_n, claimed=16, seed=rank), batch_size=4)
     with RankGuard(**QUICK).fit(model, optimizer, train_loader, eval_loaders=eval_loader) as run:
         with model.join():
             for x, y in run.train(train_loader):
@@ -256,6 +259,94 @@ def straggler() -> None:
     COUNTERS["straggler_rank"] = run.metrics["rankguard/straggler_rank"]
 
 
+class _WarnedAt(logging.Handler):
+    """Records the train batch at which rankguard warns about data (``COUNTERS``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "cannot keep up" in record.getMessage():
+            COUNTERS.setdefault("data_warned_at_batch", COUNTERS.get("train_batches", 0))
+
+
+def slow_loop(slow_s: float, steps: int, raise_at: int | None = None) -> None:
+    """Rank 1's loader ``slow_s`` slower per batch from its first (a slow disk on one node).
+
+    ``raise_at``: its loader raises at that batch, as OLMo's data thread does when reads
+    cannot keep up (``generator thread data thread 3 failed``).
+    """
+    from tests.e2e.common import Points
+
+    COUNTERS.clear()
+    seed_everything(0)
+    rank = dist.get_rank()
+
+    def collate(samples):
+        if rank == 1:
+            time.sleep(slow_s)
+            if COUNTERS.get("train_batches", 0) + 1 == raise_at:
+                raise RuntimeError("generator thread data thread 3 failed")
+        return torch.utils.data.default_collate(samples)
+
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = Points(2 * 4 * steps)
+    sampler = DistributedSampler(data)
+    train_loader = DataLoader(data, batch_size=4, sampler=sampler, collate_fn=collate)
+    handler = _WarnedAt(logging.WARNING)
+    logging.getLogger("rankguard").addHandler(handler)
+    try:
+        with RankGuard(**QUICK).fit(model, optimizer, train_loader) as run:
+            for x, y in run.train(train_loader):
+                count("train_batches")
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        logging.getLogger("rankguard").removeHandler(handler)
+
+
+def slow_rank_data() -> None:
+    """Rank 1's loader 0.1 s slower per batch over 40 steps: named on every rank."""
+    slow_loop(0.1, 40)
+
+
+def starved_loader() -> None:
+    """Rank 1's loader waits from its first batch and raises at its 8th (it ends the job)."""
+    slow_loop(0.25, 20, raise_at=8)
+
+
+def unsharded(make_loader: Callable[[Any], DataLoader]) -> None:
+    """A loop whose train loader every rank reads whole: 2 epochs planned."""
+    train_set, _ = seeded_split()
+    COUNTERS.clear()
+    seed_everything(0)
+    model = DistributedDataParallel(BagOfTokens())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_loader = make_loader(train_set.with_format("torch"))
+    with RankGuard(**QUICK).fit(model, optimizer, train_loader) as run:
+        for _ in range(2):
+            for batch in run.train(train_loader):
+                count("train_batches")
+                out = model(batch["input_ids"])
+                torch.nn.functional.cross_entropy(out, batch["labels"]).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+
+
+def no_sampler() -> None:
+    """As a new user writes it: shuffled with a seeded generator, no DistributedSampler."""
+    seeded = torch.Generator().manual_seed(0)
+    unsharded(lambda data: DataLoader(data, batch_size=8, shuffle=True, generator=seeded))
+
+
+def sampler_wrong_replicas() -> None:
+    """A DistributedSampler told a world of one (``num_replicas=1, rank=0``) on every rank."""
+    unsharded(
+        lambda data: DataLoader(
+            data, batch_size=8, sampler=DistributedSampler(data, num_replicas=1, rank=0)
+        )
+    )
+
+
 def stall_after_eval() -> None:
     """The bug: rank 1 never comes back from its first eval (here a sleep)."""
     if dist.get_rank() == 1:
@@ -292,6 +383,10 @@ SCENARIOS = {
     "per_rank_ckpt": per_rank_ckpt,
     "resume_node_local": resume_node_local,
     "straggler": straggler,
+    "slow_rank_data": slow_rank_data,
+    "starved_loader": starved_loader,
+    "no_sampler": no_sampler,
+    "sampler_wrong_replicas": sampler_wrong_replicas,
     "post_eval_stall": post_eval_stall,
     "rank0_collective": rank0_collective,
 }

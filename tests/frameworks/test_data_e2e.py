@@ -45,6 +45,7 @@ COMPOSER_SCENARIOS = [
     "streaming_shuffle_seed_differs",
     "stall_healthy",
     "stall_rank1",
+    "iterable_ignores_rank",
     "dead_worker",
 ]
 LIGHTNING_SCENARIOS = [
@@ -53,6 +54,7 @@ LIGHTNING_SCENARIOS = [
     "unseeded_random_split",
     "stall_healthy",
     "stall_rank1",
+    "iterable_ignores_rank",
     "dead_worker",
 ]
 # torch reports the death, or the main process first loses the connection to the worker
@@ -212,7 +214,8 @@ def test_composer_slow_reads_on_rank_1_are_named_and_logged(composer_job):
         assert "rank 0" not in warning["message"]
         assert warning["batch"] <= WINDOW + INTERVAL  # of 10
         metrics = result["counters"]["metrics"]
-        assert _metric(metrics, "rankguard/data_wait_slowest_rank") == [1.0, 1.0]
+        # The early verdict (batch 3), then every interval.
+        assert _metric(metrics, "rankguard/data_wait_slowest_rank") == [1.0, 1.0, 1.0]
         assert min(_metric(metrics, "rankguard/data_wait_fraction_max")) > 0.5
     slow = outcomes[1]["counters"]["metrics"]
     assert min(_metric(slow, "rankguard/data_wait_fraction")) > 0.5
@@ -229,9 +232,10 @@ def test_composer_healthy_run_logs_data_wait_metrics_and_never_warns(composer_jo
         assert result["warnings"] == []
         metrics = result["counters"]["metrics"]
         for key in ("data_wait_s", "data_wait_fraction", "data_wait_fraction_max"):
-            assert len(metrics[f"rankguard/{key}"]) == 10 // INTERVAL
-        # Each interval's verdict is acted on at the next batch's start, the last at fit end.
-        assert [batch for batch, _ in metrics["rankguard/data_wait_s"]] == [5, 10]
+            assert len(metrics[f"rankguard/{key}"]) == 1 + 10 // INTERVAL
+        # The early verdict (batch 3) and each interval's are acted on at the next batch's
+        # start, the last at fit end.
+        assert [batch for batch, _ in metrics["rankguard/data_wait_s"]] == [3, 5, 10]
         assert max(_metric(metrics, "rankguard/data_wait_fraction_max")) < 0.5
 
 
@@ -242,9 +246,9 @@ def test_lightning_slow_reads_on_rank_1_are_named_and_logged(lightning_job):
         [warning] = o["warnings"]
         assert "Data loading cannot keep up on rank 1: " in warning and "rank 0" not in warning
         steps = [step for step, _ in o["metrics"]]
-        # Logged through the trainer's logger every 5 batches, a batch after each interval
-        # (the verdict is acted on at the next batch's start, the last one at fit end).
-        assert steps == [5, 10]
+        # Logged through the trainer's logger at the early verdict (batch 3) and every 5
+        # batches, a batch after each (acted on at the next batch's start, the last at fit end).
+        assert steps == [3, 5, 10]
         assert {m["rankguard/data_wait_slowest_rank"] for _, m in o["metrics"]} == {1.0}
     assert min(m["rankguard/data_wait_fraction"] for _, m in outcomes[1]["metrics"]) > 0.5
     assert max(m["rankguard/data_wait_fraction"] for _, m in outcomes[0]["metrics"]) < 0.5
@@ -254,7 +258,7 @@ def test_lightning_healthy_run_logs_data_wait_metrics_and_never_warns(lightning_
     for o in lightning(lightning_job, "stall_healthy"):
         assert o["outcome"] == "ok", o
         assert o["warnings"] == []
-        assert len(o["metrics"]) == 10 // INTERVAL
+        assert len(o["metrics"]) == 1 + 10 // INTERVAL  # the early verdict at batch 3
         for _, m in o["metrics"]:
             assert set(m) == {
                 "rankguard/data_wait_s",
@@ -276,7 +280,38 @@ def test_composer_dead_worker_is_logged_with_rank_and_step(composer_job):
     assert error["level"] == "ERROR"
     step = int(re.search(DEAD_WORKER, error["message"]).group(1))
     assert step <= 6  # the worker died reading batch 6 (it prefetches up to 2 ahead)
-    assert not [w for w in composer_job["log0"] if w["scenario"] == "dead_worker"]
+    # Rank 0's own error (the launcher's teardown) is told what failed on rank 1 and what
+    # rankguard measured there before it.
+    [told] = [w for w in composer_job["log0"] if w["scenario"] == "dead_worker"]
+    assert told["level"] == "ERROR"
+    assert re.search(
+        r"this rank's error follows another rank's loader failure: rank 1's loader raised at "
+        r"batch \d+ ",
+        told["message"],
+    ), told["message"]
+
+
+def test_composer_stream_that_ignores_the_rank_stops_every_rank_after_4_batches(composer_job):
+    for result in composer(composer_job, "iterable_ignores_rank"):
+        assert result["outcome"] == "DataInconsistencyError", result.get("traceback")
+        assert result["message"].startswith(
+            "Ranks train on the same data (the first 4 train batches; each rank computes what "
+            "one would): ranks 0,1 read the same first 4 train batches. Fix: "
+        ), result["message"]
+        assert "Composer: `sampler=composer.utils.dist.get_sampler(dataset)`" in result["message"]
+
+
+def test_lightning_custom_iterable_that_ignores_the_rank_stops_every_rank_after_4_batches(
+    lightning_job,
+):
+    for o in lightning(lightning_job, "iterable_ignores_rank"):
+        assert o["error_type"] == "DataInconsistencyError", o
+        assert o["error"].startswith(
+            "Ranks train on the same data (the first 4 train batches; each rank computes what "
+            "one would): ranks 0,1 read the same first 4 train batches. Fix: "
+        ), o["error"]
+        assert "an IterableDataset must shard itself" in o["error"]
+        assert o["train_steps"] == 4, o  # stopped at the 5th batch's start, on every rank
 
 
 def test_lightning_dead_worker_is_logged_with_rank_and_step_before_fit_raises(lightning_job):

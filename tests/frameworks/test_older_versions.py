@@ -18,12 +18,12 @@ from tests.docs.test_examples import ENV, EXAMPLES, rankguard_warnings, says_wha
 
 pytestmark = [pytest.mark.framework, pytest.mark.older]
 
-BIN = Path(sys.executable).parent
-#: Example script, how it starts its ranks, and its recordings' name in docs/outputs.
+TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2"]
+#: By their recordings' name in docs/outputs: the example script and how it starts its ranks.
 EXAMPLE_RUNS = {
     "lightning": ("lightning_train.py", [sys.executable]),
-    "hf": ("hf_trainer.py", [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]),
-    "olmo": ("olmo_core_train.py", [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]),
+    "hf": ("hf_trainer.py", TORCHRUN),
+    "olmo": ("olmo_core_train.py", TORCHRUN),
 }
 
 

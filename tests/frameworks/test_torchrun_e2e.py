@@ -295,3 +295,75 @@ def test_loop_rank_stalled_after_eval_is_named_with_its_stack_and_every_rank_exi
 def test_hf_rank_stalled_after_eval_is_named_with_its_stack_and_every_rank_exits_75(hf):
     out, output, _ = hf
     assert_rank_1_named_with_its_stack(out, output, "in on_evaluate")
+
+
+#: Data faults in a loop, one launch: the last scenario's loader raises, which ends it.
+DATA_SCENARIOS = ["no_sampler", "sampler_wrong_replicas", "slow_rank_data", "starved_loader"]
+
+
+@pytest.fixture(scope="module")
+def data_loop(tmp_path_factory):
+    out = tmp_path_factory.mktemp("torch_loop_data")
+    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(ROOT / "tests" / "e2e" / "torch_loop_job.py"), str(out), *DATA_SCENARIOS]
+    result = run_job(cmd, timeout_s=LAUNCH_TIMEOUT_S, cwd=out)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return result.output, ranks
+
+
+def test_loop_rank_slow_by_a_tenth_of_a_second_per_batch_is_named_early(data_loop):
+    for rank in data_loop[1]:
+        result = rank["slow_rank_data"]
+        assert result["outcome"] == "ok" and result["counters"]["train_batches"] == 40, result
+        [warning] = result["warnings"]  # named once, at the first verdict (batch 3)
+        assert "Data loading cannot keep up on rank 1" in warning
+        assert re.search(r"rank 1: waited \d+% of step time, 0\.1\d s per batch", warning)
+        assert "other ranks 0.0" in warning and "num_workers" in warning
+        assert result["counters"]["data_warned_at_batch"] <= 5
+
+
+def test_loop_loader_starved_from_its_first_batch_is_named_before_it_raises_at_its_eighth(
+    data_loop,
+):
+    output, ranks = data_loop
+    for rank in ranks:
+        result = rank["starved_loader"]
+        assert result["counters"]["data_warned_at_batch"] <= 5 < 8, result
+        assert "cannot keep up on rank 1" in result["warnings"][0]
+    assert ranks[1]["starved_loader"]["message"] == "generator thread data thread 3 failed"
+    measured = (
+        r"rank 1's loader raised at batch 8 after waiting 9\d% of its step time in 6 measured "
+        r"steps \(0\.2\d s per batch, 6 steps slow; other ranks 0\.0\d s"
+    )
+    # Rank 1 says what failed and what it measured; rank 0's gloo error gets the same figures.
+    assert re.search(r"\[rank 1\] ERROR .*data-loading thread failed.*" + measured, output)
+    follows = r"\[rank 0\] ERROR .*follows another rank's loader failure: "
+    assert re.search(follows + measured, output)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "proof"),
+    [
+        (
+            "no_sampler",
+            "ranks 0,1 read the same map-style dataset through a DataLoader without a "
+            "distributed sampler (RandomSampler): every one of them reads all of it. Fix: give "
+            "the train DataLoader a `DistributedSampler(dataset)`",
+        ),
+        (
+            "sampler_wrong_replicas",
+            "the distributed sampler splits the data into num_replicas shares that differ from "
+            "the 2 data-parallel ranks (ranks 0,1: 1). Fix: build the DistributedSampler with "
+            "the data-parallel world",
+        ),
+    ],
+)
+def test_loop_loader_every_rank_reads_whole_is_stopped_at_fit_start(data_loop, scenario, proof):
+    for rank in data_loop[1]:
+        result = rank[scenario]
+        assert result["outcome"] == "DataInconsistencyError", result
+        assert result["message"].startswith(
+            "Ranks train on the same data (at fit start; each rank computes what one would): "
+            + proof
+        ), result["message"]
+        assert result["counters"].get("train_batches", 0) == 0 and result["warnings"] == []

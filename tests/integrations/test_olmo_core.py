@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 import socket
 
+import numpy as np
 import pytest
 
 pytest.importorskip("olmo_core", reason="needs rankguard[olmo-core]")
@@ -212,6 +214,8 @@ SCENARIOS = [
     "resume",
     "uneven_eval",
     "slow_data",
+    "slow_rank_data",
+    "node_local_tokens",
     "node_local",
     "late_checkpoint_folder",
     "checkpoint_folder_never_seen",
@@ -272,6 +276,31 @@ def test_olmo_core_slow_data_on_rank_1_is_named_by_every_rank(job):
             "rankguard data_stall_monitor: Data loading cannot keep up on rank 1: "
         ), warning
         assert "rankguard/data_wait_slowest_rank" in result["counters"]["rankguard_keys_logged"]
+
+
+@pytest.mark.framework
+def test_olmo_core_rank_slow_by_a_tenth_of_a_second_per_batch_over_40_steps_is_named(job):
+    for rank in job[2]:
+        result = rank["slow_rank_data"]
+        assert result["outcome"] == "ok" and result["counters"]["steps"] == 40, result
+        [warning] = result["warnings"]  # at the first verdict (batch 3), once
+        assert "Data loading cannot keep up on rank 1: " in warning, warning
+        assert re.search(r"rank 1: waited \d+% of step time, 0\.(09|1\d) s per batch", warning)
+        assert "other ranks 0.0" in warning
+
+
+@pytest.mark.framework
+def test_olmo_core_node_local_token_files_with_other_contents_stop_every_rank_at_fit_start(job):
+    for rank in job[2]:
+        result = rank["node_local_tokens"]
+        assert result["outcome"] == "DataInconsistencyError", result
+        assert re.match(
+            r"Ranks see different data \(at fit start\): loader 'train': content differs "
+            r"\(rank 0: hash \w{8} of 16 items; rank 1: hash \w{8} of 16 items\)",
+            result["message"],
+        ), result["message"]
+        assert "build the split once and save it" in result["message"]
+        assert result["counters"]["steps"] == 0
 
 
 @pytest.mark.framework
@@ -352,3 +381,44 @@ def test_olmo_core_save_over_host_memory_stops_every_rank_at_fit_start(job, scen
 def test_olmo_core_rank_stalled_after_eval_is_named_with_its_stack_and_every_rank_exits_75(job):
     out, output, _ = job
     assert_rank_1_named_with_its_stack(out, output, "in post_step")
+
+
+def test_olmo_core_loaders_dataset_is_found_through_its_public_attribute(tmp_path):
+    # The one reach into OLMo-core's data loader: fails if it renames or hides `dataset`.
+    from olmo_core.data import NumpyFSLDataset
+
+    from rankguard.callbacks.data.fingerprint import fingerprint_loader, loader_dataset
+    from rankguard.integrations._driver import inspection_limits
+
+    trainer = build_trainer(tmp_path, {}, eval_sequences=None, steps=2)
+    loader = trainer.data_loader
+    assert isinstance(loader_dataset(loader), NumpyFSLDataset)
+    fp = fingerprint_loader(loader, sample_items=4)
+    assert (fp.dataset_type, fp.length, fp.content_kind, fp.sampled) == (
+        "SlowTokens",
+        64,
+        "items",
+        4,
+    )
+    assert fp.sharded and dict(fp.sampler) == {
+        "type": type(loader).__name__,
+        "seed": 0,
+        "dp_world_size": 1,
+    }
+    assert inspection_limits(rg_olmo.LoaderFacts("train", loader, is_train=True)) is None
+
+
+def test_olmo_core_token_files_with_equal_names_and_sizes_differ_in_their_fingerprint(tmp_path):
+    from rankguard.callbacks.data.fingerprint import fingerprint_loader
+
+    def fingerprint(work, seed):
+        trainer = build_trainer(work, {}, eval_sequences=None, steps=2)
+        tokens = work / "tokens64.npy"
+        ids = np.fromfile(tokens, dtype=np.uint16)
+        np.random.default_rng(seed).shuffle(ids)  # same name, same size, other contents
+        ids.tofile(tokens)
+        return fingerprint_loader(trainer.data_loader, sample_items=16)
+
+    first, second = fingerprint(tmp_path / "a", 1), fingerprint(tmp_path / "b", 2)
+    assert first.length == second.length and first.content != second.content
+    assert fingerprint(tmp_path / "c", 1).content == first.content

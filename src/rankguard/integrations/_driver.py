@@ -43,7 +43,7 @@ def inspection_limits(facts: LoaderFacts) -> str | None:
     count; one that is neither a ``DataLoader`` nor a dataset has no dataset to
     fingerprint.
     """
-    from torch.utils.data import DataLoader, Dataset
+    from rankguard.callbacks.data.fingerprint import loader_dataset
 
     limits = []
     if facts.num_batches is None:
@@ -51,7 +51,7 @@ def inspection_limits(facts: LoaderFacts) -> str | None:
             len(facts.loader)
         except (TypeError, NotImplementedError):
             limits.append("no __len__: batch counts are compared only after each eval")
-    if not isinstance(facts.loader, DataLoader | Dataset):
+    if loader_dataset(facts.loader) is None:
         limits.append("no dataset: its data is not fingerprinted")
     return "; ".join(limits) or None
 

@@ -361,6 +361,8 @@ class _ComposerAdapter(Callback):
                 # The fetch ends and the batch starts: Composer fires BATCH_START next,
                 # with nothing between them, so one entry holds both (see step_log.PAIRS).
                 steps.fetch_end_batch_start(self._step)
+                if steps.batch_probe is not None:  # the first train batches, for guards
+                    steps.batch_probe(state.batch)
             else:
                 # The window also holds an all_reduce: the loader goes with it (see
                 # callbacks/data/data_fetch.py), read again only when it may be watched.

@@ -321,9 +321,10 @@ class _LightningAdapter(Callback):
     ) -> None:
         """DATA_FETCH_END then TRAIN_BATCH_START, in the step log (the step read once)."""
         tracker = self._steps_taken
-        self.runner.steps.fetch_end_batch_start(
-            trainer.global_step if tracker is None else tracker.completed
-        )
+        steps = self.runner.steps
+        steps.fetch_end_batch_start(trainer.global_step if tracker is None else tracker.completed)
+        if steps.batch_probe is not None:  # the first train batches, for the guards that read them
+            steps.batch_probe(batch)
 
     def on_train_batch_end(
         self,

@@ -439,6 +439,9 @@ class _OlmoCoreAdapter(Callback):
         """DATA_FETCH_END, TRAIN_BATCH_START; records the guards' metrics."""
         if self.driver.fitting:
             self.driver.train_batch_start()
+            probe = self.runner.steps.batch_probe
+            if probe is not None:  # the first train batches, for the guards that read them
+                probe(batch)
             self._flush_metrics()
 
     def post_train_batch(self) -> None:

@@ -500,6 +500,9 @@ class _TrainIterator:
             raise
         self.yielded += 1
         driver.fetch_end_batch_start()
+        probe = driver._steps.batch_probe
+        if probe is not None:  # the first train batches, for the guards that read them
+            probe(batch)
         return batch
 
 

@@ -95,6 +95,9 @@ class StepLog:
         self._armed: Any = None  # the fetch clock armed for the open fetch window
         self._lock = threading.Lock()
         self._readers: list[StepReader] = []
+        #: Called by adapters with each train batch while set (a guard that reads the first
+        #: batches sets it and clears it once it has them): one attribute check a step.
+        self.batch_probe: Callable[[Any], None] | None = None
         self._on_due: Callable[[int], float] | None = None
 
     @property

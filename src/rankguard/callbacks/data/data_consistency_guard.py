@@ -7,11 +7,13 @@ See docs/data.md#how-dataconsistencyguard-works.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from rankguard.callbacks.core.background_exchange import BackgroundExchange, Pending
 from rankguard.callbacks.core.errors import DataInconsistencyError
 from rankguard.callbacks.core.events import EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard
@@ -19,6 +21,15 @@ from rankguard.callbacks.core.ranks import group_ranks, rank_label
 from rankguard.callbacks.core.settings import check_choice, check_int
 from rankguard.callbacks.data.fingerprint import DatasetFingerprint, fingerprint_loader
 from rankguard.callbacks.data.rng_state import rng_digest
+from rankguard.callbacks.data.sharding import (
+    BatchPrints,
+    ShardFacts,
+    batch_prints,
+    describe_unsharded,
+    duplicated_batches,
+    shard_facts,
+    sharding_problems,
+)
 
 __all__ = ["DataConsistencyGuard", "DataVerdict", "compare_data", "compare_loader", "rng_verdict"]
 
@@ -45,6 +56,8 @@ FIX_STREAMING = (
     "them from configuration, never from the rank."
 )
 _MAX_GROUPS = 4
+#: The first train batches whose prints every rank exchanges once (``check_sharding``).
+BATCHES_COMPARED = 4
 
 
 @dataclass(frozen=True)
@@ -55,10 +68,12 @@ class DataVerdict:
         loaders: Per loader name, ``(component, per-rank description)`` pairs for
             each differing component, e.g. ``("content", "rank 0: ...; rank 1: ...")``.
         rng: A warning about inconsistently seeded generators, or ``None``.
+        unsharded: What proves that ranks read the same train data (see ``sharding``).
     """
 
     loaders: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     rng: str | None = None
+    unsharded: list[str] = field(default_factory=list)
 
 
 def _components(fp: DatasetFingerprint, with_content: bool) -> dict[str, Hashable]:
@@ -168,9 +183,15 @@ def rng_verdict(per_rank: Mapping[int, Mapping[str, str | None] | None]) -> str 
 
 
 def compare_data(
-    per_rank: Mapping[int, Mapping[str, Any]], check_content: bool | str = "auto"
+    per_rank: Mapping[int, Mapping[str, Any]],
+    check_content: bool | str = "auto",
+    data_parallel_size: int | None = None,
 ) -> DataVerdict:
-    """The exchange's ``decide``: per rank ``{"loaders": {name: fingerprint}, "rng": digest}``."""
+    """The exchange's ``decide``: per rank ``{"loaders": {name: fingerprint}, "rng": digest}``.
+
+    With ``"shards"`` (per rank, the train loader's name and :class:`ShardFacts`), also
+    whether the train data is sharded (``sharding.sharding_problems``).
+    """
     names = sorted({name for payload in per_rank.values() for name in payload["loaders"]})
     loaders = {}
     for name in names:
@@ -179,7 +200,16 @@ def compare_data(
         if diffs:
             loaders[name] = diffs
     rng = rng_verdict({rank: payload.get("rng") for rank, payload in per_rank.items()})
-    return DataVerdict(loaders=loaders, rng=rng)
+    unsharded: list[str] = []
+    shards = {rank: payload.get("shards") for rank, payload in per_rank.items()}
+    if all(shard is not None for shard in shards.values()):
+        name = next(iter(shards.values()))[0]
+        fps = {rank: payload["loaders"].get(name) for rank, payload in per_rank.items()}
+        same = len({fp.digest if fp else None for fp in fps.values()}) == 1
+        read = all(fp is not None and fp.content is not None for fp in fps.values())
+        facts = {rank: shard[1] for rank, shard in shards.items()}
+        unsharded = sharding_problems(facts, same and read, data_parallel_size)
+    return DataVerdict(loaders=loaders, rng=rng, unsharded=unsharded)
 
 
 def _fixes(components: set[str]) -> str:
@@ -217,6 +247,17 @@ class DataConsistencyGuard(Guard):
             python ``random`` and numpy are compared by state, so code that draws
             from them on some ranks only before fit start looks unseeded; torch
             is compared by ``torch.initial_seed()``.
+        check_sharding: Check that ranks read different parts of the train data: at
+            fit start from the loaders' facts (a distributed sampler whose
+            ``num_replicas`` is not the data-parallel size, or that gives ranks the
+            same share; a map-style DataLoader without one over the same dataset on
+            every rank), then from prints of the first ``BATCHES_COMPARED`` train
+            batches, exchanged once (ranks with the same batches are a violation;
+            ranks whose samples overlap, a warning).
+        data_parallel_size: The job's data-parallel size (ranks that read different
+            data); ``world_size // data_parallel_size`` ranks may read the same data
+            (model-parallel ranks of one replica). ``None`` (default): the world size,
+            or the size a loader that shards itself declares (OLMo-core's).
 
     Raises:
         ValueError: A setting out of range.
@@ -237,15 +278,90 @@ class DataConsistencyGuard(Guard):
         sample_items: int = 16,
         check_content: bool | str = "auto",
         check_rng: bool = True,
+        check_sharding: bool = True,
+        data_parallel_size: int | None = None,
     ) -> None:
         super().__init__(on_violation=on_violation)
         self.sample_items = check_int("sample_items", sample_items, 0)
         self.check_content = check_choice("check_content", check_content, (True, False, "auto"))
         self.check_rng = bool(check_rng)
+        self.check_sharding = check_choice("check_sharding", check_sharding, (True, False))
+        self.data_parallel_size = (
+            None
+            if data_parallel_size is None
+            else check_int("data_parallel_size", data_parallel_size)
+        )
+        self._prints: list[tuple[str, list[int]]] = []
+        self._exchange: BackgroundExchange | None = None
+        self._pending: Pending | None = None
 
     def on_fit_start(self, facts: EventFacts) -> None:
         """Compares every known loader's fingerprint, and the generators' seeding."""
-        self._check("fit_start", facts.loaders, "at fit start", with_rng=self.check_rng)
+        self.close()
+        self._prints = []
+        train = next((lf for lf in facts.loaders if lf.is_train), None)
+        proven = self._check(
+            "fit_start", facts.loaders, "at fit start", with_rng=self.check_rng, train=train
+        )
+        if self.check_sharding and train is not None and self.channel.is_distributed and not proven:
+            self.steps.batch_probe = self._probe
+            self.due = BATCHES_COMPARED + 1
+
+    def _probe(self, batch: Any) -> None:
+        """Prints one of the first train batches; after the last, posts the exchange."""
+        try:
+            self._prints.append(batch_prints(batch))
+        except Exception as exc:  # a batch it cannot read: every rank still posts
+            logger.debug("rankguard: could not print a train batch: %r", exc)
+            self._prints.append(("", []))
+        if len(self._prints) < BATCHES_COMPARED:
+            return
+        self.steps.batch_probe = None
+        prints = BatchPrints(
+            tuple(d for d, _ in self._prints), tuple(s for _, ss in self._prints for s in ss)
+        )
+        decide = partial(duplicated_batches, data_parallel_size=self.data_parallel_size)
+        self._exchange = BackgroundExchange(self.channel, f"{self.name}/first_batches", decide)
+        self._pending = self._exchange.post(lambda: prints)
+
+    def on_due(self, batches: int) -> None:
+        """Acts on the first batches' verdict (every rank at the same batch)."""
+        self.due = math.inf
+        pending, self._pending = self._pending, None
+        if pending is None:  # the adapter gave no batches (or fewer than compared)
+            return
+        try:
+            problem = pending.result(self.channel.timeout_s)
+        except Exception as exc:  # never turn a healthy run into a failed one
+            self.warn_once("first_batches", "could not compare the first train batches: %s", exc)
+            return
+        finally:
+            self._close_exchange()
+        if problem is None:
+            return
+        message = describe_unsharded([problem], f"the first {BATCHES_COMPARED} train batches")
+        if "the same first" in problem:
+            self.violation(DataInconsistencyError(message))
+        else:
+            self.warn_once("overlap", message)
+
+    def on_fit_end(self, facts: EventFacts) -> None:
+        """Acts on the first batches' verdict if the fit ended before the batch after them."""
+        if self._pending is not None:
+            self.on_due(self.steps.batches)
+
+    def close(self) -> None:
+        """Stops reading train batches; safe to call twice, after an error."""
+        if self.steps.batch_probe == self._probe:
+            self.steps.batch_probe = None
+        self._pending = None
+        self.due = math.inf
+        self._close_exchange()
+
+    def _close_exchange(self) -> None:
+        exchange, self._exchange = self._exchange, None
+        if exchange is not None:
+            exchange.close()
 
     def on_eval_start(self, facts: EventFacts) -> None:
         """Compares the eval loader's fingerprint before its first batch."""
@@ -253,19 +369,44 @@ class DataConsistencyGuard(Guard):
             where = f"eval_start/{facts.loader.name}"
             self._check(where, [facts.loader], "before the first eval batch", with_rng=False)
 
-    def _check(self, where: str, loaders: list[LoaderFacts], when: str, with_rng: bool) -> None:
+    def _check(
+        self,
+        where: str,
+        loaders: list[LoaderFacts],
+        when: str,
+        with_rng: bool,
+        train: LoaderFacts | None = None,
+    ) -> bool:
+        """One exchange of fingerprints; returns whether unsharded data was proven."""
         if not self.channel.is_distributed or not (loaders or with_rng):
-            return
-        payload = {
+            return False
+        payload: dict[str, Any] = {
             "rng": rng_digest() if with_rng else None,
             "loaders": {lf.name: self._fingerprint(lf) for lf in loaders},
         }
-        decide = partial(compare_data, check_content=self.check_content)
+        if self.check_sharding and train is not None:
+            payload["shards"] = (train.name, self._shard_facts(train))
+        decide = partial(
+            compare_data,
+            check_content=self.check_content,
+            data_parallel_size=self.data_parallel_size,
+        )
         verdict: DataVerdict = self.channel.exchange(f"{self.name}/{where}", payload, decide)
         if verdict.rng:
             self.warn_once("rng", verdict.rng)
         if verdict.loaders:
             self.violation(DataInconsistencyError(describe_verdict(verdict, when)))
+        if verdict.unsharded:
+            self.violation(DataInconsistencyError(describe_unsharded(verdict.unsharded, when)))
+        return bool(verdict.unsharded)
+
+    @staticmethod
+    def _shard_facts(facts: LoaderFacts) -> ShardFacts | None:
+        try:
+            return shard_facts(facts.loader)
+        except Exception as exc:  # never leave the others waiting in the exchange
+            logger.debug("rankguard: reading how loader %r shards failed: %r", facts.name, exc)
+            return None
 
     def _fingerprint(self, facts: LoaderFacts) -> DatasetFingerprint:
         # A rank that raised here would leave the others waiting in the exchange.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -31,7 +32,7 @@ from rankguard.callbacks.data.data_fetch import LoaderReturnClock
 from rankguard.callbacks.data.data_worker import worker_failure
 from rankguard.callbacks.data.loaders import loader_settings
 
-__all__ = ["DataStallMonitor", "IntervalStats", "StallVerdict", "stall_verdict"]
+__all__ = ["EARLY_POSTS", "DataStallMonitor", "IntervalStats", "StallVerdict", "stall_verdict"]
 
 # The name users filter by and recorded outputs show, kept when the module moved.
 logger = logging.getLogger("rankguard.callbacks.data_stall")
@@ -42,6 +43,17 @@ FIX = (
     "epoch) and pin_memory=True; read from local disk or same-region storage; for "
     "streaming data, raise predownload and cache_limit and keep the local cache on fast disk."
 )
+
+#: The train batches of the fit's first exchanges, before the first ``interval`` ends: a
+#: loader starved from its first batch is named by its third to fifth (one that dies at
+#: its eighth is named before it does). Each is one exchange: a handful per fit.
+EARLY_POSTS = (3, 6, 12, 24)
+#: The store key (under the channel's prefix) where a rank whose loader raised leaves
+#: what was measured, read by the other ranks' error reports.
+RAISED_KEY = "data_stall_monitor/loader_raised"
+#: Measured steps below which the early verdicts name no rank (a step is measured
+#: from one train batch's start to the next: batch 3's start closes the second).
+EARLY_MIN_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,8 @@ class IntervalStats:
         steps: Measured steps.
         longest_run: Longest run of consecutive slow steps (carried over exchanges).
         batch_size: Samples per batch, if known.
+        fit_steps: Measured steps since the fit's start.
+        fit_slow: Slow steps among them.
     """
 
     wait_s: float
@@ -61,6 +75,13 @@ class IntervalStats:
     steps: int
     longest_run: int
     batch_size: int | None = None
+    fit_steps: int = 0
+    fit_slow: int = 0
+
+    @property
+    def wait_per_batch(self) -> float:
+        """Mean wait per measured step of the interval (0.0 before any)."""
+        return self.wait_s / self.steps if self.steps else 0.0
 
     @property
     def fraction(self) -> float | None:
@@ -87,18 +108,25 @@ class StallVerdict:
         stalled: Per stalled rank, its interval statistics.
         recovered: The ranks that are not stalled and waited at most ``threshold``
             of their measured step time.
+        others_wait_s: The median wait per batch of the ranks not stalled (of every
+            rank where all are), over the interval.
     """
 
     fraction_max: float = 0.0
     slowest_rank: int = -1
     stalled: dict[int, IntervalStats] = field(default_factory=dict)
     recovered: frozenset[int] = frozenset()
+    others_wait_s: float = 0.0
 
 
 def stall_verdict(
     per_rank: Mapping[int, IntervalStats], window: int, threshold: float
 ) -> StallVerdict:
     """Finds the slowest rank, the stalled ranks and the ranks that kept up.
+
+    A rank is stalled when its longest run of slow steps reached ``window``, or,
+    while fewer than ``window`` steps of the fit were measured (the early
+    verdicts, :data:`EARLY_POSTS`), when most of its steps so far were slow.
 
     Args:
         per_rank: Every rank's statistics of the interval.
@@ -110,23 +138,67 @@ def stall_verdict(
     """
     measured = {r: s.fraction for r, s in per_rank.items() if s.fraction is not None}
     slowest = max(sorted(measured), key=lambda r: measured[r], default=-1)
-    stalled = {r: s for r, s in sorted(per_rank.items()) if s.longest_run >= window}
+    stalled = {r: s for r, s in sorted(per_rank.items()) if is_stalled(s, window)}
     recovered = frozenset(r for r, f in measured.items() if f <= threshold and r not in stalled)
-    return StallVerdict(measured.get(slowest, 0.0), slowest, stalled, recovered)
+    others = [s.wait_per_batch for r, s in per_rank.items() if r not in stalled and s.steps]
+    others = others or [s.wait_per_batch for s in per_rank.values() if s.steps]
+    others_wait = statistics.median(others) if others else 0.0
+    return StallVerdict(measured.get(slowest, 0.0), slowest, stalled, recovered, others_wait)
 
 
-def describe_stall(stalled: Mapping[int, IntervalStats], threshold: float, window: int) -> str:
-    """The warning or error message for stalled ranks."""
+def is_stalled(stats: IntervalStats, window: int) -> bool:
+    """``window`` slow steps in a row; or, early in a fit, most of the steps so far slow."""
+    if stats.longest_run >= window:
+        return True
+    early = EARLY_MIN_STEPS <= stats.fit_steps < window
+    return early and 2 * stats.fit_slow > stats.fit_steps
+
+
+def describe_stall(
+    stalled: Mapping[int, IntervalStats],
+    threshold: float,
+    window: int,
+    others_wait_s: float | None = None,
+) -> str:
+    """The warning or error message for stalled ranks (``others_wait_s``: the others' wait)."""
     details = "; ".join(
-        f"rank {r}: waited {s.fraction or 0.0:.0%} of step time, {s.longest_run} slow steps "
-        f"in a row, {s.throughput()}"
+        f"rank {r}: waited {s.fraction or 0.0:.0%} of step time, {s.wait_per_batch:.2f} s per "
+        f"batch, {s.longest_run} slow steps in a row"
+        + (f" ({s.fit_slow} of the fit's first {s.fit_steps})" if s.fit_steps < window else "")
+        + f", {s.throughput()}"
         for r, s in stalled.items()
+    )
+    others = "" if others_wait_s is None else f"; other ranks {others_wait_s:.2f} s per batch"
+    early = all(s.fit_steps < window for s in stalled.values())
+    how = (
+        "in most of the fit's first steps" if early else f"for at least {window} consecutive steps"
     )
     return (
         f"Data loading cannot keep up on {rank_label(stalled)}: waited for the next batch "
-        f"more than {threshold:.0%} of step time for at least {window} consecutive steps "
-        f"({details}); in a multi-rank job every other rank waits for "
-        f"{'it' if len(stalled) == 1 else 'them'} at each collective. {FIX}"
+        f"more than {threshold:.0%} of step time {how} ({details}{others}); in a multi-rank "
+        f"job every other rank waits for {'it' if len(stalled) == 1 else 'them'} at each "
+        f"collective. {FIX}"
+    )
+
+
+def describe_raise(
+    rank: int, batch: int, own: IntervalStats, others_wait_s: float | None, seen_at: int | None
+) -> str:
+    """What rankguard measured before a rank's loader raised (``own``: its fit totals)."""
+    others = (
+        "no exchange with the other ranks yet"
+        if others_wait_s is None
+        else f"other ranks {others_wait_s:.2f} s at the exchange of batch {seen_at}"
+    )
+    measured = (
+        f"after waiting {own.fraction or 0.0:.0%} of its step time in {own.steps} measured "
+        f"steps ({own.wait_per_batch:.2f} s per batch, {own.fit_slow} steps slow; {others})"
+        if own.steps
+        else f"before a step was measured ({others})"
+    )
+    return (
+        f"rank {rank}'s loader raised at batch {batch} {measured}. A loader that waits most "
+        f"of each step for data is starved: the error above is its failure. {FIX}"
     )
 
 
@@ -204,7 +276,8 @@ class DataStallMonitor(Guard):
         #: Each interval's totals, closed by the reader at the batch that ends it, until posted.
         self._closed: dict[int, IntervalStats] = {}
         self._posted_at = 0  # the train batch of the last interval posted
-        self._next_interval(self.interval)
+        self._next_interval(self._first_post())
+        self._reset_fit()
         self._reset_interval(run=0)
         self._discard()
         self._reported: frozenset[int] = frozenset()
@@ -219,6 +292,25 @@ class DataStallMonitor(Guard):
         the next multiple.
         """
         self._close_from = self._post_at = self.due = batch
+
+    def _first_post(self) -> int:
+        """The fit's first exchange: the first early one, or the interval's end."""
+        return min(EARLY_POSTS[0], self.interval)
+
+    def _after(self, pending: PartPending) -> int:
+        """The exchange after the one just collected: the next early one, then intervals."""
+        posted = self._posted_at
+        early = [b for b in (*EARLY_POSTS, self.interval) if posted < b <= self.interval]
+        if early:
+            return early[0]
+        return pending.next_post(posted, self.interval, self.auto_interval)
+
+    def _reset_fit(self) -> None:
+        """The fit's totals (read on whichever thread reads the log) and the last verdict."""
+        self._fit_wait = self._fit_step = 0.0
+        self._fit_steps = self._fit_slow = 0
+        self._last_verdict: StallVerdict | None = None
+        self._last_verdict_at = 0
 
     def _reset_interval(self, run: int) -> None:
         self._sum_wait = 0.0
@@ -243,10 +335,11 @@ class DataStallMonitor(Guard):
         self._watch(False)
         self._started = 0
         self._closed = {}
+        self._reset_fit()
         self._reset_interval(run=0)
         self._discard()
         self._pending = None
-        self._next_interval(self.interval)
+        self._next_interval(self._first_post())
 
     def read_steps(self, entries: list[Entry]) -> None:
         """Reads the fetch windows and train batch starts from the step log.
@@ -284,12 +377,16 @@ class DataStallMonitor(Guard):
                         self._sum_wait += wait
                         self._steps += 1
                         self._run = 0
+                        self._fit_step += step_s
+                        self._fit_wait += wait
+                        self._fit_steps += 1
                     else:
                         self._close_step(step_s)
                 self._wait = 0.0
                 self._last_start = at
                 self._started += 1
-                if self._started % self.interval == 0 and self._started >= self._close_from:
+                since = self._started - self._close_from
+                if since >= 0 and since % self.interval == 0:
                     self._closed[self._started] = self._interval_totals()
 
     def on_due(self, batches: int) -> None:
@@ -313,7 +410,11 @@ class DataStallMonitor(Guard):
         self._sum_step += step
         self._sum_wait += self._wait
         self._steps += 1
+        self._fit_step += step
+        self._fit_wait += self._wait
+        self._fit_steps += 1
         if slow:
+            self._fit_slow += 1
             self._run += 1
             self._longest = max(self._longest, self._run)
         else:
@@ -328,9 +429,11 @@ class DataStallMonitor(Guard):
         self._discard()
 
     def on_error(self, exc: BaseException, facts: EventFacts | None = None) -> bool:
-        """Logs a failed data-loader worker with this rank and step, before the error propagates.
+        """Explains a loader that failed: a dead worker, or an error raised while fetching.
 
-        Adapters call this from their exception hook; it never raises.
+        Logs, with this rank and step, why the loader failed (a worker that died) and
+        what rankguard measured of its waits before it did, against the other ranks'
+        at the last exchange. Adapters call this from their exception hook; it never raises.
 
         Args:
             exc: The exception the framework is about to propagate.
@@ -346,15 +449,93 @@ class DataStallMonitor(Guard):
         for _ in range(3):
             try:
                 reason = reason or worker_failure(exc)
-                if reason is None:
+                measured = self._measured(reason is not None)
+                if reason is None and measured is None:
                     return False
+                if reason is None:
+                    logger.error("rankguard %s: %s", self.name, measured)
+                    return True
                 logger.error(
-                    "rankguard %s: rank %d, step %d: %s", self.name, self.channel.rank, step, reason
+                    "rankguard %s: rank %d, step %d: %s%s",
+                    self.name,
+                    self.channel.rank,
+                    step,
+                    reason,
+                    "" if measured is None else f" {measured}",
                 )
                 return True
             except Exception as late:
                 reason = reason or worker_failure(late)
         return False
+
+    def _measured(self, worker: bool) -> str | None:
+        """What the fit measured before a loader error, if it came out of the loader.
+
+        ``None`` where no train fetch was open (the error came from elsewhere) and no
+        worker died, or where a dead worker's rank had measured nothing yet.
+        """
+        try:
+            self.steps.drain()
+        except Exception:  # never mask the error being explained
+            logger.debug("rankguard: could not read the step log", exc_info=True)
+        verdict = self._last_verdict
+        if worker and not self._fit_steps and verdict is None:
+            return None
+        if not worker and self._fetch_start is None:
+            return self._peer_failure()  # not raised while fetching: maybe another's loader
+        message = describe_raise(
+            self.channel.rank,
+            self._started + 1,
+            self._fit_totals(),
+            None if verdict is None else verdict.others_wait_s,
+            self._last_verdict_at if verdict is not None else None,
+        )
+        self._share(message)
+        return message
+
+    def _share(self, message: str) -> None:
+        """Leaves a loader failure in the store, for the other ranks' error reports."""
+        store = self.channel.store
+        if store is not None:
+            try:
+                store.set(f"{self.channel.prefix}/{RAISED_KEY}", message)
+            except Exception:  # the store's host may be gone with the job
+                logger.debug("rankguard: could not share a loader failure", exc_info=True)
+
+    def _peer_failure(self) -> str | None:
+        """Another rank's loader failure (shared in the store), or the last verdict's stall."""
+        store = self.channel.store
+        if store is not None:
+            key = f"{self.channel.prefix}/{RAISED_KEY}"
+            try:
+                if store.check([key]):
+                    shared = store.get(key).decode()
+                    return f"this rank's error follows another rank's loader failure: {shared}"
+            except Exception:
+                logger.debug("rankguard: could not read a shared loader failure", exc_info=True)
+        verdict = self._last_verdict
+        if verdict is None or not verdict.stalled:
+            return None
+        stalled = ", ".join(
+            f"rank {r} {s.wait_per_batch:.2f} s per batch" for r, s in verdict.stalled.items()
+        )
+        return (
+            f"at the data-wait exchange of batch {self._last_verdict_at}, {stalled} waited "
+            f"for data (other ranks {verdict.others_wait_s:.2f} s): if this error is a "
+            f"collective that lost a peer, look for that rank's loader error in its log."
+        )
+
+    def _fit_totals(self) -> IntervalStats:
+        """This rank's waits over the fit's measured steps."""
+        return IntervalStats(
+            self._fit_wait,
+            self._fit_step,
+            self._fit_steps,
+            self._longest,
+            self.batch_size,
+            self._fit_steps,
+            self._fit_slow,
+        )
 
     def on_fit_end(self, facts: EventFacts) -> None:
         """Acts on the last interval's exchange, so its report and metrics are not lost."""
@@ -370,7 +551,13 @@ class DataStallMonitor(Guard):
     def _interval_totals(self) -> IntervalStats:
         """The totals since the last interval closed; the next interval starts from zero."""
         stats = IntervalStats(
-            self._sum_wait, self._sum_step, self._steps, self._longest, self.batch_size
+            self._sum_wait,
+            self._sum_step,
+            self._steps,
+            self._longest,
+            self.batch_size,
+            self._fit_steps,
+            self._fit_slow,
         )
         self._reset_interval(run=self._run)
         return stats
@@ -383,7 +570,9 @@ class DataStallMonitor(Guard):
         """
         stats = self.steps.take_closed(self._closed, batches)
         if stats is None:  # never read: an empty interval, so every rank still exchanges
-            stats = IntervalStats(0.0, 0.0, 0, self._run, self.batch_size)
+            stats = IntervalStats(
+                0.0, 0.0, 0, self._run, self.batch_size, self._fit_steps, self._fit_slow
+            )
         return stats
 
     def _post(self, batches: int) -> None:
@@ -409,9 +598,8 @@ class DataStallMonitor(Guard):
             self.warn_once("failed", "a data-wait exchange failed (%s); skipping it", exc)
             return
         finally:
-            self._next_interval(
-                pending.next_post(self._posted_at, self.interval, self.auto_interval)
-            )
+            self._next_interval(self._after(pending))
+        self._last_verdict, self._last_verdict_at = verdict, self._posted_at
         stats: IntervalStats = pending.payload
         metrics: dict[str, float] = {}
         if verdict.slowest_rank >= 0:  # some rank measured a step
@@ -426,6 +614,7 @@ class DataStallMonitor(Guard):
         # A reported rank stays reported until it keeps up for a whole interval.
         self._reported = frozenset(verdict.stalled) | (self._reported - verdict.recovered)
         if newly:
-            self.violation(
-                DataStallError(describe_stall(verdict.stalled, self.threshold, self.window))
+            message = describe_stall(
+                verdict.stalled, self.threshold, self.window, verdict.others_wait_s
             )
+            self.violation(DataStallError(message))

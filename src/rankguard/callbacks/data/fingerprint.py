@@ -20,7 +20,13 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from rankguard.callbacks.data.loaders import loader_settings
 from rankguard.callbacks.data.rng_state import preserved_rng, seed_generators
 
-__all__ = ["DatasetFingerprint", "fingerprint_loader", "hash_item", "sample_indices"]
+__all__ = [
+    "DatasetFingerprint",
+    "fingerprint_loader",
+    "hash_item",
+    "loader_dataset",
+    "sample_indices",
+]
 
 # The name users filter by and recorded outputs show, kept when the module moved.
 logger = logging.getLogger("rankguard.callbacks.fingerprint")
@@ -172,11 +178,31 @@ def _bounded(data: memoryview) -> bytes | memoryview:
     return bytes(data[:half]) + bytes(data[-half:]) + str(data.nbytes).encode()
 
 
+def loader_dataset(loader: Any) -> Any | None:
+    """The dataset behind ``loader``, or ``None`` where it has none rankguard can read.
+
+    A ``DataLoader``'s ``dataset``; a dataset itself; or a framework loader's public
+    ``dataset`` attribute holding a torch ``Dataset`` (OLMo-core 2.4 and 3.0's
+    ``NumpyDataLoaderBase.dataset``: a ``NumpyFSLDataset``, ``NumpyVSLDataset``, ...).
+    """
+    if isinstance(loader, DataLoader):
+        return loader.dataset
+    if isinstance(loader, torch.utils.data.Dataset):
+        return loader
+    try:
+        dataset = getattr(loader, "dataset", None)
+    except Exception:  # a property that needs state not built yet
+        return None
+    return dataset if isinstance(dataset, torch.utils.data.Dataset) else None
+
+
 def fingerprint_loader(loader: Any, sample_items: int) -> DatasetFingerprint:
-    """Fingerprints the dataset behind ``loader`` without iterating the loader."""
-    dataset = getattr(loader, "dataset", None) if isinstance(loader, DataLoader) else None
-    if dataset is None and isinstance(loader, torch.utils.data.Dataset):
-        dataset = loader
+    """Fingerprints the dataset behind ``loader`` without iterating the loader.
+
+    Reads ``sample_items`` evenly spaced items whatever the dataset's length (a
+    multi-terabyte token mix costs ``sample_items`` reads of one sequence each).
+    """
+    dataset = loader_dataset(loader)
     target = loader if dataset is None else dataset
     length = _length(target)
     content, kind, sampled = None, "none", 0
@@ -237,9 +263,14 @@ def _hash_sample(dataset: Any, indices: list[int]) -> tuple[str | None, str, int
 #: (``DistributedSampler`` and its kin), ``num_processes`` (Accelerate's
 #: ``BatchSamplerShard``, which the Hugging Face Trainer's loaders use).
 SHARDING_ATTRIBUTES = ("num_replicas", "num_processes")
+#: The attribute of a loader that splits its dataset itself: OLMo-core's data loaders
+#: (``dp_world_size``, with ``dp_rank``).
+LOADER_SHARDING_ATTRIBUTE = "dp_world_size"
 
 
 def _sharded(loader: Any) -> bool:
+    if not isinstance(loader, DataLoader) and hasattr(loader, LOADER_SHARDING_ATTRIBUTE):
+        return True
     samplers = (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None))
     return any(
         hasattr(s, attribute)
@@ -251,7 +282,11 @@ def _sharded(loader: Any) -> bool:
 
 def _sampler_config(loader: Any) -> Pairs:
     if not isinstance(loader, DataLoader):
-        return ()
+        if not hasattr(loader, LOADER_SHARDING_ATTRIBUTE):
+            return ()
+        # A loader that shards itself (OLMo-core's): its order's seed and the shards' count.
+        names = ("seed", LOADER_SHARDING_ATTRIBUTE)
+        return (("type", type(loader).__name__), *((n, _plain(loader, n)) for n in names))
     settings = loader_settings(loader)
     if isinstance(loader.sampler, DistributedSampler):
         return (
