@@ -529,6 +529,7 @@ class SharedDirBarrier(_TrainerAdapter):
         poll_s: float = 0.05,
         probe_wait_s: float = 2.0,
         on_node_local: str = "warn",
+        warn_late_s: float = 5.0,
     ) -> None:
         """Builds the guards of :class:`SharedDirBarrier`."""
 

@@ -9,10 +9,13 @@ filesystems) to word later verdicts, so other ranks receive only a small
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from rankguard.callbacks.checkpoint.dir_probe import PathState, name_below
+from rankguard.callbacks.checkpoint.dir_view import BLOCKED, VISIBLE
+from rankguard.callbacks.checkpoint.late_dirs import late_warning
 from rankguard.callbacks.core.nodes import NodeId
 from rankguard.callbacks.core.ranks import format_groups, group_ranks, rank_label
 
@@ -54,6 +57,8 @@ class Verdict:
             and what they see, for messages (seen).
         max_waited_s: The longest any rank polled (visible).
         summary: One line per path for the log (seen, visible).
+        late: A warning for a folder some rank saw ``warn_late_s`` or more after the
+            first did, or ``""`` (visible).
     """
 
     error: str | None = None
@@ -65,6 +70,7 @@ class Verdict:
     node_local: dict[int, str] = field(default_factory=dict)
     max_waited_s: float = 0.0
     summary: str = ""
+    late: str = ""
 
 
 class BarrierPlanner:
@@ -74,11 +80,16 @@ class BarrierPlanner:
         timeout_s: The barrier's polling timeout, quoted in errors.
         probe_existing: Also probe paths every rank already sees, when the
             ranks run on more than one node (one node shares every path).
+        warn_late_s: A folder some rank sees this much later than the first rank is
+            worth a warning (:attr:`Verdict.late`).
     """
 
-    def __init__(self, timeout_s: float, probe_existing: bool = False) -> None:
+    def __init__(
+        self, timeout_s: float, probe_existing: bool = False, warn_late_s: float = math.inf
+    ) -> None:
         self.timeout_s = timeout_s
         self.probe_existing = probe_existing
+        self.warn_late_s = warn_late_s
         self.nodes: dict[int, NodeId] = {}
         self.states: dict[int, list[PathState]] = {}
         #: Per path index, the rank that creates each rank's folder.
@@ -109,7 +120,7 @@ class BarrierPlanner:
             return Verdict(error=f"Ranks pass different directories to the barrier: {described}.")
         problems = []
         for i in range(next(iter(counts.values()))):
-            blocked = sorted(r for r, s in self.states.items() if s[i].state == "blocked")
+            blocked = sorted(r for r, s in self.states.items() if s[i].state == BLOCKED)
             if blocked:
                 at = format_groups({r: self.states[r][i].existing for r in blocked})
                 problems.append(
@@ -121,7 +132,7 @@ class BarrierPlanner:
             return Verdict(error=f"{' '.join(problems)} {FIX_CREATE}")
         n_paths = next(iter(counts.values()))
         pending = [
-            i for i in range(n_paths) if any(s[i].state != "dir" for s in self.states.values())
+            i for i in range(n_paths) if any(s[i].state != VISIBLE for s in self.states.values())
         ]
         several_nodes = len({node.key for node in self.nodes.values()}) > 1
         probe = list(range(n_paths)) if self.probe_existing and several_nodes else pending
@@ -135,7 +146,7 @@ class BarrierPlanner:
         """
         verdict = self.look(per_rank)
         for i in verdict.pending:
-            seeing = [r for r in sorted(self.states) if self.states[r][i].state == "dir"]
+            seeing = [r for r in sorted(self.states) if self.states[r][i].state == VISIBLE]
             late = sorted(set(self.states) - set(seeing))
             self.made_by[i] = dict.fromkeys(self.states, seeing[0]) if seeing else {}
             fs = format_groups({r: s[i].fs for r, s in self.states.items()})
@@ -298,8 +309,32 @@ class BarrierPlanner:
             return Verdict(error=f"{' '.join(problems)} {FIX_TIMEOUT}", timeout=True)
         lines = "; ".join(self.described.values())
         return Verdict(
-            max_waited_s=longest, summary=f"{lines}; every rank saw it within {longest:.2f} s"
+            max_waited_s=longest,
+            summary=f"{lines}; every rank saw it within {longest:.2f} s",
+            late=self._late(per_rank),
         )
+
+    def _late(self, per_rank: Mapping[int, dict[int, float | None]]) -> str:
+        """The warning for the path seen latest, if some rank saw it ``warn_late_s`` late."""
+        worst: tuple[float, int] | None = None
+        for i in next(iter(per_rank.values())):
+            first = min(waited[i] or 0.0 for waited in per_rank.values())
+            lag = max((waited[i] or 0.0) - first for waited in per_rank.values())
+            if lag >= self.warn_late_s and (worst is None or lag > worst[0]):
+                worst = (lag, i)
+        if worst is None:
+            return ""
+        i = worst[1]
+        first = min(waited[i] or 0.0 for waited in per_rank.values())
+        lags = {
+            r: (waited[i] or 0.0) - first
+            for r, waited in per_rank.items()
+            if (waited[i] or 0.0) - first >= self.warn_late_s
+        }
+        hosts = {r: self.nodes[r].key for r in lags}
+        filesystems = {r: (self.states[r][i].fs, self.states[r][i].mount) for r in lags}
+        path = self._where(i, sorted(lags))
+        return late_warning(path, lags, hosts, filesystems, self.timeout_s)
 
 
 def describe_nodes(node_of: Mapping[int, str], ranks: list[int], most: int = 4) -> str:
