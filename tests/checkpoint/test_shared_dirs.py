@@ -334,9 +334,7 @@ def test_per_rank_folders_are_each_created_by_their_rank_not_waited_out(tmp_path
 def test_a_per_rank_folder_never_seen_names_the_rank_that_created_it():
     planner = BarrierPlanner(timeout_s=5)
     node = NodeId("gpu-1", None, None)
-    states = {
-        r: (node, [PathState(f"/ckpt/rank{r}", "absent", "/ckpt", "nfs4")]) for r in range(3)
-    }
+    states = {r: (node, [PathState(f"/ckpt/rank{r}", "absent", "/ckpt", "nfs4")]) for r in range(3)}
     assert planner.look(states).pending == [0]
     seen = dict.fromkeys(range(3), ({0: True}, {0: True}))  # one filesystem: the marker seen
     plan = planner.creators(seen, {0: 1})

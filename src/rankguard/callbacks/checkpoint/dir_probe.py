@@ -19,9 +19,9 @@ __all__ = [
     "Mount",
     "PathState",
     "filesystem_type",
-    "mount_of",
     "inspect_path",
     "marker_seen",
+    "mount_of",
     "name_below",
     "write_marker",
 ]
