@@ -46,6 +46,9 @@ class NegativeLookupCache:
         self.root = os.path.abspath(root)
         self.lag_s, self.hides, self.listed = lag_s, hides, listed
         self.hidden: dict[str, float] = {}
+        #: Per folder, its ``ctime`` when first found (made, or renamed there); once shown
+        #: it stays shown (files written into it later change its ``ctime`` again).
+        self._made: dict[str, float] = {}
         self._real: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -60,14 +63,15 @@ class NegativeLookupCache:
         while here != self.root:
             if self.hides(here):
                 try:
-                    made = self._real["lstat"](here).st_ctime
+                    ctime = self._real["lstat"](here).st_ctime
                 except OSError:
-                    made = None
-                age = time.time() - made if made is not None else None
-                if age is not None and age < self.lag_s:
+                    ctime = None
+                if ctime is not None:
                     with self._lock:
-                        self.hidden[here] = max(self.hidden.get(here, 0.0), age)
-                    return here
+                        age = time.time() - self._made.setdefault(here, ctime)
+                        if age < self.lag_s:
+                            self.hidden[here] = max(self.hidden.get(here, 0.0), age)
+                            return here
             here = os.path.dirname(here)
         return None
 

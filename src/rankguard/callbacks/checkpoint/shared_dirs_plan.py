@@ -316,25 +316,20 @@ class BarrierPlanner:
 
     def _late(self, per_rank: Mapping[int, dict[int, float | None]]) -> str:
         """The warning for the path seen latest, if some rank saw it ``warn_late_s`` late."""
-        worst: tuple[float, int] | None = None
+        late: dict[int, dict[int, float]] = {}
         for i in next(iter(per_rank.values())):
-            first = min(waited[i] or 0.0 for waited in per_rank.values())
-            lag = max((waited[i] or 0.0) - first for waited in per_rank.values())
-            if lag >= self.warn_late_s and (worst is None or lag > worst[0]):
-                worst = (lag, i)
-        if worst is None:
+            seen = {r: waited[i] or 0.0 for r, waited in per_rank.items()}
+            first = min(seen.values())
+            lags = {r: w - first for r, w in seen.items() if w - first >= self.warn_late_s}
+            if lags:
+                late[i] = lags
+        if not late:
             return ""
-        i = worst[1]
-        first = min(waited[i] or 0.0 for waited in per_rank.values())
-        lags = {
-            r: (waited[i] or 0.0) - first
-            for r, waited in per_rank.items()
-            if (waited[i] or 0.0) - first >= self.warn_late_s
-        }
+        i = max(late, key=lambda i: max(late[i].values()))
+        lags = late[i]
         hosts = {r: self.nodes[r].key for r in lags}
         filesystems = {r: (self.states[r][i].fs, self.states[r][i].mount) for r in lags}
-        path = self._where(i, sorted(lags))
-        return late_warning(path, lags, hosts, filesystems, self.timeout_s)
+        return late_warning(self._where(i, sorted(lags)), lags, hosts, filesystems, self.timeout_s)
 
 
 def describe_nodes(node_of: Mapping[int, str], ranks: list[int], most: int = 4) -> str:
