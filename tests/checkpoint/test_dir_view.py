@@ -93,6 +93,8 @@ def test_only_something_that_is_not_a_directory_is_in_the_way(tmp_path):
     view, error = make(str(tmp_path / "file" / "step1"))
     assert view == BLOCKED and "NotADirectoryError" in error
     assert make(str(tmp_path / "new" / "step1")) == (VISIBLE, None)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    assert inspect_path(str(tmp_path / "dangling")).state == BLOCKED
 
 
 def test_nfs_mount_options_that_hide_folders_are_named():

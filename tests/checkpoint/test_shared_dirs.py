@@ -336,7 +336,7 @@ def test_a_per_rank_folder_never_seen_names_the_rank_that_created_it():
     node = NodeId("gpu-1", None, None)
     states = {r: (node, [PathState(f"/ckpt/rank{r}", "absent", "/ckpt", "nfs4")]) for r in range(3)}
     assert planner.look(states).pending == [0]
-    seen = dict.fromkeys(range(3), ({0: True}, {0: True}))  # one filesystem: the marker seen
+    seen = {r: {0: True} for r in range(3)}  # one filesystem: the marker seen
     plan = planner.creators(seen, {0: 1})
     assert plan.creators == {0: [0, 1, 2]} and plan.node_local == {}
     assert "3 different folders" in plan.summary

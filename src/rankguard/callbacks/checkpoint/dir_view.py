@@ -64,11 +64,15 @@ def view_of(stat: str, mkdir: str | None = None, listed: bool | None = None) -> 
 
 
 def stat_result(path: str) -> str:
-    """``os.stat(path)`` as :func:`view_of` takes it."""
+    """``os.stat(path)`` as :func:`view_of` takes it; a dangling symlink is ``"other"``."""
     try:
         mode = os.stat(path).st_mode
     except OSError as exc:
-        return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+        failed = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+        try:  # a link whose target is missing: found, and in the way
+            return "other" if stat_module.S_ISLNK(os.lstat(path).st_mode) else failed
+        except OSError:
+            return failed
     return "dir" if stat_module.S_ISDIR(mode) else "other"
 
 

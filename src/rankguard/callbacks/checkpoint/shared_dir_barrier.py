@@ -20,7 +20,7 @@ from rankguard.callbacks.checkpoint.dir_probe import (
     marker_seen,
     write_marker,
 )
-from rankguard.callbacks.checkpoint.dir_view import ABSENT, make, stat_result
+from rankguard.callbacks.checkpoint.dir_view import make, stat_result
 from rankguard.callbacks.checkpoint.shared_dirs_plan import (
     BarrierPlanner,
     Verdict,
@@ -190,10 +190,9 @@ def ensure_shared_dirs(
                     markers[i] = None
         markers = channel.broadcast(f"{name}/markers", markers)
         seen = _probe(absolute, markers, probe_wait_s)
-        missing = {i: states[i].state == ABSENT for i in look.probe}
         levels = {i: None if m is None else m.levels for i, m in markers.items()}
         plan = channel.exchange(
-            f"{name}/seen", (seen, missing), lambda per_rank: planner.creators(per_rank, levels)
+            f"{name}/seen", seen, lambda per_rank: planner.creators(per_rank, levels)
         )
     finally:
         for file in written:

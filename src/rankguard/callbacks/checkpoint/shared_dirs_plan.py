@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from rankguard.callbacks.checkpoint.dir_probe import PathState, name_below
-from rankguard.callbacks.checkpoint.dir_view import BLOCKED, VISIBLE
+from rankguard.callbacks.checkpoint.dir_view import ABSENT, BLOCKED, VISIBLE
 from rankguard.callbacks.checkpoint.late_dirs import late_warning
 from rankguard.callbacks.core.nodes import NodeId
 from rankguard.callbacks.core.ranks import format_groups, group_ranks, rank_label
@@ -205,13 +205,13 @@ class BarrierPlanner:
         return made_by
 
     def creators(
-        self, per_rank: Mapping[int, tuple[dict, dict]], levels: Mapping[int, int | None]
+        self, per_rank: Mapping[int, dict[int, bool]], levels: Mapping[int, int | None]
     ) -> Verdict:
         """Decides, per probed path, whether it is shared and who creates it (if missing).
 
         Args:
-            per_rank: Each rank's ``(seen, missing)``: per probed path, whether it
-                saw rank 0's marker and whether the path is missing there.
+            per_rank: Each rank's view of rank 0's markers: per probed path, whether it
+                saw it. Whether the path is absent there comes from :meth:`look`.
             levels: Per probed path, how far above rank 0's path its marker is
                 (``None``: no marker).
         """
@@ -219,9 +219,9 @@ class BarrierPlanner:
         by_node: dict[str, list[int]] = {}
         for rank in sorted(self.nodes):
             by_node.setdefault(self.nodes[rank].key, []).append(rank)
-        for i in next(iter(per_rank.values()))[0]:
-            seen = {r: p[0][i] for r, p in per_rank.items()}
-            missing = {r: p[1][i] for r, p in per_rank.items()}
+        for i in next(iter(per_rank.values())):
+            seen = {r: p[i] for r, p in per_rank.items()}
+            missing = {r: self.states[r][i].state == ABSENT for r in per_rank}
             keys = self.folders(i, seen, levels.get(i))
             self.made_by[i] = self.creators_of(keys, missing)
             creators = sorted(set(self.made_by[i].values()))
