@@ -8,6 +8,7 @@ says ``ENOENT`` for a while after the folder was made, ``mkdir`` says ``EEXIST``
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -84,6 +85,25 @@ def test_a_folder_another_node_made_is_hidden_under_a_negative_lookup_cache(tmp_
     with NegativeLookupCache(str(tmp_path / "ckpt"), LAG_S, listed=True):
         assert look(str(step)) == HIDDEN  # the listing shows it, stat does not
     assert inspect_path(str(step)).state == VISIBLE
+
+
+def test_a_folder_whose_lookups_disagree_is_not_something_in_the_way(tmp_path, monkeypatch):
+    # The seed's failure: rank 0 renames step10-tmp to step10 while rank 1 looks at
+    # step10-tmp/train; rank 1's client still has step10-tmp's entry (lstat finds it),
+    # stat asks again and finds nothing. Two lookups disagreeing are not "in the way".
+    tmp = tmp_path / "ckpt" / "step10-tmp"
+    tmp.mkdir(parents=True)
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if os.fspath(path).startswith(str(tmp)):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert os.path.lexists(tmp) and not os.path.isdir(tmp)
+    state = inspect_path(str(tmp / "train"))
+    assert (state.state, state.existing) == (ABSENT, str(tmp_path / "ckpt"))
 
 
 def test_only_something_that_is_not_a_directory_is_in_the_way(tmp_path):
