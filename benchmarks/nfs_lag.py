@@ -9,10 +9,8 @@ hidden). Prints, per run and rank: the outcome, the saves, rankguard's warnings 
 the cache hid; then one line: saves completed, runs with exactly one warning per rank,
 and the healthy run's warnings.
 
-Run: ``.venv/bin/python benchmarks/nfs_lag.py [RUNS] [LAG_S] [--barrier-only]`` (about 45 s
-a run at 15 s). ``--barrier-only``: ``SharedDirBarrier`` alone, every other guard off (for
-OLMo-core 3.0, whose Trainer with every guard on fails on 2 CPU ranks for reasons of its
-own): ``/work/envs/today/bin/python benchmarks/nfs_lag.py 5 15 --barrier-only``.
+Run: ``.venv/bin/python benchmarks/nfs_lag.py [RUNS] [LAG_S]`` (about 45 s a run at 15 s);
+with today's stack (OLMo-core 3.0): ``/work/envs/today/bin/python benchmarks/nfs_lag.py``.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ def run(out: Path, scenario: str, lag_s: float) -> tuple[float, list[dict], str]
         PYTHONUNBUFFERED="1",
         NEG_CACHE_LAG_S=str(lag_s),
         NEG_CACHE_WARN_S="5.0",  # SharedDirBarrier's default warn_late_s
-        NEG_CACHE_BARRIER_ONLY="1" if "--barrier-only" in sys.argv else "",
     )
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(JOB), str(out), scenario]
     started = time.monotonic()
@@ -53,9 +50,8 @@ def run(out: Path, scenario: str, lag_s: float) -> tuple[float, list[dict], str]
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    runs = int(args[0]) if args else 5
-    lag_s = float(args[1]) if len(args) > 1 else 15.0
+    runs = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    lag_s = float(sys.argv[2]) if len(sys.argv) > 2 else 15.0
     import olmo_core.version
 
     print(f"OLMo-core {olmo_core.version.VERSION}; rank 1 hides each step<N> for {lag_s:g} s")
