@@ -45,6 +45,7 @@ from rankguard.callbacks.hang.calibration import (
     quantile,
     save_estimate_s,
 )
+from rankguard.callbacks.hang.collectives import CollectiveRecorder
 from rankguard.callbacks.hang.deadlock import (
     DEADLOCK_EXIT_CODE,
     LEFT_LOOP,
@@ -154,6 +155,10 @@ READ_PERIOD_S = 2.0
 #: leave one collective a few milliseconds apart, so a status sampled just before one rank
 #: returned from it must not confirm it.
 CONFIRM_AFTER_S = 1.0
+#: How long a rank must issue nothing and make no progress before its record of collectives
+#: counts toward a desync (seconds; at least ``calibration_factor`` x the train p99 once
+#: calibrated, ``deadlock_after_s`` before): ranks' counts differ briefly all the time.
+RECORD_SETTLE_S = 1.0
 #: Wait points seen healthy, kept per rank (to tell the usual one from the odd one).
 MAX_USUAL = 64
 #: Events that end a phase after eval: back in the train loop, or a checkpoint save.
@@ -426,6 +431,10 @@ class HangWatchdog(Guard):
         self._pending_usual = SeenWait(None, 0)
         self._decisions: dict[str, Decision] = {}
         self._settle_s = self.deadlock_after_s
+        self._record_settle_s = self.deadlock_after_s
+        self._recorder: CollectiveRecorder | None = None
+        self._quiet: tuple[Any, float] = (None, 0.0)  # (progress and counts, first seen at)
+        self._told_mismatch: set[str] = set()
         self._decision_probe: Any = None  # the adapter's, from FIT_START
         self._probed: EarlyExchange | None = None
         self.exchange_timeout_s = max(2.0, self.exchange_period_s)
@@ -727,6 +736,7 @@ class HangWatchdog(Guard):
         if thread is None or thread is threading.current_thread():
             self._stop.set()
             self._wake.set()
+            self._close_recorder()
             return
         if self._beat is not None and self._beat.kind == "done":
             # Fit ended here: let the exchange that finds every rank done end all threads
@@ -739,6 +749,14 @@ class HangWatchdog(Guard):
         self._wake.set()
         # An exchange in flight ends within its timeout (+ the followers' grace).
         thread.join(timeout=1.25 * self.exchange_timeout_s + 7.0)
+        self._close_recorder()
+
+    def _close_recorder(self) -> None:
+        """Restores torch.distributed; keeps the record files unless fit ended healthy."""
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            healthy = self._beat is not None and self._beat.kind == "done" and not self.incidents
+            recorder.close(keep=not healthy)
 
     # -- ranks missing from another check's exchange (main thread) ----------------------
 
@@ -792,10 +810,21 @@ class HangWatchdog(Guard):
         self._stop.clear()
         self._wake.clear()
         self._release_owner = own_missing_ranks(self._own_missing)
+        self._start_recorder()
         self._thread = threading.Thread(
             target=self._run, name=f"rankguard-{self.name}", daemon=True
         )
         self._thread.start()
+
+    def _start_recorder(self) -> None:
+        """Starts this rank's record of collectives (in the report folder), where it can."""
+        if self._recorder is not None or not self.channel.is_distributed:
+            return
+        recorder = CollectiveRecorder(
+            attempt_dir(self.report_dir, os.environ), self.channel.rank, self._libraries
+        )
+        if recorder.install():
+            self._recorder = recorder
 
     def _plan(self) -> str:
         """The INFO line at fit start: what is reported when, and when the job ends."""
@@ -855,6 +884,7 @@ class HangWatchdog(Guard):
         if len(train) >= MIN_SAMPLES:
             step_p99 = quantile(train, QUANTILE)
             self._settle_s = max(self.deadlock_after_s, self.calibration_factor * step_p99)
+            self._record_settle_s = max(RECORD_SETTLE_S, self.calibration_factor * step_p99)
         self._deadline_s = {"startup": self.first_step_timeout_s}
         self._deadline_s.update({kind: d.seconds for kind, d in calibrated.items()})
         if not self._told_calibrated and self.history.count("train") >= MIN_SAMPLES:
@@ -871,6 +901,10 @@ class HangWatchdog(Guard):
         stack = self._loop_stack()
         point = rendezvous(stack)
         now = _now()
+        recorder = self._recorder
+        state = (self._progress, recorder.counts() if recorder is not None else ())
+        if state != self._quiet[0]:
+            self._quiet = (state, now)
         if point is None:
             self._wait = None
             return stack, None, 0.0
@@ -909,6 +943,8 @@ class HangWatchdog(Guard):
             usual=key in self._usual,
             direct=waits_at is not None and called_from_user(stack, self._libraries),
             decisions=tuple((n, v, s) for n, (v, s) in sorted(dict(self._decisions).items())),
+            record=self._recorder.snapshot() if self._recorder is not None else (),
+            quiet=self._quiet_s() >= self._record_settle_s,
         )
         if not done:
             return status
@@ -916,6 +952,10 @@ class HangWatchdog(Guard):
         # rendezvous in it; while another rank waits at one, that is a proven deadlock.
         left = replace(status, waits_at=LEFT_LOOP, wait_s=status.idle_s, settled=True)
         return replace(left, phase=left_at(left), direct=False, usual=False)
+
+    def _quiet_s(self) -> float:
+        """How long this rank has made no progress and issued no collective (as sampled)."""
+        return _now() - self._quiet[1] if self._recorder is not None else 0.0
 
     def _loop_stack(self) -> list[tuple[str, int, str]]:
         """The training loop thread's frames (innermost first), read from the watchdog thread."""
@@ -951,6 +991,8 @@ class HangWatchdog(Guard):
                 self._last is None or self._last.suspect != verdict.suspect
             )
             self._last = verdict
+            if verdict.mismatch is not None:
+                self._on_mismatch(*verdict.mismatch)
             if verdict.deadlock:
                 self._on_deadlock(verdict)
             elif verdict.stuck:
@@ -1006,7 +1048,11 @@ class HangWatchdog(Guard):
         if _now() - beat.at < PROBE_PERIOD_S:
             return False
         _, point, wait_s = self._sample()
-        if point is None or wait_s < self._settle_s:
+        if point is None and self._quiet_s() >= self._record_settle_s:
+            # Issued nothing for its settle time: its record may prove a desync that no stack
+            # shows (NCCL, async collectives: the thread waits later, at a host sync).
+            self._wait = Wait("record", self._quiet[1], self._progress)
+        elif point is None or wait_s < self._settle_s:
             return False
         probed = self._probed
         if (
@@ -1031,6 +1077,12 @@ class HangWatchdog(Guard):
             self._report(verdict.summary, verdict.details, [], final=False, deadlock=True)
         elif verdict.end and not self._ended.is_set():
             self._report(verdict.summary, verdict.details, [], final=True)
+
+    def _on_mismatch(self, key: str, text: str) -> None:
+        """Collectives paired with the wrong partner while the job runs: told once each."""
+        if key not in self._told_mismatch and self.channel.is_leader:
+            self._told_mismatch.add(key)
+            logger.warning("rankguard %s: Collective mismatch: %s", self.name, text)
 
     def _on_missing(self, missing: list[int]) -> None:
         waited = self.exchange_period_s + self._failures * self.exchange_timeout_s

@@ -1,0 +1,530 @@
+"""Each rank's record of the collectives it issued: counts per process group, the last few calls.
+
+:class:`CollectiveRecorder` wraps the public ``torch.distributed`` collective
+functions while a guard is active and writes one fixed-size slot per call into
+a file-backed ring (``rank{N}.collectives``, an ``mmap``), so the record
+outlives a rank killed by SIGABRT or SIGKILL; ``rankguard report DIR`` reads it.
+Decisions are in :mod:`rankguard.callbacks.hang.collective_compare`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import inspect
+import itertools
+import json
+import linecache
+import logging
+import mmap
+import os
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued
+
+__all__ = [
+    "RING_SUFFIX",
+    "CollectiveRecorder",
+    "flight_recorder",
+    "read_ring",
+    "sequence_reader",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The ``torch.distributed`` functions recorded, each with the parameter whose size every
+#: rank passes (``None``: no size, e.g. a barrier).
+WRAPPED = {
+    "all_reduce": "tensor",
+    "all_reduce_coalesced": "tensors",
+    "broadcast": "tensor",
+    "reduce": "tensor",
+    "all_gather": "tensor",
+    "all_gather_into_tensor": "input_tensor",
+    "all_gather_object": None,
+    "reduce_scatter": "input_list",
+    "reduce_scatter_tensor": "input",
+    "all_to_all": "input_tensor_list",
+    "all_to_all_single": "input",
+    "gather": "tensor",
+    "gather_object": None,
+    "scatter": "tensor",
+    "scatter_object_list": None,
+    "broadcast_object_list": "object_list",
+    "barrier": None,
+    "monitored_barrier": None,
+    "send": "tensor",
+    "recv": "tensor",
+    "isend": "tensor",
+    "irecv": "tensor",
+}
+OPS = tuple(WRAPPED)
+#: Slots in the ring (the last collectives kept, every group together).
+SLOTS = 256
+#: The last collectives of each group sent with a status.
+LAST = 8
+MAGIC = b"RGCR0001"
+# seq, numel, time, thread ident, group, op, dtype, user code, user line, call code, call line
+_SLOT = struct.Struct("<qqdQiiiiiii4x")
+_HEADER = struct.Struct("<8sqqq")  # magic, slots, pid, next slot number
+_NEXT = struct.Struct("<q")
+_NEXT_AT = 24  # the header's next slot number
+HEADER_SIZE = 64
+RING_SUFFIX = ".collectives"
+NAMES_SUFFIX = ".collectives.json"
+FAULT_SUFFIX = ".fault.txt"
+_MAX_WALK = 48  # frames walked up to the user's code per collective, at most
+_SEQ = "_get_sequence_number_for_group"  # ProcessGroup's count of collectives issued
+
+
+def sequence_reader(group: Any) -> Callable[[], int] | None:
+    """The process group's count of collectives issued, as a callable, or ``None``.
+
+    ``ProcessGroup._get_sequence_number_for_group`` (gloo and NCCL, torch 2.7 to
+    2.13) counts every collective on the group, C++ callers such as DDP's
+    gradient all-reduce included. Private: this is the one place it is read
+    (``tests/hang/test_collectives.py`` fails if it disappears).
+    """
+    read = getattr(group, _SEQ, None)
+    if read is None:
+        return None
+    try:
+        read()
+    except (RuntimeError, AttributeError):
+        return None
+    return read
+
+
+def flight_recorder() -> tuple[list[dict], str]:
+    """PyTorch's flight recorder entries of this process, where the running torch keeps them.
+
+    The dump function is private and renamed across versions: torch 2.7 has
+    ``_dump_nccl_trace_json`` (NCCL only, ``TORCH_NCCL_TRACE_BUFFER_SIZE``), torch 2.8+
+    ``_dump_fr_trace_json`` (every backend, ``TORCH_FR_BUFFER_SIZE``). This is the one
+    place they are read (``tests/hang/test_collectives.py`` fails if both disappear).
+
+    Returns:
+        The entries (dicts with ``collective_seq_id``, ``profiling_name``, ``input_sizes``,
+        ``state``, ``frames``, ...) and where they came from, or ``[]`` and why not.
+    """
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        return [], "torch.distributed is not available"
+    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        try:
+            text = dump(includeCollectives=True, onlyActive=False)
+        except TypeError:
+            try:
+                text = dump()
+            except Exception as exc:
+                return [], f"{name} failed: {exc}"
+        except Exception as exc:
+            return [], f"{name} failed: {exc}"
+        try:
+            entries = json.loads(text).get("entries", [])
+        except (ValueError, AttributeError) as exc:
+            return [], f"{name} gave no JSON: {exc}"
+        if not entries:
+            return [], f"{name}: no entries (flight recorder off or nothing recorded)"
+        return list(entries), name
+    return [], "no flight recorder dump in this torch"
+
+
+class _Names:
+    """Ids of the strings a slot refers to (groups, dtypes, code objects, threads)."""
+
+    def __init__(self) -> None:
+        self.groups: list[dict] = []
+        self.dtypes: list[str] = []
+        self.codes: list[tuple[str, str]] = []
+        self.threads: dict[str, str] = {}
+        self.dtype_ids: dict[Any, int] = {}
+        self.code_ids: dict[Any, int] = {}
+
+    def to_json(self, rank: int, pid: int) -> str:
+        return json.dumps(
+            {
+                "rank": rank,
+                "pid": pid,
+                "ops": list(OPS),
+                "groups": self.groups,
+                "dtypes": self.dtypes,
+                "codes": self.codes,
+                "threads": self.threads,
+            }
+        )
+
+
+class _OwnCount:
+    """A group's count kept here, where the process group keeps none: collectives from Python."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __call__(self) -> int:
+        return self.value
+
+
+class _Group(NamedTuple):
+    gid: int
+    name: str
+    ranks: tuple[int, ...]
+    seq: Callable[[], int]
+    own: _OwnCount | None  # set when the process group has no count of its own
+
+
+class CollectiveRecorder:
+    """Records the collectives this rank issues while installed; restores torch at close.
+
+    Per collective the training thread reads the group's count, the tensor's
+    type and size, a clock and the issuing frame's code and line, and packs
+    them into the next ring slot: no formatting, no lock, no flush. Names
+    (groups, code objects, threads) are given ids the first time they are seen
+    and written to ``rank{N}.collectives.json`` then (rarely).
+
+    Args:
+        directory: Where the ring file goes (the report directory).
+        rank: This rank (its files' names).
+        libraries: Folders whose code is not the user's: the issuing line is the
+            innermost frame outside them.
+    """
+
+    def __init__(self, directory: str | os.PathLike, rank: int, libraries: Iterable[str]) -> None:
+        self.directory = Path(directory)
+        self.rank = rank
+        self._libraries = tuple(libraries)
+        self._names = _Names()
+        self._groups: dict[Any, _Group] = {}
+        self._library_codes: dict[Any, bool] = {}
+        self._counter = itertools.count()
+        self._originals: dict[str, Callable] = {}
+        self._file: Any = None
+        self._ring: mmap.mmap | None = None
+        self._fault: Any = None
+        self._fault_was_enabled = False
+        self.path = self.directory / f"rank{rank}{RING_SUFFIX}"
+
+    # -- install / close ----------------------------------------------------------------
+
+    def install(self) -> bool:
+        """Opens the ring and wraps ``torch.distributed``'s collectives; ``False`` if it cannot."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w+b")
+            self._file.truncate(HEADER_SIZE + SLOTS * _SLOT.size)
+            self._ring = mmap.mmap(self._file.fileno(), HEADER_SIZE + SLOTS * _SLOT.size)
+            _HEADER.pack_into(self._ring, 0, MAGIC, SLOTS, os.getpid(), 0)
+        except OSError as exc:
+            logger.debug("rankguard: no collective record file (%s)", exc)
+            self._close_ring()
+            return False
+        self._group(None)  # the default group is always in the record (DDP's collectives)
+        self._write_names()
+        for name, size_param in WRAPPED.items():
+            original = getattr(dist, name, None)
+            if original is None or getattr(original, "_rankguard_original", None) is not None:
+                continue
+            self._originals[name] = original
+            setattr(dist, name, self._wrap(name, original, size_param))
+        self._enable_faulthandler()
+        return True
+
+    def close(self, keep: bool) -> None:
+        """Restores ``torch.distributed``; removes the files unless ``keep``. Safe twice."""
+        try:
+            import torch.distributed as dist
+        except ImportError:  # pragma: no cover - torch is a requirement
+            dist = None
+        for name, original in self._originals.items():
+            if (
+                dist is not None
+                and getattr(getattr(dist, name, None), "_rankguard_recorder", None) is self
+            ):
+                setattr(dist, name, original)
+        self._originals = {}
+        self._disable_faulthandler()
+        self._close_ring()
+        if not keep:
+            for suffix in (RING_SUFFIX, NAMES_SUFFIX, FAULT_SUFFIX):
+                (self.directory / f"rank{self.rank}{suffix}").unlink(missing_ok=True)
+
+    def _close_ring(self) -> None:
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _enable_faulthandler(self) -> None:
+        """Every thread's stack goes to ``rank{N}.fault.txt`` on a fatal signal (SIGABRT...)."""
+        try:
+            self._fault = open(self.directory / f"rank{self.rank}{FAULT_SUFFIX}", "w")
+        except OSError:
+            return
+        self._fault_was_enabled = faulthandler.is_enabled()
+        faulthandler.enable(self._fault, all_threads=True)
+
+    def _disable_faulthandler(self) -> None:
+        if self._fault is None:
+            return
+        if self._fault_was_enabled and sys.stderr is not None:
+            try:
+                faulthandler.enable(sys.stderr, all_threads=True)
+            except (ValueError, OSError, AttributeError):
+                faulthandler.disable()
+        else:
+            faulthandler.disable()
+        self._fault.close()
+        self._fault = None
+
+    # -- the training thread's cost: one slot per collective ------------------------------
+
+    def _wrap(self, name: str, original: Callable, size_param: str | None) -> Callable:
+        params = list(inspect.signature(original).parameters)
+        group_at = params.index("group") if "group" in params else -1
+        size_at = params.index(size_param) if size_param in params else -1
+        op = OPS.index(name)
+        note = self._note
+        getframe = sys._getframe
+
+        @functools.wraps(original)
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            try:
+                group = (
+                    kwargs.get("group") if len(args) <= group_at or group_at < 0 else args[group_at]
+                )
+                sized = (
+                    kwargs.get(size_param) if len(args) <= size_at or size_at < 0 else args[size_at]
+                )
+                note(op, group, sized, getframe(1))
+            except Exception:
+                pass
+            return original(*args, **kwargs)
+
+        collective._rankguard_original = original  # type: ignore[attr-defined]
+        collective._rankguard_recorder = self  # type: ignore[attr-defined]
+        return collective
+
+    def _note(self, op: int, group: Any, sized: Any, frame: Any) -> None:
+        ring = self._ring
+        if ring is None:
+            return
+        known = self._groups.get(group)
+        if known is None:
+            known = self._group(group)
+        seq = known.seq() + 1
+        if known.own is not None:
+            known.own.value = seq
+        dtype, numel = self._size(sized)
+        call_code, call_line = frame.f_code, frame.f_lineno
+        library = self._library_codes
+        walked = 0
+        while frame is not None and walked < _MAX_WALK:
+            code = frame.f_code
+            lib = library.get(code)
+            if lib is None:
+                lib = library[code] = self._is_library(code.co_filename)
+            if not lib:
+                break
+            frame = frame.f_back
+            walked += 1
+        user_code, user_line = (frame.f_code, frame.f_lineno) if frame is not None else (None, 0)
+        ident = threading.get_ident()
+        if str(ident) not in self._names.threads:
+            self._names.threads[str(ident)] = threading.current_thread().name
+            self._write_names()
+        slot = next(self._counter)
+        _SLOT.pack_into(
+            ring,
+            HEADER_SIZE + (slot % SLOTS) * _SLOT.size,
+            seq,
+            numel,
+            time.time(),
+            ident,
+            known.gid,
+            op,
+            dtype,
+            self._code_id(user_code),
+            user_line,
+            self._code_id(call_code),
+            call_line,
+        )
+        _NEXT.pack_into(ring, _NEXT_AT, slot + 1)
+
+    def _size(self, sized: Any) -> tuple[int, int]:
+        if sized is None:
+            return -1, 0
+        if isinstance(sized, list | tuple):
+            first = sized[0] if sized else None
+            dtype = getattr(first, "dtype", "object")
+            return self._dtype_id(dtype), len(sized)
+        return self._dtype_id(sized.dtype), sized.numel()
+
+    def _dtype_id(self, dtype: Any) -> int:
+        found = self._names.dtype_ids.get(dtype)
+        if found is None:
+            found = self._names.dtype_ids[dtype] = len(self._names.dtypes)
+            self._names.dtypes.append(str(dtype).removeprefix("torch."))
+            self._write_names()
+        return found
+
+    def _code_id(self, code: Any) -> int:
+        if code is None:
+            return -1
+        found = self._names.code_ids.get(code)
+        if found is None:
+            found = self._names.code_ids[code] = len(self._names.codes)
+            self._names.codes.append((code.co_filename, code.co_name))
+            self._write_names()
+        return found
+
+    def _is_library(self, filename: str) -> bool:
+        return filename.startswith("<") or os.path.abspath(filename).startswith(self._libraries)
+
+    def _group(self, group: Any) -> _Group:
+        """Registers a process group the first time a collective names it (rare)."""
+        import torch.distributed as dist
+
+        pg = dist.group.WORLD if group is None else group
+        known = self._groups.get(pg)
+        if known is None:
+            try:
+                ranks = tuple(dist.get_process_group_ranks(pg))
+            except (RuntimeError, ValueError, AttributeError):
+                ranks = tuple(range(dist.get_world_size()))
+            name = str(getattr(pg, "group_name", len(self._groups)))
+            reader = sequence_reader(pg)
+            own = None if reader is not None else _OwnCount()
+            known = _Group(len(self._names.groups), name, ranks, reader or own, own)
+            self._names.groups.append({"name": name, "ranks": list(ranks)})
+            self._groups[pg] = known
+            self._write_names()
+        self._groups[group] = known
+        return known
+
+    def _write_names(self) -> None:
+        path = self.directory / f"rank{self.rank}{NAMES_SUFFIX}"
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(self._names.to_json(self.rank, os.getpid()), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.debug("rankguard: could not write %s: %s", path, exc)
+
+    # -- the watchdog thread: what the record says ----------------------------------------
+
+    def counts(self) -> tuple[int, ...]:
+        """Each known group's count now (cheap: the watchdog compares it between samples)."""
+        return tuple(g.seq() for g in self._known())
+
+    def _known(self) -> list[_Group]:
+        return sorted({g.gid: g for g in list(self._groups.values())}.values())
+
+    def snapshot(self) -> tuple[GroupRecord, ...]:
+        """Per group: its members, its count, its last :data:`LAST` collectives (formatted here)."""
+        ring = self._ring
+        slots = read_ring(ring) if ring is not None else []
+        names = json.loads(self._names.to_json(self.rank, os.getpid()))
+        issued = decode(slots, names)
+        threads = {str(t.ident): t.name for t in threading.enumerate()}
+        out = []
+        for group in self._known():
+            last = [i for gid, i in issued if gid == group.gid][-LAST:]
+            last = [i._replace(thread=threads.get(i.thread, i.thread)) for i in last]
+            count = group.seq()
+            out.append(GroupRecord(group.name, group.ranks, count, tuple(last)))
+        return tuple(out)
+
+
+def read_ring(buffer: Any) -> list[tuple]:
+    """The ring's slots in the order written, ``[]`` when ``buffer`` is not a ring.
+
+    Each is ``(seq, numel, t, thread, group, op, dtype, user code, user line, call
+    code, call line)``.
+    """
+    magic, slots, _, written = _HEADER.unpack_from(buffer, 0)
+    if magic != MAGIC:
+        return []
+    first = max(0, written - slots)
+    rows = []
+    for n in range(first, written):
+        row = _SLOT.unpack_from(buffer, HEADER_SIZE + (n % slots) * _SLOT.size)
+        rows.append(row)
+    return rows
+
+
+def _where(codes: list, code_id: int, line: int, source: bool = True) -> str | None:
+    if code_id < 0 or code_id >= len(codes):
+        return None
+    filename, function = codes[code_id]
+    where = f"{os.path.basename(filename)}:{line} ({function})"
+    text = linecache.getline(filename, line).strip() if source else ""
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{where}: {text}" if text else where
+
+
+def decode(rows: list[tuple], names: dict) -> list[tuple[int, Issued]]:
+    """Slots as ``(group id, Issued)``; the thread is its ident until a name is known."""
+    ops, dtypes, codes = names["ops"], names["dtypes"], names["codes"]
+    threads = names.get("threads", {})
+    out = []
+    for seq, numel, t, thread, gid, op, dtype, ucode, uline, ccode, cline in rows:
+        where = _where(codes, ucode, uline) or _where(codes, ccode, cline)
+        out.append(
+            (
+                gid,
+                Issued(
+                    seq=seq,
+                    op=ops[op] if 0 <= op < len(ops) else "?",
+                    dtype=dtypes[dtype] if 0 <= dtype < len(dtypes) else "-",
+                    numel=numel,
+                    where=where,
+                    thread=threads.get(str(thread), str(thread)),
+                    t=t,
+                ),
+            )
+        )
+    return out
+
+
+def read_files(directory: str | os.PathLike) -> dict[int, tuple[GroupRecord, ...]]:
+    """Every rank's record left in ``directory`` (``rank{N}.collectives`` and its names).
+
+    The counts are the last collective numbers the ring holds per group (the
+    group's own counter died with the process).
+    """
+    records = {}
+    for path in sorted(Path(directory).glob(f"rank*{RING_SUFFIX}")):
+        rank_text = path.name[len("rank") : -len(RING_SUFFIX)]
+        names_path = path.with_name(f"rank{rank_text}{NAMES_SUFFIX}")
+        if not rank_text.isdigit() or not names_path.exists():
+            continue
+        try:
+            names = json.loads(names_path.read_text(encoding="utf-8"))
+            rows = read_ring(path.read_bytes())
+        except (OSError, ValueError, struct.error):
+            continue
+        issued = decode(rows, names)
+        groups = []
+        for gid, group in enumerate(names["groups"]):
+            mine = [i for g, i in issued if g == gid]
+            count = max((i.seq for i in mine), default=0)
+            groups.append(GroupRecord(group["name"], tuple(group["ranks"]), count, tuple(mine)))
+        records[int(rank_text)] = tuple(groups)
+    return records
