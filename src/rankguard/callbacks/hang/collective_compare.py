@@ -21,6 +21,7 @@ __all__ = [
     "GroupRecord",
     "Issued",
     "describe_issued",
+    "describe_records",
     "differences",
     "mismatch_warning",
     "record_desync",
@@ -332,3 +333,30 @@ def mismatch_warning(records: Mapping[int, Sequence[GroupRecord]]) -> tuple[str,
         "different size aborts the job, on NCCL equal sizes reduce the wrong values)."
     )
     return f"{diff.group}#{diff.seq}", text
+
+
+def describe_records(records: Mapping[int, Sequence[GroupRecord]], last: int = 4) -> str:
+    """Each rank's last collectives per group and the first point where ranks differ.
+
+    What ``rankguard report DIR`` prints from the record files a rank leaves
+    behind, even one killed by SIGKILL or aborted by SIGABRT.
+    """
+    lines = ["Collectives each rank issued last (its record file), per process group:"]
+    for rank, recs in sorted(records.items()):
+        for rec in recs:
+            if not rec.last:
+                continue
+            name = "default group" if rec.name == DEFAULT_GROUP else f"group {rec.name}"
+            lines.append(f"  rank {rank}, {name}: {rec.count} issued; the last:")
+            previous = None
+            for call in rec.last[-last:]:
+                lines.append(f"    #{call.seq} {describe_issued(call, previous)}")
+                previous = call.thread
+    diffs = differences(records)
+    if len(records) < 2:
+        lines.append("Only one rank's record: nothing to compare.")
+    elif not diffs:
+        lines.append("The ranks' records agree where they overlap.")
+    for diff in diffs:
+        lines.append(f"First difference: {describe_difference(records, diff)}")
+    return "\n".join(lines) + "\n"
