@@ -21,10 +21,11 @@ import os
 import struct
 import sys
 import threading
-import time
+from _thread import get_ident
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, NamedTuple
+from time import time
+from typing import Any
 
 from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued
 
@@ -70,15 +71,16 @@ SLOTS = 256
 #: The last collectives of each group sent with a status.
 LAST = 8
 MAGIC = b"RGCR0001"
-# seq, numel, time, thread ident, group, op, dtype, user code, user line, call code, call line
-_SLOT = struct.Struct("<qqdQiiiiiii4x")
-_HEADER = struct.Struct("<8sqqq")  # magic, slots, pid, next slot number
-_NEXT = struct.Struct("<q")
-_NEXT_AT = 24  # the header's next slot number
+# slot number + 1 (0: empty), seq, numel, time, thread ident, group, op, dtype, user code,
+# user line, call code, call line
+_SLOT = struct.Struct("<qqqdQiiiiiii")
+SLOT_SIZE = _SLOT.size
+_HEADER = struct.Struct("<8sqq")  # magic, slots, pid
 HEADER_SIZE = 64
 RING_SUFFIX = ".collectives"
 NAMES_SUFFIX = ".collectives.json"
 FAULT_SUFFIX = ".fault.txt"
+_SEQUENCES = frozenset({list, tuple})
 _MAX_WALK = 48  # frames walked up to the user's code per collective, at most
 _SEQ = "_get_sequence_number_for_group"  # ProcessGroup's count of collectives issued
 
@@ -148,8 +150,9 @@ class _Names:
         self.dtypes: list[str] = []
         self.codes: list[tuple[str, str]] = []
         self.threads: dict[str, str] = {}
-        self.dtype_ids: dict[Any, int] = {}
-        self.code_ids: dict[Any, int] = {}
+        self.dtype_ids: dict[int, int] = {}  # by id(): a code object's hash is not cached
+        self.code_ids: dict[int, int] = {}
+        self.kept: list[Any] = []  # the objects whose id() is a key, kept alive
 
     def to_json(self, rank: int, pid: int) -> str:
         return json.dumps(
@@ -175,12 +178,16 @@ class _OwnCount:
         return self.value
 
 
-class _Group(NamedTuple):
-    gid: int
-    name: str
-    ranks: tuple[int, ...]
-    seq: Callable[[], int]
-    own: _OwnCount | None  # set when the process group has no count of its own
+class _Group:
+    """A process group as the record knows it (slots: read at every collective)."""
+
+    __slots__ = ("gid", "name", "own", "ranks", "seq")
+
+    def __init__(
+        self, gid: int, name: str, ranks: tuple[int, ...], seq: Callable[[], int], own: Any
+    ) -> None:
+        self.gid, self.name, self.ranks, self.seq = gid, name, ranks, seq
+        self.own: _OwnCount | None = own  # set when the process group keeps no count
 
 
 class CollectiveRecorder:
@@ -206,12 +213,16 @@ class CollectiveRecorder:
         self._names = _Names()
         self._groups: dict[Any, _Group] = {}
         self._library_codes: dict[Any, bool] = {}
+        self._code_ids = self._names.code_ids
+        self._dtype_ids = self._names.dtype_ids
+        self._threads: set[int] = set()
         self._counter = itertools.count()
         self._originals: dict[str, Callable] = {}
         self._file: Any = None
         self._ring: mmap.mmap | None = None
         self._fault: Any = None
         self._fault_was_enabled = False
+        self._made: list[Path] = []  # folders this record created (removed when healthy)
         self.path = self.directory / f"rank{rank}{RING_SUFFIX}"
 
     # -- install / close ----------------------------------------------------------------
@@ -223,11 +234,12 @@ class CollectiveRecorder:
         if not (dist.is_available() and dist.is_initialized()):
             return False
         try:
+            self._made = [p for p in (self.directory, *self.directory.parents) if not p.exists()]
             self.directory.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "w+b")
             self._file.truncate(HEADER_SIZE + SLOTS * _SLOT.size)
             self._ring = mmap.mmap(self._file.fileno(), HEADER_SIZE + SLOTS * _SLOT.size)
-            _HEADER.pack_into(self._ring, 0, MAGIC, SLOTS, os.getpid(), 0)
+            _HEADER.pack_into(self._ring, 0, MAGIC, SLOTS, os.getpid())
         except OSError as exc:
             logger.debug("rankguard: no collective record file (%s)", exc)
             self._close_ring()
@@ -261,6 +273,12 @@ class CollectiveRecorder:
         if not keep:
             for suffix in (RING_SUFFIX, NAMES_SUFFIX, FAULT_SUFFIX):
                 (self.directory / f"rank{self.rank}{suffix}").unlink(missing_ok=True)
+            for made in self._made:  # a healthy run leaves no report folder behind
+                try:
+                    made.rmdir()
+                except OSError:
+                    break  # not empty (another rank's files, a report): kept
+        self._made = []
 
     def _close_ring(self) -> None:
         ring, self._ring = self._ring, None
@@ -321,50 +339,70 @@ class CollectiveRecorder:
         return collective
 
     def _note(self, op: int, group: Any, sized: Any, frame: Any) -> None:
+        """Packs one collective into the next slot (the training thread: keep it lean)."""
         ring = self._ring
         if ring is None:
             return
-        known = self._groups.get(group)
-        if known is None:
-            known = self._group(group)
+        known = self._groups.get(id(group)) or self._group(group)
         seq = known.seq() + 1
         if known.own is not None:
             known.own.value = seq
-        dtype, numel = self._size(sized)
-        call_code, call_line = frame.f_code, frame.f_lineno
-        library = self._library_codes
-        walked = 0
-        while frame is not None and walked < _MAX_WALK:
-            code = frame.f_code
-            lib = library.get(code)
+        if sized is None:
+            dtype, numel = -1, 0
+        elif type(sized) in _SEQUENCES:
+            dtype, numel = self._size(sized)
+        else:
+            dtype = self._dtype_ids.get(id(sized.dtype))
+            if dtype is None:
+                dtype = self._dtype_id(sized.dtype)
+            numel = sized.numel()
+        codes, library = self._code_ids, self._library_codes
+        code = frame.f_code
+        call_line = frame.f_lasti  # its line is looked up off this thread (f_lineno is not free)
+        call_code = codes.get(id(code))
+        if call_code is None:
+            call_code = self._code_id(code)
+        walked = 0  # up to the user's own code: one step when it calls torch.distributed
+        while walked < _MAX_WALK:
+            lib = library.get(id(code))  # a code object's own hash is computed at each call
             if lib is None:
-                lib = library[code] = self._is_library(code.co_filename)
+                lib = library[id(code)] = self._is_library(code)
             if not lib:
                 break
             frame = frame.f_back
+            if frame is None:
+                break
+            code = frame.f_code
             walked += 1
-        user_code, user_line = (frame.f_code, frame.f_lineno) if frame is not None else (None, 0)
-        ident = threading.get_ident()
-        if str(ident) not in self._names.threads:
-            self._names.threads[str(ident)] = threading.current_thread().name
-            self._write_names()
+        user_code, user_line = (code, frame.f_lasti) if frame is not None else (None, 0)
+        user = codes.get(id(user_code)) if user_code is not None else -1
+        if user is None:
+            user = self._code_id(user_code)
+        ident = get_ident()
+        if ident not in self._threads:
+            self._new_thread(ident)
         slot = next(self._counter)
         _SLOT.pack_into(
             ring,
-            HEADER_SIZE + (slot % SLOTS) * _SLOT.size,
+            HEADER_SIZE + (slot % SLOTS) * SLOT_SIZE,
+            slot + 1,
             seq,
             numel,
-            time.time(),
+            time(),
             ident,
             known.gid,
             op,
             dtype,
-            self._code_id(user_code),
+            user,
             user_line,
-            self._code_id(call_code),
+            call_code,
             call_line,
         )
-        _NEXT.pack_into(ring, _NEXT_AT, slot + 1)
+
+    def _new_thread(self, ident: int) -> None:
+        self._threads.add(ident)
+        self._names.threads[str(ident)] = threading.current_thread().name
+        self._write_names()
 
     def _size(self, sized: Any) -> tuple[int, int]:
         if sized is None:
@@ -376,9 +414,10 @@ class CollectiveRecorder:
         return self._dtype_id(sized.dtype), sized.numel()
 
     def _dtype_id(self, dtype: Any) -> int:
-        found = self._names.dtype_ids.get(dtype)
+        found = self._names.dtype_ids.get(id(dtype))
         if found is None:
-            found = self._names.dtype_ids[dtype] = len(self._names.dtypes)
+            self._names.kept.append(dtype)  # ids stay unique while the object is kept
+            found = self._names.dtype_ids[id(dtype)] = len(self._names.dtypes)
             self._names.dtypes.append(str(dtype).removeprefix("torch."))
             self._write_names()
         return found
@@ -386,14 +425,18 @@ class CollectiveRecorder:
     def _code_id(self, code: Any) -> int:
         if code is None:
             return -1
-        found = self._names.code_ids.get(code)
+        found = self._names.code_ids.get(id(code))
         if found is None:
-            found = self._names.code_ids[code] = len(self._names.codes)
-            self._names.codes.append((code.co_filename, code.co_name))
+            self._names.kept.append(code)
+            found = self._names.code_ids[id(code)] = len(self._names.codes)
+            lines = [(start, line) for start, _, line in code.co_lines() if line is not None]
+            self._names.codes.append((code.co_filename, code.co_name, lines))
             self._write_names()
         return found
 
-    def _is_library(self, filename: str) -> bool:
+    def _is_library(self, code: Any) -> bool:
+        self._names.kept.append(code)
+        filename = code.co_filename
         return filename.startswith("<") or os.path.abspath(filename).startswith(self._libraries)
 
     def _group(self, group: Any) -> _Group:
@@ -401,7 +444,7 @@ class CollectiveRecorder:
         import torch.distributed as dist
 
         pg = dist.group.WORLD if group is None else group
-        known = self._groups.get(pg)
+        known = self._groups.get(id(pg))
         if known is None:
             try:
                 ranks = tuple(dist.get_process_group_ranks(pg))
@@ -412,9 +455,11 @@ class CollectiveRecorder:
             own = None if reader is not None else _OwnCount()
             known = _Group(len(self._names.groups), name, ranks, reader or own, own)
             self._names.groups.append({"name": name, "ranks": list(ranks)})
-            self._groups[pg] = known
+            self._groups[id(pg)] = known
+            self._names.kept.append(pg)
             self._write_names()
-        self._groups[group] = known
+        self._groups[id(group)] = known
+        self._names.kept.append(group)
         return known
 
     def _write_names(self) -> None:
@@ -433,7 +478,8 @@ class CollectiveRecorder:
         return tuple(g.seq() for g in self._known())
 
     def _known(self) -> list[_Group]:
-        return sorted({g.gid: g for g in list(self._groups.values())}.values())
+        groups = {g.gid: g for g in list(self._groups.values())}
+        return [groups[gid] for gid in sorted(groups)]
 
     def snapshot(self) -> tuple[GroupRecord, ...]:
         """Per group: its members, its count, its last :data:`LAST` collectives (formatted here)."""
@@ -457,21 +503,28 @@ def read_ring(buffer: Any) -> list[tuple]:
     Each is ``(seq, numel, t, thread, group, op, dtype, user code, user line, call
     code, call line)``.
     """
-    magic, slots, _, written = _HEADER.unpack_from(buffer, 0)
+    magic, slots, _ = _HEADER.unpack_from(buffer, 0)
     if magic != MAGIC:
         return []
-    first = max(0, written - slots)
-    rows = []
-    for n in range(first, written):
-        row = _SLOT.unpack_from(buffer, HEADER_SIZE + (n % slots) * _SLOT.size)
-        rows.append(row)
-    return rows
+    rows = [_SLOT.unpack_from(buffer, HEADER_SIZE + n * SLOT_SIZE) for n in range(slots)]
+    return [row[1:] for row in sorted(rows) if row[0]]
 
 
-def _where(codes: list, code_id: int, line: int, source: bool = True) -> str | None:
+def _line(lines: list, lasti: int) -> int:
+    """The source line of the instruction at offset ``lasti`` (a code object's line table)."""
+    found = 0
+    for start, line in lines:
+        if start > lasti:
+            break
+        found = line
+    return found
+
+
+def _where(codes: list, code_id: int, lasti: int, source: bool = True) -> str | None:
     if code_id < 0 or code_id >= len(codes):
         return None
-    filename, function = codes[code_id]
+    filename, function, lines = codes[code_id]
+    line = _line(lines, lasti)
     where = f"{os.path.basename(filename)}:{line} ({function})"
     text = linecache.getline(filename, line).strip() if source else ""
     if len(text) > 80:

@@ -943,7 +943,7 @@ class HangWatchdog(Guard):
             usual=key in self._usual,
             direct=waits_at is not None and called_from_user(stack, self._libraries),
             decisions=tuple((n, v, s) for n, (v, s) in sorted(dict(self._decisions).items())),
-            record=self._recorder.snapshot() if self._recorder is not None else (),
+            record=self._record(),
             quiet=self._quiet_s() >= self._record_settle_s,
         )
         if not done:
@@ -952,6 +952,17 @@ class HangWatchdog(Guard):
         # rendezvous in it; while another rank waits at one, that is a proven deadlock.
         left = replace(status, waits_at=LEFT_LOOP, wait_s=status.idle_s, settled=True)
         return replace(left, phase=left_at(left), direct=False, usual=False)
+
+    def _record(self) -> tuple:
+        """This rank's record of collectives for its status; ``()`` if it cannot be read."""
+        recorder = self._recorder
+        if recorder is None:
+            return ()
+        try:
+            return recorder.snapshot()
+        except Exception as exc:  # the record must never cost the status exchange
+            logger.debug("rankguard %s: collective record unreadable: %s", self.name, exc)
+            return ()
 
     def _quiet_s(self) -> float:
         """How long this rank has made no progress and issued no collective (as sampled)."""
