@@ -111,6 +111,46 @@ def test_async_metric_reductions_on_one_rank_more_are_a_desync_proven_from_the_r
     assert "rank 0: your code at test_collectives.py:" in summary and "work.wait()" in summary
 
 
+def write_checkpoint(seconds):
+    time.sleep(seconds)  # a slow filesystem: no collective, no progress
+
+
+def log_on_rank0(seconds):
+    time.sleep(seconds)
+
+
+def _skewed_job(rank, world_size, report_dir):
+    """Healthy skew: rank 1 far behind in a checkpoint write while rank 0 waits for its
+    async reductions; then rank-0-only logging between two collectives."""
+    import torch.distributed as dist
+
+    from rankguard.callbacks.core.side_channel import SideChannel
+    from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
+
+    side = dist.new_group(backend="gloo")
+    watchdog = HangWatchdog(report_dir=report_dir, timeout_s=60, deadlock_after_s=1.5)
+    watchdog.bind(SideChannel.from_environment(timeout_s=10))
+    watchdog.on_fit_start(EventFacts())
+    for step in range(3):
+        watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
+        if step == 1 and rank == 1:
+            write_checkpoint(5.0)  # > 3 x the settle time, rank 0 waits in Work.wait()
+        wait_for(reduce_metrics(["loss", "acc"], side))
+        if step == 2 and rank == 0:
+            log_on_rank0(5.0)  # rank 1 waits in the all_reduce below
+        dist.all_reduce(torch.ones(4))
+        watchdog.handle(Event.TRAIN_BATCH_END, EventFacts(step=step + 1))
+    watchdog.on_fit_end(EventFacts(step=3))
+    watchdog.close()
+    return watchdog.incidents
+
+
+def test_a_rank_behind_in_a_checkpoint_write_or_logging_alone_is_never_a_desync(tmp_path):
+    outcomes = run_ranks(_skewed_job, 2, str(tmp_path), timeout_s=60)
+    assert [(o.error, o.value) for o in outcomes] == [(None, 0), (None, 0)], outcomes
+    assert not (tmp_path / "summary.txt").exists()
+
+
 def test_the_same_reductions_on_every_rank_are_silent_and_leave_no_file(tmp_path):
     outcomes = run_ranks(_metrics_job, 2, str(tmp_path), -1, timeout_s=60)
     assert [(o.error, o.value) for o in outcomes] == [(None, 0), (None, 0)], outcomes

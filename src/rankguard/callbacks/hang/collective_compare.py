@@ -209,7 +209,10 @@ def describe_difference(records: Mapping[int, Sequence[GroupRecord]], diff: Diff
         f"{rank_label(ranks)} issued {count}" for ranks, count in group_ranks(dict(diff.counts))[:8]
     )
     calls = {
-        r: describe_issued(i, _previous_thread(records, diff, r)) for r, i in diff.issued.items()
+        r: describe_issued(i, _previous_thread(records, diff, r))
+        if i is not None or diff.counts[r] < diff.seq
+        else "issued outside Python's record (from C++, e.g. DDP's gradient all-reduce)"
+        for r, i in diff.issued.items()
     }
     at = "; ".join(f"{rank_label(ranks)}: {call}" for ranks, call in group_ranks(calls)[:8])
     return f"{_group_label(diff)}: {counts}; collective #{diff.seq}: {at}"

@@ -943,7 +943,7 @@ class HangWatchdog(Guard):
             usual=key in self._usual,
             direct=waits_at is not None and called_from_user(stack, self._libraries),
             decisions=tuple((n, v, s) for n, (v, s) in sorted(dict(self._decisions).items())),
-            record=self._record(),
+            record=self._collectives(),
             quiet=self._quiet_s() >= self._record_settle_s,
         )
         if not done:
@@ -953,7 +953,7 @@ class HangWatchdog(Guard):
         left = replace(status, waits_at=LEFT_LOOP, wait_s=status.idle_s, settled=True)
         return replace(left, phase=left_at(left), direct=False, usual=False)
 
-    def _record(self) -> tuple:
+    def _collectives(self) -> tuple:
         """This rank's record of collectives for its status; ``()`` if it cannot be read."""
         recorder = self._recorder
         if recorder is None:
