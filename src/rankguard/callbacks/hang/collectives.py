@@ -235,6 +235,8 @@ class CollectiveRecorder:
             return False
         try:
             self._made = [p for p in (self.directory, *self.directory.parents) if not p.exists()]
+            if not self._made and _only_records(self.directory):
+                self._made = [self.directory]  # another rank's record made it a moment ago
             self.directory.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "w+b")
             self._file.truncate(HEADER_SIZE + SLOTS * _SLOT.size)
@@ -495,6 +497,16 @@ class CollectiveRecorder:
             count = group.seq()
             out.append(GroupRecord(group.name, group.ranks, count, tuple(last)))
         return tuple(out)
+
+
+def _only_records(directory: Path) -> bool:
+    """Whether ``directory`` holds only record files (another rank's, made for the record)."""
+    suffixes = (RING_SUFFIX, NAMES_SUFFIX, FAULT_SUFFIX, ".tmp")
+    try:
+        names = [p.name for p in directory.iterdir()]
+    except OSError:
+        return False
+    return bool(names) and all(name.endswith(suffixes) for name in names)  # an empty one: yours
 
 
 def read_ring(buffer: Any) -> list[tuple]:
