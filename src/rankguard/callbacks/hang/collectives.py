@@ -80,6 +80,7 @@ HEADER_SIZE = 64
 RING_SUFFIX = ".collectives"
 NAMES_SUFFIX = ".collectives.json"
 FAULT_SUFFIX = ".fault.txt"
+MADE_MARK = ".rankguard-record-made"  # the folder was made for the record (no report yet)
 _SEQUENCES = frozenset({list, tuple})
 _MAX_WALK = 48  # frames walked up to the user's code per collective, at most
 _SEQ = "_get_sequence_number_for_group"  # ProcessGroup's count of collectives issued
@@ -235,9 +236,9 @@ class CollectiveRecorder:
             return False
         try:
             self._made = [p for p in (self.directory, *self.directory.parents) if not p.exists()]
-            if not self._made and _only_records(self.directory):
-                self._made = [self.directory]  # another rank's record made it a moment ago
             self.directory.mkdir(parents=True, exist_ok=True)
+            if self._made:  # made for the record: the last rank to close removes it
+                (self.directory / MADE_MARK).touch()
             self._file = open(self.path, "w+b")
             self._file.truncate(HEADER_SIZE + SLOTS * _SLOT.size)
             self._ring = mmap.mmap(self._file.fileno(), HEADER_SIZE + SLOTS * _SLOT.size)
@@ -275,12 +276,21 @@ class CollectiveRecorder:
         if not keep:
             for suffix in (RING_SUFFIX, NAMES_SUFFIX, FAULT_SUFFIX):
                 (self.directory / f"rank{self.rank}{suffix}").unlink(missing_ok=True)
-            for made in self._made:  # a healthy run leaves no report folder behind
-                try:
-                    made.rmdir()
-                except OSError:
-                    break  # not empty (another rank's files, a report): kept
+            self._remove_folder()
         self._made = []
+
+    def _remove_folder(self) -> None:
+        """A healthy run leaves no report folder behind: the last rank removes the one made."""
+        mark = self.directory / MADE_MARK
+        try:
+            if [p.name for p in self.directory.iterdir()] != [MADE_MARK]:
+                return  # another rank's files still there, or a report: kept
+            mark.unlink()
+            self.directory.rmdir()
+            for made in self._made[1:]:
+                made.rmdir()
+        except OSError:
+            return  # another rank removed it first, or a folder is not empty
 
     def _close_ring(self) -> None:
         ring, self._ring = self._ring, None
@@ -497,16 +507,6 @@ class CollectiveRecorder:
             count = group.seq()
             out.append(GroupRecord(group.name, group.ranks, count, tuple(last)))
         return tuple(out)
-
-
-def _only_records(directory: Path) -> bool:
-    """Whether ``directory`` holds only record files (another rank's, made for the record)."""
-    suffixes = (RING_SUFFIX, NAMES_SUFFIX, FAULT_SUFFIX, ".tmp")
-    try:
-        names = [p.name for p in directory.iterdir()]
-    except OSError:
-        return False
-    return bool(names) and all(name.endswith(suffixes) for name in names)  # an empty one: yours
 
 
 def read_ring(buffer: Any) -> list[tuple]:
