@@ -187,3 +187,24 @@ def test_stack_proof_and_record_agree_on_the_rank_that_issued_the_odd_collective
     assert verdict.summary.startswith("deadlock, every rank waits at a rendezvous")  # stack's
     assert any(line.startswith("Collectives issued: group 1") for line in verdict.details)
     assert _prove(records).first == 0  # the record names the same rank
+
+
+def test_unlike_calls_at_one_count_while_the_job_runs_are_a_mismatch_of_the_verdict():
+    import pytest
+
+    from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
+
+    records = {
+        0: (_group("1", 9, [_call(8), _call(9, numel=4)]),),
+        1: (_group("1", 10, [_call(8), _call(9, numel=1), _call(10)]),),
+    }
+    running = {r: _status(rec, quiet=False) for r, rec in records.items()}
+    verdict = diagnose(running)
+    assert not verdict.deadlock and verdict.suspect is None  # still running: no proof
+    key, text = verdict.mismatch
+    assert key == "1#9" and "collective #9: rank 0: all_reduce float32[4]" in text, text
+    same = {r: _status((_group("1", 9),), quiet=False) for r in (0, 1)}
+    assert diagnose(same).mismatch is None
+    assert HangWatchdog(collective_mismatch="abort").collective_mismatch == "abort"
+    with pytest.raises(ValueError, match="collective_mismatch"):
+        HangWatchdog(collective_mismatch="raise")

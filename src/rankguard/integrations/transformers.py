@@ -468,6 +468,7 @@ class HangWatchdog(_TrainerAdapter):
         floor_s: float = 30.0,
         deadlock_action: str = "abort",
         deadlock_after_s: float = 3.0,
+        collective_mismatch: str = "warn",
     ) -> None:
         """Builds the guards of :class:`HangWatchdog`."""
 

@@ -147,7 +147,8 @@ def differences(records: Mapping[int, Sequence[GroupRecord]]) -> list[Difference
         records: Each rank's record (ranks without a recorder are left out).
 
     Returns:
-        At most one difference per group, count differences first, then by group name.
+        Per group at most one count difference and one call difference (at the first
+        number every member holds), count differences first, then by group name.
     """
     found = []
     for name, recs in sorted(_by_group(records).items()):
@@ -159,7 +160,6 @@ def differences(records: Mapping[int, Sequence[GroupRecord]]) -> list[Difference
             seq = min(counts.values()) + 1
             at = {r: issued[r].get(seq) for r in members}
             found.append(Difference(name, members, seq, "count", counts, at))
-            continue
         for seq in sorted(set.intersection(*(set(i) for i in issued.values()))):
             calls = [issued[r][seq] for r in members]
             if not all(same_call(calls[0], c) for c in calls[1:]):

@@ -342,6 +342,10 @@ class HangWatchdog(Guard):
         deadlock_after_s: How long a rank's loop must wait at one rendezvous
             before it counts toward a deadlock (at least ``calibration_factor``
             x the train steps' 99th percentile once calibrated).
+        collective_mismatch: What ranks that paired different collectives at one count
+            while the job runs get (their records, compared at each status exchange):
+            ``"warn"`` (a WARNING, once each) or ``"abort"`` (reported like a proven
+            deadlock: every rank exits with :data:`DEADLOCK_EXIT_CODE`).
 
     Raises:
         ValueError: A setting out of range, or a ``report_dir`` that is not writable.
@@ -398,6 +402,7 @@ class HangWatchdog(Guard):
         floor_s: float = 30.0,
         deadlock_action: str = "abort",
         deadlock_after_s: float = 3.0,
+        collective_mismatch: str = "warn",
     ) -> None:
         super().__init__()
         given = {
@@ -424,6 +429,9 @@ class HangWatchdog(Guard):
         self.floor_s = check_positive("floor_s", floor_s)
         self.deadlock_action = check_choice("deadlock_action", deadlock_action, ("abort", "report"))
         self.deadlock_after_s = check_positive("deadlock_after_s", deadlock_after_s)
+        self.collective_mismatch = check_choice(
+            "collective_mismatch", collective_mismatch, ("warn", "abort")
+        )
         self._libraries = library_paths()
         self._progress = 0  # heartbeats read by the watchdog thread so far
         self._wait: Wait | None = None
@@ -1091,7 +1099,10 @@ class HangWatchdog(Guard):
 
     def _on_mismatch(self, key: str, text: str) -> None:
         """Collectives paired with the wrong partner while the job runs: told once each."""
-        if key not in self._told_mismatch and self.channel.is_leader:
+        if self.collective_mismatch == "abort":  # every rank got the same verdict
+            summary = f"collective mismatch, {text.rstrip('.')}"
+            self._report(summary, (), [], final=True, deadlock=True)
+        elif key not in self._told_mismatch and self.channel.is_leader:
             self._told_mismatch.add(key)
             logger.warning("rankguard %s: Collective mismatch: %s", self.name, text)
 
