@@ -35,6 +35,7 @@ __all__ = [
     "flight_recorder",
     "read_ring",
     "sequence_reader",
+    "write_flight_recorder",
 ]
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ HEADER_SIZE = 64
 RING_SUFFIX = ".collectives"
 NAMES_SUFFIX = ".collectives.json"
 FAULT_SUFFIX = ".fault.txt"
+FLIGHT_SUFFIX = ".flight.json"
 MADE_MARK = ".rankguard-record-made"  # the folder was made for the record (no report yet)
 _SEQUENCES = frozenset({list, tuple})
 _MAX_WALK = 48  # frames walked up to the user's code per collective, at most
@@ -141,6 +143,20 @@ def flight_recorder() -> tuple[list[dict], str]:
             return [], f"{name}: no entries (flight recorder off or nothing recorded)"
         return list(entries), name
     return [], "no flight recorder dump in this torch"
+
+
+def write_flight_recorder(directory: str | os.PathLike, rank: int) -> Path | None:
+    """Writes the flight recorder's entries to ``rank{N}.flight.json`` where torch keeps any."""
+    entries, source = flight_recorder()
+    if not entries:
+        return None
+    path = Path(directory) / f"rank{rank}{FLIGHT_SUFFIX}"
+    try:
+        path.write_text(json.dumps({"source": source, "entries": entries}, default=str))
+    except OSError as exc:
+        logger.debug("rankguard: could not write %s: %s", path, exc)
+        return None
+    return path
 
 
 class _Names:

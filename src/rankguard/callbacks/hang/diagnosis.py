@@ -343,15 +343,16 @@ def diagnose(
     desync = _record_desync(statuses, records)
     verdict = _diagnose(statuses, incident)
     verdict = replace(verdict, mismatch=mismatch_warning(records) if records else None)
-    if key is None and desync is not None:
-        key = desync.key  # proven from what each rank issued, not from where it waits
-    if key is None or key != suspect:
-        return replace(verdict, suspect=key)
-    if desync is not None and key == desync.key:
-        summary, details, first = desync.summary, desync.details, desync.first
-    else:
+    recorded = desync.key if desync is not None else None  # from what each rank issued
+    if suspect is None or suspect not in (key, recorded):
+        return replace(verdict, suspect=key or recorded)
+    if key is not None:  # the stack proof where it sees too: the record's lines added
         summary, details, first = describe_deadlock(statuses)
         details = (*details, *record_lines(records))
+    else:
+        summary, details, first = desync.summary, desync.details, desync.first
+        split = split_sentence(statuses)
+        details = (*([f"What split them: {split}"] if split else []), *details)
     return replace(
         verdict,
         stuck=to_runs(statuses),

@@ -45,7 +45,7 @@ from rankguard.callbacks.hang.calibration import (
     quantile,
     save_estimate_s,
 )
-from rankguard.callbacks.hang.collectives import CollectiveRecorder
+from rankguard.callbacks.hang.collectives import CollectiveRecorder, write_flight_recorder
 from rankguard.callbacks.hang.deadlock import (
     DEADLOCK_EXIT_CODE,
     LEFT_LOOP,
@@ -1187,6 +1187,8 @@ class HangWatchdog(Guard):
             )
         except OSError as exc:
             logger.error("rankguard %s: could not write the report: %s", self.name, exc)
+        if final or deadlock:
+            write_flight_recorder(report, rank)  # where the running torch keeps one
         where = (
             f"This is {header}. Stacks in {report}/rank{rank}.txt; "
             f"summary in {report}/summary.txt. {self._nccl_note}".rstrip()
