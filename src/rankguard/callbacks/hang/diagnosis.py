@@ -379,7 +379,8 @@ def _record_desync(
     return record_desync(
         records,
         quiet={r: s.quiet or bool(s.waits_at and s.settled) for r, s in statuses.items()},
-        waiting={r: bool(s.waits_at and s.settled) for r, s in statuses.items()},
+        # At a rendezvous and quiet for the record's settle time: it waits for the others.
+        waiting={r: bool(s.waits_at and (s.settled or s.quiet)) for r, s in statuses.items()},
         progress={r: s.progress for r, s in statuses.items()},
     )
 

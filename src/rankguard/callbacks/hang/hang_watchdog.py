@@ -131,7 +131,7 @@ class SeenWait(NamedTuple):
 class EarlyExchange(NamedTuple):
     """The wait an early status exchange was last asked for, and when."""
 
-    wait: Wait | None
+    wait: Wait | tuple | None  # a rendezvous, or ("record", quiet since)
     at: float  # time.perf_counter()
 
 
@@ -1067,20 +1067,18 @@ class HangWatchdog(Guard):
         if _now() - beat.at < PROBE_PERIOD_S:
             return False
         _, point, wait_s = self._sample()
-        if point is None and self._quiet_s() >= self._record_settle_s:
+        if point is not None and wait_s >= self._settle_s:
+            marker, again_s = self._wait, self._settle_s
+        elif self._recorder is not None and self._quiet_s() >= self._record_settle_s:
             # Issued nothing for its settle time: its record may prove a desync that no stack
             # shows (NCCL, async collectives: the thread waits later, at a host sync).
-            self._wait = Wait("record", self._quiet[1], self._progress)
-        elif point is None or wait_s < self._settle_s:
+            marker, again_s = ("record", self._quiet[1]), self._record_settle_s
+        else:
             return False
         probed = self._probed
-        if (
-            probed is not None
-            and probed.wait == self._wait
-            and _now() - probed.at < (self._settle_s)
-        ):
+        if probed is not None and probed.wait == marker and _now() - probed.at < again_s:
             return False
-        self._probed = EarlyExchange(self._wait, _now())
+        self._probed = EarlyExchange(marker, _now())
         return True
 
     def _on_deadlock(self, verdict: Verdict) -> None:
