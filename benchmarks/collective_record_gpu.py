@@ -37,11 +37,8 @@ def nccl_part() -> dict:
     import torch
     import torch.distributed as dist
 
-    from rankguard.callbacks.hang.collectives import (
-        CollectiveRecorder,
-        flight_recorder,
-        sequence_reader,
-    )
+    from rankguard.callbacks.hang.collective_files import flight_recorder
+    from rankguard.callbacks.hang.collectives import CollectiveRecorder, sequence_reader
     from rankguard.callbacks.hang.deadlock import library_paths
 
     found: dict = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}

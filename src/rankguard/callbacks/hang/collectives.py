@@ -2,9 +2,10 @@
 
 :class:`CollectiveRecorder` wraps the public ``torch.distributed`` collective
 functions while a guard is active and writes one fixed-size slot per call into
-a file-backed ring (``rank{N}.collectives``, an ``mmap``), so the record
-outlives a rank killed by SIGABRT or SIGKILL; ``rankguard report DIR`` reads it.
-Decisions are in :mod:`rankguard.callbacks.hang.collective_compare`.
+a file-backed ring (``rank{N}.collectives``, an ``mmap``: the format and its reader are
+in :mod:`~rankguard.callbacks.hang.collective_files`), so the record outlives a rank
+killed by SIGABRT or SIGKILL. Decisions are in
+:mod:`~rankguard.callbacks.hang.collective_compare`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ import functools
 import inspect
 import itertools
 import json
-import linecache
 import logging
 import mmap
 import os
-import struct
 import sys
 import threading
 from _thread import get_ident
@@ -27,16 +26,22 @@ from pathlib import Path
 from time import time
 from typing import Any
 
-from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued
+from rankguard.callbacks.hang.collective_compare import GroupRecord
+from rankguard.callbacks.hang.collective_files import (
+    FAULT_SUFFIX,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    NAMES_SUFFIX,
+    RING_SUFFIX,
+    SLOT,
+    SLOT_SIZE,
+    SLOTS,
+    decode,
+    read_ring,
+)
 
-__all__ = [
-    "RING_SUFFIX",
-    "CollectiveRecorder",
-    "flight_recorder",
-    "read_ring",
-    "sequence_reader",
-    "write_flight_recorder",
-]
+__all__ = ["WRAPPED", "CollectiveRecorder", "sequence_reader"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,20 +73,8 @@ WRAPPED = {
 }
 OPS = tuple(WRAPPED)
 #: Slots in the ring (the last collectives kept, every group together).
-SLOTS = 256
 #: The last collectives of each group sent with a status.
 LAST = 8
-MAGIC = b"RGCR0001"
-# slot number + 1 (0: empty), seq, numel, time, thread ident, group, op, dtype, user code,
-# user line, call code, call line
-_SLOT = struct.Struct("<qqqdQiiiiiii")
-SLOT_SIZE = _SLOT.size
-_HEADER = struct.Struct("<8sqq")  # magic, slots, pid
-HEADER_SIZE = 64
-RING_SUFFIX = ".collectives"
-NAMES_SUFFIX = ".collectives.json"
-FAULT_SUFFIX = ".fault.txt"
-FLIGHT_SUFFIX = ".flight.json"
 MADE_MARK = ".rankguard-record-made"  # the folder was made for the record (no report yet)
 _SEQUENCES = frozenset({list, tuple})
 _MAX_WALK = 48  # frames walked up to the user's code per collective, at most
@@ -104,59 +97,6 @@ def sequence_reader(group: Any) -> Callable[[], int] | None:
     except (RuntimeError, AttributeError):
         return None
     return read
-
-
-def flight_recorder() -> tuple[list[dict], str]:
-    """PyTorch's flight recorder entries of this process, where the running torch keeps them.
-
-    The dump function is private and renamed across versions: torch 2.7 has
-    ``_dump_nccl_trace_json`` (NCCL only, ``TORCH_NCCL_TRACE_BUFFER_SIZE``), torch 2.8+
-    ``_dump_fr_trace_json`` (every backend, ``TORCH_FR_BUFFER_SIZE``). This is the one
-    place they are read (``tests/hang/test_collectives.py`` fails if both disappear).
-
-    Returns:
-        The entries (dicts with ``collective_seq_id``, ``profiling_name``, ``input_sizes``,
-        ``state``, ``frames``, ...) and where they came from, or ``[]`` and why not.
-    """
-    try:
-        from torch._C import _distributed_c10d as c10d
-    except ImportError:
-        return [], "torch.distributed is not available"
-    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
-        dump = getattr(c10d, name, None)
-        if dump is None:
-            continue
-        try:
-            text = dump(includeCollectives=True, onlyActive=False)
-        except TypeError:
-            try:
-                text = dump()
-            except Exception as exc:
-                return [], f"{name} failed: {exc}"
-        except Exception as exc:
-            return [], f"{name} failed: {exc}"
-        try:
-            entries = json.loads(text).get("entries", [])
-        except (ValueError, AttributeError) as exc:
-            return [], f"{name} gave no JSON: {exc}"
-        if not entries:
-            return [], f"{name}: no entries (flight recorder off or nothing recorded)"
-        return list(entries), name
-    return [], "no flight recorder dump in this torch"
-
-
-def write_flight_recorder(directory: str | os.PathLike, rank: int) -> Path | None:
-    """Writes the flight recorder's entries to ``rank{N}.flight.json`` where torch keeps any."""
-    entries, source = flight_recorder()
-    if not entries:
-        return None
-    path = Path(directory) / f"rank{rank}{FLIGHT_SUFFIX}"
-    try:
-        path.write_text(json.dumps({"source": source, "entries": entries}, default=str))
-    except OSError as exc:
-        logger.debug("rankguard: could not write %s: %s", path, exc)
-        return None
-    return path
 
 
 class _Names:
@@ -256,9 +196,9 @@ class CollectiveRecorder:
             if self._made:  # made for the record: the last rank to close removes it
                 (self.directory / MADE_MARK).touch()
             self._file = open(self.path, "w+b")
-            self._file.truncate(HEADER_SIZE + SLOTS * _SLOT.size)
-            self._ring = mmap.mmap(self._file.fileno(), HEADER_SIZE + SLOTS * _SLOT.size)
-            _HEADER.pack_into(self._ring, 0, MAGIC, SLOTS, os.getpid())
+            self._file.truncate(HEADER_SIZE + SLOTS * SLOT_SIZE)
+            self._ring = mmap.mmap(self._file.fileno(), HEADER_SIZE + SLOTS * SLOT_SIZE)
+            HEADER.pack_into(self._ring, 0, MAGIC, SLOTS, os.getpid())
         except OSError as exc:
             logger.debug("rankguard: no collective record file (%s)", exc)
             self._close_ring()
@@ -410,7 +350,7 @@ class CollectiveRecorder:
         if ident not in self._threads:
             self._new_thread(ident)
         slot = next(self._counter)
-        _SLOT.pack_into(
+        SLOT.pack_into(
             ring,
             HEADER_SIZE + (slot % SLOTS) * SLOT_SIZE,
             slot + 1,
@@ -523,89 +463,3 @@ class CollectiveRecorder:
             count = group.seq()
             out.append(GroupRecord(group.name, group.ranks, count, tuple(last)))
         return tuple(out)
-
-
-def read_ring(buffer: Any) -> list[tuple]:
-    """The ring's slots in the order written, ``[]`` when ``buffer`` is not a ring.
-
-    Each is ``(seq, numel, t, thread, group, op, dtype, user code, user line, call
-    code, call line)``.
-    """
-    magic, slots, _ = _HEADER.unpack_from(buffer, 0)
-    if magic != MAGIC:
-        return []
-    rows = [_SLOT.unpack_from(buffer, HEADER_SIZE + n * SLOT_SIZE) for n in range(slots)]
-    return [row[1:] for row in sorted(rows) if row[0]]
-
-
-def _line(lines: list, lasti: int) -> int:
-    """The source line of the instruction at offset ``lasti`` (a code object's line table)."""
-    found = 0
-    for start, line in lines:
-        if start > lasti:
-            break
-        found = line
-    return found
-
-
-def _where(codes: list, code_id: int, lasti: int, source: bool = True) -> str | None:
-    if code_id < 0 or code_id >= len(codes):
-        return None
-    filename, function, lines = codes[code_id]
-    line = _line(lines, lasti)
-    where = f"{os.path.basename(filename)}:{line} ({function})"
-    text = linecache.getline(filename, line).strip() if source else ""
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{where}: {text}" if text else where
-
-
-def decode(rows: list[tuple], names: dict) -> list[tuple[int, Issued]]:
-    """Slots as ``(group id, Issued)``; the thread is its ident until a name is known."""
-    ops, dtypes, codes = names["ops"], names["dtypes"], names["codes"]
-    threads = names.get("threads", {})
-    out = []
-    for seq, numel, t, thread, gid, op, dtype, ucode, uline, ccode, cline in rows:
-        where = _where(codes, ucode, uline) or _where(codes, ccode, cline)
-        out.append(
-            (
-                gid,
-                Issued(
-                    seq=seq,
-                    op=ops[op] if 0 <= op < len(ops) else "?",
-                    dtype=dtypes[dtype] if 0 <= dtype < len(dtypes) else "-",
-                    numel=numel,
-                    where=where,
-                    thread=threads.get(str(thread), str(thread)),
-                    t=t,
-                ),
-            )
-        )
-    return out
-
-
-def read_files(directory: str | os.PathLike) -> dict[int, tuple[GroupRecord, ...]]:
-    """Every rank's record left in ``directory`` (``rank{N}.collectives`` and its names).
-
-    The counts are the last collective numbers the ring holds per group (the
-    group's own counter died with the process).
-    """
-    records = {}
-    for path in sorted(Path(directory).glob(f"rank*{RING_SUFFIX}")):
-        rank_text = path.name[len("rank") : -len(RING_SUFFIX)]
-        names_path = path.with_name(f"rank{rank_text}{NAMES_SUFFIX}")
-        if not rank_text.isdigit() or not names_path.exists():
-            continue
-        try:
-            names = json.loads(names_path.read_text(encoding="utf-8"))
-            rows = read_ring(path.read_bytes())
-        except (OSError, ValueError, struct.error):
-            continue
-        issued = decode(rows, names)
-        groups = []
-        for gid, group in enumerate(names["groups"]):
-            mine = [i for g, i in issued if g == gid]
-            count = max((i.seq for i in mine), default=0)
-            groups.append(GroupRecord(group["name"], tuple(group["ranks"]), count, tuple(mine)))
-        records[int(rank_text)] = tuple(groups)
-    return records

@@ -45,7 +45,8 @@ from rankguard.callbacks.hang.calibration import (
     quantile,
     save_estimate_s,
 )
-from rankguard.callbacks.hang.collectives import CollectiveRecorder, write_flight_recorder
+from rankguard.callbacks.hang.collective_files import write_flight_recorder
+from rankguard.callbacks.hang.collectives import CollectiveRecorder
 from rankguard.callbacks.hang.deadlock import (
     DEADLOCK_EXIT_CODE,
     LEFT_LOOP,

@@ -287,7 +287,7 @@ def _collectives(directory: Path) -> str:
     fatal signal (their ``rank{N}.fault.txt``).
     """
     from rankguard.callbacks.hang.collective_compare import describe_records
-    from rankguard.callbacks.hang.collectives import FAULT_SUFFIX, read_files
+    from rankguard.callbacks.hang.collective_files import FAULT_SUFFIX, read_files
 
     if not directory.is_dir():
         return ""
