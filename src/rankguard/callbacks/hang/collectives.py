@@ -81,6 +81,14 @@ _MAX_WALK = 48  # frames walked up to the user's code per collective, at most
 _SEQ = "_get_sequence_number_for_group"  # ProcessGroup's count of collectives issued
 
 
+def _is_compiling() -> Callable[[], bool]:
+    """``torch.compiler.is_compiling`` (torch 2.3+), or a function that says no."""
+    import torch
+
+    compiler = getattr(torch, "compiler", None)
+    return getattr(compiler, "is_compiling", None) or (lambda: False)
+
+
 def sequence_reader(group: Any) -> Callable[[], int] | None:
     """The process group's count of collectives issued, as a callable, or ``None``.
 
@@ -287,9 +295,12 @@ class CollectiveRecorder:
         op = OPS.index(name)
         note = self._note
         getframe = sys._getframe
+        compiling = _is_compiling()
 
         @functools.wraps(original)
         def collective(*args: Any, **kwargs: Any) -> Any:
+            if compiling():  # torch.compile traces the collective itself, never the record
+                return original(*args, **kwargs)
             try:
                 group = (
                     kwargs.get("group") if len(args) <= group_at or group_at < 0 else args[group_at]
