@@ -49,10 +49,12 @@ FLIGHT_SUFFIX = ".flight.json"
 def flight_recorder() -> tuple[list[dict], str]:
     """PyTorch's flight recorder entries of this process, where the running torch keeps them.
 
-    The dump function is private and renamed across versions: torch 2.7 has
-    ``_dump_nccl_trace_json`` (NCCL only, ``TORCH_NCCL_TRACE_BUFFER_SIZE``), torch 2.8+
-    ``_dump_fr_trace_json`` (every backend, ``TORCH_FR_BUFFER_SIZE``). This is the one
-    place they are read (``tests/hang/test_collectives.py`` fails if both disappear).
+    The dump functions are private and change across versions: torch 2.7 has
+    ``_dump_nccl_trace_json`` (NCCL only, ``TORCH_NCCL_TRACE_BUFFER_SIZE``); torch 2.8+
+    keeps two recorders, NCCL's (``_dump_nccl_trace_json``) and every other backend's
+    (``_dump_fr_trace_json``), both sized by ``TORCH_FR_BUFFER_SIZE``. Each is read, and
+    their entries are joined. This is the one place they are read
+    (``tests/hang/test_collectives.py`` fails if both disappear).
 
     Returns:
         The entries (dicts with ``collective_seq_id``, ``profiling_name``, ``input_sizes``,
@@ -62,27 +64,35 @@ def flight_recorder() -> tuple[list[dict], str]:
         from torch._C import _distributed_c10d as c10d
     except ImportError:
         return [], "torch.distributed is not available"
+    entries: list[dict] = []
+    sources: list[str] = []
+    why: list[str] = []
     for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
         dump = getattr(c10d, name, None)
-        if dump is None:
-            continue
+        if dump is not None:
+            found, reason = _dump_entries(name, dump)
+            entries += found
+            (sources if found else why).append(name if found else reason)
+    if entries:
+        return entries, ", ".join(sources)
+    return [], "; ".join(why) or "no flight recorder dump in this torch"
+
+
+def _dump_entries(name: str, dump: Any) -> tuple[list[dict], str]:
+    """One flight recorder's entries, or ``[]`` and why not."""
+    try:
         try:
             text = dump(includeCollectives=True, onlyActive=False)
         except TypeError:
-            try:
-                text = dump()
-            except Exception as exc:
-                return [], f"{name} failed: {exc}"
-        except Exception as exc:
-            return [], f"{name} failed: {exc}"
-        try:
-            entries = json.loads(text).get("entries", [])
-        except (ValueError, AttributeError) as exc:
-            return [], f"{name} gave no JSON: {exc}"
-        if not entries:
-            return [], f"{name}: no entries (flight recorder off or nothing recorded)"
-        return list(entries), name
-    return [], "no flight recorder dump in this torch"
+            text = dump()
+        entries = json.loads(text).get("entries", [])
+    except (ValueError, AttributeError) as exc:
+        return [], f"{name} gave no JSON: {exc}"
+    except Exception as exc:
+        return [], f"{name} failed: {exc}"
+    if not entries:
+        return [], f"{name}: no entries (flight recorder off or nothing recorded)"
+    return list(entries), name
 
 
 def write_flight_recorder(directory: str | os.PathLike, rank: int) -> Path | None:
