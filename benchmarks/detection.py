@@ -84,7 +84,13 @@ SCENARIOS = {
     "unmatched_collective": "unmatched collective",
     "frozen_rank": "frozen rank",
     "desync_collective": "desync: rank-0 coll.",
+    "async_one_rank": "desync: async, 1 rank",
+    "metric_reductions": "desync: extra metric",
+    "killed_rank": "killed (SIGKILL)",
+    "gloo_abort": "gloo size abort",
 }
+#: Scenarios read back with ``rankguard report`` after the job (the ranks died).
+POST_MORTEM = ("killed_rank", "gloo_abort")
 #: The function rank 1 hangs in (its stack file must show it); none for a frozen process.
 CULPRITS = {
     "post_eval_stall": "stall",
@@ -93,9 +99,13 @@ CULPRITS = {
     "unmatched_collective": "unmatched_all_reduce",
     "frozen_rank": None,
     "desync_collective": "rank0_all_reduce",
+    "async_one_rank": "flush_metrics",
+    "metric_reductions": "reduce_metrics",
+    "killed_rank": None,
+    "gloo_abort": None,
 }
 #: The rank that hangs first (its stack file is read); rank 1 unless named here.
-CULPRIT_RANK = {"desync_collective": 0}
+CULPRIT_RANK = {"desync_collective": 0, "async_one_rank": 0}
 WATCHDOG = {
     "timeout_s": 10.0,
     "eval_timeout_s": 10.0,
@@ -109,6 +119,10 @@ DEADLINE_S = {  # the deadline of the phase rank 1 hangs in, short settings
     "unmatched_collective": WATCHDOG["post_eval_timeout_s"],
     "frozen_rank": WATCHDOG["timeout_s"],
     "desync_collective": WATCHDOG["post_eval_timeout_s"],
+    "async_one_rank": WATCHDOG["timeout_s"],
+    "metric_reductions": WATCHDOG["timeout_s"],
+    "killed_rank": WATCHDOG["timeout_s"],
+    "gloo_abort": WATCHDOG["timeout_s"],
 }
 MODES = ("defaults", "short", "none")
 # The freeze comes after status exchanges (every 10 s by default) have seen train steps: a
@@ -180,6 +194,41 @@ def worker(scenario: str, out: Path, mode: str) -> None:
         mark_hang()
         dist.all_reduce(torch.ones(1), group=side_group)
 
+    pending: list = []  # async metric reductions issued, waited for at the next flush
+
+    def issue_extra_metric() -> None:
+        # Rank 0 alone reduces one more metric, async, on the metrics group (NCCL-style:
+        # the call returns at once); it is waited for later, in another function.
+        mark_hang()
+        pending.append(dist.all_reduce(torch.ones(1), group=side_group, async_op=True))
+
+    def flush_metrics() -> None:
+        while pending:
+            pending.pop(0).wait()
+
+    def reduce_metrics(names: list[str]) -> None:
+        # One async all_reduce per metric this rank recorded, then wait for them all.
+        works = [dist.all_reduce(torch.ones(1), group=side_group, async_op=True) for _ in names]
+        for work in works:
+            work.wait()
+
+    def metric_names(step: int, epoch: int) -> list[str]:
+        extra = scenario == "metric_reductions" and rank == 1 and epoch >= 1
+        if extra and step == EPOCH_STEPS + 1:
+            mark_hang()
+        return ["loss", "lr"] + (["grad_norm"] if extra and step > EPOCH_STEPS else [])
+
+    def die(step: int) -> None:
+        if scenario == "killed_rank" and rank == 1 and step == EPOCH_STEPS + 1:
+            pending.append(dist.all_reduce(torch.ones(1), group=side_group, async_op=True))
+            mark_hang()
+            os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer: nothing runs after it
+        if scenario == "gloo_abort" and step == EPOCH_STEPS + 1:
+            if rank == 1:
+                mark_hang()
+            # One flush sized by the metric names each rank recorded: rank 1 has one more.
+            dist.all_reduce(torch.ones(2 + 256 * rank), group=side_group)
+
     def evaluate(step: int, epoch: int) -> None:
         fire(Event.EVAL_START, step=step, epoch=epoch, loader=eval_loader)
         total = torch.zeros(1)
@@ -199,6 +248,8 @@ def worker(scenario: str, out: Path, mode: str) -> None:
             unmatched_all_reduce()
         if rank == 0 and scenario == "desync_collective" and epoch == 0:
             rank0_all_reduce()
+        if rank == 0 and scenario == "async_one_rank" and epoch == 0:
+            issue_extra_metric()
 
     fire(
         Event.FIT_START,
@@ -216,6 +267,10 @@ def worker(scenario: str, out: Path, mode: str) -> None:
             fire(Event.TRAIN_BATCH_START, step=step, epoch=epoch)
             if scenario == "train_step_stall" and rank == 1 and step == TRAIN_STALL_AT:
                 stall()
+            flush_metrics()
+            if scenario in ("metric_reductions", "killed_rank", "gloo_abort"):
+                reduce_metrics(metric_names(step, epoch))
+                die(step)
             model(batch).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -292,6 +347,8 @@ def watch(procs: list[subprocess.Popen], out: Path, cap_s: float) -> dict:
         "report_s": float(hangs[0][0]) - hang_t if hangs and hang_t else None,
         "verdict": hangs[0][2] if hangs else "",
         "rank1_stack": rank1.read_text() if rank1.exists() else "",
+        "summary": _read(out / "reports" / "summary.txt"),
+        "post_mortem": _post_mortem(out / "reports"),
         "errors": [line for log in logs for line in log.splitlines() if "rror" in line],
     }
 
@@ -393,6 +450,44 @@ def framework_desync(label: str, launcher: str, job: str, scenario: str, cap_s: 
         )
 
 
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def _post_mortem(reports: Path) -> str:
+    """``rankguard report`` on the folder (the ranks' record files); its first difference."""
+    if not reports.is_dir():
+        return ""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from rankguard.cli import main; sys.exit(main())",
+            "report",
+            str(reports),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        timeout=120,
+    )
+    keep = ("First difference", "Collectives each rank")
+    lines = proc.stdout.splitlines()
+    return "\n".join(line for line in lines if line.startswith(keep) or "fatal signal" in line)
+
+
+_NAMED = re.compile(r"Next: fix the code path (?:that issued rank (\d+)|at rank (\d+))")
+_LINE = re.compile(r" at ([\w.]+\.py:\d+ \([^)]*\): .*?)(?:, thread|$)", re.M)
+
+
+def _named(result: dict) -> str:
+    """The rank "Next" names and the issuing line the report names, from summary.txt."""
+    summary = result.get("summary") or ""
+    rank = next((a or b for a, b in _NAMED.findall(summary)), "-")
+    line = _LINE.search(summary.split("\n", 1)[0])
+    return f"rank {rank}, {line.group(1) if line else '-'}"
+
+
 def _ends(result: dict) -> str:
     ends = f"{max(result['exits'].values()):.1f} s" if result["exits"] else "never"
     return ends + f" ({','.join(str(c) for c in result['codes'])})"
@@ -489,6 +584,17 @@ def main() -> None:
         )
         if d is not None:
             verdicts.append(f"{label} (defaults): {d['verdict']}")
+    desyncs = [n for n in scenarios if n in ("async_one_rank", "metric_reductions")]
+    if desyncs:
+        print("\nDesyncs proven from the records (short, else defaults): Next names, user line:")
+    for scenario in desyncs:
+        result = results.get((scenario, "short")) or results.get((scenario, "defaults"))
+        if result:
+            print(f"- {SCENARIOS[scenario]}: {_named(result)}")
+    for scenario in (n for n in scenarios if n in POST_MORTEM):
+        result = results.get((scenario, "short")) or results.get((scenario, "defaults"))
+        if result:
+            print(f"- {SCENARIOS[scenario]}: rankguard report says:\n{result['post_mortem']}")
     print("\nFirst report with the defaults, per scenario:")
     for line in verdicts:
         print(f"- {line}")

@@ -45,8 +45,16 @@ with and one without rankguard per framework, ``DIR/<framework>-with.prof``) and
 prints rankguard's top entries: own time plus time in the non-rankguard functions
 they call (cProfile's cost per call inflates them; read them as proportions).
 
+``--collectives`` measures the record of collectives instead (``hang/collectives.py``): 2
+gloo ranks, a loop of ``--per-step`` (128) small collectives a step (async ``all_reduce``
+on a side group, waited for, as a metric flush does, plus a barrier), fits with the
+record off and on in ABBA order; rank 0's training-thread CPU time per collective and
+per step, and the record alone (its wrapper around a collective that does nothing, timed
+100,000 times). Budget: 2 us per collective, a few percent of a small gloo collective's
+own CPU time (the step's own work is on top).
+
 Usage: ``python benchmarks/overhead.py [--rounds 2] [--steps 900] [--frameworks composer,torch]``
-(about 8 minutes on 2 cores).
+(about 8 minutes on 2 cores); ``python benchmarks/overhead.py --collectives [--steps 300]``.
 """
 
 from __future__ import annotations
@@ -249,6 +257,83 @@ def print_profile(path: Path, steps: int, top: int = 12) -> None:
         )
 
 
+def _collective_rank(rank: int, init: str, rounds: int, steps: int, per_step: int, out: str):
+    """One rank of ``--collectives``: CPU time of the loop with the record off and on."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from rankguard.callbacks.hang.collectives import CollectiveRecorder
+    from rankguard.callbacks.hang.deadlock import library_paths
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    side = dist.new_group(backend="gloo")
+    metric = torch.ones(1)
+
+    def fit() -> float:
+        start = time.thread_time()
+        for _ in range(steps):
+            works = [
+                dist.all_reduce(metric, group=side, async_op=True) for _ in range(per_step - 1)
+            ]
+            for work in works:
+                work.wait()
+            dist.barrier()
+        return time.thread_time() - start
+
+    def wrapper_alone(recorder: CollectiveRecorder, calls: int = 100_000) -> float:
+        """The record's own cost: its wrapper around a collective that does nothing."""
+        wrapped = recorder._wrap("all_reduce", lambda *a, **k: None, "tensor")
+        start = time.thread_time()
+        for _ in range(calls):
+            wrapped(metric, group=side, async_op=True)
+        return (time.thread_time() - start) / calls
+
+    times: dict[str, list[float]] = {"off": [], "on": [], "wrapper": []}
+    with tempfile.TemporaryDirectory() as reports:
+        for kind in ["off", "on", "on", "off"] * rounds:
+            recorder = CollectiveRecorder(reports, rank, library_paths())
+            if kind == "on":
+                recorder.install()
+            times[kind].append(fit())
+            if kind == "on":
+                times["wrapper"].append(wrapper_alone(recorder))
+            recorder.close(keep=False)
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def collective_cost(rounds: int, steps: int, per_step: int) -> None:
+    """``--collectives``: prints the record's cost per collective and per step (rank 0)."""
+    import multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "times.json")
+        ctx = mp.get_context("spawn")
+        args = (str(Path(tmp) / "init"), rounds, steps, per_step, out)
+        procs = [ctx.Process(target=_collective_rank, args=(r, *args)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=1200)
+        times = json.loads(Path(out).read_text())
+    calls = steps * per_step
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    print(f"collectives: {steps} steps of {per_step} (async all_reduce + barrier), 2 gloo ranks")
+    for kind in ("off", "on"):
+        fits = _listed([1e6 * t / calls for t in times[kind]])
+        print(f"  record {kind:<3}: {fits} us of training-thread CPU per collective")
+    print(f"  difference of the medians: {1e6 * (on - off) / calls:.2f} us per collective")
+    alone = 1e6 * statistics.median(times["wrapper"])
+    print(
+        f"  the record alone: {budget(alone, 2.0)} per collective; {alone * per_step:.0f} us "
+        f"per step of {per_step}, {100 * alone / (1e6 * off / calls):.0f}% of a collective's "
+        "own CPU time"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -260,7 +345,12 @@ def main() -> None:
         help="RankGuard settings as JSON, e.g. '{\"hang_watchdog\": false}'",
     )
     parser.add_argument("--profile", metavar="DIR", help="profile rank 0's training thread")
+    parser.add_argument("--collectives", action="store_true", help="the record's cost")
+    parser.add_argument("--per-step", type=int, default=128, help="collectives a step")
     args = parser.parse_args()
+    if args.collectives:
+        collective_cost(args.rounds, min(args.steps, 300), args.per_step)
+        return
     print(f"{'framework':<12} {'steps':>5} {'ms/step':>8}")
     for framework in args.frameworks.split(","):
         t = run_framework(framework, args.rounds, args.steps, args.config, args.profile)

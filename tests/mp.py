@@ -193,8 +193,9 @@ def run_job(
         after_exit: Called once the command ended, before what is left of the
             session is killed (e.g. to wait for a rank that outlives rank 0).
     """
-    # HF_HUB_OFFLINE: no hub
-    env = job_env(PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    # HF_HUB_OFFLINE: no hub. src: rankguard where the environment does not install it.
+    path = os.pathsep.join([str(ROOT), str(ROOT / "src")])
+    env = job_env(PYTHONPATH=path, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     [ended] = finish([start(cmd, env=env, cwd=cwd)], timeout_s, after_exit)
     if ended.timed_out:
         name = Path(cmd[0]).name

@@ -334,11 +334,9 @@ def test_per_rank_folders_are_each_created_by_their_rank_not_waited_out(tmp_path
 def test_a_per_rank_folder_never_seen_names_the_rank_that_created_it():
     planner = BarrierPlanner(timeout_s=5)
     node = NodeId("gpu-1", None, None)
-    states = {
-        r: (node, [PathState(f"/ckpt/rank{r}", "missing", "/ckpt", "nfs4")]) for r in range(3)
-    }
+    states = {r: (node, [PathState(f"/ckpt/rank{r}", "absent", "/ckpt", "nfs4")]) for r in range(3)}
     assert planner.look(states).pending == [0]
-    seen = dict.fromkeys(range(3), ({0: True}, {0: True}))  # one filesystem: the marker seen
+    seen = {r: {0: True} for r in range(3)}  # one filesystem: the marker seen
     plan = planner.creators(seen, {0: 1})
     assert plan.creators == {0: [0, 1, 2]} and plan.node_local == {}
     assert "3 different folders" in plan.summary
@@ -354,7 +352,7 @@ def test_a_folder_the_framework_made_is_waited_for_not_created_and_a_late_rank_i
     planner = BarrierPlanner(timeout_s=600)
     states = {
         r: (NodeId(f"gpu-{r}", None, None), [PathState("/nfs/ckpt/step4-tmp", state, e, "nfs4")])
-        for r, state, e in ((0, "dir", "/nfs/ckpt/step4-tmp"), (1, "missing", "/nfs/ckpt"))
+        for r, state, e in ((0, "visible", "/nfs/ckpt/step4-tmp"), (1, "absent", "/nfs/ckpt"))
     }
     look = planner.awaited(states)
     assert (look.pending, look.probe, look.error) == ([0], [], None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -416,6 +417,42 @@ def checkpoint_folder_never_seen() -> None:
     lagging_view("never_seen", math.inf, RankGuard(shared_dir_barrier=barrier, **QUICK))
 
 
+#: How long rank 1's negative lookup cache hides each ``step<N>`` after rank 0 made it, and
+#: the barrier's ``warn_late_s`` (the suite's short lag; ``benchmarks/nfs_lag.py`` sets 15 s).
+NEG_CACHE_LAG_S = float(os.environ.get("NEG_CACHE_LAG_S", "2.0"))
+NEG_CACHE_WARN_S = float(os.environ.get("NEG_CACHE_WARN_S", "1.0"))
+
+
+def negative_cache_folder() -> None:
+    """One save folder; rank 1's NFS client hides each renamed ``step<N>`` ``NEG_CACHE_LAG_S``.
+
+    Under negative-cache semantics (:class:`tests.e2e.nfs_view.NegativeLookupCache`):
+    ``stat`` says ``ENOENT``, ``mkdir`` says ``EEXIST``, the listing leaves it out. 2
+    steps, saved at steps 0 and 2, synchronously (OLMo-core 3.0's async save records its
+    duration at whatever step each rank has reached when it ends: ranks a lag has put apart
+    then reduce different metric steps and hang); the cache's longest hide per folder goes to
+    ``hidden``.
+    """
+    from rankguard.integrations.olmo_core import RankGuard
+    from tests.e2e.nfs_view import NegativeLookupCache
+
+    base = OUT / "negative_cache"
+    barrier = {"warn_late_s": NEG_CACHE_WARN_S}
+    guard = RankGuard(shared_dir_barrier=barrier, **QUICK)
+    cache = NegativeLookupCache(
+        str(base / "ckpt"), NEG_CACHE_LAG_S, lambda p: re.fullmatch(r"step\d+", Path(p).name)
+    )
+    trainer = build_trainer(base, counting(guard), eval_sequences=None, steps=2, save_interval=100)
+    if dist.get_rank() == 1:
+        cache.__enter__()
+    try:
+        fit(trainer)
+    finally:
+        if dist.get_rank() == 1:
+            cache.__exit__()
+        COUNTERS["hidden"] = {Path(p).name: round(s, 1) for p, s in cache.hidden.items()}
+
+
 #: Host memory the planner is told each node has: less than the 1-layer model's state.
 TINY_HOST_BYTES = 16 * 1024
 
@@ -458,6 +495,7 @@ SCENARIOS = {
     "node_local": node_local,
     "late_checkpoint_folder": late_checkpoint_folder,
     "checkpoint_folder_never_seen": checkpoint_folder_never_seen,
+    "negative_cache_folder": negative_cache_folder,
     "ckpt_over_memory": ckpt_over_memory,
     "full_export_over_memory": full_export_over_memory,
     "post_eval_stall": post_eval_stall,

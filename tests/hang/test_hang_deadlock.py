@@ -301,6 +301,9 @@ def test_collective_on_one_rank_is_a_proven_deadlock_ending_every_rank_with_70(t
     assert "rank 0: your code at test_hang_deadlock.py:" in summary
     assert "(reduce_under_if_rank_0): dist.all_reduce(torch.ones(1), group=group)" in summary
     assert "Next: fix the code path at rank 0's wait point" in summary, summary
+    # The record of collectives sees it too, and names the same rank and line.
+    assert "Collectives issued: group 1 (ranks 0,1): rank 0 issued 1; rank 1 issued 0; " in summary
+    assert "rank 0: all_reduce float32[1] at test_hang_deadlock.py:" in summary
 
 
 def _rank0_leaves_the_loop(rank, world_size, report_dir, split):

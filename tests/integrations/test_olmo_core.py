@@ -18,13 +18,18 @@ import inspect
 import logging
 import re
 import socket
+import time
+from concurrent.futures import Future
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("olmo_core", reason="needs rankguard[olmo-core]")
 
+import olmo_core.distributed.checkpoint as olmo_dist_checkpoint
 import olmo_core.train.callbacks as olmo_callbacks
+import olmo_core.train.callbacks.checkpointer
 import olmo_core.train.checkpoint as olmo_checkpoint
 import olmo_core.utils
 
@@ -33,7 +38,7 @@ from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations import olmo_core as rg_olmo
 from rankguard.integrations.olmo_core import RankGuard
 from tests.e2e.common import EventLog
-from tests.e2e.olmo_core_job import LATE_S, NEVER_TIMEOUT_S, build_trainer
+from tests.e2e.olmo_core_job import LATE_S, NEG_CACHE_LAG_S, NEVER_TIMEOUT_S, build_trainer
 from tests.frameworks.test_torchrun_e2e import assert_rank_1_named_with_its_stack, launch
 
 
@@ -187,7 +192,59 @@ def test_olmo_core_without_its_wait_for_is_left_alone(monkeypatch, caplog):
         rg_olmo.route_checkpoint_dir_waits(lambda path: True)()
     assert not hasattr(olmo_checkpoint, "wait_for")
     [record] = [r for r in caplog.records if "wait_for" in r.getMessage()]
-    assert record.levelno == logging.DEBUG
+    assert record.levelno == logging.DEBUG and "olmo_core.train.checkpoint" in record.getMessage()
+
+
+def _wait_for_callers() -> set[str]:
+    """The installed OLMo-core's modules that call ``wait_for`` (the name, not a longer one)."""
+    root = Path(olmo_core.__file__).parent
+    callers = set()
+    for file in root.rglob("*.py"):
+        text = file.read_text()
+        if re.search(r"(?<![\w.])wait_for\(", text.replace("def wait_for(", "")):
+            relative = file.relative_to(root.parent).with_suffix("")
+            callers.add(".".join(relative.parts).removesuffix(".__init__"))
+    return callers
+
+
+def test_every_module_where_the_installed_olmo_core_waits_for_a_checkpoint_is_routed():
+    # Fails when OLMo-core moves a wait_for (2.4 and 3.0 read: the checkpointer, its callback,
+    # distributed.checkpoint's save preparation): add it to WAIT_SITES, "folder" or "rank0".
+    assert _wait_for_callers() == set(rg_olmo.WAIT_SITES)
+
+
+def test_distributed_checkpoint_save_preparation_polls_its_folder_through_rankguard(tmp_path):
+    # 3.0: the DDP train module's save_state_dict_direct; 10 s in both versions.
+    polled: list[str] = []
+    unhook = rg_olmo.route_checkpoint_dir_waits(lambda path: polled.append(path) or True)
+    try:
+        olmo_dist_checkpoint._prepare_env_for_save(str(tmp_path / "model_and_optim"))
+    finally:
+        unhook()
+    assert polled == [str(tmp_path / "model_and_optim")]
+    assert olmo_dist_checkpoint.wait_for is olmo_core.utils.wait_for
+
+
+def test_rank_0s_wait_for_its_last_async_checkpoint_gets_rankguards_timeout(tmp_path):
+    # CheckpointerCallback._await_last_checkpoint: rank 0 alone, 10 s; never an exchange.
+    callback = build_trainer(tmp_path, {}, eval_sequences=None).callbacks["checkpointer"]
+    done: Future = Future()
+    done.set_result(None)
+    callback._future, callback._latest_checkpoint_path = done, str(tmp_path / "never")
+    timeouts: list[float] = []
+    folders: list[str] = []
+    unhook = rg_olmo.route_checkpoint_dir_waits(
+        lambda path: folders.append(path) or True, lambda t: timeouts.append(t) or 0.6
+    )
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="waiting to finalize checkpoint"):
+            callback._await_last_checkpoint()
+    finally:
+        unhook()
+    assert timeouts == [10.0] and folders == []  # OLMo-core's 10 s, replaced by rankguard's
+    assert 0.5 < time.monotonic() - started < 5
+    assert olmo_callbacks.checkpointer.wait_for is olmo_core.utils.wait_for
 
 
 def test_a_save_that_copies_each_replica_to_the_host_is_sized_per_rank():
@@ -219,6 +276,7 @@ SCENARIOS = [
     "node_local",
     "late_checkpoint_folder",
     "checkpoint_folder_never_seen",
+    "negative_cache_folder",
     "ckpt_over_memory",
     "full_export_over_memory",
     "post_eval_stall",
@@ -321,9 +379,16 @@ def test_olmo_core_node_local_save_folder_stops_every_rank_before_the_first_save
 @pytest.mark.framework
 def test_olmo_core_checkpoint_folder_seen_12_s_late_on_rank_1_is_waited_for_and_saved(job):
     # OLMo-core's own wait_for would have raised "timed out Waiting for checkpoint directory".
-    for rank in job[2]:
+    out, _, ranks = job
+    for rank in ranks:
         result = rank["late_checkpoint_folder"]
-        assert result["outcome"] == "ok" and result["warnings"] == [], result
+        assert result["outcome"] == "ok", result
+        [warning] = result["warnings"]  # one run, one late folder: a warning, said once
+        assert warning.startswith(
+            f"rankguard shared_dir_barrier: Folder {out}/late_folder/view1/ckpt/step0-tmp "
+            "became visible "
+        ), warning
+        assert f"s late on rank 1 ({socket.gethostname()}" in warning
         counters = result["counters"]
         assert (counters["steps"], counters["saves"]) == (2, 2)
         assert {"step0", "step2"} <= set(counters["files"])
@@ -347,6 +412,28 @@ def test_olmo_core_checkpoint_folder_rank_1_never_sees_is_named_on_every_rank(jo
         ), message
         assert "Fix: if the filesystem is shared but shows new directories late" in message
         assert result["counters"]["steps"] == 0 and result["counters"]["saves"] == 0
+
+
+@pytest.mark.framework
+def test_olmo_core_step_folder_hidden_by_rank_1s_negative_lookup_cache_is_waited_and_warned(job):
+    # Rank 1's stat says ENOENT and its mkdir EEXIST for NEG_CACHE_LAG_S after each save's
+    # step<N> appears: never "something in the way"; both saves complete, one warning.
+    out, _, ranks = job
+    for rank in ranks:
+        result = rank["negative_cache_folder"]
+        assert result["outcome"] == "ok", result
+        counters = result["counters"]
+        assert (counters["steps"], counters["saves"]) == (2, 2)
+        assert {"step0", "step2"} <= set(counters["files"])
+        [warning] = result["warnings"]  # two late folders, said once per run
+        assert warning.startswith(
+            f"rankguard shared_dir_barrier: Folder {out}/negative_cache/ckpt/step0 became visible "
+        ), warning
+        assert f"s late on rank 1 ({socket.gethostname()}" in warning
+        assert "Fix: mount it with `lookupcache=positive`" in warning
+    hidden = ranks[1]["negative_cache_folder"]["counters"]["hidden"]
+    assert set(hidden) == {"step0", "step2"}, hidden  # the cache hid both from rank 1
+    assert min(hidden.values()) >= NEG_CACHE_LAG_S / 2, hidden
 
 
 @pytest.mark.framework

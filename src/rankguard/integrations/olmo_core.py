@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -26,7 +27,6 @@ from rankguard.integrations import _api
 from rankguard.integrations._driver import EventDriver
 
 try:
-    import olmo_core.train.checkpoint as olmo_checkpoint
     from olmo_core.eval import Evaluator
     from olmo_core.io import is_url
     from olmo_core.train import Trainer
@@ -165,61 +165,104 @@ def sharded_switch(train_module: Any) -> Callable[[], str] | None:
     return switch
 
 
-#: Why :func:`route_checkpoint_dir_waits` left OLMo-core alone, once per process.
+#: OLMo-core's modules that poll with ``olmo_core.utils.wait_for`` during a save, and what
+#: they poll for: ``"folder"``, a folder the filesystem-local rank 0 made, polled by every
+#: rank (routed through the barrier); ``"rank0"``, a condition rank 0 alone polls (its own
+#: last checkpoint finalised: given the barrier's ``timeout_s``, no exchange). Read from
+#: ai2-olmo-core 2.4 and 3.0 (3.0 moved the checkpointer's own to ``Checkpointer.FS_TIMEOUT``,
+#: 120 s; the other two still wait 10 s). ``tests/integrations/test_olmo_core.py`` fails if
+#: the installed OLMo-core calls ``wait_for`` in a module not listed here.
+WAIT_SITES: dict[str, str] = {
+    # Checkpointer._get_tmp_dir, _save_train_state, _prepare_dir, _teardown_tmp_dir
+    "olmo_core.train.checkpoint": "folder",
+    # _prepare_env_for_save (3.0: the DDP train module's save_state_dict_direct)
+    "olmo_core.distributed.checkpoint": "folder",
+    # CheckpointerCallback._await_last_checkpoint (async saves), rank 0 only
+    "olmo_core.train.callbacks.checkpointer": "rank0",
+}
+
+#: Why :func:`route_checkpoint_dir_waits` left a module alone, once per process.
 _NOT_ROUTED: set[str] = set()
 
 
-def route_checkpoint_dir_waits(wait: Callable[[str], bool]) -> Unhook:
-    """Makes OLMo-core's checkpointer poll for its checkpoint folders through ``wait(path)``.
+def polled_folder(condition: Callable[[], bool]) -> str | None:
+    """The folder a ``wait_for`` condition polls (``Path.exists`` bound, a lambda over one path)."""
+    owner = getattr(condition, "__self__", None)  # ``train_dir.exists``
+    if isinstance(owner, PurePath):
+        return str(owner)
+    cells = [c.cell_contents for c in getattr(condition, "__closure__", None) or ()]
+    paths = [c for c in cells if isinstance(c, str | PurePath)]  # ``lambda: dir.exists()``
+    return str(paths[0]) if len(paths) == 1 else None
 
-    The one place rankguard reaches into OLMo-core's private code. It targets
-    ai2-olmo-core 2.x (2.4.0 read): ``Checkpointer._get_tmp_dir``,
-    ``_save_train_state`` and ``_teardown_tmp_dir`` (``olmo_core/train/checkpoint.py``)
-    make ``step<N>-tmp``, its ``train/`` and the renamed ``step<N>`` on the
-    filesystem-local rank 0, and then every rank polls for the folder with
-    ``wait_for(condition, description, timeout=10.0)`` (that module's name for
-    ``olmo_core.utils.wait_for``): a folder a shared filesystem shows late on some
-    node is ``TimeoutError: timed out Waiting for checkpoint directory``. That name is
-    replaced here, module-wide, until the returned undo: a poll for a folder (a
-    ``Path.exists`` bound method, or a lambda over one path) first calls ``wait`` on
-    every rank, which may exchange across ranks; OLMo-core's own ``wait_for`` runs
-    where ``wait`` declines (returns ``False``), for any other condition, and when the
-    folder is still missing after ``wait``. Where that name is absent (another
-    OLMo-core version) nothing is changed (logged once at DEBUG).
-    ``tests/integrations/test_olmo_core.py`` fails if these polls change.
+
+def route_checkpoint_dir_waits(
+    wait: Callable[[str], bool], patience: Callable[[float], float] | None = None
+) -> Unhook:
+    """Makes OLMo-core's checkpoint waits go through rankguard, in every module that has one.
+
+    The one place rankguard reaches into OLMo-core's private code: the name
+    ``wait_for`` (``olmo_core.utils.wait_for``, polling every 0.5 s until its
+    ``timeout``) in each module of :data:`WAIT_SITES` is replaced, module-wide, until
+    the returned undo. A ``"folder"`` poll (the filesystem-local rank 0 made
+    ``step<N>-tmp``, its ``train/``, the renamed ``step<N>`` or a
+    ``model_and_optim`` folder; every rank then polls with ``Path.exists``) first calls
+    ``wait(path)`` on every rank, which may exchange across ranks; OLMo-core's own
+    ``wait_for`` runs where ``wait`` declines (returns ``False``), for any other
+    condition, and when the folder is still missing after ``wait``. A ``"rank0"`` poll
+    (rank 0 alone) never exchanges: it runs OLMo-core's ``wait_for`` with the timeout
+    ``patience(timeout)`` gives. A module without that name (another OLMo-core) is left
+    alone (logged once at DEBUG). ``tests/integrations/test_olmo_core.py`` fails if
+    these polls move.
+
+    Args:
+        wait: Waits for a folder on every rank; ``False`` to decline.
+        patience: OLMo-core's timeout of a ``"rank0"`` poll to the one to use
+            (default: unchanged).
 
     Returns:
         The undo (safe to call twice).
     """
-    original = getattr(olmo_checkpoint, "wait_for", None)
+    unhooks = [
+        _route(module, kind, wait, patience or (lambda timeout: timeout))
+        for module, kind in WAIT_SITES.items()
+    ]
+
+    def unhook() -> None:
+        for undo in unhooks:
+            undo()
+
+    return unhook
+
+
+def _route(
+    name: str, kind: str, wait: Callable[[str], bool], patience: Callable[[float], float]
+) -> Unhook:
+    """Replaces ``wait_for`` in module ``name`` (see :func:`route_checkpoint_dir_waits`)."""
+    module = importlib.import_module(name)
+    original = getattr(module, "wait_for", None)
     if not callable(original):
-        if "wait_for" not in _NOT_ROUTED:
-            _NOT_ROUTED.add("wait_for")
+        if name not in _NOT_ROUTED:
+            _NOT_ROUTED.add(name)
             logger.debug(
-                "rankguard: olmo_core.train.checkpoint has no wait_for; its checkpointer's "
-                "folder polls keep OLMo-core's own timeout"
+                "rankguard: %s has no wait_for; its checkpoint polls keep OLMo-core's own timeout",
+                name,
             )
         return lambda: None
 
-    def polled_folder(condition: Callable[[], bool]) -> str | None:
-        owner = getattr(condition, "__self__", None)  # ``train_dir.exists``
-        if isinstance(owner, PurePath):
-            return str(owner)
-        cells = [c.cell_contents for c in getattr(condition, "__closure__", None) or ()]
-        paths = [c for c in cells if isinstance(c, str | PurePath)]  # ``lambda: dir.exists()``
-        return str(paths[0]) if len(paths) == 1 else None
-
     def wait_for(condition: Callable[[], bool], description: str, timeout: float = 10.0) -> None:
+        if kind == "rank0":
+            original(condition, description, patience(timeout))
+            return
         folder = polled_folder(condition)
         if folder is not None and wait(folder) and condition():
             return
         original(condition, description, timeout)
 
-    olmo_checkpoint.wait_for = wait_for
+    setattr(module, "wait_for", wait_for)  # noqa: B010  (a name mypy does not know)
 
     def unhook() -> None:
-        if olmo_checkpoint.wait_for is wait_for:
-            olmo_checkpoint.wait_for = original
+        if getattr(module, "wait_for", None) is wait_for:
+            setattr(module, "wait_for", original)  # noqa: B010
 
     return unhook
 
@@ -243,6 +286,12 @@ class _Hooks:
             return False
         self.barrier.run([path], "checkpoint_folder", create=False)
         return True
+
+    def patience(self, timeout: float) -> float:
+        """Rank 0's wait for its last checkpoint: the barrier's ``timeout_s`` while fitting."""
+        if self.barrier is None or not self.driver.fitting:
+            return timeout
+        return max(timeout, self.barrier.timeout_s)
 
     def eval_start(self, evaluator: Evaluator) -> None:
         facts = self.evals.get(id(evaluator))
@@ -409,7 +458,9 @@ class _OlmoCoreAdapter(Callback):
         hooks = _Hooks(self.driver, evals, barrier)
         self._unhooks = hook_trainer(trainer, hooks, [evaluator for evaluator, _ in watched])
         if barrier is not None:
-            self._unhooks.append(route_checkpoint_dir_waits(hooks.checkpoint_folder))
+            self._unhooks.append(
+                route_checkpoint_dir_waits(hooks.checkpoint_folder, hooks.patience)
+            )
         folder = save_folder(trainer)
         module = trainer.train_module
         kind, to_host = save_options(module)

@@ -11,13 +11,17 @@ import os
 import secrets
 from dataclasses import dataclass
 
+from rankguard.callbacks.checkpoint.dir_view import nearest_dir
+
 __all__ = [
     "MARKER_PREFIX",
     "Marker",
+    "Mount",
     "PathState",
     "filesystem_type",
     "inspect_path",
     "marker_seen",
+    "mount_of",
     "name_below",
     "write_marker",
 ]
@@ -33,16 +37,28 @@ class PathState:
 
     Attributes:
         path: Absolute path (relative paths are resolved against this rank's cwd).
-        state: ``"dir"`` (exists), ``"missing"`` or ``"blocked"`` (something
-            that is not a directory is in the way).
-        existing: The nearest existing ancestor-or-self.
+        state: Its view here (:func:`~rankguard.callbacks.checkpoint.dir_view.view_of`):
+            ``"visible"``, ``"hidden"`` (there, not yet visible here), ``"absent"`` or
+            ``"blocked"`` (something that is not a directory is in the way).
+        existing: The nearest ancestor-or-self this rank sees.
         fs: Filesystem type of ``existing`` from ``/proc/mounts``.
+        mount: That filesystem's mount point and options (``"/mnt/ckpt rw,actimeo=60"``).
     """
 
     path: str
     state: str
     existing: str
     fs: str
+    mount: str = ""
+
+
+@dataclass(frozen=True)
+class Mount:
+    """The ``/proc/mounts`` line of the mount that holds a path."""
+
+    point: str
+    fstype: str
+    options: str
 
 
 def _unescape(field: str) -> str:
@@ -58,17 +74,17 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def filesystem_type(path: str, mounts_text: str) -> str:
-    """Returns the type (``nfs``, ``lustre``, ``ext4``...) of the mount holding ``path``.
+def mount_of(path: str, mounts_text: str) -> Mount:
+    """The mount holding ``path``: the longest mount point that contains it.
 
     Args:
         path: An absolute, symlink-free path.
         mounts_text: Text of ``/proc/mounts``.
 
     Returns:
-        The type of the longest mount point that contains ``path``, or ``"unknown"``.
+        Its point, type and options (``Mount("", "unknown", "")`` if none).
     """
-    best, fstype = -1, "unknown"
+    best, found = -1, Mount("", "unknown", "")
     for line in mounts_text.splitlines():
         fields = line.split()
         if len(fields) < 3:
@@ -76,8 +92,14 @@ def filesystem_type(path: str, mounts_text: str) -> str:
         mount = _unescape(fields[1]).rstrip("/") or "/"
         inside = path == mount or path.startswith(mount if mount == "/" else mount + "/")
         if inside and len(mount) >= best:  # later mounts over the same point win
-            best, fstype = len(mount), fields[2]
-    return fstype
+            options = fields[3] if len(fields) > 3 else ""
+            best, found = len(mount), Mount(mount, fields[2], options)
+    return found
+
+
+def filesystem_type(path: str, mounts_text: str) -> str:
+    """Returns the type (``nfs``, ``lustre``, ``ext4``...) of the mount holding ``path``."""
+    return mount_of(path, mounts_text).fstype
 
 
 def _mounts() -> str:
@@ -89,18 +111,12 @@ def _mounts() -> str:
 
 
 def inspect_path(path: str) -> PathState:
-    """Resolves ``path`` against this rank's cwd and says what is there."""
+    """Resolves ``path`` against this rank's cwd and says what is there, as this rank sees it."""
     absolute = os.path.abspath(path)
-    existing = absolute
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if os.path.isdir(existing):
-        state = "dir" if existing == absolute else "missing"
-    else:
-        state = "blocked"
-    return PathState(
-        absolute, state, existing, filesystem_type(os.path.realpath(existing), _mounts())
-    )
+    view, existing = nearest_dir(absolute)
+    mount = mount_of(os.path.realpath(existing), _mounts())
+    options = f"{mount.point} {mount.options}".strip()
+    return PathState(absolute, view, existing, mount.fstype, options)
 
 
 @dataclass(frozen=True)

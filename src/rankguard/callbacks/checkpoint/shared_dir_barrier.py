@@ -8,6 +8,7 @@ See docs/checkpoint.md#how-shareddirbarrier-works.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,7 @@ from rankguard.callbacks.checkpoint.dir_probe import (
     marker_seen,
     write_marker,
 )
+from rankguard.callbacks.checkpoint.dir_view import make, stat_result
 from rankguard.callbacks.checkpoint.shared_dirs_plan import (
     BarrierPlanner,
     Verdict,
@@ -57,6 +59,8 @@ class DirReport:
             though their ranks name it: which nodes and ranks, and the
             filesystem (the same text on every rank). Folders of a rank's own
             are never listed.
+        late: A warning for a folder some rank saw ``warn_late_s`` or more after
+            the first (the same text on every rank), or ``""``.
     """
 
     paths: list[str]
@@ -65,6 +69,7 @@ class DirReport:
     waited_s: float
     max_waited_s: float
     node_local: dict[str, str] = field(default_factory=dict)
+    late: str = ""
 
 
 def _raise(verdict: Verdict) -> None:
@@ -92,7 +97,7 @@ def _wait(paths: Sequence[str], pending: Sequence[int], timeout_s: float, poll_s
     pause = poll_s
     while True:
         for i in pending:
-            if waited[i] is None and os.path.isdir(paths[i]):
+            if waited[i] is None and stat_result(paths[i]) == "dir":
                 waited[i] = time.monotonic() - started
         left = timeout_s - (time.monotonic() - started)
         if all(w is not None for w in waited.values()) or left <= 0:
@@ -125,6 +130,7 @@ def ensure_shared_dirs(
     probe_existing: bool = False,
     create: bool = True,
     name: str = "shared_dirs",
+    warn_late_s: float = math.inf,
 ) -> DirReport:
     """Creates ``paths`` where needed and returns once every rank sees every one.
 
@@ -149,6 +155,8 @@ def ensure_shared_dirs(
             made them; its other ranks poll): only steps 1 and 4, nothing is
             probed or created.
         name: Prefix of the side-channel exchange names.
+        warn_late_s: A folder some rank sees this much later than the first is
+            described in :attr:`DirReport.late` (the caller warns).
 
     Returns:
         What was found and done (for the local paths only).
@@ -160,7 +168,7 @@ def ensure_shared_dirs(
     states = [inspect_path(p) for p in local_paths(paths)]
     absolute = [s.path for s in states]
     # Its decide methods run on rank 0 only.
-    planner = BarrierPlanner(timeout_s, probe_existing=probe_existing)
+    planner = BarrierPlanner(timeout_s, probe_existing=probe_existing, warn_late_s=warn_late_s)
     decide = planner.look if create else planner.awaited
     look = channel.exchange(f"{name}/look", (node_identity(), states), decide)
     _raise(look)
@@ -182,10 +190,9 @@ def ensure_shared_dirs(
                     markers[i] = None
         markers = channel.broadcast(f"{name}/markers", markers)
         seen = _probe(absolute, markers, probe_wait_s)
-        missing = {i: states[i].state != "dir" for i in look.probe}
         levels = {i: None if m is None else m.levels for i, m in markers.items()}
         plan = channel.exchange(
-            f"{name}/seen", (seen, missing), lambda per_rank: planner.creators(per_rank, levels)
+            f"{name}/seen", seen, lambda per_rank: planner.creators(per_rank, levels)
         )
     finally:
         for file in written:
@@ -202,15 +209,10 @@ def ensure_shared_dirs(
     errors: dict[int, str] = {}
     for i in look.pending:
         if channel.rank in plan.creators[i]:
-            try:
-                os.makedirs(absolute[i], exist_ok=True)
-            except FileExistsError as exc:
-                # Not seen here but the server has it (NFS negative cache): wait below,
-                # unless what is there is visibly not a directory.
-                if os.path.lexists(absolute[i]):
-                    errors[i] = f"{type(exc).__name__}: {exc}"
-            except OSError as exc:
-                errors[i] = f"{type(exc).__name__}: {exc}"
+            # mkdir's EEXIST where stat sees nothing: there, not yet visible here; waited for.
+            _, error = make(absolute[i])
+            if error is not None:
+                errors[i] = error
     _raise(channel.exchange(f"{name}/created", errors, planner.created))
     creators = {p: sorted(plan.creators.get(i, [])) for i, p in enumerate(absolute)}
     report = DirReport(absolute, shared, creators, 0.0, 0.0, node_local)
@@ -234,7 +236,7 @@ def _released(
     _raise(done)
     if channel.is_leader:
         logger.info("rankguard %s: %s", name, done.summary)
-    return replace(report, waited_s=mine, max_waited_s=done.max_waited_s)
+    return replace(report, waited_s=mine, max_waited_s=done.max_waited_s, late=done.late)
 
 
 class SharedDirBarrier(Guard):
@@ -259,6 +261,9 @@ class SharedDirBarrier(Guard):
             treats its node as not sharing the filesystem (> 0).
         on_node_local: ``"warn"`` (default) or ``"raise"``: a save folder that
             is node-local in a multi-node job (:class:`NodeLocalDirError`).
+        warn_late_s: A folder some rank sees this many seconds later than the
+            first rank is a warning naming the rank, its host, the lag and the
+            mount options that cause it, once per run (> 0).
 
     Raises:
         ValueError: A setting out of range.
@@ -283,12 +288,14 @@ class SharedDirBarrier(Guard):
         poll_s: float = 0.05,
         probe_wait_s: float = 2.0,
         on_node_local: str = "warn",
+        warn_late_s: float = 5.0,
     ) -> None:
         super().__init__(on_violation=on_violation)
         self.timeout_s = check_positive("timeout_s", timeout_s)
         self.poll_s = check_positive("poll_s", poll_s)
         self.probe_wait_s = check_positive("probe_wait_s", probe_wait_s)
         self.on_node_local = check_choice("on_node_local", on_node_local, ("warn", "raise"))
+        self.warn_late_s = check_positive("warn_late_s", warn_late_s)
         self.last_report: DirReport | None = None
 
     def on_checkpoint_load_start(self, facts: EventFacts) -> None:
@@ -346,11 +353,14 @@ class SharedDirBarrier(Guard):
                 probe_existing=probe_existing,
                 create=create,
                 name=f"{self.name}/{where}",
+                warn_late_s=self.warn_late_s,
             )
         except (SharedDirTimeoutError, SharedDirCreateError) as error:
             self.violation(error)
             return None
         self.log_metrics({"rankguard/shared_dir_wait_s": self.last_report.max_waited_s})
+        if self.last_report.late:
+            self.warn_once("late_folder", "%s", self.last_report.late)
         return self.last_report
 
     def _report_node_local(self, report: DirReport, facts: EventFacts) -> None:

@@ -9,10 +9,13 @@ filesystems) to word later verdicts, so other ranks receive only a small
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from rankguard.callbacks.checkpoint.dir_probe import PathState, name_below
+from rankguard.callbacks.checkpoint.dir_view import ABSENT, BLOCKED, VISIBLE
+from rankguard.callbacks.checkpoint.late_dirs import late_warning
 from rankguard.callbacks.core.nodes import NodeId
 from rankguard.callbacks.core.ranks import format_groups, group_ranks, rank_label
 
@@ -54,6 +57,8 @@ class Verdict:
             and what they see, for messages (seen).
         max_waited_s: The longest any rank polled (visible).
         summary: One line per path for the log (seen, visible).
+        late: A warning for a folder some rank saw ``warn_late_s`` or more after the
+            first did, or ``""`` (visible).
     """
 
     error: str | None = None
@@ -65,6 +70,7 @@ class Verdict:
     node_local: dict[int, str] = field(default_factory=dict)
     max_waited_s: float = 0.0
     summary: str = ""
+    late: str = ""
 
 
 class BarrierPlanner:
@@ -74,11 +80,16 @@ class BarrierPlanner:
         timeout_s: The barrier's polling timeout, quoted in errors.
         probe_existing: Also probe paths every rank already sees, when the
             ranks run on more than one node (one node shares every path).
+        warn_late_s: A folder some rank sees this much later than the first rank is
+            worth a warning (:attr:`Verdict.late`).
     """
 
-    def __init__(self, timeout_s: float, probe_existing: bool = False) -> None:
+    def __init__(
+        self, timeout_s: float, probe_existing: bool = False, warn_late_s: float = math.inf
+    ) -> None:
         self.timeout_s = timeout_s
         self.probe_existing = probe_existing
+        self.warn_late_s = warn_late_s
         self.nodes: dict[int, NodeId] = {}
         self.states: dict[int, list[PathState]] = {}
         #: Per path index, the rank that creates each rank's folder.
@@ -109,7 +120,7 @@ class BarrierPlanner:
             return Verdict(error=f"Ranks pass different directories to the barrier: {described}.")
         problems = []
         for i in range(next(iter(counts.values()))):
-            blocked = sorted(r for r, s in self.states.items() if s[i].state == "blocked")
+            blocked = sorted(r for r, s in self.states.items() if s[i].state == BLOCKED)
             if blocked:
                 at = format_groups({r: self.states[r][i].existing for r in blocked})
                 problems.append(
@@ -121,7 +132,7 @@ class BarrierPlanner:
             return Verdict(error=f"{' '.join(problems)} {FIX_CREATE}")
         n_paths = next(iter(counts.values()))
         pending = [
-            i for i in range(n_paths) if any(s[i].state != "dir" for s in self.states.values())
+            i for i in range(n_paths) if any(s[i].state != VISIBLE for s in self.states.values())
         ]
         several_nodes = len({node.key for node in self.nodes.values()}) > 1
         probe = list(range(n_paths)) if self.probe_existing and several_nodes else pending
@@ -135,7 +146,7 @@ class BarrierPlanner:
         """
         verdict = self.look(per_rank)
         for i in verdict.pending:
-            seeing = [r for r in sorted(self.states) if self.states[r][i].state == "dir"]
+            seeing = [r for r in sorted(self.states) if self.states[r][i].state == VISIBLE]
             late = sorted(set(self.states) - set(seeing))
             self.made_by[i] = dict.fromkeys(self.states, seeing[0]) if seeing else {}
             fs = format_groups({r: s[i].fs for r, s in self.states.items()})
@@ -194,13 +205,13 @@ class BarrierPlanner:
         return made_by
 
     def creators(
-        self, per_rank: Mapping[int, tuple[dict, dict]], levels: Mapping[int, int | None]
+        self, per_rank: Mapping[int, dict[int, bool]], levels: Mapping[int, int | None]
     ) -> Verdict:
         """Decides, per probed path, whether it is shared and who creates it (if missing).
 
         Args:
-            per_rank: Each rank's ``(seen, missing)``: per probed path, whether it
-                saw rank 0's marker and whether the path is missing there.
+            per_rank: Each rank's view of rank 0's markers: per probed path, whether it
+                saw it. Whether the path is absent there comes from :meth:`look`.
             levels: Per probed path, how far above rank 0's path its marker is
                 (``None``: no marker).
         """
@@ -208,9 +219,9 @@ class BarrierPlanner:
         by_node: dict[str, list[int]] = {}
         for rank in sorted(self.nodes):
             by_node.setdefault(self.nodes[rank].key, []).append(rank)
-        for i in next(iter(per_rank.values()))[0]:
-            seen = {r: p[0][i] for r, p in per_rank.items()}
-            missing = {r: p[1][i] for r, p in per_rank.items()}
+        for i in next(iter(per_rank.values())):
+            seen = {r: p[i] for r, p in per_rank.items()}
+            missing = {r: self.states[r][i].state == ABSENT for r in per_rank}
             keys = self.folders(i, seen, levels.get(i))
             self.made_by[i] = self.creators_of(keys, missing)
             creators = sorted(set(self.made_by[i].values()))
@@ -298,8 +309,27 @@ class BarrierPlanner:
             return Verdict(error=f"{' '.join(problems)} {FIX_TIMEOUT}", timeout=True)
         lines = "; ".join(self.described.values())
         return Verdict(
-            max_waited_s=longest, summary=f"{lines}; every rank saw it within {longest:.2f} s"
+            max_waited_s=longest,
+            summary=f"{lines}; every rank saw it within {longest:.2f} s",
+            late=self._late(per_rank),
         )
+
+    def _late(self, per_rank: Mapping[int, dict[int, float | None]]) -> str:
+        """The warning for the path seen latest, if some rank saw it ``warn_late_s`` late."""
+        late: dict[int, dict[int, float]] = {}
+        for i in next(iter(per_rank.values())):
+            seen = {r: waited[i] or 0.0 for r, waited in per_rank.items()}
+            first = min(seen.values())
+            lags = {r: w - first for r, w in seen.items() if w - first >= self.warn_late_s}
+            if lags:
+                late[i] = lags
+        if not late:
+            return ""
+        i = max(late, key=lambda i: max(late[i].values()))
+        lags = late[i]
+        hosts = {r: self.nodes[r].key for r in lags}
+        filesystems = {r: (self.states[r][i].fs, self.states[r][i].mount) for r in lags}
+        return late_warning(self._where(i, sorted(lags)), lags, hosts, filesystems, self.timeout_s)
 
 
 def describe_nodes(node_of: Mapping[int, str], ranks: list[int], most: int = 4) -> str:

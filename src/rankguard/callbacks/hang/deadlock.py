@@ -101,6 +101,9 @@ _RANKGUARD = (os.path.dirname(os.path.abspath(rankguard.__file__)) + os.sep,)
 #: Frames skipped before the innermost one is read: locks, events, the watchdog itself.
 _MACHINERY = ("threading.py", "hang_watchdog.py", "c10d_logger.py")
 _SOURCE_CHARS = 80
+#: rankguard's wrapper of each ``torch.distributed`` collective (its record of collectives):
+#: part of the collective a thread waits in, never its caller.
+RECORDER_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collectives.py")
 #: Code where a thread waits in a rankguard check's exchange: the exchange itself, or the
 #: verdict of one a background thread runs for it.
 EXCHANGE_CODE = (side_channel.__file__, background_exchange.__file__)
@@ -188,7 +191,7 @@ def called_from_user(stack: Frames, libraries: Iterable[str]) -> bool:
     """
     libraries = tuple(libraries)
     for filename, _, _ in _skip_machinery(stack):
-        if filename in EXCHANGE_CODE or _TORCH in filename:
+        if filename in EXCHANGE_CODE or _TORCH in filename or filename == RECORDER_CODE:
             continue
         return not (filename.startswith("<") or os.path.abspath(filename).startswith(libraries))
     return False

@@ -17,8 +17,17 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rankguard.callbacks.core.ranks import group_ranks, rank_label
+from rankguard.callbacks.hang.collective_compare import (
+    Desync,
+    GroupRecord,
+    describe_difference,
+    differences,
+    mismatch_warning,
+    record_desync,
+)
 from rankguard.callbacks.hang.deadlock import (
     EXCHANGE_CODE,
+    RECORDER_CODE,
     deadlock_key,
     describe_deadlock,
     split_sentence,
@@ -37,6 +46,7 @@ __all__ = [
     "nccl_timeout_advice",
     "next_step",
     "phase_label",
+    "record_lines",
     "to_runs",
     "where_lines",
 ]
@@ -64,6 +74,7 @@ PEER_WAIT_CODE = (
     os.path.join("torch", "nn", "parallel", "distributed.py"),
     *EXCHANGE_CODE,
     AUTOGRAD_CODE,
+    RECORDER_CODE,
 )
 #: Frames a waiting thread may sit in inside a peer wait: locks and events, and the
 #: watchdog's own handler of a check's missing ranks (called from the check's exchange).
@@ -103,6 +114,9 @@ class RankStatus:
         decisions: ``(name, value, step)`` of the decisions that can split the
             ranks (``should_stop``, ``should_training_stop``, ``sync_dist_keys``,
             ``save``), as last reported.
+        record: The collectives this rank issued, per process group (see
+            :mod:`~rankguard.callbacks.hang.collectives`); ``()`` without a record.
+        quiet: Whether it made no progress and issued no collective for its settle time.
     """
 
     phase: str
@@ -122,6 +136,8 @@ class RankStatus:
     usual: bool = False
     direct: bool = False
     decisions: tuple[tuple[str, Any, int | None], ...] = ()
+    record: tuple[GroupRecord, ...] = ()
+    quiet: bool = False
 
     @property
     def overdue(self) -> bool:
@@ -175,6 +191,8 @@ class Verdict:
             whether a ceiling has passed.
         suspect: The fingerprint of a deadlock seen once, to confirm at the
             next exchange (which then comes at once), or ``None``.
+        mismatch: Collectives paired with the wrong partner while the job runs
+            (a key to tell it once, and the message), or ``None``.
     """
 
     stuck: Runs
@@ -188,6 +206,7 @@ class Verdict:
     ceiling_slack_s: float = math.inf
     deadlock: bool = False
     suspect: str | None = None
+    mismatch: tuple[str, str] | None = None
 
 
 def phase_label(event: str, step: int, batch_index: int | None, loader: str | None) -> str:
@@ -320,10 +339,20 @@ def diagnose(
         3 of 'eval' (deadline 60 s); ranks 0,2,3 waiting 58 s in train batch 2001"``.
     """
     key = deadlock_key(statuses)
+    records = _records(statuses)
+    desync = _record_desync(statuses, records)
     verdict = _diagnose(statuses, incident)
-    if key is None or key != suspect:
-        return replace(verdict, suspect=key)
-    summary, details, first = describe_deadlock(statuses)
+    verdict = replace(verdict, mismatch=mismatch_warning(records) if records else None)
+    recorded = desync.key if desync is not None else None  # from what each rank issued
+    if suspect is None or suspect not in (key, recorded):
+        return replace(verdict, suspect=key or recorded)
+    if key is not None:  # the stack proof where it sees too: the record's lines added
+        summary, details, first = describe_deadlock(statuses)
+        details = (*details, *record_lines(records))
+    else:
+        summary, details, first = desync.summary, desync.details, desync.first
+        split = split_sentence(statuses)
+        details = (*([f"What split them: {split}"] if split else []), *details)
     return replace(
         verdict,
         stuck=to_runs(statuses),
@@ -333,6 +362,35 @@ def diagnose(
         # Ends the incident: at once when the deadlock ends the job, else at the ceiling.
         end=verdict.end or any(s.past_ceiling for s in statuses.values()),
         deadlock=True,
+    )
+
+
+def _records(statuses: Mapping[int, RankStatus]) -> dict[int, tuple[GroupRecord, ...]]:
+    """Every rank's record of collectives; empty unless every rank keeps one."""
+    records = {r: s.record for r, s in statuses.items() if s.record}
+    return records if len(records) == len(statuses) else {}
+
+
+def _record_desync(
+    statuses: Mapping[int, RankStatus], records: Mapping[int, tuple[GroupRecord, ...]]
+) -> Desync | None:
+    if not records:
+        return None
+    return record_desync(
+        records,
+        quiet={r: s.quiet or bool(s.waits_at and s.settled) for r, s in statuses.items()},
+        # At a rendezvous and quiet for the record's settle time: it waits for the others.
+        waiting={r: bool(s.waits_at and (s.settled or s.quiet)) for r, s in statuses.items()},
+        progress={r: s.progress for r, s in statuses.items()},
+    )
+
+
+def record_lines(records: Mapping[int, tuple[GroupRecord, ...]]) -> tuple[str, ...]:
+    """Per group whose records differ: each rank's count and the first collective that differs."""
+    if not records:
+        return ()
+    return tuple(
+        f"Collectives issued: {describe_difference(records, d)}" for d in differences(records)
     )
 
 

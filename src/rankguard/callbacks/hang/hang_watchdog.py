@@ -45,6 +45,8 @@ from rankguard.callbacks.hang.calibration import (
     quantile,
     save_estimate_s,
 )
+from rankguard.callbacks.hang.collective_files import write_flight_recorder
+from rankguard.callbacks.hang.collectives import CollectiveRecorder
 from rankguard.callbacks.hang.deadlock import (
     DEADLOCK_EXIT_CODE,
     LEFT_LOOP,
@@ -130,7 +132,7 @@ class SeenWait(NamedTuple):
 class EarlyExchange(NamedTuple):
     """The wait an early status exchange was last asked for, and when."""
 
-    wait: Wait | None
+    wait: Wait | tuple | None  # a rendezvous, or ("record", quiet since)
     at: float  # time.perf_counter()
 
 
@@ -154,6 +156,10 @@ READ_PERIOD_S = 2.0
 #: leave one collective a few milliseconds apart, so a status sampled just before one rank
 #: returned from it must not confirm it.
 CONFIRM_AFTER_S = 1.0
+#: How long a rank must issue nothing and make no progress before its record of collectives
+#: counts toward a desync (seconds; at least ``calibration_factor`` x the train p99 once
+#: calibrated, ``deadlock_after_s`` before): ranks' counts differ briefly all the time.
+RECORD_SETTLE_S = 1.0
 #: Wait points seen healthy, kept per rank (to tell the usual one from the odd one).
 MAX_USUAL = 64
 #: Events that end a phase after eval: back in the train loop, or a checkpoint save.
@@ -337,6 +343,10 @@ class HangWatchdog(Guard):
         deadlock_after_s: How long a rank's loop must wait at one rendezvous
             before it counts toward a deadlock (at least ``calibration_factor``
             x the train steps' 99th percentile once calibrated).
+        collective_mismatch: What ranks that paired different collectives at one count
+            while the job runs get (their records, compared at each status exchange):
+            ``"warn"`` (a WARNING, once each) or ``"abort"`` (reported like a proven
+            deadlock: every rank exits with :data:`DEADLOCK_EXIT_CODE`).
 
     Raises:
         ValueError: A setting out of range, or a ``report_dir`` that is not writable.
@@ -393,6 +403,7 @@ class HangWatchdog(Guard):
         floor_s: float = 30.0,
         deadlock_action: str = "abort",
         deadlock_after_s: float = 3.0,
+        collective_mismatch: str = "warn",
     ) -> None:
         super().__init__()
         given = {
@@ -419,6 +430,9 @@ class HangWatchdog(Guard):
         self.floor_s = check_positive("floor_s", floor_s)
         self.deadlock_action = check_choice("deadlock_action", deadlock_action, ("abort", "report"))
         self.deadlock_after_s = check_positive("deadlock_after_s", deadlock_after_s)
+        self.collective_mismatch = check_choice(
+            "collective_mismatch", collective_mismatch, ("warn", "abort")
+        )
         self._libraries = library_paths()
         self._progress = 0  # heartbeats read by the watchdog thread so far
         self._wait: Wait | None = None
@@ -426,6 +440,10 @@ class HangWatchdog(Guard):
         self._pending_usual = SeenWait(None, 0)
         self._decisions: dict[str, Decision] = {}
         self._settle_s = self.deadlock_after_s
+        self._record_settle_s = self.deadlock_after_s
+        self._recorder: CollectiveRecorder | None = None
+        self._quiet: tuple[Any, float] = (None, 0.0)  # (progress and counts, first seen at)
+        self._told_mismatch: set[str] = set()
         self._decision_probe: Any = None  # the adapter's, from FIT_START
         self._probed: EarlyExchange | None = None
         self.exchange_timeout_s = max(2.0, self.exchange_period_s)
@@ -727,6 +745,7 @@ class HangWatchdog(Guard):
         if thread is None or thread is threading.current_thread():
             self._stop.set()
             self._wake.set()
+            self._close_recorder()
             return
         if self._beat is not None and self._beat.kind == "done":
             # Fit ended here: let the exchange that finds every rank done end all threads
@@ -739,6 +758,14 @@ class HangWatchdog(Guard):
         self._wake.set()
         # An exchange in flight ends within its timeout (+ the followers' grace).
         thread.join(timeout=1.25 * self.exchange_timeout_s + 7.0)
+        self._close_recorder()
+
+    def _close_recorder(self) -> None:
+        """Restores torch.distributed; keeps the record files unless fit ended healthy."""
+        recorder, self._recorder = self._recorder, None
+        if recorder is not None:
+            healthy = self._beat is not None and self._beat.kind == "done" and not self.incidents
+            recorder.close(keep=not healthy)
 
     # -- ranks missing from another check's exchange (main thread) ----------------------
 
@@ -792,10 +819,21 @@ class HangWatchdog(Guard):
         self._stop.clear()
         self._wake.clear()
         self._release_owner = own_missing_ranks(self._own_missing)
+        self._start_recorder()
         self._thread = threading.Thread(
             target=self._run, name=f"rankguard-{self.name}", daemon=True
         )
         self._thread.start()
+
+    def _start_recorder(self) -> None:
+        """Starts this rank's record of collectives (in the report folder), where it can."""
+        if self._recorder is not None or not self.channel.is_distributed:
+            return
+        recorder = CollectiveRecorder(
+            attempt_dir(self.report_dir, os.environ), self.channel.rank, self._libraries
+        )
+        if recorder.install():
+            self._recorder = recorder
 
     def _plan(self) -> str:
         """The INFO line at fit start: what is reported when, and when the job ends."""
@@ -855,6 +893,7 @@ class HangWatchdog(Guard):
         if len(train) >= MIN_SAMPLES:
             step_p99 = quantile(train, QUANTILE)
             self._settle_s = max(self.deadlock_after_s, self.calibration_factor * step_p99)
+            self._record_settle_s = max(RECORD_SETTLE_S, self.calibration_factor * step_p99)
         self._deadline_s = {"startup": self.first_step_timeout_s}
         self._deadline_s.update({kind: d.seconds for kind, d in calibrated.items()})
         if not self._told_calibrated and self.history.count("train") >= MIN_SAMPLES:
@@ -871,6 +910,10 @@ class HangWatchdog(Guard):
         stack = self._loop_stack()
         point = rendezvous(stack)
         now = _now()
+        recorder = self._recorder
+        state = (self._progress, recorder.counts() if recorder is not None else ())
+        if state != self._quiet[0]:
+            self._quiet = (state, now)
         if point is None:
             self._wait = None
             return stack, None, 0.0
@@ -909,6 +952,8 @@ class HangWatchdog(Guard):
             usual=key in self._usual,
             direct=waits_at is not None and called_from_user(stack, self._libraries),
             decisions=tuple((n, v, s) for n, (v, s) in sorted(dict(self._decisions).items())),
+            record=self._collectives(),
+            quiet=self._quiet_s() >= self._record_settle_s,
         )
         if not done:
             return status
@@ -916,6 +961,21 @@ class HangWatchdog(Guard):
         # rendezvous in it; while another rank waits at one, that is a proven deadlock.
         left = replace(status, waits_at=LEFT_LOOP, wait_s=status.idle_s, settled=True)
         return replace(left, phase=left_at(left), direct=False, usual=False)
+
+    def _collectives(self) -> tuple:
+        """This rank's record of collectives for its status; ``()`` if it cannot be read."""
+        recorder = self._recorder
+        if recorder is None:
+            return ()
+        try:
+            return recorder.snapshot()
+        except Exception as exc:  # the record must never cost the status exchange
+            logger.debug("rankguard %s: collective record unreadable: %s", self.name, exc)
+            return ()
+
+    def _quiet_s(self) -> float:
+        """How long this rank has made no progress and issued no collective (as sampled)."""
+        return _now() - self._quiet[1] if self._recorder is not None else 0.0
 
     def _loop_stack(self) -> list[tuple[str, int, str]]:
         """The training loop thread's frames (innermost first), read from the watchdog thread."""
@@ -951,6 +1011,8 @@ class HangWatchdog(Guard):
                 self._last is None or self._last.suspect != verdict.suspect
             )
             self._last = verdict
+            if verdict.mismatch is not None:
+                self._on_mismatch(*verdict.mismatch)
             if verdict.deadlock:
                 self._on_deadlock(verdict)
             elif verdict.stuck:
@@ -1006,16 +1068,18 @@ class HangWatchdog(Guard):
         if _now() - beat.at < PROBE_PERIOD_S:
             return False
         _, point, wait_s = self._sample()
-        if point is None or wait_s < self._settle_s:
+        if point is not None and wait_s >= self._settle_s:
+            marker, again_s = self._wait, self._settle_s
+        elif self._recorder is not None and self._quiet_s() >= self._record_settle_s:
+            # Issued nothing for its settle time: its record may prove a desync that no stack
+            # shows (NCCL, async collectives: the thread waits later, at a host sync).
+            marker, again_s = ("record", self._quiet[1]), self._record_settle_s
+        else:
             return False
         probed = self._probed
-        if (
-            probed is not None
-            and probed.wait == self._wait
-            and _now() - probed.at < (self._settle_s)
-        ):
+        if probed is not None and probed.wait == marker and _now() - probed.at < again_s:
             return False
-        self._probed = EarlyExchange(self._wait, _now())
+        self._probed = EarlyExchange(marker, _now())
         return True
 
     def _on_deadlock(self, verdict: Verdict) -> None:
@@ -1031,6 +1095,15 @@ class HangWatchdog(Guard):
             self._report(verdict.summary, verdict.details, [], final=False, deadlock=True)
         elif verdict.end and not self._ended.is_set():
             self._report(verdict.summary, verdict.details, [], final=True)
+
+    def _on_mismatch(self, key: str, text: str) -> None:
+        """Collectives paired with the wrong partner while the job runs: told once each."""
+        if self.collective_mismatch == "abort":  # every rank got the same verdict
+            summary = f"collective mismatch, {text.rstrip('.')}"
+            self._report(summary, (), [], final=True, deadlock=True)
+        elif key not in self._told_mismatch and self.channel.is_leader:
+            self._told_mismatch.add(key)
+            logger.warning("rankguard %s: Collective mismatch: %s", self.name, text)
 
     def _on_missing(self, missing: list[int]) -> None:
         waited = self.exchange_period_s + self._failures * self.exchange_timeout_s
@@ -1113,6 +1186,8 @@ class HangWatchdog(Guard):
             )
         except OSError as exc:
             logger.error("rankguard %s: could not write the report: %s", self.name, exc)
+        if final or deadlock:
+            write_flight_recorder(report, rank)  # where the running torch keeps one
         where = (
             f"This is {header}. Stacks in {report}/rank{rank}.txt; "
             f"summary in {report}/summary.txt. {self._nccl_note}".rstrip()

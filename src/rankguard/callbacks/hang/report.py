@@ -280,6 +280,31 @@ def _report_folders(directory: Path) -> list[Path]:
     return sorted(found)
 
 
+def _collectives(directory: Path) -> str:
+    """What the ranks' record files say, or ``""``.
+
+    Their last collectives and the first difference, and which ranks died of a
+    fatal signal (their ``rank{N}.fault.txt``).
+    """
+    from rankguard.callbacks.hang.collective_compare import describe_records
+    from rankguard.callbacks.hang.collective_files import FAULT_SUFFIX, read_files
+
+    if not directory.is_dir():
+        return ""
+    records = read_files(directory)
+    text = describe_records(records) if records else ""
+    for path in sorted(directory.glob(f"rank*{FAULT_SUFFIX}")):
+        try:
+            fault = path.read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            continue
+        if fault:
+            first = fault.splitlines()[0]
+            text += f"{path.name[: -len(FAULT_SUFFIX)]} died of a fatal signal ({first}); "
+            text += f"every thread's stack: {path.name}\n"
+    return text + "\n" if text else ""
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs ``rankguard report`` with parsed arguments; returns the exit code."""
     directory: Path = args.directory
@@ -287,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
     records, cut = _read_heartbeats(directory)
     beats = {rank: rows for rank, rows in records.items() if rows}
     notes += cut + _missing_ranks(stacks, records)
-    if not stacks and not beats:
+    collectives = _collectives(directory)
+    if not stacks and not beats and not collectives:
         sys.stderr.write(f"rankguard report: no rank<N>.txt or rank<N>.jsonl file in {directory}\n")
         folders = _report_folders(directory) if directory.is_dir() else []
         if folders:
@@ -302,6 +328,7 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"{SUMMARY_FILE} could not be read ({exc.strerror}).")
     if notes:
         head += "Incomplete report:\n" + "".join(f"  {note}\n" for note in notes) + "\n"
+    head += collectives
     if stacks:
         unmarked = "  (training loop not marked: see the rank file)"
         loops = {rank: loop_stack(text) or unmarked for rank, text in stacks.items()}
@@ -310,6 +337,8 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(f"== {rank_label(ranks)} ==\n{frames}\n")
         (directory / MERGED_FILE).write_text(head + merge_stacks(stacks), encoding="utf-8")
         sys.stdout.write(f"wrote {directory / MERGED_FILE}\n")
+    else:
+        sys.stdout.write(head)
     if beats:
         from rankguard.callbacks.hang.timeline import plot_timeline
 

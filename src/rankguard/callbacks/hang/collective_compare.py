@@ -1,0 +1,365 @@
+"""Pure decisions on the ranks' records of collectives: where they differ, and when that is proof.
+
+Nothing here touches a thread, a file or a process group.
+:mod:`rankguard.callbacks.hang.collectives` keeps each rank's record;
+``docs/hang.md#desyncs-proven-from-what-each-rank-issued`` explains the rule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+from rankguard.callbacks.core.ranks import group_ranks, rank_label
+
+__all__ = [
+    "P2P_OPS",
+    "SIZED_OPS",
+    "Desync",
+    "Difference",
+    "GroupRecord",
+    "Issued",
+    "describe_issued",
+    "describe_records",
+    "differences",
+    "mismatch_warning",
+    "record_desync",
+    "same_call",
+]
+
+#: Collectives whose size every rank passes alike (elements of the tensor or list it reduces,
+#: broadcasts or gathers): a different size at the same count pairs unlike calls.
+SIZED_OPS = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "broadcast_object_list",
+    }
+)
+#: Point-to-point calls: only two ranks of a group issue each, so counts differ by design.
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
+#: The default group's name in reports.
+DEFAULT_GROUP = "0"
+
+
+class Issued(NamedTuple):
+    """One collective a rank issued, as its record keeps it.
+
+    Attributes:
+        seq: Its number on its group (the group's count of collectives once it was issued).
+        op: The ``torch.distributed`` function, e.g. ``"all_reduce"``.
+        dtype: The element type of the tensor it carries (``"object"`` for object lists).
+        numel: Elements of that tensor (entries of a list).
+        where: The user's line that issued it, e.g. ``"train.py:88 (log): dist.all_reduce(t)"``.
+        thread: The name of the thread that issued it.
+        t: Unix time when it was issued.
+    """
+
+    seq: int
+    op: str
+    dtype: str
+    numel: int
+    where: str | None
+    thread: str
+    t: float
+
+
+class GroupRecord(NamedTuple):
+    """One rank's record of one process group.
+
+    Attributes:
+        name: The group's name (the same on every rank; ``"0"`` is the default group).
+        ranks: Its members' global ranks.
+        count: Collectives issued on it so far (its sequence number: C++ callers such as
+            DDP's gradient all-reduce count too).
+        last: The last few issued from Python, oldest first.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    count: int
+    last: tuple[Issued, ...]
+
+
+class Difference(NamedTuple):
+    """The first collective of a group where the ranks' records differ.
+
+    Attributes:
+        group: The group's name.
+        members: Its members' global ranks.
+        seq: The first collective number that differs.
+        kind: ``"count"`` (some members never issued it) or ``"call"`` (issued by
+            all, but not the same call: op, type or size).
+        counts: Each member's count.
+        issued: Each member's collective number ``seq`` where its record holds it.
+    """
+
+    group: str
+    members: tuple[int, ...]
+    seq: int
+    kind: str
+    counts: Mapping[int, int]
+    issued: Mapping[int, Issued | None]
+
+
+class Desync(NamedTuple):
+    """A desync proven from the records: the verdict's summary, details and first rank."""
+
+    key: str
+    summary: str
+    details: tuple[str, ...]
+    first: int
+
+
+def same_call(a: Issued, b: Issued) -> bool:
+    """Whether two ranks' collectives at one number can pair: the same op, and size if sized."""
+    if a.op != b.op:
+        return False
+    return a.op not in SIZED_OPS or (a.dtype, a.numel) == (b.dtype, b.numel)
+
+
+def _by_group(records: Mapping[int, Sequence[GroupRecord]]) -> dict[str, dict[int, GroupRecord]]:
+    groups: dict[str, dict[int, GroupRecord]] = {}
+    for rank, recs in records.items():
+        for rec in recs:
+            groups.setdefault(rec.name, {})[rank] = rec
+    return groups
+
+
+def _p2p(recs: Iterable[GroupRecord]) -> bool:
+    return any(i.op in P2P_OPS for rec in recs for i in rec.last)
+
+
+def differences(records: Mapping[int, Sequence[GroupRecord]]) -> list[Difference]:
+    """Per group, the first collective where the ranks' records differ.
+
+    A member that sends a record but none of this group never issued on it
+    (count 0). Groups where point-to-point calls were seen are compared by
+    their calls only (their counts differ by design).
+
+    Args:
+        records: Each rank's record (ranks without a recorder are left out).
+
+    Returns:
+        Per group at most one count difference and one call difference (at the first
+        number every member holds), count differences first, then by group name.
+    """
+    found = []
+    for name, recs in sorted(_by_group(records).items()):
+        members = max((rec.ranks for rec in recs.values()), key=len)
+        members = tuple(r for r in members if r in records) or tuple(sorted(recs))
+        counts = {r: recs[r].count if r in recs else 0 for r in members}
+        issued = {r: {i.seq: i for i in recs[r].last} if r in recs else {} for r in members}
+        if len(set(counts.values())) > 1 and not _p2p(recs.values()):
+            seq = min(counts.values()) + 1
+            at = {r: issued[r].get(seq) for r in members}
+            found.append(Difference(name, members, seq, "count", counts, at))
+        for seq in sorted(set.intersection(*(set(i) for i in issued.values()))):
+            calls = [issued[r][seq] for r in members]
+            if not all(same_call(calls[0], c) for c in calls[1:]):
+                at = {r: issued[r][seq] for r in members}
+                found.append(Difference(name, members, seq, "call", counts, at))
+                break
+    found.sort(key=lambda d: (d.kind != "count", d.group))
+    return found
+
+
+def _ahead(diff: Difference) -> list[int]:
+    """Members that issued collective ``seq`` of a count difference: it waits for the rest."""
+    low = min(diff.counts.values())
+    return [r for r, c in diff.counts.items() if c > low]
+
+
+def describe_issued(issued: Issued | None, previous_thread: str | None = None) -> str:
+    """One collective in words, e.g. ``"all_reduce float32[4] at train.py:88 (log): ..."``."""
+    if issued is None:
+        return "not issued"
+    size = (
+        "" if issued.op in ("barrier", "monitored_barrier") else f" {issued.dtype}[{issued.numel}]"
+    )
+    where = f" at {issued.where}" if issued.where else ""
+    thread = f", thread {issued.thread}"
+    if previous_thread is not None and previous_thread != issued.thread:
+        thread += f" (the group's previous collective came from thread {previous_thread})"
+    return f"{issued.op}{size}{where}{thread}"
+
+
+def _group_label(diff: Difference) -> str:
+    name = "the default group" if diff.group == DEFAULT_GROUP else f"group {diff.group}"
+    return f"{name} (ranks {rank_label(diff.members).removeprefix('ranks ').removeprefix('rank ')})"
+
+
+def _previous_thread(records: Mapping[int, Sequence[GroupRecord]], diff: Difference, rank: int):
+    for rec in records.get(rank, ()):
+        if rec.name == diff.group:
+            before = [i for i in rec.last if i.seq < diff.seq]
+            return before[-1].thread if before else None
+    return None
+
+
+def describe_difference(records: Mapping[int, Sequence[GroupRecord]], diff: Difference) -> str:
+    """A group's counts per rank and its first differing collective per rank, in one line."""
+    counts = "; ".join(
+        f"{rank_label(ranks)} issued {count}" for ranks, count in group_ranks(dict(diff.counts))[:8]
+    )
+    calls = {
+        r: describe_issued(i, _previous_thread(records, diff, r))
+        if i is not None or diff.counts[r] < diff.seq
+        else "issued outside Python's record (from C++, e.g. DDP's gradient all-reduce)"
+        for r, i in diff.issued.items()
+    }
+    at = "; ".join(f"{rank_label(ranks)}: {call}" for ranks, call in group_ranks(calls)[:8])
+    return f"{_group_label(diff)}: {counts}; collective #{diff.seq}: {at}"
+
+
+def _odd(diff: Difference) -> int:
+    """The rank whose record differs: the fewest alike; among equals the earliest issue."""
+    if diff.kind == "count":
+        ahead = _ahead(diff)
+        behind = [r for r in diff.members if r not in ahead]
+        side = ahead if len(ahead) <= len(behind) else behind
+    else:
+        groups = group_ranks({r: (i.op, i.dtype, i.numel) for r, i in diff.issued.items() if i})
+        side = min(groups, key=lambda g: len(g[0]))[0]
+    return min(side, key=lambda r: (diff.issued[r].t if diff.issued.get(r) else float("inf"), r))
+
+
+def _first(diffs: Sequence[Difference]) -> Difference:
+    """The difference that split the ranks: the one whose odd collective was issued first."""
+
+    def issued_at(diff: Difference) -> float:
+        call = diff.issued.get(_odd(diff))
+        return call.t if call is not None else float("inf")
+
+    return min(diffs, key=lambda d: (issued_at(d), d.group))
+
+
+def record_desync(
+    records: Mapping[int, Sequence[GroupRecord]],
+    quiet: Mapping[int, bool],
+    waiting: Mapping[int, bool],
+    progress: Mapping[int, int],
+) -> Desync | None:
+    """A desync proven from the ranks' records, or ``None``.
+
+    Proven when every rank is quiet (no progress and no collective issued for
+    its settle time), some group's records differ, and every rank waits for a
+    collective that can never complete: it issued one that a member of its
+    group never issued (its count is higher), or its stack waits at a
+    rendezvous (``waiting``); or, at one count, the last collective of a group
+    is a different call on different ranks (they paired unlike calls). A slow
+    rank (a checkpoint write, logging on rank 0) issued nothing the others
+    did not, so it is never waiting here. One sighting is a suspicion: the
+    caller proves it with the same ``key`` at the next exchange.
+
+    Args:
+        records: Each rank's record.
+        quiet: Whether each rank made no progress and issued nothing for its settle time.
+        waiting: Whether each rank's stack waits at a rendezvous, or it left the loop.
+        progress: Each rank's progress counter (part of the fingerprint).
+
+    Returns:
+        The proof's fingerprint, summary, detail lines and the rank to read first.
+    """
+    if len(records) < 2 or not all(quiet.get(r) for r in records):
+        return None
+    diffs = differences(records)
+    if not diffs:
+        return None
+    ahead = {r for d in diffs if d.kind == "count" for r in _ahead(d)}
+    stalled = [d for d in diffs if d.kind == "call" and _last_call(records, d)]
+    stuck = all(r in ahead or waiting.get(r) for r in records)
+    if not (stuck and any(d.kind == "count" for d in diffs)) and not stalled:
+        return None
+    proven = [d for d in diffs if d.kind == "count"] + stalled
+    first = _first(proven)
+    odd = _odd(first)
+    counts = sorted(
+        (r, tuple(sorted((g.name, g.count) for g in recs))) for r, recs in records.items()
+    )
+    state = repr((counts, sorted(progress.items())))
+    key = "record:" + hashlib.sha1(state.encode()).hexdigest()[:16]
+    call = describe_issued(first.issued.get(odd))
+    what = (
+        f"rank {odd} issued collective #{first.seq} of {_group_label(first)}, {call}, which "
+        f"{rank_label([r for r in first.members if first.issued.get(r) is None])} never issued"
+        if first.kind == "count"
+        else f"collective #{first.seq} of {_group_label(first)} is a different call on "
+        "different ranks"
+    )
+    summary = f"desync, every rank waits for a collective another never issued: {what}"
+    details = tuple(f"Collectives issued: {describe_difference(records, d)}" for d in proven)
+    fix = (
+        f"Next: fix the code path that issued rank {odd}'s {first.issued[odd].op} "
+        if first.issued.get(odd)
+        else f"Next: fix the code path of rank {odd} "
+    )
+    details += (
+        fix + f"(collective #{first.seq} of {_group_label(first)}): it runs on some ranks "
+        "only, or issues a different collective on some (a metric recorded on some ranks, "
+        "a collective under `if rank == 0`, collectives issued in a different order). A "
+        "restart would replay it: exit code 70, do not restart.",
+    )
+    return Desync(key, summary, details, odd)
+
+
+def _last_call(records: Mapping[int, Sequence[GroupRecord]], diff: Difference) -> bool:
+    """Whether a call difference is every member's last collective on the group (in flight)."""
+    return all(c == diff.seq for c in diff.counts.values())
+
+
+def mismatch_warning(records: Mapping[int, Sequence[GroupRecord]]) -> tuple[str, str] | None:
+    """Ranks that paired unlike collectives at one count while the job runs, or ``None``.
+
+    Gloo pairs the calls with whatever partner issued the same number; NCCL with
+    equal sizes reduces garbage: neither hangs. Only numbers every member's record
+    holds are compared.
+
+    Returns:
+        A key (group and number, to tell it once) and the message.
+    """
+    calls = [d for d in differences(records) if d.kind == "call"]
+    if not calls:
+        return None
+    diff = calls[0]
+    odd = _odd(diff)
+    text = (
+        "collectives issued at the same count differ between ranks, so they were paired with "
+        f"the wrong partner: {describe_difference(records, diff)}. Fix the code path of rank "
+        f"{odd}: the ranks must issue the same collectives in the same order (on gloo a "
+        "different size aborts the job, on NCCL equal sizes reduce the wrong values)."
+    )
+    return f"{diff.group}#{diff.seq}", text
+
+
+def describe_records(records: Mapping[int, Sequence[GroupRecord]], last: int = 4) -> str:
+    """Each rank's last collectives per group and the first point where ranks differ.
+
+    What ``rankguard report DIR`` prints from the record files a rank leaves
+    behind, even one killed by SIGKILL or aborted by SIGABRT.
+    """
+    lines = ["Collectives each rank issued last (its record file), per process group:"]
+    for rank, recs in sorted(records.items()):
+        for rec in recs:
+            if not rec.last:
+                continue
+            name = "default group" if rec.name == DEFAULT_GROUP else f"group {rec.name}"
+            lines.append(f"  rank {rank}, {name}: {rec.count} issued; the last:")
+            previous = None
+            for call in rec.last[-last:]:
+                lines.append(f"    #{call.seq} {describe_issued(call, previous)}")
+                previous = call.thread
+    diffs = differences(records)
+    if len(records) < 2:
+        lines.append("Only one rank's record: nothing to compare.")
+    elif not diffs:
+        lines.append("The ranks' records agree where they overlap.")
+    for diff in diffs:
+        lines.append(f"First difference: {describe_difference(records, diff)}")
+    return "\n".join(lines) + "\n"
