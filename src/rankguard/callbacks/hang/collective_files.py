@@ -24,6 +24,7 @@ __all__ = [
     "RING_SUFFIX",
     "decode",
     "flight_recorder",
+    "newest_per_group",
     "read_files",
     "read_ring",
     "write_flight_recorder",
@@ -142,6 +143,18 @@ def _where(codes: list, code_id: int, lasti: int, source: bool = True) -> str | 
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{where}: {text}" if text else where
+
+
+def newest_per_group(rows: list[tuple], per_group: int) -> list[tuple]:
+    """The last ``per_group`` slots of each group, in the order written (a slot's 5th field)."""
+    kept: list[tuple] = []
+    seen: dict[int, int] = {}
+    for row in reversed(rows):
+        if seen.get(row[4], 0) < per_group:
+            seen[row[4]] = seen.get(row[4], 0) + 1
+            kept.append(row)
+    kept.reverse()
+    return kept
 
 
 def decode(rows: list[tuple], names: dict) -> list[tuple[int, Issued]]:

@@ -38,6 +38,7 @@ from rankguard.callbacks.hang.collective_files import (
     SLOT_SIZE,
     SLOTS,
     decode,
+    newest_per_group,
     read_ring,
 )
 
@@ -118,6 +119,15 @@ class _Names:
         self.dtype_ids: dict[int, int] = {}  # by id(): a code object's hash is not cached
         self.code_ids: dict[int, int] = {}
         self.kept: list[Any] = []  # the objects whose id() is a key, kept alive
+
+    def current(self) -> dict[str, Any]:
+        """The names as :func:`decode` reads them, copied as they stand (no JSON round trip)."""
+        return {
+            "ops": OPS,
+            "dtypes": list(self.dtypes),
+            "codes": list(self.codes),
+            "threads": dict(self.threads),
+        }
 
     def to_json(self, rank: int, pid: int) -> str:
         return json.dumps(
@@ -463,8 +473,8 @@ class CollectiveRecorder:
     def snapshot(self) -> tuple[GroupRecord, ...]:
         """Per group: its members, its count, its last :data:`LAST` collectives (formatted here)."""
         ring = self._ring
-        slots = read_ring(ring) if ring is not None else []
-        names = json.loads(self._names.to_json(self.rank, os.getpid()))
+        slots = newest_per_group(read_ring(ring) if ring is not None else [], LAST)
+        names = self._names.current()
         issued = decode(slots, names)
         threads = {str(t.ident): t.name for t in threading.enumerate()}
         out = []
