@@ -509,3 +509,12 @@ def test_early_verdicts_name_a_rank_slow_on_most_of_its_first_steps_only():
     assert stall_verdict({0: fast, 1: stats(1, 1, 1)}, window=10, threshold=0.5).stalled == {}
     # From `window` measured steps on, only a run of `window` slow steps is a stall.
     assert stall_verdict({0: fast, 1: stats(8, 12, 4)}, window=10, threshold=0.5).stalled == {}
+
+
+def test_early_verdicts_leave_a_rank_whose_first_steps_waited_milliseconds_alone():
+    # A healthy run's first steps: 3 of 5 steps of 1.2 ms waited 0.84 ms (70%), 0.5 ms a batch.
+    quick = IntervalStats(0.0025, 0.006, 5, 3, None, 5, 3)
+    assert stall_verdict({0: quick, 1: quick}, window=10, threshold=0.5).stalled == {}
+    # The same share of steps a hundred times longer is a starved loader.
+    starved = IntervalStats(0.25, 0.6, 5, 3, None, 5, 3)
+    assert list(stall_verdict({0: quick, 1: starved}, window=10, threshold=0.5).stalled) == [1]

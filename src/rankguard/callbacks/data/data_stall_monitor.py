@@ -54,6 +54,11 @@ RAISED_KEY = "data_stall_monitor/loader_raised"
 #: Measured steps below which the early verdicts name no rank (a step is measured
 #: from one train batch's start to the next: batch 3's start closes the second).
 EARLY_MIN_STEPS = 2
+#: Wait per batch under which an early verdict names no rank: over a fit's first steps a
+#: wait of a few milliseconds can be most of a short step (workers starting, the first
+#: batches' page faults) and starves nothing; the starved loaders the early verdicts are
+#: for wait tenths of a second per batch.
+EARLY_MIN_WAIT_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -147,11 +152,15 @@ def stall_verdict(
 
 
 def is_stalled(stats: IntervalStats, window: int) -> bool:
-    """``window`` slow steps in a row; or, early in a fit, most of the steps so far slow."""
+    """``window`` slow steps in a row; or, early in a fit, most of the steps so far slow.
+
+    Early, the rank must also wait at least :data:`EARLY_MIN_WAIT_S` per batch.
+    """
     if stats.longest_run >= window:
         return True
     early = EARLY_MIN_STEPS <= stats.fit_steps < window
-    return early and 2 * stats.fit_slow > stats.fit_steps
+    waits = stats.wait_per_batch >= EARLY_MIN_WAIT_S
+    return early and waits and 2 * stats.fit_slow > stats.fit_steps
 
 
 def describe_stall(
