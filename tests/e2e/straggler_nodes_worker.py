@@ -40,6 +40,9 @@ def main() -> None:
     results["node"] = node
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    # Every rank reaches the end before any tears its group down: on torch 2.13, gloo's
+    # teardown on a rank whose peers already exited could hang (its torchrun then never ends).
+    dist.barrier()
     dist.destroy_process_group()
 
 
