@@ -110,6 +110,11 @@ def _documented(tree: ast.AST) -> list[ast.AST]:
     ]
 
 
+def framework_of(script: str) -> str:
+    """The framework an example script is for, by its name (``hf_trainer.py``: ``hf``)."""
+    return script.split("_")[0]
+
+
 def lock_of(framework: str) -> Path:
     """The lock of the environment the examples of ``framework`` run in."""
     return LOCK_COMPOSER if framework == "composer" else LOCK
@@ -133,7 +138,7 @@ def example_digest(script: str) -> str:
     pins (:func:`lock_of`). A release upstream changes nothing here until the lock is
     refreshed.
     """
-    framework = script.split("_")[0]
+    framework = framework_of(script)
     digest = hashlib.sha256(_code_of(EXAMPLES / script).encode())
     for package in (*FRAMEWORKS, *FRAMEWORK_PACKAGES.get(framework, ())):
         digest.update(f"{package}=={_pinned(package, lock_of(framework))}".encode())
@@ -243,7 +248,7 @@ def examples() -> list[Example]:
         offered = tuple(name for name in known if name == "none" or name in listed)
         if len(offered) < 2:
             raise SystemExit(f"{path.name}: its docstring lists none of the faults of faults.py")
-        framework = path.stem.split("_")[0]
+        framework = framework_of(path.name)
         if command.startswith("composer "):  # keep every rank's log, not rank 0's alone
             launcher, script, args = command.partition(f"examples/{path.name}")
             command = f"{launcher}--stderr {RANK_LOGS} {script}{args}"

@@ -130,17 +130,7 @@ class _Names:
         }
 
     def to_json(self, rank: int, pid: int) -> str:
-        return json.dumps(
-            {
-                "rank": rank,
-                "pid": pid,
-                "ops": list(OPS),
-                "groups": self.groups,
-                "dtypes": self.dtypes,
-                "codes": self.codes,
-                "threads": self.threads,
-            }
-        )
+        return json.dumps({"rank": rank, "pid": pid, "groups": self.groups, **self.current()})
 
 
 class _OwnCount:
