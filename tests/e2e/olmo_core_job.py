@@ -36,6 +36,7 @@ from olmo_core.nn.transformer import TransformerConfig
 from olmo_core.optim import AdamWConfig
 from olmo_core.train import Duration, Trainer, TrainerConfig
 from olmo_core.train.callbacks import Callback, CheckpointerCallback, EvaluatorCallback
+from olmo_core.train.common import ReduceType
 from olmo_core.train.train_module import TransformerTrainModuleConfig
 from olmo_core.train.train_module.transformer.config import TransformerDataParallelConfig
 from olmo_core.utils import seed_all
@@ -133,6 +134,7 @@ def build_trainer(
     state_dict_save_opts: dict[str, Any] | None = None,
     node_local_tokens: bool = False,
     sequences: int = 64,
+    save_async: bool = False,
 ) -> Trainer:
     """A tiny OLMo-core Trainer: 64 train sequences (8 steps of 8 on 2 ranks), evals, saves.
 
@@ -148,6 +150,7 @@ def build_trainer(
         state_dict_save_opts: The train module's save options (OLMo-core's default if ``None``).
         node_local_tokens: Each rank reads its own token file (see :func:`token_file`).
         sequences: Train sequences in the token file.
+        save_async: Save asynchronously (OLMo-core's default; see the comment below).
     """
     work.mkdir(parents=True, exist_ok=True)
     seed_all(0)  # as OLMo-core's scripts do
@@ -185,7 +188,7 @@ def build_trainer(
         # (`checkpoint/save_async_duration_s`) on each rank when its own save ends, so ranks'
         # metric flushes can differ and the flush's collective aborts or hangs
         # (docs/integrations.md).
-        "checkpointer": CheckpointerCallback(save_interval=save_interval, save_async=False),
+        "checkpointer": CheckpointerCallback(save_interval=save_interval, save_async=save_async),
         **callbacks,
     }
     if eval_sequences is not None:
@@ -477,6 +480,38 @@ def full_export_over_memory() -> None:
     fit(trainer)
 
 
+class RecordOnRank1(Callback):
+    """Rank 1 records a metric with a reduce type at step 5, after OLMo-core's first flush.
+
+    As a callback counting a quantity only some ranks have (tokens skipped by a
+    filter, a debug metric): OLMo-core flushes it with the steps 5-6 at step 6.
+    """
+
+    def post_step(self) -> None:
+        if dist.get_rank() == 1 and self.trainer.global_step == 5:
+            self.trainer.record_metric("debug/skipped_tokens", 3.0, reduce_type=ReduceType.sum)
+
+
+def metric_on_one_rank() -> None:
+    from rankguard.integrations.olmo_core import RankGuard
+
+    callbacks = {**counting(RankGuard(**QUICK)), "debug": RecordOnRank1()}
+    fit(build_trainer(OUT / "metric_on_one_rank", callbacks))
+
+
+def async_save_metric() -> None:
+    """OLMo-core's default asynchronous saves: 8 steps, then 4 more resumed from step 8.
+
+    Each rank records ``checkpoint/save_async_duration_s`` (reduce type max) when its own
+    save ends, so the ranks' flushes can hold it at different steps.
+    """
+    from rankguard.integrations.olmo_core import RankGuard
+
+    work = OUT / "async_save_metric"
+    fit(build_trainer(work, counting(RankGuard(**QUICK)), save_async=True))
+    fit(build_trainer(work, counting(RankGuard(**QUICK)), save_async=True, steps=12))
+
+
 def post_eval_stall() -> None:
     from rankguard.integrations.olmo_core import RankGuard
 
@@ -498,6 +533,8 @@ SCENARIOS = {
     "negative_cache_folder": negative_cache_folder,
     "ckpt_over_memory": ckpt_over_memory,
     "full_export_over_memory": full_export_over_memory,
+    "metric_on_one_rank": metric_on_one_rank,
+    "async_save_metric": async_save_metric,
     "post_eval_stall": post_eval_stall,
 }
 

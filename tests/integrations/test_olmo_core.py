@@ -14,6 +14,7 @@ stalling after its first eval (last: exit code 75).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import re
@@ -32,6 +33,7 @@ import olmo_core.train.callbacks as olmo_callbacks
 import olmo_core.train.callbacks.checkpointer
 import olmo_core.train.checkpoint as olmo_checkpoint
 import olmo_core.utils
+from olmo_core.train import Trainer
 
 from rankguard.callbacks.checkpoint.plan import RankMemory, plan_save
 from rankguard.callbacks.core.guard import Guard
@@ -279,6 +281,8 @@ SCENARIOS = [
     "negative_cache_folder",
     "ckpt_over_memory",
     "full_export_over_memory",
+    "metric_on_one_rank",
+    "async_save_metric",
     "post_eval_stall",
 ]
 
@@ -468,6 +472,59 @@ def test_olmo_core_save_over_host_memory_stops_every_rank_at_fit_start(job, scen
 def test_olmo_core_rank_stalled_after_eval_is_named_with_its_stack_and_every_rank_exits_75(job):
     out, output, _ = job
     assert_rank_1_named_with_its_stack(out, output, "in post_step")
+
+
+@pytest.mark.framework
+def test_olmo_core_metric_recorded_on_rank_1_only_stops_every_rank_before_the_flush(job):
+    # Rank 1 records 'debug/skipped_tokens' (sum) at step 5, after OLMo-core's one check of
+    # the names at its first flush: without rankguard gloo aborts both processes at step 6.
+    for rank in job[2]:
+        result = rank["metric_on_one_rank"]
+        assert result["outcome"] == "RuntimeError", result  # OLMo-core's, from rankguard's
+        trace = result["traceback"]
+        assert "rankguard.callbacks.core.errors.MetricMismatchError: Ranks would reduce " in trace
+        assert "rank 1 recorded 'debug/skipped_tokens' (sum) at step 5; rank 0 did not." in trace
+        assert "rank 1 would reduce steps 5-6, 5 values at step 5." in trace
+        assert "Fix: record a metric that has a reduce type on every rank" in trace
+    # Both processes lived on: the next scenario ran on both.
+    assert all("async_save_metric" in rank for rank in job[2])
+
+
+@pytest.mark.framework
+def test_olmo_core_asynchronous_saves_never_hang_and_their_metric_is_named(job):
+    # OLMo-core's asynchronous save records `checkpoint/save_async_duration_s` on each rank
+    # when its own save ends. When the ranks' saves end at different steps, OLMo-core alone
+    # aborts in a flush (gloo) or hangs at the end of fit (one rank's reduction waits for the
+    # other's). With rankguard each run ends, one of two ways, the same on every rank.
+    results = [rank["async_save_metric"] for rank in job[2]]
+    assert len({r["outcome"] for r in results}) == 1, results
+    for result in results:
+        if result["outcome"] == "ok":  # no mismatch, or one named in fit's last flush
+            assert result["counters"]["steps"] == 4  # the resumed fit ran too
+        else:  # named in a flush during fit: every rank stops
+            assert result["outcome"] == "RuntimeError", result
+            trace = result["traceback"]
+            assert "recorded 'checkpoint/save_async_duration_s' (max) at step" in trace
+            assert "CheckpointerCallback(save_async=False)" in trace
+    named = re.findall(r"^  (ranks? [\d,-]+) recorded '([^']+)'", job[1], re.MULTILINE)
+    assert {name for _, name in named} <= {
+        "debug/skipped_tokens",
+        "checkpoint/save_async_duration_s",
+    }, named
+
+
+def test_olmo_core_reduces_metrics_where_rankguard_checks_them():
+    # What hook_metric_flush relies on (private names are read in that one function).
+    from olmo_core.train import utils as train_utils
+
+    source = inspect.getsource(Trainer._log_metrics)
+    assert "if not self._metrics:" in source and "self.run_bookkeeping_op(" in source
+    assert "reduce_metrics," in source and "metrics_consistent=self._metrics_consistent" in source
+    assert {"metrics", "metrics_reduce_type", "metrics_consistent"} <= set(
+        inspect.signature(train_utils.reduce_metrics).parameters
+    )
+    fields = {f.name for f in dataclasses.fields(Trainer)}
+    assert {"_metrics", "_metrics_consistent", "_metrics_reduce_type"} <= fields
 
 
 def test_olmo_core_loaders_dataset_is_found_through_its_public_attribute(tmp_path):

@@ -1,8 +1,9 @@
 """rankguard callbacks for the OLMo-core ``Trainer`` (``olmo_core.train``).
 
 Holds ``RankGuard`` and one callback per guard (settings declared in
-``rankguard.integrations._api``), and :func:`hook_trainer`, :func:`save_options`,
-:func:`route_checkpoint_dir_waits`. Requires ``pip install 'rankguard[olmo-core]'``.
+``rankguard.integrations._api``), and :func:`hook_trainer`, :func:`hook_metric_flush`,
+:func:`save_options`, :func:`route_checkpoint_dir_waits`.
+Requires ``pip install 'rankguard[olmo-core]'``.
 See docs/integrations.md#olmo-core-where-each-event-comes-from.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -23,6 +25,8 @@ from rankguard.callbacks.checkpoint.shared_dir_barrier import (
 )
 from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.callbacks.hang.hang_watchdog import HangWatchdog as CoreHangWatchdog
+from rankguard.callbacks.hang.metric_reductions import ReductionCheck, reduction_rows
 from rankguard.integrations import _api
 from rankguard.integrations._driver import EventDriver
 
@@ -32,6 +36,7 @@ try:
     from olmo_core.train import Trainer
     from olmo_core.train.callbacks import Callback, CheckpointerCallback, EvaluatorCallback
     from olmo_core.train.common import DurationUnit, MetricMergeStrategy
+    from olmo_core.train.utils import reduce_metrics
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "rankguard.integrations.olmo_core needs OLMo-core: pip install 'rankguard[olmo-core]'"
@@ -57,6 +62,25 @@ SHARDED_SETTING = (
 DEFAULTS: dict[str, dict[str, Any]] = {
     "shared_dir_barrier": {"on_node_local": "raise"},
     "data_consistency_guard": {"check_rng": False},
+}
+
+#: OLMo-core's metric flush, in rankguard's message when ranks' metrics differ.
+FLUSH = "OLMo-core's metric flush"
+#: What a user changes when a metric with a reduce type is recorded on some ranks only.
+FLUSH_FIX = (
+    "record a metric that has a reduce type on every rank at the same step (a neutral value "
+    "where a rank has nothing to add: 0 for sum or mean), or record it with reduce_type=None "
+    "where only some ranks have it. OLMo-core compares ranks' metric names once, at its first "
+    "flush; after that each flush is one all_reduce sized by the names each rank recorded."
+)
+#: Words for the metrics OLMo-core itself records on some ranks only.
+FLUSH_NOTES = {
+    "checkpoint/save_async_duration_s": (
+        "OLMo-core records it when this rank's own asynchronous checkpoint save ends, so "
+        "ranks whose saves end at different steps flush it at different steps; save "
+        "synchronously (CheckpointerCallback(save_async=False)) until OLMo-core records it "
+        "at one step on every rank."
+    ),
 }
 
 Unhook = Callable[[], None]
@@ -371,6 +395,59 @@ def hook_trainer(trainer: Trainer, hooks: _Hooks, watched: Iterable[Evaluator]) 
     return unhooks
 
 
+def hook_metric_flush(trainer: Trainer, check: ReductionCheck) -> list[Unhook]:
+    """Runs ``check`` at every metric flush, before OLMo-core reduces the metrics.
+
+    The one place rankguard relies on how OLMo-core reduces its metrics: its
+    public ``Trainer.run_bookkeeping_op`` is given OLMo-core's public
+    ``olmo_core.train.utils.reduce_metrics`` with the flush's metrics per
+    step, every name's reduce type and ``metrics_consistent``; its private
+    ``Trainer._log_metrics`` starts each flush and reduces nothing where this
+    rank's ``_metrics`` is empty (another rank may have some), and its
+    ``_metrics_consistent`` holds the first flush's verdict on the names.
+
+    The check runs where the reduction runs (OLMo-core's bookkeeping thread
+    when its bookkeeping is asynchronous), at every flush once OLMo-core found
+    every rank records the same names (before that, and where they differ by
+    design, it gathers the names itself). A rank with nothing to flush still
+    takes part, so a metric only some ranks recorded since the last flush is
+    named too. ``tests/integrations/test_olmo_core.py`` fails if that changes.
+
+    Returns:
+        The functions that remove each wrapper (safe to call twice).
+    """
+    signature = inspect.signature(reduce_metrics)
+
+    @functools.wraps(reduce_metrics)  # the same op name in OLMo-core's bookkeeping log
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        given = signature.bind(*args, **kwargs).arguments
+        if given.get("metrics_consistent", True):
+            check.check(reduction_rows(given["metrics"], given["metrics_reduce_type"]))
+        return reduce_metrics(*args, **kwargs)
+
+    def nothing_to_reduce() -> None:
+        check.check(())
+
+    def running(run: Callable[..., Any]) -> Callable[..., Any]:
+        def run_bookkeeping_op(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            return run(checked if op is reduce_metrics else op, *args, **kwargs)
+
+        return run_bookkeeping_op
+
+    def flushing(log_metrics: Callable[..., Any]) -> Callable[..., Any]:
+        def _log_metrics(*args: Any, **kwargs: Any) -> Any:
+            if not trainer._metrics and trainer._metrics_consistent:
+                trainer.run_bookkeeping_op(nothing_to_reduce, op_name="rankguard_metric_check")
+            return log_metrics(*args, **kwargs)
+
+        return _log_metrics
+
+    return [
+        _wrap(trainer, "run_bookkeeping_op", running),
+        _wrap(trainer, "_log_metrics", flushing),
+    ]
+
+
 def hook_load(trainer: Trainer, before_load: Callable[[str], None]) -> Unhook:
     """Calls ``before_load(path)`` on every rank before ``trainer.load_checkpoint`` reads.
 
@@ -475,6 +552,14 @@ class _OlmoCoreAdapter(Callback):
             save_copies_to_host=to_host,
             upload_setting=UPLOAD_SETTING,
         )
+        watchdog = next((g for g in guards if isinstance(g, CoreHangWatchdog)), None)
+        check = None
+        if watchdog is not None and watchdog.channel.is_distributed:
+            check = watchdog.metric_reduction_check(
+                "olmo_core_flush", where=FLUSH, fix=FLUSH_FIX, notes=FLUSH_NOTES
+            )
+        if check is not None:
+            self._unhooks += hook_metric_flush(trainer, check)
 
     def pre_epoch(self) -> None:
         """EPOCH_START."""
@@ -568,6 +653,7 @@ class StragglerMonitor(_api.StragglerMonitorSettings, _OlmoCoreAdapter):
 
 __all__ = [  # noqa: RUF022
     "checkpoint_to_load",
+    "hook_metric_flush",
     "hook_trainer",
     "save_options",
     "BatchParityGuard",

@@ -14,6 +14,7 @@ __all__ = [
     "DataStallError",
     "DropLastMismatchError",
     "HangDetectedError",
+    "MetricMismatchError",
     "NodeLocalDirError",
     "RankGuardError",
     "RanksMissingError",
@@ -81,3 +82,7 @@ class HangDetectedError(RankGuardError):
 
 class StragglerError(RankGuardError):
     """A rank or node has been computing slower than the others for several intervals."""
+
+
+class MetricMismatchError(RankGuardError):
+    """Ranks would reduce different metric names (or steps) in one collective."""

@@ -22,7 +22,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from rankguard.callbacks.core.errors import HangDetectedError, RanksMissingError
+from rankguard.callbacks.core.errors import (
+    HangDetectedError,
+    MetricMismatchError,
+    RanksMissingError,
+)
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.settings import check_choice, check_int, check_positive
@@ -70,6 +74,7 @@ from rankguard.callbacks.hang.diagnosis import (
     next_step,
     phase_label,
 )
+from rankguard.callbacks.hang.metric_reductions import ReductionCheck
 from rankguard.callbacks.hang.report import write_incident
 
 __all__ = [
@@ -347,9 +352,16 @@ class HangWatchdog(Guard):
             while the job runs get (their records, compared at each status exchange):
             ``"warn"`` (a WARNING, once each) or ``"abort"`` (reported like a proven
             deadlock: every rank exits with :data:`DEADLOCK_EXIT_CODE`).
+        check_metric_reductions: Before a framework reduces many metrics with one
+            collective (OLMo-core's metric flush), compare the names every rank is about
+            to reduce through the store, and raise :class:`MetricMismatchError` on every
+            rank where they differ (one store exchange per flush, on the thread that
+            reduces).
 
     Raises:
         ValueError: A setting out of range, or a ``report_dir`` that is not writable.
+        MetricMismatchError: Ranks would reduce different metrics in one collective
+            (``check_metric_reductions``).
         HangDetectedError: A rankguard check gave up waiting for a rank while the
             watchdog runs, with ``action`` other than ``"abort"`` (which exits with
             :data:`HANG_EXIT_CODE`, or :data:`DEADLOCK_EXIT_CODE` for a proven deadlock).
@@ -404,6 +416,7 @@ class HangWatchdog(Guard):
         deadlock_action: str = "abort",
         deadlock_after_s: float = 3.0,
         collective_mismatch: str = "warn",
+        check_metric_reductions: bool = True,
     ) -> None:
         super().__init__()
         given = {
@@ -432,6 +445,9 @@ class HangWatchdog(Guard):
         self.deadlock_after_s = check_positive("deadlock_after_s", deadlock_after_s)
         self.collective_mismatch = check_choice(
             "collective_mismatch", collective_mismatch, ("warn", "abort")
+        )
+        self.check_metric_reductions = bool(
+            check_choice("check_metric_reductions", check_metric_reductions, (True, False))
         )
         self._libraries = library_paths()
         self._progress = 0  # heartbeats read by the watchdog thread so far
@@ -766,6 +782,41 @@ class HangWatchdog(Guard):
         if recorder is not None:
             healthy = self._beat is not None and self._beat.kind == "done" and not self.incidents
             recorder.close(keep=not healthy)
+
+    # -- metric names before a framework's reduction (the thread that reduces) -----------
+
+    def metric_reduction_check(
+        self, name: str, *, where: str, fix: str, notes: Mapping[str, str] | None = None
+    ) -> ReductionCheck | None:
+        """A check of the names every rank reduces at ``name``, or ``None`` when it is off.
+
+        The adapter calls its :meth:`ReductionCheck.check` on the thread about
+        to reduce, on every rank at every reduction. A mismatch raises
+        :class:`MetricMismatchError` on every rank once each has logged it; a
+        rank that never arrives within ``timeout_s`` is this watchdog's to
+        diagnose (see :meth:`_own_missing`).
+
+        Args:
+            name: The reduction, in the exchange's name, e.g. ``"olmo_core_flush"``.
+            where: The reduction, in the message.
+            fix: The message's fix.
+            notes: Words for names the framework itself records.
+        """
+        if not self.check_metric_reductions:
+            return None
+
+        def mismatch(error: MetricMismatchError) -> Any:
+            self.raise_on_every_rank(error)
+
+        return ReductionCheck(
+            self.channel,
+            name=f"metric_reduction/{name}",
+            where=where,
+            fix=fix,
+            notes=notes,
+            timeout_s=self.timeout_s,
+            on_mismatch=mismatch,
+        )
 
     # -- ranks missing from another check's exchange (main thread) ----------------------
 
