@@ -83,12 +83,13 @@ def trainer(
     eval_loader: DataLoader | None = None,
     net: Callable[[], torch.nn.Module] = lambda: torch.nn.Linear(4, 2),
     optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+    classifier: type[ComposerClassifier] = ComposerClassifier,
     **settings: Any,
 ) -> Trainer:
     """A fresh Trainer of ``net()`` (seeded) on CPU; a callback with a ``trainer`` gets it."""
     COUNTERS.clear()
     torch.manual_seed(0)
-    model = ComposerClassifier(net(), num_classes=2)
+    model = classifier(net(), num_classes=2)
     if eval_loader is not None:
         settings = {"eval_interval": "1ep", **settings}
         settings["eval_dataloader"] = Evaluator(label="eval", dataloader=eval_loader)
@@ -622,6 +623,30 @@ class SaveOnRank0(Callback):
             self.trainer.save_checkpoint(os.path.join(OUT, "rank0_only.pt"))
 
 
+class AuxLossOnRank1(ComposerClassifier):
+    """The bug: a loss term returned only when a rank's batch has something for it (an
+    auxiliary or load-balancing loss): from train batch 5, rank 1's loss dict has ``aux``,
+    rank 0's does not. Composer all-reduces each key of the loss dict after every batch."""
+
+    batches = 0
+
+    def loss(self, outputs, batch):
+        total = super().loss(outputs, batch)
+        self.batches += 1  # one microbatch per batch
+        if rank() == 1 and self.batches >= 5:
+            if self.batches == 5:
+                mark_split(1)
+            return {"total": total, "aux": total.detach() * 0.0}
+        return {"total": total}
+
+
+def loss_key_on_rank1() -> None:
+    """Every watchdog setting at its default, as in :func:`hang`; the loss keys differ."""
+    watchdog = HangWatchdog(report_dir=reports("loss_key_on_rank1"))
+    fit(sharded(64), [watchdog], max_duration="2ep", classifier=AuxLossOnRank1)
+    raise AssertionError("loss_key_on_rank1: the fit ended; the watchdog should have ended it")
+
+
 def reports(scenario: str) -> str:
     return os.path.join(OUT, f"reports_{scenario}")
 
@@ -658,6 +683,7 @@ HANG = {
     "epoch_end_all_gather": lambda: hang("epoch_end_all_gather", GatherKept(), {}, "4ba"),
     "stop_one_rank": lambda: hang("stop_one_rank", StopOnRank0(), {}, "4ba"),
     "save_on_rank0": lambda: hang("save_on_rank0", SaveOnRank0(), {}, "4ba"),
+    "loss_key_on_rank1": loss_key_on_rank1,
     "unmatched_collective": lambda: hang(
         "unmatched_collective", UnmatchedCollective(), hang_settings.HANG, "2ba"
     ),

@@ -229,6 +229,35 @@ def test_lightning_save_checkpoint_on_global_zero_only_is_a_proven_deadlock_nami
     assert split in summary, summary
 
 
+@pytest.fixture(scope="module")
+def composer_loss(tmp_path_factory):
+    return _launch(tmp_path_factory, "composer_job.py", "loss_key_on_rank1")
+
+
+def test_composer_loss_key_on_one_rank_is_named_before_its_reduction_and_ends_with_exit_70(
+    composer_loss,
+):
+    # From batch 5 rank 1's loss dict has 'aux': Composer would all-reduce one key more on
+    # rank 1 (on gloo the extra one pairs with rank 0's next collective). Rank 1 stops
+    # before the reduction, says which key changed, and the watchdog proves the wait.
+    out, output, returncode, ended_at = composer_loss
+    assert returncode == DEADLOCK_EXIT_CODE, output[-6000:]
+    for rank in (0, 1):
+        assert re.search(rf"Global rank {rank} \(PID \d+\) exited with code 70", output)
+    said = re.search(r"rank 1's names for Composer's loss reduction .* changed at step 5 "
+                     r"\(\+'loss/train/aux' \(sum\)\)", output)  # fmt: skip
+    assert said, output[-6000:]
+    assert "Fix: return the same keys from the model's loss() on every rank" in output
+    summary = (out / "reports_loss_key_on_rank1" / "summary.txt").read_text()
+    assert summary.startswith("deadlock, every rank waits at a rendezvous"), summary
+    assert "rank 1: your code at composer_job.py" in summary, summary
+    assert "blocked in rankguard exchange, called from metric_reductions.py" in summary
+    assert "rank 0: your code at composer_job.py" in summary and "blocked in all_reduce" in summary
+    split = json.loads((out / "split.json").read_text())
+    assert split["rank"] == 1
+    assert ended_at - split["t"] < REPORT_WITHIN_S + 5, ended_at - split["t"]
+
+
 def test_composer_all_gather_on_a_path_one_rank_skips_is_a_proven_deadlock_ended_with_exit_70(
     composer_gather,
 ):

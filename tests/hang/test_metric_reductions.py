@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from rankguard.callbacks.core.errors import MetricMismatchError
@@ -110,6 +112,52 @@ def test_three_ranks_agree_twice_then_every_rank_raises_naming_the_odd_rank():
         )
         assert "rank 2 recorded 'debug/skipped' (sum) at step 6; ranks 0,1 did not." in message
         assert o.value["checks"] == 3
+
+
+def _loss_keys(rank, world_size, changer):
+    import time
+
+    channel = SideChannel.from_environment(timeout_s=20)
+    check = ReductionCheck(channel, name="loss", where="the loss", fix="f", timeout_s=4)
+    total = reduction_rows({1: ["total"]}, {"total": "sum", "aux": "sum"})
+    check.check_changed(total)  # the first batch: every rank compares
+    for batch in range(2, 5):  # unchanged: nothing exchanged
+        check.check_changed(reduction_rows({batch: ["total"]}, {"total": "sum"}))
+    exchanges = channel.exchanges
+    both = reduction_rows({5: ["total", "aux"]}, {"total": "sum", "aux": "sum"})
+    if changer is None:  # every rank's keys change at batch 5: they agree at once
+        started = time.monotonic()
+        check.check_changed(both)
+        return {"agreed_in": time.monotonic() - started, "exchanges": exchanges}
+    if rank != changer:
+        time.sleep(8)  # in the collective, as the unchanged ranks are
+        return {"exchanges": exchanges}
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("rankguard").addHandler(handler)
+    try:
+        check.check_changed(both)
+    except Exception as exc:
+        return {"error": type(exc).__name__, "exchanges": exchanges, "said": said}
+    return {"error": None}
+
+
+def test_loss_keys_changed_alike_on_every_rank_agree_after_one_exchange_each():
+    for o in run_ranks(_loss_keys, 2, None, timeout_s=60):
+        assert o.error is None, o.error
+        assert o.value["exchanges"] == 1  # batches 2-4 exchanged nothing
+        assert o.value["agreed_in"] < 2.0
+
+
+def test_a_rank_whose_loss_keys_changed_alone_waits_and_says_which_keys():
+    outcomes = run_ranks(_loss_keys, 2, 1, timeout_s=60)
+    changer = next(o for o in outcomes if o.rank == 1)
+    assert changer.error is None, changer.error
+    # It never went on into the collective: it waited for rank 0, who never came.
+    said = changer.value.pop("said")
+    assert changer.value == {"error": "RanksMissingError", "exchanges": 1}
+    assert any("rank 1's names for the loss changed at step 5 (+'aux' (sum))" in m for m in said)
 
 
 @pytest.mark.parametrize("setting", [True, False])

@@ -27,6 +27,8 @@ from rankguard.callbacks.checkpoint.plan import register_sharded_setting
 from rankguard.callbacks.core.events import Event as CoreEvent
 from rankguard.callbacks.core.events import EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.callbacks.hang.hang_watchdog import HangWatchdog as CoreHangWatchdog
+from rankguard.callbacks.hang.metric_reductions import ReductionCheck, Rows, reduction_rows
 from rankguard.integrations import _api
 
 try:
@@ -84,8 +86,17 @@ _QUIET = frozenset(
         Event.AFTER_LOSS,
         Event.BEFORE_BACKWARD,
         Event.AFTER_BACKWARD,
-        Event.AFTER_TRAIN_BATCH,
     )
+)
+#: The event after a train batch's microbatches, before Composer reduces the loss per key.
+_AFTER_TRAIN_BATCH = Event.AFTER_TRAIN_BATCH
+#: Composer's loss reduction, in rankguard's message when ranks' loss keys differ.
+LOSS_REDUCTION = "Composer's loss reduction (one all_reduce per loss key)"
+#: What a user changes when the keys of the loss dict differ between ranks.
+LOSS_FIX = (
+    "return the same keys from the model's loss() on every rank and every batch (a zero "
+    "tensor for a term a rank's batch has nothing for, e.g. torch.zeros((), device=...)); "
+    "Composer all-reduces each key of the loss dict, in order, after every batch."
 )
 #: Composer events that start or end a fit.
 _FIT_BOUNDS = (CoreEvent.FIT_START, CoreEvent.FIT_END)
@@ -292,6 +303,34 @@ def escaping_exception() -> BaseException | None:
     return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
 
 
+def loss_rows(loss: Any, batch: int) -> Rows:
+    """What Composer all-reduces after a train batch: ``loss/train/<key>`` per key of the loss.
+
+    A dict without ``"total"`` gets Composer's sum of its terms as ``total``; a
+    tuple of losses is ``loss0``, ``loss1``... and ``total``; a tensor is the total
+    alone. (Composer takes the keys of every microbatch; this reads the last
+    one's, ``state.loss`` at ``AFTER_TRAIN_BATCH``.)
+    """
+    if isinstance(loss, dict):
+        keys = list(loss)
+    elif isinstance(loss, (tuple, list)) and len(loss) > 1:
+        keys = [f"loss{i}" for i in range(len(loss))]
+    else:
+        keys = []
+    if "total" not in keys:
+        keys.append("total")
+    names = [f"loss/train/{key}" for key in keys]
+    return reduction_rows({batch: names}, dict.fromkeys(names, "sum"))
+
+
+def loss_check(guards: list[Guard]) -> ReductionCheck | None:
+    """The hang watchdog's check of the loss keys, or ``None`` (no watchdog, one rank, off)."""
+    watchdog = next((g for g in guards if isinstance(g, CoreHangWatchdog)), None)
+    if watchdog is None or not watchdog.channel.is_distributed:
+        return None
+    return watchdog.metric_reduction_check("composer_loss", where=LOSS_REDUCTION, fix=LOSS_FIX)
+
+
 class _ComposerAdapter(Callback):
     """Drives a :class:`GuardRunner` from Composer events."""
 
@@ -306,6 +345,9 @@ class _ComposerAdapter(Callback):
         self._train: tuple[Any, Any, LoaderFacts | None] = (None, None, None)
         #: Composer's checkpoint savers, with the callback list and length they were read from.
         self._savers: tuple[Any, int, list[CheckpointSaver]] = (None, 0, [])
+        #: The loss keys' check while fitting (see :func:`loss_rows`), and the last keys seen.
+        self._loss_check: ReductionCheck | None = None
+        self._loss_keys: tuple[Any, ...] | None = None
 
     def _train_facts(self, state: State) -> LoaderFacts | None:
         """The train loader's facts, built again only when Composer's loader or length changes."""
@@ -371,6 +413,15 @@ class _ComposerAdapter(Callback):
                     train = self._train_facts(state)
                 steps.fetch_start(self._step, train)
             return
+        if event is _AFTER_TRAIN_BATCH:  # before Composer reduces the loss, key by key
+            check = self._loss_check
+            if check is not None:
+                loss = state.loss
+                keys = tuple(loss) if isinstance(loss, (dict, tuple, list)) else ()
+                if keys != self._loss_keys:
+                    self._loss_keys = keys
+                    check.check_changed(loss_rows(loss, self._step + 1))
+            return
         if event is _BATCH_CHECKPOINT and not self._save_due(state, event):
             return  # every batch: a save only when a saver says so
         core_event = _EVENTS_BY_ID.get(id(event))
@@ -395,6 +446,10 @@ class _ComposerAdapter(Callback):
         if core_event in _PASS_ENDS:
             facts.loader_pass = self._pass_end(state, core_event)
         self.runner.fire(core_event, facts, logger.log_metrics)
+        if core_event in _FIT_BOUNDS:
+            self._loss_check, self._loss_keys = None, None
+            if core_event is CoreEvent.FIT_START:
+                self._loss_check = loss_check(self.runner.guards)
         if core_event in _PASS_ENDS.values() and self.runner.handles(_PASS_END[core_event]):
             original = state.dataloader
             counter = observe_pass(state)

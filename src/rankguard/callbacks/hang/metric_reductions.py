@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple, NoReturn
 
@@ -26,9 +27,11 @@ from rankguard.callbacks.core.ranks import group_ranks, rank_label
 from rankguard.callbacks.core.side_channel import SideChannel
 
 __all__ = [
+    "CHANGE_WARN_AFTER_S",
     "ReductionCheck",
     "Row",
     "RowDifference",
+    "Rows",
     "describe",
     "digest",
     "first_difference",
@@ -36,6 +39,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: How long a rank whose names changed waits for the others' before it says so.
+CHANGE_WARN_AFTER_S = 2.0
 
 
 class Row(NamedTuple):
@@ -244,6 +250,7 @@ class ReductionCheck:
         self.timeout_s = timeout_s
         self.on_mismatch = on_mismatch or _log_and_raise
         self.checks = 0
+        self._agreed: tuple[tuple[tuple[str, str], ...], ...] | None = None
 
     def check(self, rows: Rows) -> None:
         """Returns when every rank reduces the same rows; else raises on every rank.
@@ -280,4 +287,56 @@ class ReductionCheck:
             return f"Ranks' metric digests differ at {self.where} while their names agree."
         return describe(
             difference, where=self.where, fix=self.fix, notes=self.notes, world_size=world_size
+        )
+
+    def check_changed(self, rows: Rows, *, warn_after_s: float = CHANGE_WARN_AFTER_S) -> None:
+        """Compares only where this rank's names differ from the ones every rank last agreed on.
+
+        For a reduction made every step (Composer's loss, one ``all_reduce`` per
+        key): the first call compares, then a rank compares again only when its
+        names change. Ranks whose names changed alike agree at once; a rank whose
+        names changed alone waits here while the others go on into the
+        collective, which the hang watchdog proves a deadlock (every rank waits,
+        at different rendezvous). That rank says, after ``warn_after_s``, which
+        names changed, so the proof's report comes with them.
+
+        Raises:
+            MetricMismatchError: The ranks that compared hold different names.
+        """
+        names = tuple(row.names for row in rows)
+        if names == self._agreed:
+            return
+        timer = None
+        if self._agreed is not None and self.channel.is_distributed:
+            timer = threading.Timer(
+                warn_after_s, self._warn_changed, (rows, self._agreed, warn_after_s)
+            )
+            timer.daemon = True
+            timer.start()
+        try:
+            self.check(rows)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        self._agreed = names
+
+    def _warn_changed(
+        self, rows: Rows, agreed: tuple[tuple[tuple[str, str], ...], ...], after_s: float
+    ) -> None:
+        was = {name for names in agreed for name in names}
+        now = {name for row in rows for name in row.names}
+        change = [f"+'{n}' ({k})" for n, k in sorted(now - was)]
+        change += [f"-'{n}' ({k})" for n, k in sorted(was - now)]
+        step = rows[0].label if rows else "?"
+        logger.warning(
+            "rankguard: rank %d's names for %s changed at step %s (%s) and the other ranks "
+            "have not confirmed the same change within %.0f s.\n  If they kept the old "
+            "names, one collective per name pairs different values: gloo aborts, NCCL hangs "
+            "(the hang watchdog proves it). Fix: %s",
+            self.channel.rank,
+            self.where,
+            step,
+            ", ".join(change) or "reordered",
+            after_s,
+            self.fix,
         )
