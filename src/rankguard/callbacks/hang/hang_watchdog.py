@@ -352,11 +352,12 @@ class HangWatchdog(Guard):
             while the job runs get (their records, compared at each status exchange):
             ``"warn"`` (a WARNING, once each) or ``"abort"`` (reported like a proven
             deadlock: every rank exits with :data:`DEADLOCK_EXIT_CODE`).
-        check_metric_reductions: Before a framework reduces many metrics with one
-            collective (OLMo-core's metric flush), compare the names every rank is about
-            to reduce through the store, and raise :class:`MetricMismatchError` on every
-            rank where they differ (one store exchange per flush, on the thread that
-            reduces).
+        check_metric_reductions: Before a framework reduces metrics by name, compare
+            the names every rank is about to reduce through the store: OLMo-core's metric
+            flush (one store exchange per flush, on the thread that reduces; names that
+            differ raise :class:`MetricMismatchError` on every rank) and Composer's loss,
+            one all_reduce per key (at the first batch, then where a rank's keys change;
+            a rank whose keys changed alone waits, says which, and the wait is proven).
 
     Raises:
         ValueError: A setting out of range, or a ``report_dir`` that is not writable.
