@@ -399,3 +399,20 @@ def test_lightning_step_log_reads_global_step_from_its_tracker_in_either_optimiz
     steps_taken = [global_step for global_step, _ in logged]
     assert steps_taken == (list(range(1, 9)) if automatic else [1, 1, 2, 2, 3, 3, 4, 4])
     assert [step for _, step in logged] == steps_taken  # each batch end's entry
+
+
+def test_composer_loss_rows_are_the_keys_composer_all_reduces_after_a_batch():
+    if rg_composer is None:
+        pytest.skip("needs rankguard[composer]")
+    loss = torch.ones(())
+
+    def names(value):
+        (row,) = rg_composer.loss_rows(value, batch=3)
+        assert row.label == 3
+        return [name for name, kind in row.names if kind == "sum"]
+
+    assert names(loss) == ["loss/train/total"]
+    assert names({"total": loss, "aux": loss}) == ["loss/train/aux", "loss/train/total"]
+    # Without "total", Composer sums the terms into one; a tuple's terms are loss0, loss1, ...
+    assert names({"ce": loss}) == ["loss/train/ce", "loss/train/total"]
+    assert names((loss, loss)) == ["loss/train/loss0", "loss/train/loss1", "loss/train/total"]
