@@ -208,3 +208,18 @@ def test_unlike_calls_at_one_count_while_the_job_runs_are_a_mismatch_of_the_verd
     assert HangWatchdog(collective_mismatch="abort").collective_mismatch == "abort"
     with pytest.raises(ValueError, match="collective_mismatch"):
         HangWatchdog(collective_mismatch="raise")
+
+
+def test_a_collective_counted_but_not_described_names_only_the_ranks_that_never_issued_it():
+    # FSDP2's all-gather on rank 1 alone, counted by the group but issued outside the
+    # functions the record wraps: rank 1 issued #7, rank 0 never did.
+    records = {
+        0: (_group("0", 6, [_call(5), _call(6)]),),
+        1: (_group("0", 7, [_call(5), _call(6)]),),
+    }
+    desync = _prove(records, waiting={0: True, 1: True})
+    assert desync is not None and desync.first == 1
+    assert desync.summary.endswith(
+        "rank 1 issued collective #7 of the default group (ranks 0,1), issued outside "
+        "Python's record (from C++, e.g. DDP's gradient all-reduce), which rank 0 never issued"
+    ), desync.summary

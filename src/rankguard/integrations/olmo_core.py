@@ -437,7 +437,10 @@ def hook_metric_flush(trainer: Trainer, check: ReductionCheck) -> list[Unhook]:
     def flushing(log_metrics: Callable[..., Any]) -> Callable[..., Any]:
         def _log_metrics(*args: Any, **kwargs: Any) -> Any:
             if not trainer._metrics and trainer._metrics_consistent:
+                # What this rank saw decides: a metric an asynchronous save records from
+                # its own thread from now on waits for the next flush (one check a flush).
                 trainer.run_bookkeeping_op(nothing_to_reduce, op_name="rankguard_metric_check")
+                return None
             return log_metrics(*args, **kwargs)
 
         return _log_metrics

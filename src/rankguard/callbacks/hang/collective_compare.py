@@ -40,10 +40,14 @@ SIZED_OPS = frozenset(
         "all_gather_into_tensor",
         "reduce_scatter_tensor",
         "broadcast_object_list",
+        "all_gather_single",
+        "reduce_scatter_single",
     }
 )
 #: Point-to-point calls: only two ranks of a group issue each, so counts differ by design.
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
+#: A collective the group counted that no wrapped ``torch.distributed`` function issued.
+_UNDESCRIBED = "issued outside Python's record (from C++, e.g. DDP's gradient all-reduce)"
 #: The default group's name in reports.
 DEFAULT_GROUP = "0"
 
@@ -211,7 +215,7 @@ def describe_difference(records: Mapping[int, Sequence[GroupRecord]], diff: Diff
     calls = {
         r: describe_issued(i, _previous_thread(records, diff, r))
         if i is not None or diff.counts[r] < diff.seq
-        else "issued outside Python's record (from C++, e.g. DDP's gradient all-reduce)"
+        else _UNDESCRIBED
         for r, i in diff.issued.items()
     }
     at = "; ".join(f"{rank_label(ranks)}: {call}" for ranks, call in group_ranks(calls)[:8])
@@ -285,10 +289,12 @@ def record_desync(
     )
     state = repr((counts, sorted(progress.items())))
     key = "record:" + hashlib.sha1(state.encode()).hexdigest()[:16]
-    call = describe_issued(first.issued.get(odd))
+    issued = first.issued.get(odd)
+    call = describe_issued(issued) if issued is not None else _UNDESCRIBED
+    never = [r for r in first.members if dict(first.counts).get(r, 0) < first.seq]
     what = (
         f"rank {odd} issued collective #{first.seq} of {_group_label(first)}, {call}, which "
-        f"{rank_label([r for r in first.members if first.issued.get(r) is None])} never issued"
+        f"{rank_label(never)} never issued"
         if first.kind == "count"
         else f"collective #{first.seq} of {_group_label(first)} is a different call on "
         "different ranks"

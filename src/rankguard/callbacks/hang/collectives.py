@@ -60,6 +60,9 @@ WRAPPED = {
     "reduce_scatter_tensor": "input",
     "all_to_all": "input_tensor_list",
     "all_to_all_single": "input",
+    # FSDP2's own (torch 2.8+), each rank's shard: equal sizes
+    "all_gather_single": "input_tensor",
+    "reduce_scatter_single": "input",
     "gather": "tensor",
     "gather_object": None,
     "scatter": "tensor",
