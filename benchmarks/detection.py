@@ -22,7 +22,15 @@ model and optimizer facts) the Composer and Lightning adapters send
 - ``desync: rank-0 collective`` (the loop): after the first eval, rank 0
   alone calls an ``all_reduce`` (``if rank == 0:``); rank 1 goes on and waits
   in DDP's backward or rankguard's epoch-start check: a proven deadlock,
-  ended at once with exit code 70. Here rank 0 hangs; "stack" reads its file.
+  ended at once with exit code 70. Here rank 0 hangs; "stack" reads its file;
+- ``FSDP2: extra forward`` (``fsdp_uneven_forward``): the model is a 2-block MLP
+  sharded with FSDP2 (``fully_shard`` per block, then the root) instead of DDP;
+  after the first eval rank 1 alone runs a debug forward on a fixed batch, so
+  FSDP2's parameter all-gathers inside that forward are issued on rank 1 only.
+  Where rank 0 waits in a rankguard check (``defaults``: the epoch-start check)
+  the all-gather stays unmatched: a proven deadlock, 70. Where rank 0 goes
+  straight on (``short``, ``none``), gloo pairs rank 1's all-gathers with those
+  of rank 0's next forward and backward, whose sizes differ: gloo aborts.
 
 ``--frameworks`` adds "desync" rows from the real trainers' test jobs, one per
 tracker case, every watchdog setting at its default: in Composer (``composer
@@ -88,9 +96,10 @@ SCENARIOS = {
     "metric_reductions": "desync: extra metric",
     "killed_rank": "killed (SIGKILL)",
     "gloo_abort": "gloo size abort",
+    "fsdp_uneven_forward": "FSDP2: extra forward",
 }
 #: Scenarios read back with ``rankguard report`` after the job (the ranks died).
-POST_MORTEM = ("killed_rank", "gloo_abort")
+POST_MORTEM = ("killed_rank", "gloo_abort", "fsdp_uneven_forward")
 #: The function rank 1 hangs in (its stack file must show it); none for a frozen process.
 CULPRITS = {
     "post_eval_stall": "stall",
@@ -103,6 +112,7 @@ CULPRITS = {
     "metric_reductions": "reduce_metrics",
     "killed_rank": None,
     "gloo_abort": None,
+    "fsdp_uneven_forward": "debug_forward",
 }
 #: The rank that hangs first (its stack file is read); rank 1 unless named here.
 CULPRIT_RANK = {"desync_collective": 0, "async_one_rank": 0}
@@ -123,6 +133,7 @@ DEADLINE_S = {  # the deadline of the phase rank 1 hangs in, short settings
     "metric_reductions": WATCHDOG["timeout_s"],
     "killed_rank": WATCHDOG["timeout_s"],
     "gloo_abort": WATCHDOG["timeout_s"],
+    "fsdp_uneven_forward": WATCHDOG["post_eval_timeout_s"],
 }
 MODES = ("defaults", "short", "none")
 # The freeze comes after status exchanges (every 10 s by default) have seen train steps: a
@@ -158,7 +169,17 @@ def worker(scenario: str, out: Path, mode: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     side_group = dist.new_group(backend="gloo")
     torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    if scenario == "fsdp_uneven_forward":
+        from torch.distributed.fsdp import fully_shard
+
+        # FSDP2 as its docs apply it: each block sharded, then the root.
+        net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        for layer in (net[0], net[2]):
+            fully_shard(layer)
+        model = module = fully_shard(net)
+    else:
+        model = DistributedDataParallel(torch.nn.Linear(4, 2))
+        module = model.module
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     reports = str(out / "reports")
     runner = None
@@ -229,6 +250,16 @@ def worker(scenario: str, out: Path, mode: str) -> None:
             # One flush sized by the metric names each rank recorded: rank 1 has one more.
             dist.all_reduce(torch.ones(2 + 256 * rank), group=side_group)
 
+    probe = torch.randn(8, 4)
+
+    def debug_forward(step: int) -> None:
+        # A debug metric on one rank: its output on a fixed batch, after the eval. Under
+        # FSDP2 this forward all-gathers each block's parameters: rank 1 alone issues them.
+        mark_hang()
+        with torch.no_grad():
+            value = model(probe).mean().item()
+        logging.getLogger("debug").info("step %d: probe output %.4f", step, value)
+
     def evaluate(step: int, epoch: int) -> None:
         fire(Event.EVAL_START, step=step, epoch=epoch, loader=eval_loader)
         total = torch.zeros(1)
@@ -237,7 +268,7 @@ def worker(scenario: str, out: Path, mode: str) -> None:
             if scenario == "mid_eval_stall" and rank == 1 and index == 2:
                 stall()
             with torch.no_grad():
-                total += model.module(torch.randn(8, 4)).sum()
+                total += module(torch.randn(8, 4)).sum()
             time.sleep(STEP_S)
             fire(Event.EVAL_BATCH_END, step=step, loader=eval_loader, batch_index=index)
         dist.all_reduce(total)  # the metric sync
@@ -250,11 +281,13 @@ def worker(scenario: str, out: Path, mode: str) -> None:
             rank0_all_reduce()
         if rank == 0 and scenario == "async_one_rank" and epoch == 0:
             issue_extra_metric()
+        if rank == 1 and scenario == "fsdp_uneven_forward" and epoch == 0:
+            debug_forward(step)
 
     fire(
         Event.FIT_START,
         loaders=[train_loader, eval_loader],
-        model=model.module,
+        model=module,
         optimizer=optimizer,
     )
     step = 0
@@ -471,21 +504,25 @@ def _post_mortem(reports: Path) -> str:
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
         timeout=120,
     )
-    keep = ("First difference", "Collectives each rank")
+    keep = ("First difference", "Collectives each rank", "The ranks' records agree")
     lines = proc.stdout.splitlines()
     return "\n".join(line for line in lines if line.startswith(keep) or "fatal signal" in line)
 
 
-_NAMED = re.compile(r"Next: fix the code path (?:that issued rank (\d+)|at rank (\d+))")
+_NAMED = re.compile(r"Next: fix the code path (?:that issued rank |at rank |of rank )(\d+)")
 _LINE = re.compile(r" at ([\w.]+\.py:\d+ \([^)]*\): .*?)(?:, thread|$)", re.M)
 
 
 def _named(result: dict) -> str:
     """The rank "Next" names and the issuing line the report names, from summary.txt."""
     summary = result.get("summary") or ""
-    rank = next((a or b for a, b in _NAMED.findall(summary)), "-")
+    rank = next(iter(_NAMED.findall(summary)), "-")
     line = _LINE.search(summary.split("\n", 1)[0])
-    return f"rank {rank}, {line.group(1) if line else '-'}"
+    if line:
+        return f"rank {rank}, {line.group(1)}"
+    # A collective issued outside the record (no line in the first): the rank's own frame.
+    frame = re.search(rf"^rank {rank}: your code at (.*?)(; blocked in|$)", summary, re.M)
+    return f"rank {rank}, {frame.group(1) if frame else '-'}"
 
 
 def _ends(result: dict) -> str:
@@ -584,11 +621,14 @@ def main() -> None:
         )
         if d is not None:
             verdicts.append(f"{label} (defaults): {d['verdict']}")
-    desyncs = [n for n in scenarios if n in ("async_one_rank", "metric_reductions")]
+    desyncs = [
+        n for n in scenarios if n in ("async_one_rank", "metric_reductions", "fsdp_uneven_forward")
+    ]
     if desyncs:
-        print("\nDesyncs proven from the records (short, else defaults): Next names, user line:")
+        print("\nDesyncs proven (short, else defaults, the first with a report): Next names, line:")
     for scenario in desyncs:
-        result = results.get((scenario, "short")) or results.get((scenario, "defaults"))
+        runs = [results.get((scenario, m)) for m in ("short", "defaults")]
+        result = next((r for r in runs if r and r["summary"]), runs[0] or runs[1])
         if result:
             print(f"- {SCENARIOS[scenario]}: {_named(result)}")
     for scenario in (n for n in scenarios if n in POST_MORTEM):
