@@ -85,6 +85,9 @@ sys.path.insert(0, str(HERE))
 from launch import free_port  # noqa: E402
 
 ROOT = HERE.parent
+#: The jobs' path: this checkout's rankguard (src) before any installed one, e.g. an editable
+#: install of another checkout whose environment this one shares (as ``tests/mp.py``).
+PYTHONPATH = os.pathsep.join([str(ROOT), str(ROOT / "src")])
 SCENARIOS = {
     "post_eval_stall": "post-eval stall",
     "mid_eval_stall": "mid-eval stall",
@@ -328,7 +331,7 @@ def start(scenario: str, out: Path, mode: str) -> list[subprocess.Popen]:
     for rank in range(2):
         env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": PYTHONPATH,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "WORLD_SIZE": "2",
@@ -443,7 +446,7 @@ def framework_desync(label: str, launcher: str, job: str, scenario: str, cap_s: 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         cmd = _launch(launcher, str(ROOT / "tests" / "e2e" / job), tmp, scenario)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(name, None)
         proc = subprocess.Popen(
