@@ -44,6 +44,14 @@ the job's end with each rank's exit code (Lightning: rank 0's), the rank "Next"
 names and the user line it names. On gloo a collective left unmatched may pair
 with another rank's next one instead of hanging (NCCL would hang); the jobs put
 their own collectives on a group of their own, so the rows show the hang.
+Two OLMo-core rows (torchrun; the job's quick watchdog settings, which this
+check does not depend on): rank 1 alone records a metric with a reduce type at
+step 5, after OLMo-core's first flush. With rankguard its check before the next
+flush raises ``MetricMismatchError`` on every rank; the job re-raises it
+(``E2E_RERAISE=1``), and the report is the first output line "Ranks would
+reduce different metrics" (timed as it arrives), naming the rank, the metric
+and its step. The same fault without rankguard: gloo aborts at the flush.
+``--rows olmo,hf``: only the rows whose label contains one of these words.
 
 Three ways to run each:
 
@@ -63,7 +71,7 @@ hangs in. Runs without rankguard and with the defaults run side by side
 time. All figures are from a shared machine: indicative.
 
 Usage: ``python benchmarks/detection.py [--cap 60] [--defaults-cap 700] [--modes defaults,short]
-[--scenarios frozen_rank,...]``
+[--scenarios frozen_rank,...] [--frameworks | --frameworks-only [--rows olmo-core,...]]``
 """
 
 from __future__ import annotations
@@ -391,8 +399,11 @@ def watch(procs: list[subprocess.Popen], out: Path, cap_s: float) -> dict:
 
 #: The "desync" rows from the real trainers (see ``--frameworks``): (label, launcher, job,
 #: scenario), one per tracker case and framework. The launcher is ``composer`` (``composer -n
-#: 2``), ``torchrun`` (2 processes) or ``python`` (Lightning starts rank 1 itself).
-FRAMEWORK_DESYNC = (
+#: 2``), ``torchrun`` (2 processes) or ``python`` (Lightning starts rank 1 itself). A fifth
+#: item, a pattern: the case ends in an error raised (the job re-raises it, ``E2E_RERAISE``),
+#: reported at the first output line that matches it, not in a watchdog ``summary.txt``.
+_METRIC = "Ranks would reduce different metrics"  # rankguard's MetricMismatchError, logged
+FRAMEWORK_DESYNC: tuple[tuple[str, ...], ...] = (
     ("Composer: rank-0 collective", "composer", "composer_job.py", "rank0_collective"),
     ("Composer: metric on rank 0", "composer", "composer_job.py", "metric_on_rank0"),
     ("Composer: all_gather skipped", "composer", "composer_job.py", "epoch_end_all_gather"),
@@ -405,13 +416,17 @@ FRAMEWORK_DESYNC = (
     ("Lightning: save is_global_zero", "python", "lightning_job.py", "save_on_rank0"),
     ("HF: early stop on one rank", "torchrun", "hf_trainer_job.py", "early_stop_one_rank"),
     ("loop: rank-0 collective", "torchrun", "torch_loop_job.py", "rank0_collective"),
-)
+    ("OLMo-core: metric on rank 1", "torchrun", "olmo_core_job.py", "metric_on_one_rank", _METRIC),
+    ("OLMo-core: same, no rankguard", "torchrun", "olmo_core_job.py", "metric_on_one_rank_bare",
+     _METRIC),
+)  # fmt: skip
 #: Each rank's exit code in a launcher's output: Composer's, then torchrun's.
 _RANK_CODES = (
     re.compile(r"Global rank (\d+) \(PID \d+\) exited with code (-?\d+)"),
     re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\n\s*exitcode\s*: (-?\d+)"),
 )
 _SOURCE_PATH = re.compile(r"\[[^]]*\]\s*")  # "[enforce fail at .../pair.cc:446] "
+_METRIC_NAMED = re.compile(r"rank (\d+) recorded ('[^']+' \(\w+\) at step \d+)")
 _NEXT_RANK = re.compile(r"Next: (?:fix the code path at|fix the stop decision of|read) rank ?(\d+)")
 
 
@@ -441,29 +456,52 @@ def _summary(out: Path, scenario: str) -> Path | None:
     return None
 
 
-def framework_desync(label: str, launcher: str, job: str, scenario: str, cap_s: float) -> str:
-    """Runs one test job with the watchdog's defaults; one table row from its report."""
+def framework_desync(
+    label: str, launcher: str, job: str, scenario: str, error: str | None = None, *, cap_s: float
+) -> str:
+    """Runs one test job with the watchdog's defaults; one table row from its report (or from
+    its first output line matching ``error``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         cmd = _launch(launcher, str(ROOT / "tests" / "e2e" / job), tmp, scenario)
         env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(name, None)
+        if error:
+            env["E2E_RERAISE"] = "1"  # the error ends the job, as in a user's script
         proc = subprocess.Popen(
             cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, text=True,
         )  # fmt: skip
+        lines: list[tuple[float, str]] = []  # each output line and when it came
+
+        def read() -> None:
+            for text in proc.stdout or ():
+                lines.append((time.time(), text))
+
+        reader = threading.Thread(target=read)
+        reader.start()
         try:
-            output, _ = proc.communicate(timeout=cap_s)
+            proc.wait(timeout=cap_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
+            proc.wait()
         ended = time.time()
+        reader.join()
+        output = "".join(text for _, text in lines)
         codes = _codes(output, proc.returncode)
         split_file, summary = out / "split.json", _summary(out, scenario)
         if not split_file.exists():
             return f"{label:<30} | did not reach the split (exit {codes})"
         split = json.loads(split_file.read_text())["t"]
+        said = next(((t, text) for t, text in lines if error and error in text), None)
+        if said is not None:
+            named = _METRIC_NAMED.search(output)
+            rank, what = named.groups() if named else ("?", "-")
+            return (
+                f"{label:<30} | {said[0] - split:>6.1f} s | {ended - split:>6.1f} s ({codes}) | "
+                f"rank {rank} | {what}"
+            )
         if summary is None:
             errors = [
                 line.strip()
@@ -563,12 +601,17 @@ def main() -> None:
     parser.add_argument(
         "--frameworks-only", action="store_true", help="only the desync rows of the trainers"
     )
+    parser.add_argument(
+        "--rows", default="", help="only the trainers' rows whose label contains one of these (a,b)"
+    )
     args = parser.parse_args()
     if args.frameworks or args.frameworks_only:
         print("desync, real trainers, every watchdog setting at its default; from the split:")
         print(f"{'case':<30} | report   | job ends (codes) | Next   | user line named")
+        wanted = [word.lower() for word in args.rows.split(",") if word]
         for case in FRAMEWORK_DESYNC:
-            print(framework_desync(*case, cap_s=args.cap + 60))
+            if not wanted or any(word in case[0].lower() for word in wanted):
+                print(framework_desync(*case, cap_s=args.cap + 60), flush=True)
         if args.frameworks_only:
             return
     modes = args.modes.split(",")
