@@ -22,7 +22,15 @@ model and optimizer facts) the Composer and Lightning adapters send
 - ``desync: rank-0 collective`` (the loop): after the first eval, rank 0
   alone calls an ``all_reduce`` (``if rank == 0:``); rank 1 goes on and waits
   in DDP's backward or rankguard's epoch-start check: a proven deadlock,
-  ended at once with exit code 70. Here rank 0 hangs; "stack" reads its file.
+  ended at once with exit code 70. Here rank 0 hangs; "stack" reads its file;
+- ``FSDP2: extra forward`` (``fsdp_uneven_forward``): the model is a 2-block MLP
+  sharded with FSDP2 (``fully_shard`` per block, then the root) instead of DDP;
+  after the first eval rank 1 alone runs a debug forward on a fixed batch, so
+  FSDP2's parameter all-gathers inside that forward are issued on rank 1 only.
+  Where rank 0 waits in a rankguard check (``defaults``: the epoch-start check)
+  the all-gather stays unmatched: a proven deadlock, 70. Where rank 0 goes
+  straight on (``short``, ``none``), gloo pairs rank 1's all-gathers with those
+  of rank 0's next forward and backward, whose sizes differ: gloo aborts.
 
 ``--frameworks`` adds "desync" rows from the real trainers' test jobs, one per
 tracker case, every watchdog setting at its default: in Composer (``composer
@@ -36,6 +44,14 @@ the job's end with each rank's exit code (Lightning: rank 0's), the rank "Next"
 names and the user line it names. On gloo a collective left unmatched may pair
 with another rank's next one instead of hanging (NCCL would hang); the jobs put
 their own collectives on a group of their own, so the rows show the hang.
+Two OLMo-core rows (torchrun; the job's quick watchdog settings, which this
+check does not depend on): rank 1 alone records a metric with a reduce type at
+step 5, after OLMo-core's first flush. With rankguard its check before the next
+flush raises ``MetricMismatchError`` on every rank; the job re-raises it
+(``E2E_RERAISE=1``), and the report is the first output line "Ranks would
+reduce different metrics" (timed as it arrives), naming the rank, the metric
+and its step. The same fault without rankguard: gloo aborts at the flush.
+``--rows olmo,hf``: only the rows whose label contains one of these words.
 
 Three ways to run each:
 
@@ -55,7 +71,7 @@ hangs in. Runs without rankguard and with the defaults run side by side
 time. All figures are from a shared machine: indicative.
 
 Usage: ``python benchmarks/detection.py [--cap 60] [--defaults-cap 700] [--modes defaults,short]
-[--scenarios frozen_rank,...]``
+[--scenarios frozen_rank,...] [--frameworks | --frameworks-only [--rows olmo-core,...]]``
 """
 
 from __future__ import annotations
@@ -77,6 +93,9 @@ sys.path.insert(0, str(HERE))
 from launch import free_port  # noqa: E402
 
 ROOT = HERE.parent
+#: The jobs' path: this checkout's rankguard (src) before any installed one, e.g. an editable
+#: install of another checkout whose environment this one shares (as ``tests/mp.py``).
+PYTHONPATH = os.pathsep.join([str(ROOT), str(ROOT / "src")])
 SCENARIOS = {
     "post_eval_stall": "post-eval stall",
     "mid_eval_stall": "mid-eval stall",
@@ -88,9 +107,10 @@ SCENARIOS = {
     "metric_reductions": "desync: extra metric",
     "killed_rank": "killed (SIGKILL)",
     "gloo_abort": "gloo size abort",
+    "fsdp_uneven_forward": "FSDP2: extra forward",
 }
 #: Scenarios read back with ``rankguard report`` after the job (the ranks died).
-POST_MORTEM = ("killed_rank", "gloo_abort")
+POST_MORTEM = ("killed_rank", "gloo_abort", "fsdp_uneven_forward")
 #: The function rank 1 hangs in (its stack file must show it); none for a frozen process.
 CULPRITS = {
     "post_eval_stall": "stall",
@@ -103,6 +123,7 @@ CULPRITS = {
     "metric_reductions": "reduce_metrics",
     "killed_rank": None,
     "gloo_abort": None,
+    "fsdp_uneven_forward": "debug_forward",
 }
 #: The rank that hangs first (its stack file is read); rank 1 unless named here.
 CULPRIT_RANK = {"desync_collective": 0, "async_one_rank": 0}
@@ -123,6 +144,7 @@ DEADLINE_S = {  # the deadline of the phase rank 1 hangs in, short settings
     "metric_reductions": WATCHDOG["timeout_s"],
     "killed_rank": WATCHDOG["timeout_s"],
     "gloo_abort": WATCHDOG["timeout_s"],
+    "fsdp_uneven_forward": WATCHDOG["post_eval_timeout_s"],
 }
 MODES = ("defaults", "short", "none")
 # The freeze comes after status exchanges (every 10 s by default) have seen train steps: a
@@ -158,7 +180,17 @@ def worker(scenario: str, out: Path, mode: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     side_group = dist.new_group(backend="gloo")
     torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    if scenario == "fsdp_uneven_forward":
+        from torch.distributed.fsdp import fully_shard
+
+        # FSDP2 as its docs apply it: each block sharded, then the root.
+        net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        for layer in (net[0], net[2]):
+            fully_shard(layer)
+        model = module = fully_shard(net)
+    else:
+        model = DistributedDataParallel(torch.nn.Linear(4, 2))
+        module = model.module
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     reports = str(out / "reports")
     runner = None
@@ -229,6 +261,16 @@ def worker(scenario: str, out: Path, mode: str) -> None:
             # One flush sized by the metric names each rank recorded: rank 1 has one more.
             dist.all_reduce(torch.ones(2 + 256 * rank), group=side_group)
 
+    probe = torch.randn(8, 4)
+
+    def debug_forward(step: int) -> None:
+        # A debug metric on one rank: its output on a fixed batch, after the eval. Under
+        # FSDP2 this forward all-gathers each block's parameters: rank 1 alone issues them.
+        mark_hang()
+        with torch.no_grad():
+            value = model(probe).mean().item()
+        logging.getLogger("debug").info("step %d: probe output %.4f", step, value)
+
     def evaluate(step: int, epoch: int) -> None:
         fire(Event.EVAL_START, step=step, epoch=epoch, loader=eval_loader)
         total = torch.zeros(1)
@@ -237,7 +279,7 @@ def worker(scenario: str, out: Path, mode: str) -> None:
             if scenario == "mid_eval_stall" and rank == 1 and index == 2:
                 stall()
             with torch.no_grad():
-                total += model.module(torch.randn(8, 4)).sum()
+                total += module(torch.randn(8, 4)).sum()
             time.sleep(STEP_S)
             fire(Event.EVAL_BATCH_END, step=step, loader=eval_loader, batch_index=index)
         dist.all_reduce(total)  # the metric sync
@@ -250,11 +292,13 @@ def worker(scenario: str, out: Path, mode: str) -> None:
             rank0_all_reduce()
         if rank == 0 and scenario == "async_one_rank" and epoch == 0:
             issue_extra_metric()
+        if rank == 1 and scenario == "fsdp_uneven_forward" and epoch == 0:
+            debug_forward(step)
 
     fire(
         Event.FIT_START,
         loaders=[train_loader, eval_loader],
-        model=model.module,
+        model=module,
         optimizer=optimizer,
     )
     step = 0
@@ -295,7 +339,7 @@ def start(scenario: str, out: Path, mode: str) -> list[subprocess.Popen]:
     for rank in range(2):
         env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": PYTHONPATH,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "WORLD_SIZE": "2",
@@ -355,8 +399,11 @@ def watch(procs: list[subprocess.Popen], out: Path, cap_s: float) -> dict:
 
 #: The "desync" rows from the real trainers (see ``--frameworks``): (label, launcher, job,
 #: scenario), one per tracker case and framework. The launcher is ``composer`` (``composer -n
-#: 2``), ``torchrun`` (2 processes) or ``python`` (Lightning starts rank 1 itself).
-FRAMEWORK_DESYNC = (
+#: 2``), ``torchrun`` (2 processes) or ``python`` (Lightning starts rank 1 itself). A fifth
+#: item, a pattern: the case ends in an error raised (the job re-raises it, ``E2E_RERAISE``),
+#: reported at the first output line that matches it, not in a watchdog ``summary.txt``.
+_METRIC = "Ranks would reduce different metrics"  # rankguard's MetricMismatchError, logged
+FRAMEWORK_DESYNC: tuple[tuple[str, ...], ...] = (
     ("Composer: rank-0 collective", "composer", "composer_job.py", "rank0_collective"),
     ("Composer: metric on rank 0", "composer", "composer_job.py", "metric_on_rank0"),
     ("Composer: all_gather skipped", "composer", "composer_job.py", "epoch_end_all_gather"),
@@ -369,13 +416,17 @@ FRAMEWORK_DESYNC = (
     ("Lightning: save is_global_zero", "python", "lightning_job.py", "save_on_rank0"),
     ("HF: early stop on one rank", "torchrun", "hf_trainer_job.py", "early_stop_one_rank"),
     ("loop: rank-0 collective", "torchrun", "torch_loop_job.py", "rank0_collective"),
-)
+    ("OLMo-core: metric on rank 1", "torchrun", "olmo_core_job.py", "metric_on_one_rank", _METRIC),
+    ("OLMo-core: same, no rankguard", "torchrun", "olmo_core_job.py", "metric_on_one_rank_bare",
+     _METRIC),
+)  # fmt: skip
 #: Each rank's exit code in a launcher's output: Composer's, then torchrun's.
 _RANK_CODES = (
     re.compile(r"Global rank (\d+) \(PID \d+\) exited with code (-?\d+)"),
     re.compile(r"rank\s*: (\d+) \(local_rank: \d+\)\n\s*exitcode\s*: (-?\d+)"),
 )
 _SOURCE_PATH = re.compile(r"\[[^]]*\]\s*")  # "[enforce fail at .../pair.cc:446] "
+_METRIC_NAMED = re.compile(r"rank (\d+) recorded ('[^']+' \(\w+\) at step \d+)")
 _NEXT_RANK = re.compile(r"Next: (?:fix the code path at|fix the stop decision of|read) rank ?(\d+)")
 
 
@@ -405,29 +456,52 @@ def _summary(out: Path, scenario: str) -> Path | None:
     return None
 
 
-def framework_desync(label: str, launcher: str, job: str, scenario: str, cap_s: float) -> str:
-    """Runs one test job with the watchdog's defaults; one table row from its report."""
+def framework_desync(
+    label: str, launcher: str, job: str, scenario: str, error: str | None = None, *, cap_s: float
+) -> str:
+    """Runs one test job with the watchdog's defaults; one table row from its report (or from
+    its first output line matching ``error``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         cmd = _launch(launcher, str(ROOT / "tests" / "e2e" / job), tmp, scenario)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": "1"}
         for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(name, None)
+        if error:
+            env["E2E_RERAISE"] = "1"  # the error ends the job, as in a user's script
         proc = subprocess.Popen(
             cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, text=True,
         )  # fmt: skip
+        lines: list[tuple[float, str]] = []  # each output line and when it came
+
+        def read() -> None:
+            for text in proc.stdout or ():
+                lines.append((time.time(), text))
+
+        reader = threading.Thread(target=read)
+        reader.start()
         try:
-            output, _ = proc.communicate(timeout=cap_s)
+            proc.wait(timeout=cap_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
+            proc.wait()
         ended = time.time()
+        reader.join()
+        output = "".join(text for _, text in lines)
         codes = _codes(output, proc.returncode)
         split_file, summary = out / "split.json", _summary(out, scenario)
         if not split_file.exists():
             return f"{label:<30} | did not reach the split (exit {codes})"
         split = json.loads(split_file.read_text())["t"]
+        said = next(((t, text) for t, text in lines if error and error in text), None)
+        if said is not None:
+            named = _METRIC_NAMED.search(output)
+            rank, what = named.groups() if named else ("?", "-")
+            return (
+                f"{label:<30} | {said[0] - split:>6.1f} s | {ended - split:>6.1f} s ({codes}) | "
+                f"rank {rank} | {what}"
+            )
         if summary is None:
             errors = [
                 line.strip()
@@ -471,21 +545,25 @@ def _post_mortem(reports: Path) -> str:
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
         timeout=120,
     )
-    keep = ("First difference", "Collectives each rank")
+    keep = ("First difference", "Collectives each rank", "The ranks' records agree")
     lines = proc.stdout.splitlines()
     return "\n".join(line for line in lines if line.startswith(keep) or "fatal signal" in line)
 
 
-_NAMED = re.compile(r"Next: fix the code path (?:that issued rank (\d+)|at rank (\d+))")
+_NAMED = re.compile(r"Next: fix the code path (?:that issued rank |at rank |of rank )(\d+)")
 _LINE = re.compile(r" at ([\w.]+\.py:\d+ \([^)]*\): .*?)(?:, thread|$)", re.M)
 
 
 def _named(result: dict) -> str:
     """The rank "Next" names and the issuing line the report names, from summary.txt."""
     summary = result.get("summary") or ""
-    rank = next((a or b for a, b in _NAMED.findall(summary)), "-")
+    rank = next(iter(_NAMED.findall(summary)), "-")
     line = _LINE.search(summary.split("\n", 1)[0])
-    return f"rank {rank}, {line.group(1) if line else '-'}"
+    if line:
+        return f"rank {rank}, {line.group(1)}"
+    # A collective issued outside the record (no line in the first): the rank's own frame.
+    frame = re.search(rf"^rank {rank}: your code at (.*?)(; blocked in|$)", summary, re.M)
+    return f"rank {rank}, {frame.group(1) if frame else '-'}"
 
 
 def _ends(result: dict) -> str:
@@ -523,12 +601,17 @@ def main() -> None:
     parser.add_argument(
         "--frameworks-only", action="store_true", help="only the desync rows of the trainers"
     )
+    parser.add_argument(
+        "--rows", default="", help="only the trainers' rows whose label contains one of these (a,b)"
+    )
     args = parser.parse_args()
     if args.frameworks or args.frameworks_only:
         print("desync, real trainers, every watchdog setting at its default; from the split:")
         print(f"{'case':<30} | report   | job ends (codes) | Next   | user line named")
+        wanted = [word.lower() for word in args.rows.split(",") if word]
         for case in FRAMEWORK_DESYNC:
-            print(framework_desync(*case, cap_s=args.cap + 60))
+            if not wanted or any(word in case[0].lower() for word in wanted):
+                print(framework_desync(*case, cap_s=args.cap + 60), flush=True)
         if args.frameworks_only:
             return
     modes = args.modes.split(",")
@@ -584,11 +667,14 @@ def main() -> None:
         )
         if d is not None:
             verdicts.append(f"{label} (defaults): {d['verdict']}")
-    desyncs = [n for n in scenarios if n in ("async_one_rank", "metric_reductions")]
+    desyncs = [
+        n for n in scenarios if n in ("async_one_rank", "metric_reductions", "fsdp_uneven_forward")
+    ]
     if desyncs:
-        print("\nDesyncs proven from the records (short, else defaults): Next names, user line:")
+        print("\nDesyncs proven (short, else defaults, the first with a report): Next names, line:")
     for scenario in desyncs:
-        result = results.get((scenario, "short")) or results.get((scenario, "defaults"))
+        runs = [results.get((scenario, m)) for m in ("short", "defaults")]
+        result = next((r for r in runs if r and r["summary"]), runs[0] or runs[1])
         if result:
             print(f"- {SCENARIOS[scenario]}: {_named(result)}")
     for scenario in (n for n in scenarios if n in POST_MORTEM):

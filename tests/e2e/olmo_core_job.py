@@ -9,9 +9,10 @@ outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
 ``resume`` continues ``healthy``'s run from its last checkpoint, so it comes
 after it; ``post_eval_stall`` never returns (the watchdog ends every rank with
 exit code 75), so it must come last; rank 1 writes the moment its stall starts
-to ``OUT_DIR/stall.json``. Token files are random ids written into ``OUT_DIR``;
-nothing needs the network. :func:`build_trainer` also serves the one-process
-tests in ``tests/integrations/test_olmo_core.py``.
+to ``OUT_DIR/stall.json``. ``metric_on_one_rank_bare`` (no rankguard) ends in
+gloo's abort of both processes, so it runs alone. Token files are random ids
+written into ``OUT_DIR``; nothing needs the network. :func:`build_trainer` also
+serves the one-process tests in ``tests/integrations/test_olmo_core.py``.
 """
 
 from __future__ import annotations
@@ -485,10 +486,12 @@ class RecordOnRank1(Callback):
 
     As a callback counting a quantity only some ranks have (tokens skipped by a
     filter, a debug metric): OLMo-core flushes it with the steps 5-6 at step 6.
+    The moment it records goes to ``OUT/split.json`` (``benchmarks/detection.py``).
     """
 
     def post_step(self) -> None:
         if dist.get_rank() == 1 and self.trainer.global_step == 5:
+            (OUT / "split.json").write_text(json.dumps({"rank": 1, "t": time.time()}))
             self.trainer.record_metric("debug/skipped_tokens", 3.0, reduce_type=ReduceType.sum)
 
 
@@ -497,6 +500,11 @@ def metric_on_one_rank() -> None:
 
     callbacks = {**counting(RankGuard(**QUICK)), "debug": RecordOnRank1()}
     fit(build_trainer(OUT / "metric_on_one_rank", callbacks))
+
+
+def metric_on_one_rank_bare() -> None:
+    """The same fault without rankguard: OLMo-core's flush at step 6 meets gloo."""
+    fit(build_trainer(OUT / "metric_on_one_rank_bare", {"debug": RecordOnRank1()}))
 
 
 def async_save_metric() -> None:
@@ -534,6 +542,7 @@ SCENARIOS = {
     "ckpt_over_memory": ckpt_over_memory,
     "full_export_over_memory": full_export_over_memory,
     "metric_on_one_rank": metric_on_one_rank,
+    "metric_on_one_rank_bare": metric_on_one_rank_bare,
     "async_save_metric": async_save_metric,
     "post_eval_stall": post_eval_stall,
 }
