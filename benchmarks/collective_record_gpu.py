@@ -2,9 +2,9 @@
 
 Part 1 (one CUDA device): a world-size-1 NCCL group; the record is installed
 (``CollectiveRecorder``), a few collectives are issued (blocking, ``async_op=True``,
-on a second group, a barrier), and the script prints what the record holds (each
-group's count from ``_get_sequence_number_for_group``, the last calls with their
-lines) and what the flight recorder keeps (``flight_recorder()``: entries, or why
+on a second group, a barrier, then one FSDP2 step), and the script prints what the
+record holds (each group's count from ``_get_sequence_number_for_group``, the last
+calls with their lines) and what the flight recorder keeps (``flight_recorder()``: entries, or why
 none). Part 2 (``--gloo``, CPU): the 2-process desyncs of ``benchmarks/detection.py``
 that no stack shows (an async collective on one rank, an extra metric reduction),
 with the watchdog's short settings, printing time to report, exit codes and the
@@ -86,9 +86,41 @@ def nccl_part() -> dict:
             }
             for e in entries[:6]
         ]
+        found["fsdp2"] = fsdp2_record(recorder)
         recorder.close(keep=False)
         dist.destroy_process_group()
     return found
+
+
+def fsdp2_record(recorder) -> dict:
+    """One FSDP2 step on the CUDA rank: the collectives FSDP2 issued, as the record holds them."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError as exc:  # torch < 2.6
+        return {"skipped": str(exc)}
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda()
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    before = recorder.counts()
+    loss = model(torch.randn(4, 64, device="cuda")).sum()  # all-gathers in the forward
+    loss.backward()  # reduce-scatters in the backward
+    torch.cuda.synchronize()
+    return {
+        "wrapped": sorted(
+            n for n in ("all_gather_single", "reduce_scatter_single") if hasattr(dist, n)
+        ),
+        "counts_before": before,
+        "counts_after": recorder.counts(),
+        "last": [
+            f"#{i.seq} {i.op} {i.dtype}[{i.numel}] at {i.where}"
+            for g in recorder.snapshot()
+            for i in g.last
+        ],
+    }
 
 
 def gloo_part() -> str:
