@@ -316,20 +316,27 @@ def _collective_rank(rank: int, init: str, rounds: int, steps: int, per_step: in
     dist.destroy_process_group()
 
 
-def collective_cost(rounds: int, steps: int, per_step: int) -> None:
-    """``--collectives``: prints the record's cost per collective and per step (rank 0)."""
+def _two_ranks(target, rendezvous, *args) -> dict:
+    """Runs ``target(rank, *rendezvous(tmp), *args, out)`` on 2 spawned ranks; rank 0's JSON."""
     import multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "times.json")
         ctx = mp.get_context("spawn")
-        args = (str(Path(tmp) / "init"), rounds, steps, per_step, out)
-        procs = [ctx.Process(target=_collective_rank, args=(r, *args)) for r in range(2)]
+        full = (*rendezvous(tmp), *args, out)
+        procs = [ctx.Process(target=target, args=(r, *full)) for r in range(2)]
         for proc in procs:
             proc.start()
         for proc in procs:
             proc.join(timeout=1200)
-        times = json.loads(Path(out).read_text())
+        return json.loads(Path(out).read_text())
+
+
+def collective_cost(rounds: int, steps: int, per_step: int) -> None:
+    """``--collectives``: prints the record's cost per collective and per step (rank 0)."""
+    times = _two_ranks(
+        _collective_rank, lambda tmp: (str(Path(tmp) / "init"),), rounds, steps, per_step
+    )
     calls = steps * per_step
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     print(f"collectives: {steps} steps of {per_step} (async all_reduce + barrier), 2 gloo ranks")
@@ -391,21 +398,10 @@ def _flush_rank(rank: int, port: int, rounds: int, flushes: int, interval: int, 
 
 def metric_flush_cost(rounds: int, flushes: int, interval: int) -> None:
     """``--metric-flush``: prints the check's cost per flush (rank 0)."""
-    import multiprocessing as mp
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from launch import free_port
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "times.json")
-        ctx = mp.get_context("spawn")
-        args = (free_port(), rounds, flushes, interval, out)
-        procs = [ctx.Process(target=_flush_rank, args=(r, *args)) for r in range(2)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(timeout=1200)
-        times = json.loads(Path(out).read_text())
+    times = _two_ranks(_flush_rank, lambda tmp: (free_port(),), rounds, flushes, interval)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     print(f"metric flush: {flushes} flushes of {interval} steps x 30 metrics, 2 gloo ranks")
     for kind in ("off", "on"):
