@@ -250,6 +250,10 @@ def test_composer_loss_key_on_one_rank_is_named_before_its_reduction_and_ends_wi
     assert "Fix: return the same keys from the model's loss() on every rank" in output
     summary = (out / "reports_loss_key_on_rank1" / "summary.txt").read_text()
     assert summary.startswith("deadlock, every rank waits at a rendezvous"), summary
+    assert (
+        "What split them: rank 0 reduced loss/train/total at step 1; "
+        "rank 1 reduced loss/train/aux, loss/train/total at step 5."
+    ) in summary, summary
     assert "rank 1: your code at composer_job.py" in summary, summary
     assert "blocked in rankguard exchange, called from metric_reductions.py" in summary
     assert "rank 0: your code at composer_job.py" in summary and "blocked in all_reduce" in summary

@@ -117,6 +117,13 @@ def test_the_decision_that_split_the_ranks_is_said_in_one_sentence():
         "rank 0 entered a checkpoint save at step 40; rank 1 did not."
     )
     assert split_sentence({0: go, 1: go}) is None
+    # The names a rank reduces, as a reduction check saw them change (Composer's loss keys).
+    loss = _status(decisions=(("names:composer_loss", ("loss/train/total",), 1),))
+    aux = (("names:composer_loss", ("loss/train/aux", "loss/train/total"), 5),)
+    assert split_sentence({0: loss, 1: _status(decisions=aux)}) == (
+        "rank 0 reduced loss/train/total at step 1; "
+        "rank 1 reduced loss/train/aux, loss/train/total at step 5."
+    )
 
 
 def _left(step=83, stop=True) -> RankStatus:

@@ -293,7 +293,8 @@ def split_sentence(statuses: Mapping[int, RankStatus]) -> str | None:
 
     Each status carries ``decisions``: ``(name, value, step)`` of the facts an
     adapter reports cheaply (``should_stop``, ``should_training_stop``, the
-    metric names logged with cross-rank sync in a step, ``save`` entered).
+    metric names logged with cross-rank sync in a step, ``save`` entered, the
+    names a framework reduces, ``names:<reduction>``).
     The first name whose value differs between ranks is told, e.g. ``"rank 0
     set should_stop at step 83; rank 1 did not."``
     """
@@ -336,6 +337,8 @@ def _tell(name: str, value: object, step: int | None, who: str) -> str:
         return f"{who} logged with sync_dist=True{at}: {keys}"
     if name == "save" and value is True:
         return f"{who} entered a checkpoint save{at}"
+    if name.startswith("names:"):  # a reduction's names (hang/metric_reductions.py)
+        return f"{who} reduced {', '.join(value) if value else 'nothing'}{at}"
     if value is True:
         return f"{who} set {name}{at}"
     if value in (False, None):

@@ -809,6 +809,9 @@ class HangWatchdog(Guard):
         def mismatch(error: MetricMismatchError) -> Any:
             self.raise_on_every_rank(error)
 
+        def names(reduced: tuple[str, ...], step: int) -> None:
+            self._decisions[f"names:{name}"] = Decision(reduced, step)
+
         return ReductionCheck(
             self.channel,
             name=f"metric_reduction/{name}",
@@ -817,6 +820,7 @@ class HangWatchdog(Guard):
             notes=notes,
             timeout_s=self.timeout_s,
             on_mismatch=mismatch,
+            on_names=names,
         )
 
     # -- ranks missing from another check's exchange (main thread) ----------------------

@@ -226,6 +226,8 @@ class ReductionCheck:
         notes: Words for names the framework itself records.
         timeout_s: How long rank 0 waits for every rank's row digest.
         on_mismatch: Raises the error on every rank (default: logs it and raises it).
+        on_names: Told this rank's names and step each time :meth:`check_changed`
+            sees them change (the hang watchdog's "what split them").
 
     Attributes:
         checks: Reductions compared so far.
@@ -241,6 +243,7 @@ class ReductionCheck:
         notes: Mapping[str, str] | None = None,
         timeout_s: float = 600.0,
         on_mismatch: Callable[[MetricMismatchError], NoReturn] | None = None,
+        on_names: Callable[[tuple[str, ...], int], None] | None = None,
     ) -> None:
         self.channel = channel
         self.name = name
@@ -249,6 +252,7 @@ class ReductionCheck:
         self.notes = dict(notes or {})
         self.timeout_s = timeout_s
         self.on_mismatch = on_mismatch or _log_and_raise
+        self.on_names = on_names
         self.checks = 0
         self._agreed: tuple[tuple[tuple[str, str], ...], ...] | None = None
 
@@ -306,6 +310,8 @@ class ReductionCheck:
         names = tuple(row.names for row in rows)
         if names == self._agreed:
             return
+        if self.on_names is not None and rows:
+            self.on_names(tuple(sorted({n for row in rows for n, _ in row.names})), rows[0].label)
         timer = None
         if self._agreed is not None and self.channel.is_distributed:
             timer = threading.Timer(
