@@ -119,11 +119,16 @@ def test_loop_collective_on_rank0_only_is_a_proven_deadlock_ended_with_exit_70(l
     _check(out, output, ended_at, "torch_loop_job.py", "reduce_on_rank0_only")
 
 
+def _composer_ranks_exited_70(output: str) -> None:
+    """Composer's launcher says each rank's exit code."""
+    for rank in (0, 1):
+        assert re.search(rf"Global rank {rank} \(PID \d+\) exited with code 70", output)
+
+
 def test_composer_collective_on_rank0_only_is_a_proven_deadlock_ended_with_exit_70(composer):
     out, output, returncode, ended_at = composer
     assert returncode == DEADLOCK_EXIT_CODE, output[-6000:]
-    for rank in (0, 1):
-        assert re.search(rf"Global rank {rank} \(PID \d+\) exited with code 70", output)
+    _composer_ranks_exited_70(output)
     _check(out, output, ended_at, "composer_job.py", "reduce_on_rank0_only")
 
 
@@ -242,8 +247,7 @@ def test_composer_loss_key_on_one_rank_is_named_before_its_reduction_and_ends_wi
     # before the reduction, says which key changed, and the watchdog proves the wait.
     out, output, returncode, ended_at = composer_loss
     assert returncode == DEADLOCK_EXIT_CODE, output[-6000:]
-    for rank in (0, 1):
-        assert re.search(rf"Global rank {rank} \(PID \d+\) exited with code 70", output)
+    _composer_ranks_exited_70(output)
     said = re.search(r"rank 1's names for Composer's loss reduction .* changed at step 5 "
                      r"\(\+'loss/train/aux' \(sum\)\)", output)  # fmt: skip
     assert said, output[-6000:]
@@ -267,8 +271,7 @@ def test_composer_all_gather_on_a_path_one_rank_skips_is_a_proven_deadlock_ended
 ):
     out, output, returncode, ended_at = composer_gather
     assert returncode == DEADLOCK_EXIT_CODE, output[-6000:]
-    for rank in (0, 1):
-        assert re.search(rf"Global rank {rank} \(PID \d+\) exited with code 70", output)
+    _composer_ranks_exited_70(output)
     summary = _check(
         out,
         output,

@@ -416,3 +416,9 @@ def test_composer_loss_rows_are_the_keys_composer_all_reduces_after_a_batch():
     # Without "total", Composer sums the terms into one; a tuple's terms are loss0, loss1, ...
     assert names({"ce": loss}) == ["loss/train/ce", "loss/train/total"]
     assert names((loss, loss)) == ["loss/train/loss0", "loss/train/loss1", "loss/train/total"]
+    # Compared after every batch: names and lengths, never the tensors (a tuple of
+    # vectors compared as tuples would raise "Boolean value of Tensor ... is ambiguous").
+    vectors = (torch.ones(3), torch.zeros(3))
+    assert rg_composer.loss_keys(vectors) == rg_composer.loss_keys((torch.ones(3), loss)) == 2
+    assert rg_composer.loss_keys({"total": loss, "aux": loss}) == ("total", "aux")
+    assert rg_composer.loss_keys(loss) is None

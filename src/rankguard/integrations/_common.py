@@ -1,8 +1,10 @@
-"""What every adapter shares: building guards from callback arguments, and their names.
+"""What every adapter shares: building guards, their names, the metric-name check.
 
 Every adapter module exports the same names: ``RankGuard`` (every guard) and
 one class per registered guard (``BatchParityGuard``, ...), declared once in
 ``rankguard.integrations._api``; their ``__init__`` builds the guards here.
+:func:`metric_reduction_check` finds the hang watchdog's check of the names a
+framework reduces (OLMo-core's flush, Composer's loss).
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from rankguard.callbacks.core.guard import Guard
+from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
+from rankguard.callbacks.hang.metric_reductions import ReductionCheck
 from rankguard.callbacks.registry import GUARDS, build_guard, build_guards, unknown_name_error
 
-__all__ = ["Defaults", "bundle_guards", "class_name", "single_guard"]
+__all__ = ["Defaults", "bundle_guards", "class_name", "metric_reduction_check", "single_guard"]
 
 Defaults = Mapping[str, Mapping[str, Any]]
 
@@ -56,3 +60,17 @@ def single_guard(
 def class_name(guard_name: str) -> str:
     """A guard's callback class name in each adapter, e.g. ``BatchParityGuard``."""
     return "".join(part.title() for part in guard_name.split("_"))
+
+
+def metric_reduction_check(
+    guards: list[Guard], name: str, *, where: str, fix: str, notes: Mapping[str, str] | None = None
+) -> ReductionCheck | None:
+    """The hang watchdog's check of a reduction's names (at FIT_START, once the channel is open).
+
+    ``None`` without a watchdog among ``guards``, on one rank, or with
+    ``check_metric_reductions=False``; see :meth:`HangWatchdog.metric_reduction_check`.
+    """
+    watchdog = next((g for g in guards if isinstance(g, HangWatchdog)), None)
+    if watchdog is None or not watchdog.channel.is_distributed:
+        return None
+    return watchdog.metric_reduction_check(name, where=where, fix=fix, notes=notes)

@@ -27,9 +27,9 @@ from rankguard.callbacks.checkpoint.plan import register_sharded_setting
 from rankguard.callbacks.core.events import Event as CoreEvent
 from rankguard.callbacks.core.events import EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
-from rankguard.callbacks.hang.hang_watchdog import HangWatchdog as CoreHangWatchdog
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck, Rows, reduction_rows
 from rankguard.integrations import _api
+from rankguard.integrations._common import metric_reduction_check
 
 try:
     from composer import Trainer
@@ -90,6 +90,8 @@ _QUIET = frozenset(
 )
 #: The event after a train batch's microbatches, before Composer reduces the loss per key.
 _AFTER_TRAIN_BATCH = Event.AFTER_TRAIN_BATCH
+#: The loss keys before a fit's first batch (no :func:`loss_keys` result equals it).
+_UNSEEN = object()
 #: Composer's loss reduction, in rankguard's message when ranks' loss keys differ.
 LOSS_REDUCTION = "Composer's loss reduction (one all_reduce per loss key)"
 #: What a user changes when the keys of the loss dict differ between ranks.
@@ -303,6 +305,19 @@ def escaping_exception() -> BaseException | None:
     return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
 
 
+def loss_keys(loss: Any) -> tuple[str, ...] | int | None:
+    """What names Composer's loss reduction, cheaply: a dict's keys, a tuple's length, or ``None``.
+
+    Read after every batch and compared with the last batch's; never compares
+    the tensors themselves.
+    """
+    if isinstance(loss, dict):
+        return tuple(loss)
+    if isinstance(loss, (tuple, list)):
+        return len(loss)
+    return None
+
+
 def loss_rows(loss: Any, batch: int) -> Rows:
     """What Composer all-reduces after a train batch: ``loss/train/<key>`` per key of the loss.
 
@@ -311,24 +326,15 @@ def loss_rows(loss: Any, batch: int) -> Rows:
     alone. (Composer takes the keys of every microbatch; this reads the last
     one's, ``state.loss`` at ``AFTER_TRAIN_BATCH``.)
     """
-    if isinstance(loss, dict):
-        keys = list(loss)
-    elif isinstance(loss, (tuple, list)) and len(loss) > 1:
-        keys = [f"loss{i}" for i in range(len(loss))]
+    keys = loss_keys(loss)
+    if isinstance(keys, int):
+        names = [f"loss{i}" for i in range(keys)] if keys > 1 else []
     else:
-        keys = []
-    if "total" not in keys:
-        keys.append("total")
-    names = [f"loss/train/{key}" for key in keys]
-    return reduction_rows({batch: names}, dict.fromkeys(names, "sum"))
-
-
-def loss_check(guards: list[Guard]) -> ReductionCheck | None:
-    """The hang watchdog's check of the loss keys, or ``None`` (no watchdog, one rank, off)."""
-    watchdog = next((g for g in guards if isinstance(g, CoreHangWatchdog)), None)
-    if watchdog is None or not watchdog.channel.is_distributed:
-        return None
-    return watchdog.metric_reduction_check("composer_loss", where=LOSS_REDUCTION, fix=LOSS_FIX)
+        names = list(keys or ())
+    if "total" not in names:
+        names.append("total")
+    reduced = [f"loss/train/{name}" for name in names]
+    return reduction_rows({batch: reduced}, dict.fromkeys(reduced, "sum"))
 
 
 class _ComposerAdapter(Callback):
@@ -347,7 +353,7 @@ class _ComposerAdapter(Callback):
         self._savers: tuple[Any, int, list[CheckpointSaver]] = (None, 0, [])
         #: The loss keys' check while fitting (see :func:`loss_rows`), and the last keys seen.
         self._loss_check: ReductionCheck | None = None
-        self._loss_keys: tuple[Any, ...] | None = None
+        self._loss_keys: object = _UNSEEN
 
     def _train_facts(self, state: State) -> LoaderFacts | None:
         """The train loader's facts, built again only when Composer's loader or length changes."""
@@ -417,7 +423,7 @@ class _ComposerAdapter(Callback):
             check = self._loss_check
             if check is not None:
                 loss = state.loss
-                keys = tuple(loss) if isinstance(loss, (dict, tuple, list)) else ()
+                keys = loss_keys(loss)
                 if keys != self._loss_keys:
                     self._loss_keys = keys
                     check.check_changed(loss_rows(loss, self._step + 1))
@@ -447,9 +453,11 @@ class _ComposerAdapter(Callback):
             facts.loader_pass = self._pass_end(state, core_event)
         self.runner.fire(core_event, facts, logger.log_metrics)
         if core_event in _FIT_BOUNDS:
-            self._loss_check, self._loss_keys = None, None
+            self._loss_check, self._loss_keys = None, _UNSEEN
             if core_event is CoreEvent.FIT_START:
-                self._loss_check = loss_check(self.runner.guards)
+                self._loss_check = metric_reduction_check(
+                    self.runner.guards, "composer_loss", where=LOSS_REDUCTION, fix=LOSS_FIX
+                )
         if core_event in _PASS_ENDS.values() and self.runner.handles(_PASS_END[core_event]):
             original = state.dataloader
             counter = observe_pass(state)

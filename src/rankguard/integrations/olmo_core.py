@@ -25,9 +25,9 @@ from rankguard.callbacks.checkpoint.shared_dir_barrier import (
 )
 from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
-from rankguard.callbacks.hang.hang_watchdog import HangWatchdog as CoreHangWatchdog
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck, reduction_rows
 from rankguard.integrations import _api
+from rankguard.integrations._common import metric_reduction_check
 from rankguard.integrations._driver import EventDriver
 
 try:
@@ -555,12 +555,9 @@ class _OlmoCoreAdapter(Callback):
             save_copies_to_host=to_host,
             upload_setting=UPLOAD_SETTING,
         )
-        watchdog = next((g for g in guards if isinstance(g, CoreHangWatchdog)), None)
-        check = None
-        if watchdog is not None and watchdog.channel.is_distributed:
-            check = watchdog.metric_reduction_check(
-                "olmo_core_flush", where=FLUSH, fix=FLUSH_FIX, notes=FLUSH_NOTES
-            )
+        check = metric_reduction_check(
+            guards, "olmo_core_flush", where=FLUSH, fix=FLUSH_FIX, notes=FLUSH_NOTES
+        )
         if check is not None:
             self._unhooks += hook_metric_flush(trainer, check)
 

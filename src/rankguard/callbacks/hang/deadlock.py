@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEADLOCK_EXIT_CODE",
     "LEFT_LOOP",
+    "NAMES_DECISION",
     "RENDEZVOUS_CALLS",
     "STOP_FIXES",
     "called_from_user",
@@ -318,6 +319,9 @@ def split_sentence(statuses: Mapping[int, RankStatus]) -> str | None:
     return None
 
 
+#: The prefix of a decision holding the names a reduction check saw a rank reduce
+#: (``names:composer_loss``, see hang/metric_reductions.py).
+NAMES_DECISION = "names:"
 #: Decisions told only between ranks that agree on their context (``sync_dist_loop``: the
 #: loop the keys were logged in); the context itself is never told.
 _CONTEXT = {"sync_dist_keys": "sync_dist_loop"}
@@ -337,7 +341,7 @@ def _tell(name: str, value: object, step: int | None, who: str) -> str:
         return f"{who} logged with sync_dist=True{at}: {keys}"
     if name == "save" and value is True:
         return f"{who} entered a checkpoint save{at}"
-    if name.startswith("names:"):  # a reduction's names (hang/metric_reductions.py)
+    if name.startswith(NAMES_DECISION):
         return f"{who} reduced {', '.join(value) if value else 'nothing'}{at}"
     if value is True:
         return f"{who} set {name}{at}"

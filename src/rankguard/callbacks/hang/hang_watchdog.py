@@ -54,6 +54,7 @@ from rankguard.callbacks.hang.collectives import CollectiveRecorder
 from rankguard.callbacks.hang.deadlock import (
     DEADLOCK_EXIT_CODE,
     LEFT_LOOP,
+    NAMES_DECISION,
     called_from_user,
     left_at,
     library_paths,
@@ -810,7 +811,7 @@ class HangWatchdog(Guard):
             self.raise_on_every_rank(error)
 
         def names(reduced: tuple[str, ...], step: int) -> None:
-            self._decisions[f"names:{name}"] = Decision(reduced, step)
+            self._decisions[f"{NAMES_DECISION}{name}"] = Decision(reduced, step)
 
         return ReductionCheck(
             self.channel,
