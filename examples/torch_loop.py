@@ -143,6 +143,9 @@ def main() -> None:
     train(fault, off if args.no_rankguard else fault.rankguard)
     fault.report(rank)
     log.info("training finished")
+    # Every rank is done before any tears its group down: on torch 2.13 a rank whose peer
+    # (the store's host) left first aborted in teardown (SIGABRT, 3 runs in 14).
+    dist.barrier()
     dist.destroy_process_group()
 
 
