@@ -58,10 +58,9 @@ own CPU time (the step's own work is on top).
 ``--interval`` (5, OLMo-core's default) steps of 30 metrics with a reduce type; OLMo-core's
 own reduction of them (two ``all_reduce``, as ``reduce_metrics`` does) with and without the
 check (the rows, their digest, one store exchange), in ABBA order. Wall time per flush on
-the reducing thread (OLMo-core's bookkeeping thread where bookkeeping is asynchronous, its
-default on a backend with a CPU side; else the training thread). Budget: 2 ms per flush, the
-exchange's three store round trips on a loaded machine: under 0.5% of OLMo-core's steps
-(0.1 s and up on a GPU) at one flush every 5 steps, even on the training thread.
+the training thread, where the check runs. Budget: 2 ms per flush, the exchange's three
+store round trips on a loaded machine: under 0.5% of OLMo-core's steps (0.1 s and up on a
+GPU) at one flush every 5 steps.
 
 Usage: ``python benchmarks/overhead.py [--rounds 2] [--steps 900] [--frameworks composer,torch]``
 (about 8 minutes on 2 cores); ``python benchmarks/overhead.py --collectives [--steps 300]``;

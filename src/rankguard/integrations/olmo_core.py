@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import inspect
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -36,7 +35,6 @@ try:
     from olmo_core.train import Trainer
     from olmo_core.train.callbacks import Callback, CheckpointerCallback, EvaluatorCallback
     from olmo_core.train.common import DurationUnit, MetricMergeStrategy
-    from olmo_core.train.utils import reduce_metrics
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "rankguard.integrations.olmo_core needs OLMo-core: pip install 'rankguard[olmo-core]'"
@@ -395,60 +393,44 @@ def hook_trainer(trainer: Trainer, hooks: _Hooks, watched: Iterable[Evaluator]) 
     return unhooks
 
 
-def hook_metric_flush(trainer: Trainer, check: ReductionCheck) -> list[Unhook]:
+def hook_metric_flush(trainer: Trainer, check: ReductionCheck) -> Unhook:
     """Runs ``check`` at every metric flush, before OLMo-core reduces the metrics.
 
     The one place rankguard relies on how OLMo-core reduces its metrics: its
-    public ``Trainer.run_bookkeeping_op`` is given OLMo-core's public
-    ``olmo_core.train.utils.reduce_metrics`` with the flush's metrics per
-    step, every name's reduce type and ``metrics_consistent``; its private
-    ``Trainer._log_metrics`` starts each flush and reduces nothing where this
-    rank's ``_metrics`` is empty (another rank may have some), and its
-    ``_metrics_consistent`` holds the first flush's verdict on the names.
+    private ``Trainer._log_metrics`` starts each flush on the training thread,
+    at the same points on every rank; it reduces ``_metrics`` (the names per
+    step since the last flush, nothing where this rank has none while another
+    may have some) by their ``_metrics_reduce_type``, and ``_metrics_consistent``
+    holds its first flush's verdict on the names.
 
-    The check runs where the reduction runs (OLMo-core's bookkeeping thread
-    when its bookkeeping is asynchronous), at every flush once OLMo-core found
-    every rank records the same names (before that, and where they differ by
-    design, it gathers the names itself). A rank with nothing to flush still
-    takes part, so a metric only some ranks recorded since the last flush is
-    named too. ``tests/integrations/test_olmo_core.py`` fails if that changes.
+    The check runs on the training thread, before OLMo-core hands the metrics
+    to its reduction (its bookkeeping thread where bookkeeping is
+    asynchronous), so every rank stops at the same flush: raised from the
+    bookkeeping thread, the error reached each training thread at a step of
+    its own, and a rank one step ahead waited in its gradient all-reduce for
+    a rank that had stopped. From OLMo-core's second flush on: its first checks
+    the names itself. Where that check found them different (by design, or a
+    metric one rank recorded early), OLMo-core gathers the names per flush and
+    only whether each rank reduces at all is compared: a rank with nothing to
+    flush issues no collective while the others gather.
+    ``tests/integrations/test_olmo_core.py`` fails if that changes.
 
     Returns:
-        The functions that remove each wrapper (safe to call twice).
+        The function that removes the wrapper (safe to call twice).
     """
-    signature = inspect.signature(reduce_metrics)
-
-    @functools.wraps(reduce_metrics)  # the same op name in OLMo-core's bookkeeping log
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        given = signature.bind(*args, **kwargs).arguments
-        if given.get("metrics_consistent", True):
-            check.check(reduction_rows(given["metrics"], given["metrics_reduce_type"]))
-        return reduce_metrics(*args, **kwargs)
-
-    def nothing_to_reduce() -> None:
-        check.check(())
-
-    def running(run: Callable[..., Any]) -> Callable[..., Any]:
-        def run_bookkeeping_op(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            return run(checked if op is reduce_metrics else op, *args, **kwargs)
-
-        return run_bookkeeping_op
 
     def flushing(log_metrics: Callable[..., Any]) -> Callable[..., Any]:
         def _log_metrics(*args: Any, **kwargs: Any) -> Any:
-            if not trainer._metrics and trainer._metrics_consistent:
-                # What this rank saw decides: a metric an asynchronous save records from
-                # its own thread from now on waits for the next flush (one check a flush).
-                trainer.run_bookkeeping_op(nothing_to_reduce, op_name="rankguard_metric_check")
-                return None
+            consistent, pending = trainer._metrics_consistent, trainer._metrics
+            if consistent:
+                check.check(reduction_rows(pending, trainer._metrics_reduce_type))
+            elif consistent is not None:  # names gathered per flush: only whether it reduces
+                check.check(reduction_rows({max(pending): ()}, {}) if pending else ())
             return log_metrics(*args, **kwargs)
 
         return _log_metrics
 
-    return [
-        _wrap(trainer, "run_bookkeeping_op", running),
-        _wrap(trainer, "_log_metrics", flushing),
-    ]
+    return _wrap(trainer, "_log_metrics", flushing)
 
 
 def hook_load(trainer: Trainer, before_load: Callable[[str], None]) -> Unhook:
@@ -559,7 +541,7 @@ class _OlmoCoreAdapter(Callback):
             guards, "olmo_core_flush", where=FLUSH, fix=FLUSH_FIX, notes=FLUSH_NOTES
         )
         if check is not None:
-            self._unhooks += hook_metric_flush(trainer, check)
+            self._unhooks.append(hook_metric_flush(trainer, check))
 
     def pre_epoch(self) -> None:
         """EPOCH_START."""

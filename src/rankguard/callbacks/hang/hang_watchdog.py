@@ -355,7 +355,7 @@ class HangWatchdog(Guard):
             deadlock: every rank exits with :data:`DEADLOCK_EXIT_CODE`).
         check_metric_reductions: Before a framework reduces metrics by name, compare
             the names every rank is about to reduce through the store: OLMo-core's metric
-            flush (one store exchange per flush, on the thread that reduces; names that
+            flush (one store exchange per flush, on the training thread; names that
             differ raise :class:`MetricMismatchError` on every rank) and Composer's loss,
             one all_reduce per key (at the first batch, then where a rank's keys change;
             a rank whose keys changed alone waits, says which, and the wait is proven).
