@@ -39,7 +39,7 @@ def nccl_part() -> dict:
 
     from rankguard.callbacks.hang.collective_files import flight_recorder
     from rankguard.callbacks.hang.collectives import CollectiveRecorder, sequence_reader
-    from rankguard.callbacks.hang.deadlock import library_paths
+    from rankguard.callbacks.hang.stacks import library_paths
 
     found: dict = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
     if not torch.cuda.is_available():

@@ -275,7 +275,7 @@ def _collective_rank(rank: int, init: str, rounds: int, steps: int, per_step: in
     import torch.distributed as dist
 
     from rankguard.callbacks.hang.collectives import CollectiveRecorder
-    from rankguard.callbacks.hang.deadlock import library_paths
+    from rankguard.callbacks.hang.stacks import library_paths
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     side = dist.new_group(backend="gloo")

@@ -7,9 +7,9 @@ from rankguard.callbacks.hang.collective_compare import (
     Issued,
     differences,
     mismatch_warning,
-    record_desync,
 )
-from rankguard.callbacks.hang.diagnosis import RankStatus, diagnose
+from rankguard.callbacks.hang.status import RankStatus
+from rankguard.callbacks.hang.verdict import diagnose, record_proof
 
 LOG = "train.py:88 (log_metrics): dist.all_reduce(t, group=side, async_op=True)"
 STEP = "train.py:120 (step): dist.all_reduce(grad)"
@@ -28,11 +28,25 @@ def _all(value, ranks=(0, 1)):
     return dict.fromkeys(ranks, value)
 
 
-def _prove(records, waiting=None, quiet=True):
-    ranks = tuple(records)
-    return record_desync(
-        records, quiet=_all(quiet, ranks), waiting=waiting or _all(False, ranks), progress={}
-    )
+def _prove(records, waiting=None, quiet=True, threads=None):
+    """The record's proof where each rank is quiet or not, its stack waiting or not."""
+    waiting = waiting or _all(False, tuple(records))
+    statuses = {
+        r: RankStatus(
+            "train batch 5",
+            5,
+            4.0,
+            30.0,
+            "h",
+            1,
+            waits_at="all_reduce" if waiting[r] else None,
+            settled=waiting[r],
+            quiet=quiet,
+            loop_thread=(threads or {}).get(r, "MainThread"),
+        )
+        for r in records
+    }
+    return record_proof(statuses, records)
 
 
 def test_equal_records_differ_nowhere_and_prove_nothing():

@@ -16,8 +16,9 @@ from rankguard.callbacks.hang.calibration import (
     quantile,
     save_estimate_s,
 )
-from rankguard.callbacks.hang.diagnosis import RankStatus, diagnose
 from rankguard.callbacks.hang.hang_watchdog import HangWatchdog, attempt_dir
+from rankguard.callbacks.hang.status import RankStatus
+from rankguard.callbacks.hang.verdict import diagnose
 
 CEILINGS = {"train": 600.0, "data": 600.0, "eval": 600.0, "post_eval": 600.0, "checkpoint": 1800.0}
 

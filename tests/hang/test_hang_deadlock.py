@@ -8,18 +8,17 @@ import time
 import torch
 
 from rankguard.callbacks.core import side_channel
-from rankguard.callbacks.core.events import Event, EventFacts
-from rankguard.callbacks.hang.deadlock import (
-    LEFT_LOOP,
+from rankguard.callbacks.core.events import Event, EventFacts, SplitDecision
+from rankguard.callbacks.hang.stacks import (
     called_from_user,
-    deadlock_key,
     library_paths,
-    odd_rank,
     rendezvous,
-    split_sentence,
     user_frame,
 )
-from rankguard.callbacks.hang.diagnosis import RankStatus, diagnose
+from rankguard.callbacks.hang.status import LEFT_LOOP, RankStatus
+from rankguard.callbacks.hang.verdict import deadlock_key, odd_rank_of
+from rankguard.callbacks.hang.verdict import diagnose as _diagnose
+from rankguard.callbacks.hang.verdict_text import split_sentence as _split_sentence
 from tests.mp import run_ranks
 
 TORCH = os.path.dirname(torch.__file__)
@@ -27,6 +26,26 @@ C10D = os.path.join(TORCH, "distributed", "distributed_c10d.py")
 BACKWARD = os.path.join(TORCH, "autograd", "graph.py")
 DCP = os.path.join(TORCH, "distributed", "checkpoint", "filesystem.py")
 TRAIN = "/home/me/project/train.py"
+#: An adapter's words for its decisions (as Lightning's and the HF Trainer's hand them in).
+WORDS = {
+    "should_stop": SplitDecision(fix="reduce it across ranks (Lightning's words)"),
+    "should_training_stop": SplitDecision(fix="gather the metric first (the HF Trainer's words)"),
+    "sync_dist_keys": SplitDecision(
+        told="logged with sync_dist=True{at}: {value}", now=True, context="sync_dist_loop"
+    ),
+}
+
+
+def diagnose(statuses, **kw):
+    return _diagnose(statuses, words=WORDS, **kw)
+
+
+def odd_rank(statuses):
+    return odd_rank_of(statuses, WORDS)
+
+
+def split_sentence(statuses):
+    return _split_sentence(statuses, WORDS)
 
 
 def _status(
@@ -195,35 +214,49 @@ def test_metric_keys_read_in_different_loops_are_no_split():
     train = logged((), "train", "broadcast")
     assert split_sentence({0: logged(("val_loss",), "validate", "all_gather"), 1: train}) is None
     assert split_sentence({0: train, 1: logged(("extra",), "train", "barrier")}) == (
-        "rank 0 logged with sync_dist=True at step 80: none; "
-        "rank 1 logged with sync_dist=True at step 80: extra."
+        "rank 1 logged with sync_dist=True at step 80: extra; rank 0 did not."
     )
 
 
-def test_the_stop_advice_names_the_framework_whose_decision_split_the_ranks():
-    def advice(name):
+def test_the_stop_advice_is_the_adapters_own_for_the_decision_that_split_the_ranks():
+    from rankguard.integrations.lightning import SPLIT_DECISIONS as LIGHTNING
+    from rankguard.integrations.transformers import SPLIT_DECISIONS as HF
+
+    def advice(name, words):
         stop = _status("rankguard exchange", decisions=((name, True, 3),))
         go = _status("broadcast", frame="t.py:9 (main)", decisions=((name, False, 0),))
         statuses = {0: stop, 1: go}
-        verdict = diagnose(statuses, suspect=diagnose(statuses).suspect)
+        verdict = _diagnose(statuses, suspect=_diagnose(statuses).suspect, words=words)
         assert verdict.deadlock and verdict.first == 0
         return "\n".join(verdict.details)
 
-    hf = advice("should_training_stop")  # the HF Trainer's control.should_training_stop
+    hf = advice("should_training_stop", HF)  # the HF Trainer's control.should_training_stop
     assert "What split them: rank 0 set should_training_stop at step 3; rank 1 did not." in hf
     assert "Next: fix the stop decision of rank 0: it set should_training_stop at step 3" in hf
     assert "`EarlyStoppingCallback`" in hf and "`control.should_training_stop` on every" in hf
     assert "Lightning" not in hf
-    assert "`trainer.strategy.reduce_boolean_decision`" in advice("should_stop")
+    assert "`trainer.strategy.reduce_boolean_decision`" in advice("should_stop", LIGHTNING)
     # A rank that left with no stop decision told (Composer's stop_training): general advice.
     composer = RankStatus(**{**vars(_left(stop=False)), "decisions": ()})
     gone = {0: composer, 1: _status("backward", frame="model.py:150 (training_step)")}
-    verdict = diagnose(gone, suspect=diagnose(gone).suspect)
+    verdict = _diagnose(gone, suspect=_diagnose(gone).suspect)
     text = "\n".join(verdict.details)
     assert verdict.deadlock and "Next: fix the stop decision of rank 0: it left" in text, text
     assert "(reduce the decision across ranks, or base it on a metric synced" in text
     assert "Lightning" not in text and "EarlyStopping" not in text
     assert "What split them" not in text  # not set and not reported: no split told
+
+
+def test_no_framework_is_named_in_the_hang_verdicts_code():
+    import rankguard.callbacks.hang as hang
+
+    folder = os.path.dirname(hang.__file__)
+    verdict = ("status.py", "verdict.py", "verdict_text.py", "stacks.py", "collective_compare.py")
+    for name in verdict:
+        if name:
+            text = open(os.path.join(folder, name), encoding="utf-8").read()
+            for word in ("should_stop", "should_training_stop", "sync_dist", "EarlyStopping"):
+                assert word not in text, (name, word)
 
 
 def test_a_rendezvous_reached_through_a_framework_is_not_called_from_the_users_code():

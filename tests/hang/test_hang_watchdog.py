@@ -16,17 +16,13 @@ import pytest
 from rankguard.callbacks.core.errors import RanksMissingError
 from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.side_channel import SideChannel
-from rankguard.callbacks.hang.diagnosis import (
-    RankStatus,
-    blocked_in,
-    diagnose,
-    flight_recorder_note,
-    frozen_ranks,
-    nccl_timeout_advice,
-)
 from rankguard.callbacks.hang.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
 from rankguard.callbacks.hang.report import main as report_main
 from rankguard.callbacks.hang.report import write_heartbeats, write_stacks
+from rankguard.callbacks.hang.stacks import blocked_in
+from rankguard.callbacks.hang.status import RankStatus
+from rankguard.callbacks.hang.verdict import diagnose, gone
+from rankguard.callbacks.hang.verdict_text import flight_recorder_note, nccl_timeout_advice
 from tests.mp import run_ranks
 
 EVAL = LoaderFacts("eval", None, is_train=False)
@@ -334,17 +330,24 @@ def test_verdict_names_the_stuck_rank_first_and_stays_short_at_1000_ranks():
         "rank 1 stuck 61 s in eval batch 3 of 'eval' (deadline 60 s); "
         "ranks 0,2-999 waiting 58 s in train batch 2001"
     )
-    assert verdict.stuck == ((1, 1),) and len(verdict.details) == 1 and verdict.first == 1
+    assert verdict.stuck == ((1, 1),) and verdict.first == 1 and verdict.kind == "stall"
+    assert len(verdict.details) == 2 and verdict.details[1].startswith("Next: read rank1.txt")
     assert diagnose({0: _status("fit end", 99.0, None)}).summary == ""
 
 
 def test_frozen_ranks_wait_for_the_slack_and_skip_finished_ranks():
     verdict = diagnose({0: _status("train batch 5", 1.0, 10.0), 1: _status("fit end", 0, None)})
     assert verdict.slack_s == 9.0
-    assert frozen_ranks([2], rank=0, waited_s=5, last=verdict, default_s=99) == []
-    assert frozen_ranks([0, 2], rank=0, waited_s=12, last=verdict, default_s=99) == [2]
-    assert frozen_ranks([1], rank=0, waited_s=12, last=verdict, default_s=99) == []
-    assert frozen_ranks([3], rank=1, waited_s=12, last=verdict, default_s=99) == []
+
+    def frozen(missing, rank=0, waited_s=12, **kw):
+        found = gone(missing, rank=rank, waited_s=waited_s, last=verdict, default_s=99, **kw)
+        return None if found is None else (found.stuck, found.kind, found.end)
+
+    assert frozen([2], waited_s=5) is None
+    assert frozen([0, 2]) == (((2, 2),), "gone", True)  # past every ceiling (none given)
+    assert frozen([1]) is None  # its fit ended
+    assert frozen([3], rank=1) is None  # this rank's fit ended: it closes at its own pace
+    assert frozen([2], waited_s=5, given_up=[2]) == (((2, 2),), "gone", True)  # a check gave up
 
 
 def test_nccl_timeout_shorter_than_detection_is_a_warning_with_the_fix():
@@ -381,7 +384,6 @@ def test_report_cli_groups_identical_stacks_and_draws_a_timeline(tmp_path, capsy
 
 
 def test_default_deadlines_fit_under_the_nccl_timeout_and_set_ones_are_kept(tmp_path):
-    from rankguard.callbacks.hang.diagnosis import nccl_timeout_advice
 
     watchdog = HangWatchdog(eval_timeout_s=900, report_dir=str(tmp_path))
     watchdog._fit_defaults_under(300.0)  # Composer's default dist_timeout

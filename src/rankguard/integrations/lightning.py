@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rankguard.callbacks.checkpoint.plan import register_sharded_setting
-from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
+from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts, SplitDecision
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.integrations import _api
 
@@ -211,6 +211,21 @@ def step_tracker(trainer: pl.Trainer) -> Any:
     return None
 
 
+#: How the hang verdict tells Lightning's decisions where they split the ranks.
+SPLIT_DECISIONS = {
+    "should_stop": SplitDecision(
+        fix=(
+            "reduce the decision across ranks, e.g. Lightning's "
+            "`trainer.strategy.reduce_boolean_decision`, or base it on a metric synced across "
+            "ranks"
+        )
+    ),
+    "sync_dist_keys": SplitDecision(
+        told="logged with sync_dist=True{at}: {value}", now=True, context="sync_dist_loop"
+    ),
+}
+
+
 def split_decisions(trainer: pl.Trainer) -> dict[str, Any]:
     """Decisions that can split the ranks, as this rank's trainer holds them now.
 
@@ -309,6 +324,7 @@ class _LightningAdapter(Callback):
             sharded_setting=setting,
             upload_setting=UPLOAD_SETTING,
             decision_probe=functools.partial(split_decisions, trainer),
+            split_decisions=SPLIT_DECISIONS,
         )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

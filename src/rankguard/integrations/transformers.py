@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from time import perf_counter
 from typing import Any
 
-from rankguard.callbacks.core.events import LoaderFacts
+from rankguard.callbacks.core.events import LoaderFacts, SplitDecision
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.callbacks.core.step_log import BATCH_END_FETCH_START, FETCH_END_BATCH_START
 from rankguard.integrations import _api
@@ -155,6 +155,18 @@ def hook_resume(trainer: Trainer, before_load: Callable[[str], None]) -> Callabl
     return unhook
 
 
+#: How the hang verdict tells the Trainer's stop decision where it split the ranks.
+SPLIT_DECISIONS = {
+    "should_training_stop": SplitDecision(
+        fix=(
+            "reduce the metric across ranks before deciding, e.g. `EarlyStoppingCallback` on "
+            "the metrics `trainer.evaluate()` returns, already gathered from every rank, or set "
+            "`control.should_training_stop` on every rank alike"
+        )
+    )
+}
+
+
 def stop_decision(control: TrainerControl) -> dict[str, Any]:
     """``control.should_training_stop`` as a decision that can split the ranks.
 
@@ -251,6 +263,7 @@ class _TrainerAdapter(TrainerCallback):
             switch_to_sharded=None,
             sharded_setting=SHARDED_SETTING,
             decision_probe=functools.partial(stop_decision, control),
+            split_decisions=SPLIT_DECISIONS,
         )
         if args.eval_on_start and evals:
             self.driver.eval_start(evals)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["Event", "EventFacts", "LoaderFacts", "LoaderPass"]
+__all__ = ["Event", "EventFacts", "LoaderFacts", "LoaderPass", "SplitDecision"]
 
 
 class Event(str, Enum):
@@ -58,6 +58,30 @@ class LoaderFacts:
     loader: Any
     is_train: bool
     num_batches: int | None = None
+
+
+@dataclass(frozen=True)
+class SplitDecision:
+    """How a decision of :attr:`EventFacts.decisions` is told where it split the ranks.
+
+    The adapter knows its framework's words; the hang verdict only compares values.
+
+    Attributes:
+        told: What a rank holding it did, with ``{value}`` (its names, joined) and
+            ``{at}`` (" at step N"), e.g. ``"logged with sync_dist=True{at}: {value}"``;
+            ``None``: ``"set NAME at step N"``.
+        fix: For a stop decision (one that ends training on the rank that sets it):
+            how to decide it alike on every rank; ``None`` for any other decision.
+        now: Whether the value belongs to the step the rank is in now (names logged
+            in the step), rather than the step at which it last changed.
+        context: Another decision that must be alike on two ranks for this one to
+            be compared (e.g. the loop the names were logged in).
+    """
+
+    told: str | None = None
+    fix: str | None = None
+    now: bool = False
+    context: str | None = None
 
 
 @dataclass(frozen=True)
@@ -111,13 +135,14 @@ class EventFacts:
         loader_pass: What this rank's pass over ``loader`` did (EVAL_END,
             EPOCH_END), where the adapter could see the loader's iterator.
         decisions: Decisions that can split the ranks, as the framework holds
-            them now (TRAIN_BATCH_END, EVAL_END): a stop decision under the
-            framework's name for it (Lightning's ``should_stop``, the HF
-            Trainer's ``should_training_stop``),
-            ``sync_dist_keys`` (metric names logged with cross-rank sync in the step).
+            them now (TRAIN_BATCH_END, EVAL_END), under the framework's names: a
+            stop decision, the metric names logged with cross-rank sync in the step;
+            ``split_decisions`` says how each is told.
         decision_probe: Returns ``decisions`` as they are now (FIT_START), for a
             guard's background thread to read while the loop is blocked (the
             decision that split the ranks may be made inside the step that hangs).
+        split_decisions: How each name of ``decisions`` is told, and the fix of a stop
+            decision, in the framework's words (FIT_START).
     """
 
     step: int = 0
@@ -138,6 +163,7 @@ class EventFacts:
     loader_pass: LoaderPass | None = None
     decisions: dict[str, Any] = field(default_factory=dict)
     decision_probe: Callable[[], dict[str, Any]] | None = None
+    split_decisions: dict[str, SplitDecision] = field(default_factory=dict)
 
     @staticmethod
     def for_loaders(loaders: Iterable[LoaderFacts], **kwargs: Any) -> EventFacts:

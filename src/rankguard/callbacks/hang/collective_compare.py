@@ -7,7 +7,6 @@ Nothing here touches a thread, a file or a process group.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -16,15 +15,20 @@ from rankguard.callbacks.core.ranks import group_ranks, rank_label
 __all__ = [
     "P2P_OPS",
     "SIZED_OPS",
-    "Desync",
+    "UNDESCRIBED",
     "Difference",
     "GroupRecord",
     "Issued",
+    "ahead",
+    "describe_difference",
     "describe_issued",
     "describe_records",
     "differences",
+    "first_difference",
+    "group_label",
+    "last_call",
     "mismatch_warning",
-    "record_desync",
+    "odd_rank",
     "same_call",
 ]
 
@@ -47,7 +51,7 @@ SIZED_OPS = frozenset(
 #: Point-to-point calls: only two ranks of a group issue each, so counts differ by design.
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
 #: A collective the group counted that no wrapped ``torch.distributed`` function issued.
-_UNDESCRIBED = "issued outside Python's record (from C++, e.g. DDP's gradient all-reduce)"
+UNDESCRIBED = "issued outside Python's record (from C++, e.g. DDP's gradient all-reduce)"
 #: The default group's name in reports.
 DEFAULT_GROUP = "0"
 
@@ -112,15 +116,6 @@ class Difference(NamedTuple):
     issued: Mapping[int, Issued | None]
 
 
-class Desync(NamedTuple):
-    """A desync proven from the records: the verdict's summary, details and first rank."""
-
-    key: str
-    summary: str
-    details: tuple[str, ...]
-    first: int
-
-
 def same_call(a: Issued, b: Issued) -> bool:
     """Whether two ranks' collectives at one number can pair: the same op, and size if sized."""
     if a.op != b.op:
@@ -174,7 +169,7 @@ def differences(records: Mapping[int, Sequence[GroupRecord]]) -> list[Difference
     return found
 
 
-def _ahead(diff: Difference) -> list[int]:
+def ahead(diff: Difference) -> list[int]:
     """Members that issued collective ``seq`` of a count difference: it waits for the rest."""
     low = min(diff.counts.values())
     return [r for r, c in diff.counts.items() if c > low]
@@ -194,7 +189,8 @@ def describe_issued(issued: Issued | None, previous_thread: str | None = None) -
     return f"{issued.op}{size}{where}{thread}"
 
 
-def _group_label(diff: Difference) -> str:
+def group_label(diff: Difference) -> str:
+    """The group of a difference in words, e.g. ``"group 1 (ranks 0,1)"``."""
     name = "the default group" if diff.group == DEFAULT_GROUP else f"group {diff.group}"
     return f"{name} (ranks {rank_label(diff.members).removeprefix('ranks ').removeprefix('rank ')})"
 
@@ -215,107 +211,36 @@ def describe_difference(records: Mapping[int, Sequence[GroupRecord]], diff: Diff
     calls = {
         r: describe_issued(i, _previous_thread(records, diff, r))
         if i is not None or diff.counts[r] < diff.seq
-        else _UNDESCRIBED
+        else UNDESCRIBED
         for r, i in diff.issued.items()
     }
     at = "; ".join(f"{rank_label(ranks)}: {call}" for ranks, call in group_ranks(calls)[:8])
-    return f"{_group_label(diff)}: {counts}; collective #{diff.seq}: {at}"
+    return f"{group_label(diff)}: {counts}; collective #{diff.seq}: {at}"
 
 
-def _odd(diff: Difference) -> int:
+def odd_rank(diff: Difference) -> int:
     """The rank whose record differs: the fewest alike; among equals the earliest issue."""
     if diff.kind == "count":
-        ahead = _ahead(diff)
-        behind = [r for r in diff.members if r not in ahead]
-        side = ahead if len(ahead) <= len(behind) else behind
+        front = ahead(diff)
+        behind = [r for r in diff.members if r not in front]
+        side = front if len(front) <= len(behind) else behind
     else:
         groups = group_ranks({r: (i.op, i.dtype, i.numel) for r, i in diff.issued.items() if i})
         side = min(groups, key=lambda g: len(g[0]))[0]
     return min(side, key=lambda r: (diff.issued[r].t if diff.issued.get(r) else float("inf"), r))
 
 
-def _first(diffs: Sequence[Difference]) -> Difference:
+def first_difference(diffs: Sequence[Difference]) -> Difference:
     """The difference that split the ranks: the one whose odd collective was issued first."""
 
     def issued_at(diff: Difference) -> float:
-        call = diff.issued.get(_odd(diff))
+        call = diff.issued.get(odd_rank(diff))
         return call.t if call is not None else float("inf")
 
     return min(diffs, key=lambda d: (issued_at(d), d.group))
 
 
-def record_desync(
-    records: Mapping[int, Sequence[GroupRecord]],
-    quiet: Mapping[int, bool],
-    waiting: Mapping[int, bool],
-    progress: Mapping[int, int],
-) -> Desync | None:
-    """A desync proven from the ranks' records, or ``None``.
-
-    Proven when every rank is quiet (no progress and no collective issued for
-    its settle time), some group's records differ, and every rank waits for a
-    collective that can never complete: it issued one that a member of its
-    group never issued (its count is higher), or its stack waits at a
-    rendezvous (``waiting``); or, at one count, the last collective of a group
-    is a different call on different ranks (they paired unlike calls). A slow
-    rank (a checkpoint write, logging on rank 0) issued nothing the others
-    did not, so it is never waiting here. One sighting is a suspicion: the
-    caller proves it with the same ``key`` at the next exchange.
-
-    Args:
-        records: Each rank's record.
-        quiet: Whether each rank made no progress and issued nothing for its settle time.
-        waiting: Whether each rank's stack waits at a rendezvous, or it left the loop.
-        progress: Each rank's progress counter (part of the fingerprint).
-
-    Returns:
-        The proof's fingerprint, summary, detail lines and the rank to read first.
-    """
-    if len(records) < 2 or not all(quiet.get(r) for r in records):
-        return None
-    diffs = differences(records)
-    if not diffs:
-        return None
-    ahead = {r for d in diffs if d.kind == "count" for r in _ahead(d)}
-    stalled = [d for d in diffs if d.kind == "call" and _last_call(records, d)]
-    stuck = all(r in ahead or waiting.get(r) for r in records)
-    if not (stuck and any(d.kind == "count" for d in diffs)) and not stalled:
-        return None
-    proven = [d for d in diffs if d.kind == "count"] + stalled
-    first = _first(proven)
-    odd = _odd(first)
-    counts = sorted(
-        (r, tuple(sorted((g.name, g.count) for g in recs))) for r, recs in records.items()
-    )
-    state = repr((counts, sorted(progress.items())))
-    key = "record:" + hashlib.sha1(state.encode()).hexdigest()[:16]
-    issued = first.issued.get(odd)
-    call = describe_issued(issued) if issued is not None else _UNDESCRIBED
-    never = [r for r in first.members if dict(first.counts).get(r, 0) < first.seq]
-    what = (
-        f"rank {odd} issued collective #{first.seq} of {_group_label(first)}, {call}, which "
-        f"{rank_label(never)} never issued"
-        if first.kind == "count"
-        else f"collective #{first.seq} of {_group_label(first)} is a different call on "
-        "different ranks"
-    )
-    summary = f"desync, every rank waits for a collective another never issued: {what}"
-    details = tuple(f"Collectives issued: {describe_difference(records, d)}" for d in proven)
-    fix = (
-        f"Next: fix the code path that issued rank {odd}'s {first.issued[odd].op} "
-        if first.issued.get(odd)
-        else f"Next: fix the code path of rank {odd} "
-    )
-    details += (
-        fix + f"(collective #{first.seq} of {_group_label(first)}): it runs on some ranks "
-        "only, or issues a different collective on some (a metric recorded on some ranks, "
-        "a collective under `if rank == 0`, collectives issued in a different order). A "
-        "restart would replay it: exit code 70, do not restart.",
-    )
-    return Desync(key, summary, details, odd)
-
-
-def _last_call(records: Mapping[int, Sequence[GroupRecord]], diff: Difference) -> bool:
+def last_call(records: Mapping[int, Sequence[GroupRecord]], diff: Difference) -> bool:
     """Whether a call difference is every member's last collective on the group (in flight)."""
     return all(c == diff.seq for c in diff.counts.values())
 
@@ -334,7 +259,7 @@ def mismatch_warning(records: Mapping[int, Sequence[GroupRecord]]) -> tuple[str,
     if not calls:
         return None
     diff = calls[0]
-    odd = _odd(diff)
+    odd = odd_rank(diff)
     text = (
         "collectives issued at the same count differ between ranks, so they were paired with "
         f"the wrong partner: {describe_difference(records, diff)}. Fix the code path of rank "

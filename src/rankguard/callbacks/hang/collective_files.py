@@ -9,7 +9,6 @@ after the ranks died; and PyTorch's flight recorder, where the running torch kee
 from __future__ import annotations
 
 import json
-import linecache
 import logging
 import os
 import struct
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued
+from rankguard.callbacks.hang.stacks import describe_frame
 
 __all__ = [
     "FAULT_SUFFIX",
@@ -137,12 +137,7 @@ def _where(codes: list, code_id: int, lasti: int, source: bool = True) -> str | 
     if code_id < 0 or code_id >= len(codes):
         return None
     filename, function, lines = codes[code_id]
-    line = _line(lines, lasti)
-    where = f"{os.path.basename(filename)}:{line} ({function})"
-    text = linecache.getline(filename, line).strip() if source else ""
-    if len(text) > 80:
-        text = text[:77] + "..."
-    return f"{where}: {text}" if text else where
+    return describe_frame(filename, _line(lines, lasti), function, source)
 
 
 def newest_per_group(rows: list[tuple], per_group: int) -> list[tuple]:

@@ -41,6 +41,7 @@ from rankguard.callbacks.hang.collective_files import (
     newest_per_group,
     read_ring,
 )
+from rankguard.callbacks.hang.stacks import code_name
 
 __all__ = ["WRAPPED", "CollectiveRecorder", "sequence_reader"]
 
@@ -412,7 +413,7 @@ class CollectiveRecorder:
             self._names.kept.append(code)
             found = self._names.code_ids[id(code)] = len(self._names.codes)
             lines = [(start, line) for start, _, line in code.co_lines() if line is not None]
-            self._names.codes.append((code.co_filename, code.co_name, lines))
+            self._names.codes.append((code.co_filename, code_name(code), lines))
             self._write_names()
         return found
 

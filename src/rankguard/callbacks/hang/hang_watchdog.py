@@ -51,32 +51,33 @@ from rankguard.callbacks.hang.calibration import (
 )
 from rankguard.callbacks.hang.collective_files import write_flight_recorder
 from rankguard.callbacks.hang.collectives import CollectiveRecorder
-from rankguard.callbacks.hang.deadlock import (
-    DEADLOCK_EXIT_CODE,
-    LEFT_LOOP,
-    NAMES_DECISION,
+from rankguard.callbacks.hang.metric_reductions import ReductionCheck
+from rankguard.callbacks.hang.report import write_incident
+from rankguard.callbacks.hang.stacks import blocked_in as blocked_in_call
+from rankguard.callbacks.hang.stacks import (
     called_from_user,
-    left_at,
+    code_name,
     library_paths,
     rendezvous,
     user_frame,
 )
-from rankguard.callbacks.hang.diagnosis import (
+from rankguard.callbacks.hang.status import (
+    DEADLOCK_EXIT_CODE,
+    HANG_EXIT_CODE,
+    LEFT_LOOP,
     GaveUp,
     RankStatus,
     Runs,
     Verdict,
-    blocked_in,
-    describe_frozen,
-    diagnose,
+)
+from rankguard.callbacks.hang.verdict import diagnose, gone
+from rankguard.callbacks.hang.verdict_text import (
+    NAMES_DECISION,
     flight_recorder_note,
-    frozen_ranks,
+    left_at,
     nccl_timeout_advice,
-    next_step,
     phase_label,
 )
-from rankguard.callbacks.hang.metric_reductions import ReductionCheck
-from rankguard.callbacks.hang.report import write_incident
 
 __all__ = [
     "DEADLOCK_EXIT_CODE",
@@ -142,8 +143,6 @@ class EarlyExchange(NamedTuple):
     at: float  # time.perf_counter()
 
 
-#: Exit code of every rank that aborts on a hang (``action="abort"``); 75 is EX_TEMPFAIL.
-HANG_EXIT_CODE = 75
 #: Set by torchrun (and its elastic agent) to the number of restarts of the worker group.
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
@@ -483,6 +482,8 @@ class HangWatchdog(Guard):
         self._host = socket.gethostname()
         self._beat: Beat | None = None
         self._loop_thread: int | None = None  # ident of the thread that sends the events
+        self._loop_thread_name: str | None = None
+        self._words: dict[str, Any] = {}  # the adapter's words for its decisions
         self._reset()
 
     @property
@@ -676,6 +677,7 @@ class HangWatchdog(Guard):
         params = _num_params(facts.model) if facts.model is not None else None
         self._save_estimate = None if params is None else save_estimate_s(params, self.floor_s)
         self._decision_probe = facts.decision_probe
+        self._words = dict(facts.split_decisions)
         self._heartbeat("fit_start", facts)
 
     # Most events only record a heartbeat: one handler each, documented once.
@@ -855,6 +857,7 @@ class HangWatchdog(Guard):
 
     def _start(self) -> None:
         self._loop_thread = threading.get_ident()
+        self._loop_thread_name = threading.current_thread().name
         self._derive()  # the first heartbeat: the thread reads _beat from its start
         backend, pg_timeout = process_group_timeout()
         if backend == "nccl":
@@ -998,7 +1001,7 @@ class HangWatchdog(Guard):
             deadline_s=None if done else self._deadline_s[kind],
             host=self._host,
             pid=os.getpid(),
-            blocked_in=blocked_in(stack),
+            blocked_in=blocked_in_call(stack),
             ceiling_s=None if done else self.ceilings[kind],
             gave_up=self._gave_up,
             user_frame=user_frame(stack, self._libraries),
@@ -1011,6 +1014,7 @@ class HangWatchdog(Guard):
             decisions=tuple((n, v, s) for n, (v, s) in sorted(dict(self._decisions).items())),
             record=self._collectives(),
             quiet=self._quiet_s() >= self._record_settle_s,
+            loop_thread=self._loop_thread_name,
         )
         if not done:
             return status
@@ -1039,7 +1043,7 @@ class HangWatchdog(Guard):
         frame = sys._current_frames().get(self._loop_thread)
         stack = []
         while frame is not None and len(stack) < MAX_FRAMES:
-            stack.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+            stack.append((frame.f_code.co_filename, frame.f_lineno, code_name(frame.f_code)))
             frame = frame.f_back
         return stack
 
@@ -1047,7 +1051,9 @@ class HangWatchdog(Guard):
         while not self._stop.is_set():
             self._recalibrate()
             suspect = self._last.suspect if self._last is not None else None
-            decide = functools.partial(diagnose, incident=self._incident, suspect=suspect)
+            decide = functools.partial(
+                diagnose, incident=self._incident, suspect=suspect, words=self._words
+            )
             try:
                 status = self._status()
                 self._read_wake = False  # a wake point read so far: this status tells it
@@ -1074,8 +1080,7 @@ class HangWatchdog(Guard):
                 self._on_deadlock(verdict)
             elif verdict.stuck:
                 self._incident = verdict.stuck
-                details = (*verdict.details, next_step(verdict.first, []))
-                self._stage(verdict.summary, details, frozen=[], end=verdict.end)
+                self._stage(verdict.summary, verdict.details, frozen=[], end=verdict.end)
             elif self._reported:
                 self._recovered()
             if verdict.done == ((0, self.channel.world_size - 1),):
@@ -1164,23 +1169,18 @@ class HangWatchdog(Guard):
 
     def _on_missing(self, missing: list[int]) -> None:
         waited = self.exchange_period_s + self._failures * self.exchange_timeout_s
-        last = self._last
-        frozen = frozen_ranks(
+        given_up = self._gave_up[1] if self._gave_up else ()
+        verdict = gone(
             missing,
             rank=self.channel.rank,
             waited_s=waited,
-            last=last,
+            last=self._last,
             default_s=self.ceilings["startup"],
+            given_up=given_up,
         )
-        # Ranks a check gave up waiting for, silent here too: never arrived, frozen or dead.
-        given_up = set(self._gave_up[1]) if self._gave_up else set()
-        silent = sorted((given_up & set(missing)) - {self.channel.rank})
-        frozen = frozen or silent
-        if frozen and not self._stop.is_set() and self._beat.kind != "done":
-            ceiling_slack = self.first_step_timeout_s if last is None else last.ceiling_slack_s
-            summary = describe_frozen(frozen, waited, last)
-            end = bool(given_up & set(frozen)) or waited > ceiling_slack
-            self._stage(summary, (next_step(None, frozen),), frozen=frozen, end=end)
+        if verdict is not None and not self._stop.is_set() and self._beat.kind != "done":
+            frozen = [r for first, last in verdict.stuck for r in range(first, last + 1)]
+            self._stage(verdict.summary, verdict.details, frozen=frozen, end=verdict.end)
 
     def _stage(self, summary: str, details: tuple[str, ...], frozen: list[int], end: bool) -> None:
         """Acts on a stuck verdict: stage 1 (report once) or stage 2 (end the incident)."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from rankguard.callbacks.core.ranks import group_ranks, rank_label
 
 if TYPE_CHECKING:
-    from rankguard.callbacks.hang.diagnosis import RankStatus
+    from rankguard.callbacks.hang.status import RankStatus
 
 __all__ = [
     "LOOP_MARK",

@@ -1,0 +1,341 @@
+"""The hang verdict: one pure function from every rank's status to healthy, slow, stall or proof.
+
+The rule is written once, in docs/hang.md#the-verdict; ``tests/hang/test_verdict_cases.py``
+pins it down case by case. The watchdog only gathers statuses, asks, and acts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import NamedTuple
+
+from rankguard.callbacks.core.events import SplitDecision
+from rankguard.callbacks.core.ranks import group_ranks
+from rankguard.callbacks.hang.collective_compare import (
+    Difference,
+    GroupRecord,
+    ahead,
+    differences,
+    first_difference,
+    last_call,
+    mismatch_warning,
+    odd_rank,
+)
+from rankguard.callbacks.hang.status import RankStatus, Runs, Verdict, in_runs, to_runs
+from rankguard.callbacks.hang.verdict_text import (
+    describe_deadlock,
+    describe_desync,
+    describe_frozen,
+    gave_up_lines,
+    grouped,
+    next_step,
+    point,
+    record_lines,
+    split_sentence,
+    stop_of,
+    stuck_lines,
+    where_lines,
+)
+
+__all__ = ["Proof", "deadlock_key", "diagnose", "gone", "held_by_own_collective", "record_proof"]
+
+
+class Proof(NamedTuple):
+    """A deadlock or desync seen at one exchange: proven when the next sees the same ``key``."""
+
+    kind: str  # "deadlock" (where every rank waits) or "desync" (what every rank issued)
+    key: str
+    summary: str
+    details: tuple[str, ...]
+    first: int
+
+
+def diagnose(
+    statuses: Mapping[int, RankStatus],
+    incident: Runs = (),
+    suspect: str | None = None,
+    words: Mapping[str, SplitDecision] | None = None,
+) -> Verdict:
+    """The verdict on every rank's status (the ``decide`` of the status exchange, on rank 0).
+
+    In order: a proof (a deadlock from where every rank's training thread waits,
+    or a desync from what every rank issued), seen at two exchanges a second
+    apart without progress (``suspect`` is the first one's fingerprint); else
+    the ranks past their deadline that are not only waiting for others (slow,
+    or a stall at the ceiling or where a check gave up waiting for them); else
+    healthy. Collectives paired with unlike partners are told beside any class.
+
+    Args:
+        statuses: Every rank's status.
+        incident: The stuck ranks of the open incident (``()`` when none): they
+            stay its cause while they are past their deadline.
+        suspect: :attr:`Verdict.suspect` of the previous exchange.
+        words: The adapter's words for its decisions (stop decisions and their fixes).
+
+    Returns:
+        A verdict whose summary reads e.g. ``"rank 1 stuck 61 s in eval batch
+        3 of 'eval' (deadline 60 s); ranks 0,2,3 waiting 58 s in train batch 2001"``.
+    """
+    words = words or {}
+    records = _records(statuses)
+    verdict = _stalled(statuses, incident, words)
+    if records:
+        verdict = replace(verdict, mismatch=mismatch_warning(records))
+    stack_key = deadlock_key(statuses)
+    recorded = record_proof(statuses, records)
+    keys = {key for key in (stack_key, recorded.key if recorded else None) if key}
+    if not keys:
+        return verdict
+    if suspect not in keys:
+        return replace(verdict, suspect=stack_key or recorded.key)  # type: ignore[union-attr]
+    if stack_key is not None:  # the stack proof where it sees too: the record's lines added
+        first = odd_rank_of(statuses, words)
+        summary, details = describe_deadlock(statuses, first, words)
+        proof = Proof("deadlock", stack_key, summary, (*details, *record_lines(records)), first)
+    else:
+        split = split_sentence(statuses, words)
+        what = (f"What split them: {split}",) if split else ()
+        proof = recorded._replace(details=(*what, *recorded.details))  # type: ignore[union-attr]
+    return replace(
+        verdict,
+        kind=proof.kind,
+        stuck=to_runs(statuses),
+        summary=proof.summary,
+        details=(*proof.details, *where_lines(statuses)),
+        first=proof.first,
+        end=verdict.end or any(s.past_ceiling for s in statuses.values()),
+    )
+
+
+def _records(statuses: Mapping[int, RankStatus]) -> dict[int, tuple[GroupRecord, ...]]:
+    """Every rank's record of collectives; empty unless every rank keeps one."""
+    records = {r: s.record for r, s in statuses.items() if s.record}
+    return records if len(records) == len(statuses) else {}
+
+
+# -- slow and stalled ranks ------------------------------------------------------------------
+
+
+def _stalled(
+    statuses: Mapping[int, RankStatus], incident: Runs, words: Mapping[str, SplitDecision]
+) -> Verdict:
+    """Healthy, slow (past a calibrated deadline) or stall (past the ceiling, or given up on).
+
+    Ranks past their deadline are stuck unless they are only blocked waiting
+    for peers; when every rank past its deadline waits, the stuck ones are the
+    ranks not waiting that made no progress for at least half as long (deadlines
+    differ per phase). An open incident's stuck ranks stay its cause while they
+    are past their deadline. Ranks another rank's check gave up waiting for are
+    stuck, and end the incident at once.
+    """
+    gave_up = sorted({s.gave_up for s in statuses.values() if s.gave_up is not None})
+    missing = {r for _, ranks, _ in gave_up for r in ranks if r in statuses}
+    overdue = {r: s for r, s in statuses.items() if s.overdue}
+    stuck = {r: s for r, s in overdue.items() if in_runs(r, incident)}
+    if missing:
+        stuck = {r: statuses[r] for r in missing}
+    elif not stuck:
+        stuck = {r: s for r, s in overdue.items() if not s.blocked_in}
+    if overdue and not stuck:
+        since = min(s.idle_s for s in overdue.values()) / 2
+        stuck = {
+            r: s
+            for r, s in statuses.items()
+            if s.deadline_s is not None and not s.blocked_in and s.idle_s >= since
+        } or overdue
+    others = {r: s for r, s in statuses.items() if r not in stuck}
+    summary, details = "", gave_up_lines(gave_up) + stuck_lines(stuck)
+    if stuck:
+        summary = "; ".join(
+            grouped(stuck, "{who} stuck {idle:.0f} s in {phase} ({limits}{and_where})")
+            + grouped(others, "{who} waiting {idle:.0f} s in {phase}{where}")
+        )
+        split = split_sentence(statuses, words)
+        details += (*where_lines(statuses), *([f"What split them: {split}"] if split else []))
+    first = max(stuck, key=lambda r: (stuck[r].idle_s, -r)) if stuck else None
+    if stuck:
+        details += (next_step(first, ()),)
+    end = bool(missing) or any(s.past_ceiling for s in stuck.values())
+    running = [s for s in statuses.values() if s.deadline_s is not None]
+    return Verdict(
+        stuck=to_runs(stuck),
+        summary=summary,
+        details=details,
+        phases="; ".join(grouped(statuses, "{who} in {phase}{where}")),
+        done=to_runs(r for r, s in statuses.items() if s.deadline_s is None),
+        slack_s=max((s.deadline_s - s.idle_s for s in running), default=math.inf),  # type: ignore[operator]
+        first=first,
+        end=end,
+        ceiling_slack_s=max((s.ceiling - s.idle_s for s in running), default=math.inf),  # type: ignore[operator]
+        kind=("stall" if end else "slow") if stuck else "healthy",
+    )
+
+
+# -- a deadlock proven from where every rank waits -------------------------------------------
+
+
+def deadlock_key(statuses: Mapping[int, RankStatus]) -> str | None:
+    """A fingerprint of a deadlock seen from where every rank waits, or ``None``.
+
+    Every rank's training thread waits at a rendezvous (``waits_at``) for at
+    least its settle time (``settled``), and not all at the same one (wait point
+    and the user's frame): then no rank can ever go on. A rank whose fit ended
+    counts as waiting elsewhere (every rank having left is a normal end). A rank
+    in its own code (computing, loading, saving, sleeping) is at no rendezvous,
+    so a slow rank never makes a deadlock.
+    """
+    if len(statuses) < 2 or not all(s.settled and s.waits_at for s in statuses.values()):
+        return None
+    if len({point(s) for s in statuses.values()}) < 2:
+        return None
+    state = repr(sorted((r, s.progress, point(s)) for r, s in statuses.items()))
+    return hashlib.sha1(state.encode()).hexdigest()[:16]
+
+
+def odd_rank_of(statuses: Mapping[int, RankStatus], words: Mapping[str, SplitDecision]) -> int:
+    """The rank to look at first in a deadlock: its wait point differs from the others' usual one.
+
+    A rank that left the training loop while the others wait in it comes
+    first, then one that set a stop decision while others did not. Else the
+    smallest group of ranks sharing a wait point; among equal groups, one whose
+    rendezvous the user's own code calls (``direct``) before one its rank had
+    seen healthy (``usual``), and backward and rankguard's own exchanges, where
+    ranks wait every step or epoch, last.
+    """
+    for alone in (lambda s: s.left, lambda s: stop_of(s, words) is not None):
+        ranks = sorted(r for r, s in statuses.items() if alone(s))
+        if ranks and len(ranks) < len(statuses):
+            return ranks[0]
+    groups = group_ranks({r: point(s) for r, s in statuses.items()})
+
+    def score(group: tuple[list[int], str]) -> tuple[int, int, int, int, int]:
+        ranks, _ = group
+        sample = statuses[ranks[0]]
+        routine = sample.waits_at in ("backward", "rankguard exchange")
+        usual = all(statuses[r].usual for r in ranks)
+        return (len(ranks), int(not sample.direct), int(usual), int(routine), ranks[0])
+
+    return min(groups, key=score)[0][0]
+
+
+# -- a desync proven from what every rank issued ---------------------------------------------
+
+
+def held_by_own_collective(
+    rank: int, status: RankStatus, records: Mapping[int, Sequence[GroupRecord]]
+) -> bool:
+    """Whether this rank's training thread issued a collective no peer issued (it waits on it).
+
+    A collective the training thread issued (or one issued from C++, which the
+    record cannot attribute: DDP's gradient all-reduce) that a member of its
+    group never issued holds the thread at its next host sync or ``wait()``.
+    One that only another thread of the rank issued (a bookkeeping or
+    checkpoint thread) is evidence to report, not proof that the training
+    thread waits behind it: it may be computing or sleeping in its own code.
+    """
+    for diff in differences(records):
+        if diff.kind != "count" or rank not in ahead(diff):
+            continue
+        low = min(diff.counts.values())
+        own = {i.seq: i for rec in records[rank] if rec.name == diff.group for i in rec.last}
+        unmatched = [own.get(seq) for seq in range(low + 1, diff.counts[rank] + 1)]
+        if any(i is None or status.loop_thread in (None, i.thread) for i in unmatched):
+            return True
+    return False
+
+
+def record_proof(
+    statuses: Mapping[int, RankStatus], records: Mapping[int, Sequence[GroupRecord]]
+) -> Proof | None:
+    """A desync seen from the ranks' records of collectives, or ``None``.
+
+    Every rank is quiet (no progress and no collective issued for its settle
+    time, or settled at a rendezvous), some group's records differ, and either
+    every rank waits for a collective that can never complete (its training
+    thread issued one that a member of its group never issued, its stack waits
+    at a rendezvous, or it left the loop), or at one count the last collective
+    of a group is a different call on different ranks (they paired unlike
+    calls). A slow rank issued nothing the others did not, so it never waits here.
+    """
+    if len(records) < 2:
+        return None
+    quiet = all(s.quiet or bool(s.waits_at and s.settled) for s in statuses.values())
+    if not quiet:
+        return None
+    diffs = differences(records)
+    if not diffs:
+        return None
+    counts = [d for d in diffs if d.kind == "count"]
+    paired = [d for d in diffs if d.kind == "call" and last_call(records, d)]
+    waiting = all(
+        bool(s.waits_at and (s.settled or s.quiet)) or held_by_own_collective(r, s, records)
+        for r, s in statuses.items()
+    )
+    if not (waiting and counts) and not paired:
+        return None
+    proven: list[Difference] = counts + paired
+    first = first_difference(proven)
+    odd = odd_rank(first)
+    summary, details = describe_desync(records, proven, first, odd)
+    counts = sorted((r, sorted((g.name, g.count) for g in recs)) for r, recs in records.items())
+    state = repr((counts, sorted((r, s.progress) for r, s in statuses.items())))
+    key = "record:" + hashlib.sha1(state.encode()).hexdigest()[:16]
+    return Proof("desync", key, summary, details, odd)
+
+
+# -- ranks that stopped answering ------------------------------------------------------------
+
+
+def gone(
+    missing: Iterable[int],
+    *,
+    rank: int,
+    waited_s: float,
+    last: Verdict | None,
+    default_s: float,
+    given_up: Iterable[int] = (),
+) -> Verdict | None:
+    """The verdict on ranks that stopped answering on the side channel, or ``None`` (too early).
+
+    A rank is named once it has been silent longer than any running rank
+    could go without progress at the last verdict (``last.slack_s``), so a rank
+    whose Python is only briefly busy is never named; or at once where a check
+    gave up waiting for it too. Ranks whose fit had ended (they close at their
+    own pace) and this rank itself are never named. It ends the incident
+    (stage 2) where a check gave up on it or the silence passed every ceiling.
+
+    Args:
+        missing: Ranks the side channel named as missing.
+        rank: This rank.
+        waited_s: Time since the last successful exchange, counted the same
+            way on every rank (failed exchanges x their timeout).
+        last: The last successful verdict, or ``None`` if there was none.
+        default_s: Slack before any verdict (the first-step deadline).
+        given_up: Ranks a rankguard check on this rank gave up waiting for.
+    """
+    missing = set(missing) - {rank}
+    slack = default_s if last is None else last.slack_s
+    done = () if last is None else last.done
+    frozen: list[int] = []
+    if not in_runs(rank, done) and waited_s > slack:
+        frozen = sorted(r for r in missing if not in_runs(r, done))
+    given = set(given_up) & missing
+    frozen = frozen or sorted(given)
+    if not frozen:
+        return None
+    ceiling_slack = default_s if last is None else last.ceiling_slack_s
+    phases = last.phases if last is not None else None
+    return Verdict(
+        stuck=to_runs(frozen),
+        summary=describe_frozen(frozen, waited_s, phases),
+        details=(next_step(None, frozen),),
+        phases=phases or "",
+        done=done,
+        slack_s=slack,
+        first=frozen[0],
+        end=bool(given & set(frozen)) or waited_s > ceiling_slack,
+        kind="gone",
+    )
