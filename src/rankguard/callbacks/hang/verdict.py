@@ -81,7 +81,7 @@ def diagnose(
     """
     words = words or {}
     records = _records(statuses)
-    verdict = _stalled(statuses, incident, words)
+    verdict = _stalled(statuses, incident, words, records)
     if records:
         verdict = replace(verdict, mismatch=mismatch_warning(records))
     stack_key = deadlock_key(statuses)
@@ -120,7 +120,10 @@ def _records(statuses: Mapping[int, RankStatus]) -> dict[int, tuple[GroupRecord,
 
 
 def _stalled(
-    statuses: Mapping[int, RankStatus], incident: Runs, words: Mapping[str, SplitDecision]
+    statuses: Mapping[int, RankStatus],
+    incident: Runs,
+    words: Mapping[str, SplitDecision],
+    records: Mapping[int, Sequence[GroupRecord]],
 ) -> Verdict:
     """Healthy, slow (past a calibrated deadline) or stall (past the ceiling, or given up on).
 
@@ -129,7 +132,9 @@ def _stalled(
     ranks not waiting that made no progress for at least half as long (deadlines
     differ per phase). An open incident's stuck ranks stay its cause while they
     are past their deadline. Ranks another rank's check gave up waiting for are
-    stuck, and end the incident at once.
+    stuck, and end the incident at once. Where the ranks' records of collectives
+    differ (a background thread's collective, say), the report says so: evidence,
+    not the cause.
     """
     gave_up = sorted({s.gave_up for s in statuses.values() if s.gave_up is not None})
     missing = {r for _, ranks, _ in gave_up for r in ranks if r in statuses}
@@ -155,6 +160,7 @@ def _stalled(
         )
         split = split_sentence(statuses, words)
         details += (*where_lines(statuses), *([f"What split them: {split}"] if split else []))
+        details += record_lines(records)
     first = max(stuck, key=lambda r: (stuck[r].idle_s, -r)) if stuck else None
     if stuck:
         details += (next_step(first, ()),)

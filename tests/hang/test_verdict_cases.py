@@ -1,0 +1,546 @@
+"""The hang verdict, case by case: every proof and non-proof the suite stages, as plain statuses.
+
+Each row is one state of a 2-rank job (or 4 ranks) as the ranks' watchdogs send it, judged
+at two exchanges a second apart (a proof needs both), with the one right verdict: its class,
+the ranks it names, the rank to read first, the exit code, and its first sentence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+
+from rankguard.callbacks.core.events import SplitDecision
+from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued
+from rankguard.callbacks.hang.status import LEFT_LOOP, RankStatus, Verdict
+from rankguard.callbacks.hang.verdict import diagnose, gone
+
+WORDS = {
+    "should_stop": SplitDecision(fix="reduce the decision across ranks"),
+    "should_training_stop": SplitDecision(fix="gather the metric before deciding"),
+    "sync_dist_keys": SplitDecision(
+        told="logged with sync_dist=True{at}: {value}", now=True, context="sync_dist_loop"
+    ),
+}
+EXCHANGE = "rankguard exchange, called from batch_parity_guard.py:331 (_compare_planned)"
+ITEM = "train.py:90 (log): loss.item()"
+
+
+def rank(
+    phase: str = "train batch 60",
+    idle: float = 4.0,
+    *,
+    deadline: float | None = 30.0,
+    ceiling: float | None = 600.0,
+    at: str | None = None,
+    blocked: str | None = None,
+    frame: str | None = "train.py:88 (train)",
+    wait: float = 4.0,
+    settled: bool = True,
+    progress: int = 100,
+    quiet: bool = True,
+    record: tuple[GroupRecord, ...] = (),
+    thread: str = "MainThread",
+    **kw,
+) -> RankStatus:
+    """One rank's status: in its own code unless ``at`` names the rendezvous it waits at."""
+    return RankStatus(
+        phase=phase,
+        step=60,
+        idle_s=idle,
+        deadline_s=deadline,
+        ceiling_s=ceiling,
+        host="node",
+        pid=1,
+        blocked_in=blocked or (at if at and at != LEFT_LOOP else None),
+        user_frame=frame,
+        waits_at=at,
+        wait_s=wait if at else 0.0,
+        settled=settled and at is not None,
+        progress=progress,
+        quiet=quiet,
+        record=record,
+        loop_thread=thread,
+        **kw,
+    )
+
+
+def issued(seq, op="all_reduce", numel=1, where="train.py:88 (log): dist.all_reduce(t)", **kw):
+    kw.setdefault("thread", "MainThread")
+    return Issued(seq, op, kw.pop("dtype", "float32"), numel, where, kw["thread"], 100.0 + seq)
+
+
+def group(name: str, count: int, *calls: Issued) -> GroupRecord:
+    return GroupRecord(name, (0, 1), count, calls or (issued(count),))
+
+
+def left(step: int = 83, stop: str | None = "should_stop") -> RankStatus:
+    """A rank whose fit ended, as its watchdog sends it: settled at once, no deadline."""
+    decisions = ((stop, True, step),) if stop else ()
+    return dataclasses.replace(
+        rank(f"{LEFT_LOOP} at step {step}", deadline=None, ceiling=None, at=LEFT_LOOP),
+        blocked_in=None,
+        decisions=decisions,
+    )
+
+
+def judge(statuses: dict[int, RankStatus]) -> Verdict:
+    """Two exchanges a second apart with the same statuses: what the watchdog acts on."""
+    first = diagnose(statuses, words=WORDS)
+    return diagnose(statuses, incident=first.stuck, suspect=first.suspect, words=WORDS)
+
+
+# -- the cases ---------------------------------------------------------------------------------
+#: The background thread of OLMo-core 3.0's asynchronous save: its done-callback reduces a metric.
+ASYNC_SAVE = issued(
+    17,
+    numel=0,
+    where="utils.py:314 (reduce_metrics): dist.all_reduce(",
+    thread="AsyncCheckpointExecutor_0",
+)
+
+
+def _stalled_rank_with_a_background_reduction():
+    """The field failure: rank 1 sleeps in its post_step hook, its save thread reduced a metric."""
+    return {
+        0: rank("after eval of 'eval'", 35, at="rankguard exchange", blocked=EXCHANGE,
+                record=(group("0", 60), group("14", 16))),
+        1: rank("after eval of 'eval'", 35, frame="job.py:250 (post_step): time.sleep(3600)",
+                record=(group("0", 60), group("14", 17, ASYNC_SAVE))),
+    }  # fmt: skip
+
+
+def _nccl_item_behind_an_async_collective():
+    """NCCL: rank 0's training thread issued an async all_reduce rank 1 never issues, then
+    blocks at ``loss.item()``; rank 1 issued its next gradient all-reduce and blocks at its own."""
+    extra = issued(13, where="train.py:88 (log): dist.all_reduce(t, async_op=True)")
+    grad = issued(6, numel=4, where="train.py:120 (step): dist.all_reduce(grad)")
+    grad = grad._replace(t=201.0)
+    return {
+        0: rank(frame=ITEM, record=(group("0", 5), group("1", 13, extra))),
+        1: rank(frame=ITEM, record=(group("0", 6, grad), group("1", 12))),
+    }  # fmt: skip
+
+
+CASES: list[tuple[str, Callable[[], dict[int, RankStatus]], dict]] = [
+    # -- healthy: nothing to say -------------------------------------------------------------
+    (
+        "healthy: both training",
+        lambda: {0: rank(idle=0.1, quiet=False), 1: rank(idle=0.1, quiet=False)},
+        dict(kind="healthy", stuck=(), exit=None, summary=""),
+    ),
+    (
+        "healthy: every rank left the loop (a normal end)",
+        lambda: {0: left(stop=None), 1: left(84, None)},
+        dict(kind="healthy", stuck=(), exit=None, summary=""),
+    ),
+    (
+        "healthy: every rank long in the same collective (a large all_reduce)",
+        lambda: {r: rank(at="all_reduce", frame="train.py:120 (step)") for r in (0, 1)},
+        dict(kind="healthy", stuck=(), exit=None, summary=""),
+    ),
+    (
+        "healthy: rank 1 10 s behind in a checkpoint write, rank 0 issued one more and waits",
+        lambda: {
+            0: rank(frame="train.py:90 (log): work.wait()", record=(group("0", 41),)),
+            1: rank(
+                "checkpoint save at step 60",
+                10,
+                frame="ckpt.py:12 (write)",
+                record=(group("0", 40),),
+            ),
+        },
+        dict(kind="healthy", stuck=(), exit=None, summary=""),
+    ),
+    (
+        "healthy: rank-0-only logging while rank 1 waits in the next all_reduce",
+        lambda: {
+            0: rank(frame="train.py:70 (log_on_rank0)", record=(group("0", 40),)),
+            1: rank(at="all_reduce", frame="train.py:120 (step)", record=(group("0", 41),)),
+        },
+        dict(kind="healthy", stuck=(), exit=None, summary=""),
+    ),
+    (
+        "healthy: FSDP prefetch, counts differ while the ranks still issue",
+        lambda: {
+            0: rank(quiet=False, record=(group("0", 44),)),
+            1: rank(quiet=False, record=(group("0", 41),)),
+        },
+        dict(kind="healthy", stuck=(), exit=None, summary=""),
+    ),
+    (
+        "healthy: ranks wait at different rendezvous for less than their settle time",
+        lambda: {
+            0: rank(at="all_reduce", settled=False),
+            1: rank(at="barrier", settled=False, frame="b.py:1 (f)"),
+        },
+        dict(kind="healthy", stuck=(), exit=None, summary=""),
+    ),
+    # -- slow and stalled: a rank in its own code past its deadline ---------------------------
+    (
+        "post-eval stall: rank 1 in a hook after eval, rank 0 in the epoch-start check",
+        lambda: {
+            0: rank("epoch start at step 60", 34, at="rankguard exchange", blocked=EXCHANGE),
+            1: rank("after eval of 'eval'", 34, frame="hooks.py:9 (on_eval_end): time.sleep(3600)"),
+        },
+        dict(
+            kind="slow",
+            stuck=((1, 1),),
+            first=1,
+            exit=None,
+            summary="rank 1 stuck 34 s in after eval of 'eval' (deadline 30 s, calibrated; "
+            "ceiling 600 s); "
+            "rank 0 waiting 34 s in epoch start at step 60 (blocked in rankguard exchange",
+        ),
+    ),
+    (
+        "post-eval stall at the ceiling: the incident ends, restart",
+        lambda: {
+            0: rank("epoch start at step 60", 601, at="rankguard exchange", blocked=EXCHANGE),
+            1: rank("after eval of 'eval'", 601),
+        },
+        dict(
+            kind="stall",
+            stuck=((1, 1),),
+            first=1,
+            exit=75,
+            summary="rank 1 stuck 601 s in after eval",
+        ),
+    ),
+    (
+        "mid-eval stall: rank 1 inside eval batch 2, rank 0 in the metric all_reduce",
+        lambda: {
+            0: rank(
+                "after eval batch 3 of 'eval'", 31, at="all_reduce", frame="metrics.py:5 (sync)"
+            ),
+            1: rank("eval batch 2 of 'eval'", 31),
+        },
+        dict(
+            kind="slow",
+            stuck=((1, 1),),
+            first=1,
+            exit=None,
+            summary="rank 1 stuck 31 s in eval batch 2 of 'eval'",
+        ),
+    ),
+    (
+        "train-step stall: rank 1 inside its step, rank 0 in DDP's gradient all-reduce (backward)",
+        lambda: {
+            0: rank(
+                "train batch 30", 31, at="backward", frame="train.py:60 (step): loss.backward()"
+            ),
+            1: rank("train batch 30", 31, frame="train.py:58 (step): stall()"),
+        },
+        dict(
+            kind="slow",
+            stuck=((1, 1),),
+            first=1,
+            exit=None,
+            summary="rank 1 stuck 31 s in train batch 30",
+        ),
+    ),
+    (
+        "a stalled rank whose background thread issued a reduction: a stall, not a desync (75)",
+        _stalled_rank_with_a_background_reduction,
+        dict(
+            kind="slow",
+            stuck=((1, 1),),
+            first=1,
+            exit=None,
+            summary="rank 1 stuck 35 s in after eval of 'eval'",
+            details="rank 1: all_reduce float32[0] at utils.py:314 (reduce_metrics): "
+            "dist.all_reduce(, "
+            "thread AsyncCheckpointExecutor_0",
+        ),
+    ),
+    (
+        "the same at the ceiling: exit 75, restart",
+        lambda: {
+            r: dataclasses.replace(s, idle_s=601.0)
+            for r, s in _stalled_rank_with_a_background_reduction().items()
+        },
+        dict(
+            kind="stall",
+            stuck=((1, 1),),
+            first=1,
+            exit=75,
+            summary="rank 1 stuck 601 s in after eval",
+        ),
+    ),
+    (
+        "a check gave up waiting for rank 1: the incident ends at once",
+        lambda: {
+            0: rank(
+                at="rankguard exchange",
+                blocked=EXCHANGE,
+                gave_up=("batch_parity/eval_end", (1,), 300.0),
+            ),
+            1: rank("after eval of 'eval'", 20),
+        },
+        dict(
+            kind="stall",
+            stuck=((1, 1),),
+            first=1,
+            exit=75,
+            summary="rank 1 stuck 20 s in after eval of 'eval'",
+            details="rank 1 did not reach rankguard exchange 'batch_parity/eval_end' within 300 s",
+        ),
+    ),
+    # -- deadlocks proven from where every rank waits ----------------------------------------
+    (
+        "unmatched collective: rank 1's own all_reduce, rank 0 in the epoch-start check",
+        lambda: {
+            0: rank(
+                at="rankguard exchange", blocked=EXCHANGE, frame="train.py:146 (fit): trainer.fit()"
+            ),
+            1: rank(
+                at="all_reduce", frame="cb.py:84 (on_eval_end): dist.all_reduce(t)", direct=True
+            ),
+        },
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=1,
+            exit=70,
+            summary="deadlock, every rank waits at a rendezvous the others never reach: ",
+            details="Next: fix the code path at rank 1's wait point (all_reduce at cb.py:84",
+        ),
+    ),
+    (
+        "a collective under `if rank == 0`: rank 0's, rank 1 in the data fetch's all_reduce",
+        lambda: {
+            0: rank(
+                at="all_reduce",
+                frame="train.py:105 (reduce_on_rank0_only): dist.all_reduce(t)",
+                direct=True,
+            ),
+            1: rank(at="all_reduce", frame="train.py:146 (fit): trainer.fit()"),
+        },
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=0,
+            exit=70,
+            summary="deadlock, every rank waits at a rendezvous the others never reach: ",
+        ),
+    ),
+    (
+        "should_stop set on rank 0 alone: it left the loop, rank 1 waits in the buffer broadcast",
+        lambda: {
+            0: left(),
+            1: rank(
+                at="broadcast", frame="job.py:726 (main)", decisions=(("should_stop", False, 0),)
+            ),
+        },
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=0,
+            exit=70,
+            summary="deadlock, rank 0 left the training loop while the others wait at a "
+            "rendezvous in it: ",
+            details="What split them: rank 0 set should_stop at step 83; rank 1 did not.",
+        ),
+    ),
+    (
+        "the HF Trainer's early stop on rank 0: in the check at epoch end, rank 1 in broadcast",
+        lambda: {
+            0: rank(at="rankguard exchange", decisions=(("should_training_stop", True, 3),)),
+            1: rank(
+                at="broadcast",
+                frame="t.py:9 (main)",
+                decisions=(("should_training_stop", False, 0),),
+            ),
+        },
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=0,
+            exit=70,
+            summary="deadlock, every rank waits at a rendezvous the others never reach: ",
+            details="Next: fix the stop decision of rank 0: it set should_training_stop at step 3",
+        ),
+    ),
+    (
+        "a key logged with sync_dist=True on rank 1 only: rank 0 in backward, rank 1 in all_gather",
+        lambda: {
+            0: rank(
+                at="backward",
+                frame="model.py:150 (training_step)",
+                usual=True,
+                decisions=(("sync_dist_keys", ("loss",), 8), ("sync_dist_loop", "train", 8)),
+            ),
+            1: rank(
+                at="all_gather",
+                frame="model.py:152 (training_step): self.log(...)",
+                decisions=(
+                    ("sync_dist_keys", ("extra", "loss"), 8),
+                    ("sync_dist_loop", "train", 8),
+                ),
+            ),
+        },
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=1,
+            exit=70,
+            summary="deadlock, every rank waits at a rendezvous the others never reach: ",
+            details="What split them: rank 0 logged with sync_dist=True at step 60: loss; "
+            "rank 1 logged with sync_dist=True at step 60: extra, loss.",
+        ),
+    ),
+    (
+        "a save entered on rank 1 only: its barrier, rank 0 in the next gradient all-reduce",
+        lambda: {
+            0: rank(at="backward", frame="train.py:60 (step)", usual=True),
+            1: rank(
+                at="barrier",
+                frame="ckpt.py:30 (save): dist.barrier()",
+                decisions=(("save", True, 80),),
+            ),
+        },
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=1,
+            exit=70,
+            summary="deadlock, every rank waits at a rendezvous the others never reach: ",
+            details="What split them: rank 1 entered a checkpoint save at step 80; rank 0 did not.",
+        ),
+    ),
+    # -- desyncs proven from what every rank issued ------------------------------------------
+    (
+        "async metric reductions, one more on rank 0: it waits in work.wait(), rank 1 all_reduce",
+        lambda: {
+            0: rank(
+                frame="test.py:70 (wait_for): work.wait()", record=(group("0", 40), group("1", 11))
+            ),
+            1: rank(
+                at="all_reduce", frame="test.py:80 (job)", record=(group("0", 41), group("1", 10))
+            ),
+        },
+        dict(
+            kind="desync",
+            stuck=((0, 1),),
+            first=0,
+            exit=70,
+            summary="desync, every rank waits for a collective another never issued: rank 0 issued "
+            "collective #11 of group 1 (ranks 0,1), all_reduce float32[1] at train.py:88 (log)",
+        ),
+    ),
+    (
+        "NCCL: a rank blocked at .item() behind an async collective its own thread issued",
+        _nccl_item_behind_an_async_collective,
+        dict(
+            kind="desync",
+            stuck=((0, 1),),
+            first=0,
+            exit=70,
+            summary="desync, every rank waits for a collective another never issued: rank 0 issued "
+            "collective #13 of group 1 (ranks 0,1)",
+        ),
+    ),
+    (
+        "FSDP2: rank 1's extra forward all-gathers, rank 0 in the epoch-start check",
+        lambda: {
+            0: rank(at="rankguard exchange", blocked=EXCHANGE, record=(group("0", 200),)),
+            1: rank(
+                frame="job.py:40 (debug_forward): model(x)",
+                record=(
+                    group(
+                        "0",
+                        202,
+                        issued(201, "all_gather_single", 64),
+                        issued(202, "all_gather_single", 64),
+                    ),
+                ),
+            ),
+        },
+        dict(
+            kind="desync",
+            stuck=((0, 1),),
+            first=1,
+            exit=70,
+            summary="desync, every rank waits for a collective another never issued: rank 1 issued "
+            "collective #201 of the default group (ranks 0,1), all_gather_single float32[64]",
+        ),
+    ),
+    (
+        "ranks paired unlike calls at one count, both their last: a desync",
+        lambda: {
+            0: rank(record=(group("0", 7, issued(7, numel=4)),)),
+            1: rank(record=(group("0", 7, issued(7)),)),
+        },
+        dict(
+            kind="desync",
+            stuck=((0, 1),),
+            exit=70,
+            summary="desync, every rank waits for a collective another never issued: "
+            "collective #7 of "
+            "the default group (ranks 0,1) is a different call on different ranks",
+        ),
+    ),
+    (
+        "unlike calls while the job still runs: healthy, with the mismatch told",
+        lambda: {
+            r: rank(
+                quiet=False,
+                record=(group("0", 9, issued(7, numel=4 - 3 * r), issued(8), issued(9)),),
+            )
+            for r in (0, 1)
+        },
+        dict(kind="healthy", stuck=(), exit=None, summary="", mismatch="collective #7"),
+    ),
+]
+
+
+@pytest.mark.parametrize("name, statuses, expected", CASES, ids=[c[0] for c in CASES])
+def test_each_case_has_one_verdict(name, statuses, expected):
+    verdict = judge(statuses())
+    assert verdict.kind == expected["kind"], verdict
+    assert verdict.stuck == expected["stuck"], verdict
+    if "first" in expected:
+        assert verdict.first == expected["first"], verdict
+    assert verdict.exit_code == expected["exit"]
+    assert verdict.summary.startswith(expected["summary"]), verdict.summary
+    if "details" in expected:
+        assert any(expected["details"] in line for line in verdict.details), verdict.details
+    if verdict.kind in ("deadlock", "desync"):
+        assert "exit code 70, do not restart" in "\n".join(verdict.details)
+    if "mismatch" in expected:
+        assert verdict.mismatch is not None and expected["mismatch"] in verdict.mismatch[1]
+
+
+def test_a_proof_seen_once_is_a_suspicion_and_progress_in_between_undoes_it():
+    statuses = {0: rank(at="all_reduce", direct=True), 1: rank(at="barrier", frame="b.py:1 (f)")}
+    once = diagnose(statuses, words=WORDS)
+    assert once.kind == "healthy" and once.suspect is not None
+    moved = {**statuses, 1: dataclasses.replace(statuses[1], progress=101)}
+    assert diagnose(moved, suspect=once.suspect, words=WORDS).kind == "healthy"
+
+
+def test_a_silent_rank_is_gone_after_the_slack_and_at_once_where_a_check_gave_up():
+    last = diagnose({0: rank(idle=1.0, quiet=False), 1: rank(idle=1.0, quiet=False)})
+    assert last.slack_s == 29.0
+    assert gone([1], rank=0, waited_s=20, last=last, default_s=1800) is None  # briefly busy
+    frozen = gone([1], rank=0, waited_s=31, last=last, default_s=1800)
+    assert (frozen.kind, frozen.stuck, frozen.end, frozen.exit_code) == (
+        "gone",
+        ((1, 1),),
+        False,
+        75,
+    )
+    assert frozen.summary.startswith(
+        "rank 1 frozen or dead (no answer on the side channel for 31 s"
+    )
+    assert frozen.details[0].startswith("Next: on the host of rank 1, look for an OOM kill")
+    dead = gone([1], rank=0, waited_s=5, last=last, default_s=1800, given_up=[1])
+    assert (dead.kind, dead.end) == ("gone", True)
+    assert gone([1], rank=0, waited_s=700, last=last, default_s=1800).end  # past every ceiling
+
+
+def test_the_table_covers_every_verdict_class():
+    kinds = {expected["kind"] for _, _, expected in CASES} | {"gone"}
+    assert kinds == {"healthy", "slow", "stall", "gone", "deadlock", "desync"}
