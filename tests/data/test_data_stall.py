@@ -18,12 +18,9 @@ from rankguard.callbacks.core.errors import DataStallError
 from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.side_channel import SideChannel
 from rankguard.callbacks.data.data_fetch import LoaderReturnClock
-from rankguard.callbacks.data.data_stall_monitor import (
-    DataStallMonitor,
-    IntervalStats,
-    stall_verdict,
-)
+from rankguard.callbacks.data.data_stall_monitor import DataStallMonitor
 from rankguard.callbacks.data.data_worker import worker_failure
+from rankguard.callbacks.data.stall import IntervalStats, stall_verdict
 from tests.mp import run_ranks
 
 WINDOW, INTERVAL, STEPS = 3, 5, 20

@@ -1,7 +1,6 @@
 """DataStallMonitor: how long each rank waits for its next batch, and who is starved.
 
-Holds :class:`DataStallMonitor`, the guard, and its cross-rank verdict
-(:func:`stall_verdict`).
+Its cross-rank verdict is in :mod:`rankguard.callbacks.data.stall`.
 See docs/data.md#how-datastallmonitor-works.
 """
 
@@ -9,16 +8,12 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from functools import partial
 
 from rankguard.callbacks.core.background_exchange import AUTO_INTERVAL, PartPending
 from rankguard.callbacks.core.errors import DataStallError, RanksMissingError
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
-from rankguard.callbacks.core.ranks import rank_label
 from rankguard.callbacks.core.settings import check_fraction, check_int
 from rankguard.callbacks.core.step_log import (
     BATCH_END_FETCH_START,
@@ -31,18 +26,18 @@ from rankguard.callbacks.core.step_log import (
 from rankguard.callbacks.data.data_fetch import LoaderReturnClock
 from rankguard.callbacks.data.data_worker import worker_failure
 from rankguard.callbacks.data.loaders import loader_settings
+from rankguard.callbacks.data.stall import (
+    IntervalStats,
+    StallVerdict,
+    describe_raise,
+    describe_stall,
+    stall_verdict,
+)
 
-__all__ = ["EARLY_POSTS", "DataStallMonitor", "IntervalStats", "StallVerdict", "stall_verdict"]
+__all__ = ["EARLY_POSTS", "DataStallMonitor"]
 
 # The name users filter by and recorded outputs show, kept when the module moved.
 logger = logging.getLogger("rankguard.callbacks.data_stall")
-
-FIX = (
-    "Fix: make data loading faster than a training step: raise the DataLoader's "
-    "num_workers and prefetch_factor, set persistent_workers=True (no worker restart per "
-    "epoch) and pin_memory=True; read from local disk or same-region storage; for "
-    "streaming data, raise predownload and cache_limit and keep the local cache on fast disk."
-)
 
 #: The train batches of the fit's first exchanges, before the first ``interval`` ends: a
 #: loader starved from its first batch is named by its third to fifth (one that dies at
@@ -51,166 +46,6 @@ EARLY_POSTS = (3, 6, 12, 24)
 #: The store key (under the channel's prefix) where a rank whose loader raised leaves
 #: what was measured, read by the other ranks' error reports.
 RAISED_KEY = "data_stall_monitor/loader_raised"
-#: Measured steps below which the early verdicts name no rank (a step is measured
-#: from one train batch's start to the next: batch 3's start closes the second).
-EARLY_MIN_STEPS = 2
-#: Wait per batch under which an early verdict names no rank: over a fit's first steps a
-#: wait of a few milliseconds can be most of a short step (workers starting, the first
-#: batches' page faults) and starves nothing; the starved loaders the early verdicts are
-#: for wait tenths of a second per batch.
-EARLY_MIN_WAIT_S = 0.02
-
-
-@dataclass(frozen=True)
-class IntervalStats:
-    """One rank's data-wait totals since the last exchange.
-
-    Attributes:
-        wait_s: Seconds spent waiting for batches.
-        step_s: Seconds of measured steps (train batch start to the next).
-        steps: Measured steps.
-        longest_run: Longest run of consecutive slow steps (carried over exchanges).
-        batch_size: Samples per batch, if known.
-        fit_steps: Measured steps since the fit's start.
-        fit_slow: Slow steps among them.
-    """
-
-    wait_s: float
-    step_s: float
-    steps: int
-    longest_run: int
-    batch_size: int | None = None
-    fit_steps: int = 0
-    fit_slow: int = 0
-
-    @property
-    def wait_per_batch(self) -> float:
-        """Mean wait per measured step of the interval (0.0 before any)."""
-        return self.wait_s / self.steps if self.steps else 0.0
-
-    @property
-    def fraction(self) -> float | None:
-        """Wait time over step time, or ``None`` before any measured step."""
-        return self.wait_s / self.step_s if self.step_s > 0 else None
-
-    def throughput(self) -> str:
-        """Samples/s when the batch size is known, else batches/s."""
-        if self.step_s <= 0:
-            return "unknown throughput"
-        rate = self.steps / self.step_s
-        if self.batch_size:
-            return f"{rate * self.batch_size:.1f} samples/s"
-        return f"{rate:.2f} batches/s"
-
-
-@dataclass(frozen=True)
-class StallVerdict:
-    """Cross-rank summary of one interval, the same on every rank.
-
-    Attributes:
-        fraction_max: The largest wait fraction of any rank (0.0 if none measured).
-        slowest_rank: The rank with that fraction (-1 if none measured).
-        stalled: Per stalled rank, its interval statistics.
-        recovered: The ranks that are not stalled and waited at most ``threshold``
-            of their measured step time.
-        others_wait_s: The median wait per batch of the ranks not stalled (of every
-            rank where all are), over the interval.
-    """
-
-    fraction_max: float = 0.0
-    slowest_rank: int = -1
-    stalled: dict[int, IntervalStats] = field(default_factory=dict)
-    recovered: frozenset[int] = frozenset()
-    others_wait_s: float = 0.0
-
-
-def stall_verdict(
-    per_rank: Mapping[int, IntervalStats], window: int, threshold: float
-) -> StallVerdict:
-    """Finds the slowest rank, the stalled ranks and the ranks that kept up.
-
-    A rank is stalled when its longest run of slow steps reached ``window``, or,
-    while fewer than ``window`` steps of the fit were measured (the early
-    verdicts, :data:`EARLY_POSTS`), when most of its steps so far were slow.
-
-    Args:
-        per_rank: Every rank's statistics of the interval.
-        window: Consecutive slow steps that make a stall.
-        threshold: Wait fraction at or under which a rank that is not stalled kept up.
-
-    Returns:
-        The verdict, the same on every rank.
-    """
-    measured = {r: s.fraction for r, s in per_rank.items() if s.fraction is not None}
-    slowest = max(sorted(measured), key=lambda r: measured[r], default=-1)
-    stalled = {r: s for r, s in sorted(per_rank.items()) if is_stalled(s, window)}
-    recovered = frozenset(r for r, f in measured.items() if f <= threshold and r not in stalled)
-    others = [s.wait_per_batch for r, s in per_rank.items() if r not in stalled and s.steps]
-    others = others or [s.wait_per_batch for s in per_rank.values() if s.steps]
-    others_wait = statistics.median(others) if others else 0.0
-    return StallVerdict(measured.get(slowest, 0.0), slowest, stalled, recovered, others_wait)
-
-
-def is_stalled(stats: IntervalStats, window: int) -> bool:
-    """``window`` slow steps in a row; or, early in a fit, most of the steps so far slow.
-
-    Early, the rank must also wait at least :data:`EARLY_MIN_WAIT_S` per batch.
-    """
-    if stats.longest_run >= window:
-        return True
-    early = EARLY_MIN_STEPS <= stats.fit_steps < window
-    waits = stats.wait_per_batch >= EARLY_MIN_WAIT_S
-    return early and waits and 2 * stats.fit_slow > stats.fit_steps
-
-
-def describe_stall(
-    stalled: Mapping[int, IntervalStats],
-    threshold: float,
-    window: int,
-    others_wait_s: float | None = None,
-) -> str:
-    """The warning or error message for stalled ranks (``others_wait_s``: the others' wait)."""
-    details = "; ".join(
-        f"rank {r}: waited {s.fraction or 0.0:.0%} of step time, {s.wait_per_batch:.2f} s per "
-        f"batch, {s.longest_run} slow steps in a row"
-        + (f" ({s.fit_slow} of the fit's first {s.fit_steps})" if s.fit_steps < window else "")
-        + f", {s.throughput()}"
-        for r, s in stalled.items()
-    )
-    others = "" if others_wait_s is None else f"; other ranks {others_wait_s:.2f} s per batch"
-    early = all(s.fit_steps < window for s in stalled.values())
-    how = (
-        "in most of the fit's first steps" if early else f"for at least {window} consecutive steps"
-    )
-    return (
-        f"Data loading cannot keep up on {rank_label(stalled)}: waited for the next batch "
-        f"more than {threshold:.0%} of step time {how} ({details}{others}); in a multi-rank "
-        f"job every other rank waits for {'it' if len(stalled) == 1 else 'them'} at each "
-        f"collective. {FIX}"
-    )
-
-
-def describe_raise(
-    rank: int, batch: int, own: IntervalStats, others_wait_s: float | None, seen_at: int | None
-) -> str:
-    """What rankguard measured before a rank's loader raised (``own``: its fit totals)."""
-    others = (
-        "no exchange with the other ranks yet"
-        if others_wait_s is None
-        else f"other ranks {others_wait_s:.2f} s at the exchange of batch {seen_at}"
-    )
-    measured = (
-        f"after waiting {own.fraction or 0.0:.0%} of its step time in {own.steps} measured "
-        f"steps ({own.wait_per_batch:.2f} s per batch, {own.fit_slow} steps slow; {others})"
-        if own.steps
-        else f"before a step was measured ({others})"
-    )
-    return (
-        f"rank {rank}'s loader raised at batch {batch} {measured}. A loader that waits most "
-        f"of each step for data is starved: the error above is its failure. {FIX}"
-    )
-
-
 #: What each step-log kind this monitor reads does: opens a fetch window, closes one,
 #: starts a train batch (a fetch that ends as its batch starts does both of the last).
 _OPENS, _CLOSES, _STARTS = 1, 2, 4
