@@ -1,6 +1,6 @@
 """rankguard for hand-written training loops (plain ``torchrun``, DDP, FSDP2).
 
-Holds ``RankGuard`` (with ``fit``, ``load`` and the ``run`` wrappers) and one
+Holds ``RankGuard`` (with ``fit`` and ``load``; the wrapped loaders are in ``torch_loop``) and one
 callback per guard (settings declared in ``rankguard.integrations._api``).
 See docs/integrations.md#what-the-wrappers-infer.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -17,6 +17,14 @@ from rankguard.callbacks.core.events import LoaderFacts, LoaderPass
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.integrations import _api
 from rankguard.integrations._driver import EventDriver
+from rankguard.integrations.torch_loop import (
+    ORDER,
+    EvalLoader,
+    EvalPass,
+    Save,
+    TrainLoader,
+    TrainPass,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +34,6 @@ SHARDED_SETTING = (
     "checkpoint_id=folder) with the sharded state dicts of "
     "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer), and "
     "guard.fit(..., state_dict_type='sharded')"
-)
-ORDER = (
-    "Expected order: `with guard.fit(...) as run:` once, then inside it `for batch in "
-    "run.train(loader)`, `for batch in run.eval(loader)` and `with run.checkpoint(dir):` "
-    "(one at a time, on every rank)."
 )
 STATE_DICT_TYPES = ("full", "sharded")
 
@@ -257,9 +260,9 @@ class Run:
         self.metrics: dict[str, float] = {}
         self._driver = EventDriver(guard.runner, self._log_metrics)
         self._state = "new"  # new -> active -> ended
-        self._eval: _EvalIterator | None = None
-        self._pass: _TrainIterator | None = None
-        self._save: _Save | None = None
+        self._eval: EvalPass | None = None
+        self._pass: TrainPass | None = None
+        self._save: Save | None = None
         self._left_early: set[str] = set()
 
     @property
@@ -429,7 +432,7 @@ class Run:
 
     # -- checkpoint ------------------------------------------------------------------
 
-    def checkpoint(self, *directories: str | os.PathLike) -> _Save:
+    def checkpoint(self, *directories: str | os.PathLike) -> Save:
         """A context manager around one save, entered on every rank.
 
         On entry every rank sees ``directories`` (created where missing, on the
@@ -441,188 +444,7 @@ class Run:
                 names); default: ``save_dirs`` of ``guard.fit``.
         """
         dirs = _check_dirs(list(directories)) if directories else list(self._save_dirs)
-        return _Save(self, dirs)
-
-
-class TrainLoader:
-    """The train loader wrapped by :meth:`Run.train`; one iteration is one epoch."""
-
-    def __init__(self, run: Run, loader: Iterable[Any]) -> None:
-        self._run = run
-        self.loader = loader
-
-    def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[Any]:
-        run = self._run
-        run._require("run.train(...)")
-        run._close_eval()
-        run._close_epoch()
-        driver = run._driver
-        facts = LoaderFacts("train", self.loader, is_train=True)
-        driver.epoch_start(facts)
-        run._pass = _TrainIterator(run, facts, driver.epoch)
-        return run._pass
-
-
-class _TrainIterator:
-    """One epoch's pass over the train loader: what it returned, and whether it ran out."""
-
-    def __init__(self, run: Run, facts: LoaderFacts, epoch: int) -> None:
-        self._run = run
-        self.facts = facts
-        self._iterator = iter(facts.loader)
-        self._epoch = epoch
-        self.yielded = 0
-        self.exhausted = False
-
-    def __iter__(self) -> _TrainIterator:
-        return self
-
-    def __next__(self) -> Any:
-        run = self._run
-        driver = run._driver
-        if run._state != "active" or run._save is not None:  # once a batch: checks inlined
-            run._require("run.train(...)")
-        if driver.epoch != self._epoch:
-            raise RuntimeError(
-                f"A `run.train(...)` iterator of epoch {self._epoch} used after epoch "
-                f"{driver.epoch} started: iterate `run.train(loader)` once per epoch. {ORDER}"
-            )
-        if run._eval is not None:
-            run._close_eval()
-        driver.fetch_start()
-        try:
-            batch = next(self._iterator)
-        except StopIteration:  # the epoch ends at the next epoch start or the fit's end
-            self.exhausted = True
-            raise
-        self.yielded += 1
-        driver.fetch_end_batch_start()
-        probe = driver._steps.batch_probe
-        if probe is not None:  # the first train batches, for the guards that read them
-            probe(batch)
-        return batch
-
-
-class EvalLoader:
-    """An eval loader wrapped by :meth:`Run.eval`; one iteration is one evaluation."""
-
-    def __init__(self, run: Run, facts: LoaderFacts) -> None:
-        self._run = run
-        self.facts = facts
-
-    def __len__(self) -> int:
-        length = len(self.facts.loader)
-        cap = self.facts.num_batches
-        return length if cap is None else min(length, cap)
-
-    def __iter__(self) -> Iterator[Any]:
-        run = self._run
-        run._require("run.eval(...)")
-        run._close_eval()
-        run._driver.eval_start([self.facts])
-        it = _EvalIterator(run, self.facts)
-        run._eval = it
-        return it
-
-
-class _EvalIterator:
-    def __init__(self, run: Run, facts: LoaderFacts) -> None:
-        self._run = run
-        self.facts = facts
-        self._iterator = iter(facts.loader)
-        self.started = 0
-        self._ended = False
-        self._exhausted = False
-        self._ran_out = False  # the loader's own iterator raised StopIteration
-
-    def __iter__(self) -> _EvalIterator:
-        return self
-
-    def __next__(self) -> Any:
-        run = self._run
-        if self._ended:
-            if self._exhausted:
-                raise StopIteration
-            raise RuntimeError(
-                f"Eval of {self.facts.name!r} was already ended when the loop moved on; "
-                f"iterate `run.eval(loader)` again for a new evaluation. {ORDER}"
-            )
-        run._require("run.eval(...)")
-        driver = run._driver
-        cap = self.facts.num_batches
-        if cap is not None and self.started >= cap:
-            self.finish(early=False)
-            raise StopIteration
-        if self.started:
-            driver.eval_batch_end()
-        try:
-            batch = next(self._iterator)
-        except StopIteration:
-            self._ran_out = True
-            self.finish(early=False)
-            raise
-        driver.eval_batch_start()
-        self.started += 1
-        return batch
-
-    def finish(self, early: bool) -> None:
-        """EVAL_END; ``early``: the loop left it, so the batches that ran are its plan.
-
-        The pass is exhausted only where the loader's iterator ran out; one that
-        ``max_batches`` or the loop stopped is not (it may have had more).
-        """
-        self._ended = True
-        self._exhausted = not early
-        run = self._run
-        run._eval = None
-        if early:
-            facts = self.facts
-            run._driver.evals[0] = LoaderFacts(facts.name, facts.loader, False, self.started)
-        run._driver.eval_end(LoaderPass(self.started, self._ran_out))
-
-
-class _Save:
-    """The context manager of :meth:`Run.checkpoint`."""
-
-    def __init__(self, run: Run, directories: list[str]) -> None:
-        self._run = run
-        self.directories = directories
-        self._entered = False
-
-    def __enter__(self) -> _Save:
-        run = self._run
-        if self._entered or run._save is not None:
-            raise RuntimeError(
-                "`run.checkpoint(...)` entered while a save is in progress (saves do not "
-                f"nest, and each `run.checkpoint(...)` is entered once). {ORDER}"
-            )
-        run._require("run.checkpoint(...)")
-        self._entered = True
-        run._close_eval()
-        driver = run._driver
-        try:
-            driver.save_start(self.directories, model=run._model)
-        except BaseException:
-            driver.saving = False
-            raise
-        run._save = self
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        run = self._run
-        run._save = None
-        if exc is None and run._state == "active":
-            run._driver.save_end()
-        else:
-            run._driver.saving = False
+        return Save(self, dirs)
 
 
 class RankGuard(_api.RankGuardSettings, _LoopGuard):
