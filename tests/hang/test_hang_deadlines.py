@@ -1,4 +1,4 @@
-"""Deadline policy and the loop's waits: ceilings, NCCL fit, settle times, early exchanges."""
+"""Deadline policy, the loop's waits and the status built from them (pure, no processes)."""
 
 from __future__ import annotations
 
@@ -91,3 +91,31 @@ def test_a_wait_settles_at_one_rendezvous_and_is_exchanged_early_once_per_settle
     assert waits.is_usual(9)  # back at it: a usual wait, not the odd one
     assert waits.exchange_early(None, 0.0, 1.5, settle, 18.0)  # a quiet record
     assert not waits.exchange_early(None, 0.0, 0.5, settle, 18.0)
+
+
+def test_a_status_says_settled_and_quiet_past_the_settle_times_and_done_is_left_the_loop():
+    from rankguard.callbacks.hang.deadlock import LEFT_LOOP
+    from rankguard.callbacks.hang.phases import Beat, Decision
+    from rankguard.callbacks.hang.status import rank_status
+
+    stack = [(side_channel.__file__, 5, "_decide"), ("/home/user/train.py", 9, "main")]
+    facts = {"deadlines": {"train": 30.0}, "ceilings": CEILINGS, "settle": Settle(2.0, 1.0)}
+    facts |= {"libraries": (), "host": "h", "pid": 1, "gave_up": None, "progress": 7}
+    facts |= {"usual": True, "decisions": {"b": Decision(1, 2), "a": Decision(0, None)}}
+    facts |= {"record": (), "quiet_s": 1.5}
+    beat = Beat("train_batch_start", 3, None, None, 10.0, "train")
+    status = rank_status(beat, stack, "rankguard exchange", 2.5, now=14.0, **facts)
+    assert (status.phase, status.idle_s, status.deadline_s, status.ceiling_s) == (
+        "train batch 3",
+        4.0,
+        30.0,
+        600.0,
+    )
+    assert status.settled and status.quiet and status.usual and status.progress == 7
+    assert status.decisions == (("a", 0, None), ("b", 1, 2))
+    early = rank_status(beat, stack, "rankguard exchange", 1.0, now=14.0, **facts | {"quiet_s": 0})
+    assert not early.settled and not early.quiet
+    done = rank_status(beat._replace(kind="done"), stack, None, 0.0, now=14.0, **facts)
+    assert done.waits_at == LEFT_LOOP and done.settled and done.wait_s == 4.0
+    assert done.deadline_s is None and not done.usual and not done.direct
+    assert done.phase.startswith("left the training loop")

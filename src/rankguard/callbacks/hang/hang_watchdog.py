@@ -17,7 +17,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -45,21 +44,12 @@ from rankguard.callbacks.hang.calibration import (
 from rankguard.callbacks.hang.collective_files import write_flight_recorder
 from rankguard.callbacks.hang.collectives import CollectiveRecorder
 from rankguard.callbacks.hang.deadlines import DEFAULT_DEADLINES, Settle
-from rankguard.callbacks.hang.deadlock import (
-    DEADLOCK_EXIT_CODE,
-    LEFT_LOOP,
-    NAMES_DECISION,
-    called_from_user,
-    left_at,
-    library_paths,
-    user_frame,
-)
+from rankguard.callbacks.hang.deadlock import DEADLOCK_EXIT_CODE, NAMES_DECISION, library_paths
 from rankguard.callbacks.hang.diagnosis import (
     GaveUp,
     RankStatus,
     Runs,
     Verdict,
-    blocked_in,
     diagnose,
     flight_recorder_note,
     nccl_timeout_advice,
@@ -70,6 +60,7 @@ from rankguard.callbacks.hang.job import RESTART_ENV, attempt_dir, process_group
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck
 from rankguard.callbacks.hang.phases import Beat, ClosestCall, Decision, PhaseTracker
 from rankguard.callbacks.hang.report import write_incident
+from rankguard.callbacks.hang.status import rank_status
 from rankguard.callbacks.hang.waits import WaitTracker
 
 __all__ = [
@@ -725,41 +716,31 @@ class HangWatchdog(Guard):
         return stack, point, wait_s
 
     def _status(self) -> RankStatus:
+        """This rank's status now (see :func:`~rankguard.callbacks.hang.status.rank_status`)."""
         self._derive()
-        event, step, batch_index, loader, since, kind = self._beat  # set before the thread starts
-        done = kind == "done"
+        beat = self._beat  # set before the thread starts
         stack, waits_at, wait_s = self._sample()
         self._probe_decisions()
         progress = self._phases.progress
-        status = RankStatus(
-            phase=phase_label(event, step, batch_index, loader),
-            step=step,
-            idle_s=round(_now() - since, 3),
-            deadline_s=None if done else self._deadline_s[kind],
+        return rank_status(
+            beat,
+            stack,
+            waits_at,
+            wait_s,
+            now=_now(),
+            deadlines=self._deadline_s,
+            ceilings=self.ceilings,
+            settle=self._settle,
+            libraries=self._libraries,
             host=self._host,
             pid=os.getpid(),
-            blocked_in=blocked_in(stack),
-            ceiling_s=None if done else self.ceilings[kind],
             gave_up=self._gave_up,
-            user_frame=user_frame(stack, self._libraries),
-            waits_at=waits_at,
-            wait_s=round(wait_s, 3),
-            settled=waits_at is not None and wait_s >= self._settle.stack_s,
             progress=progress,
             usual=self._waits.is_usual(progress),
-            direct=waits_at is not None and called_from_user(stack, self._libraries),
-            decisions=tuple(
-                (n, v, s) for n, (v, s) in sorted(dict(self._phases.decisions).items())
-            ),
+            decisions=dict(self._phases.decisions),
             record=self._collectives(),
-            quiet=self._quiet_s() >= self._settle.record_s,
+            quiet_s=self._quiet_s(),
         )
-        if not done:
-            return status
-        # Fit ended here: this rank left the training loop and never comes back to a
-        # rendezvous in it; while another rank waits at one, that is a proven deadlock.
-        left = replace(status, waits_at=LEFT_LOOP, wait_s=status.idle_s, settled=True)
-        return replace(left, phase=left_at(left), direct=False, usual=False)
 
     def _collectives(self) -> tuple:
         """This rank's record of collectives for its status; ``()`` if it cannot be read."""
