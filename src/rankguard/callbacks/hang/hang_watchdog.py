@@ -1,7 +1,7 @@
 """HangWatchdog: names the rank that stopped, where, with its stack, within a minute by default.
 
-Holds :class:`HangWatchdog`, the guard's shell (events, thread, files, exit); its decisions
-are pure modules beside it: ``phases``, ``deadlines``, ``waits``, ``incident``, ``diagnosis``.
+Holds :class:`HangWatchdog`, the guard's shell (events, thread, files, exit); what decides is
+pure beside it: ``phases``, ``deadlines``, ``waits``, ``status``, ``incident``, ``diagnosis``.
 See docs/hang.md#how-hangwatchdog-works.
 """
 
