@@ -1,7 +1,7 @@
 """HangWatchdog: names the rank that stopped, where, with its stack, within a minute by default.
 
-Holds :class:`HangWatchdog`, the guard; its decisions are in ``diagnosis``,
-``calibration`` and ``deadlock`` beside it.
+Holds :class:`HangWatchdog`, the guard's shell (events, thread, files, exit); what decides is
+pure beside it: ``phases``, ``deadlines``, ``waits``, ``status``, ``incident``, ``diagnosis``.
 See docs/hang.md#how-hangwatchdog-works.
 """
 
@@ -17,10 +17,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from rankguard.callbacks.core.errors import (
     HangDetectedError,
@@ -31,53 +30,43 @@ from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.settings import check_choice, check_int, check_positive
 from rankguard.callbacks.core.side_channel import own_missing_ranks
-from rankguard.callbacks.core.step_log import (
-    BATCH_END,
-    BATCH_END_FETCH_START,
-    FETCH_END_BATCH_START,
-    PAIRS,
-    Entry,
-    expand,
-)
+from rankguard.callbacks.core.step_log import Entry, expand
+from rankguard.callbacks.hang import deadlines as policy
+from rankguard.callbacks.hang import incident
 from rankguard.callbacks.hang.calibration import (
     KIND_LABELS,
     MIN_SAMPLES,
-    QUANTILE,
     IntervalHistory,
     calibrate,
     describe,
-    quantile,
     save_estimate_s,
 )
 from rankguard.callbacks.hang.collective_files import write_flight_recorder
 from rankguard.callbacks.hang.collectives import CollectiveRecorder
+from rankguard.callbacks.hang.deadlines import DEFAULT_DEADLINES, Settle
+from rankguard.callbacks.hang.incident import Report
+from rankguard.callbacks.hang.job import RESTART_ENV, attempt_dir, process_group_timeout
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck
+from rankguard.callbacks.hang.phases import Beat, ClosestCall, Decision, PhaseTracker
+from rankguard.callbacks.hang.rank_status import rank_status
 from rankguard.callbacks.hang.report import write_incident
-from rankguard.callbacks.hang.stacks import blocked_in as blocked_in_call
-from rankguard.callbacks.hang.stacks import (
-    called_from_user,
-    code_name,
-    library_paths,
-    rendezvous,
-    user_frame,
-)
+from rankguard.callbacks.hang.stacks import code_name, library_paths
 from rankguard.callbacks.hang.status import (
     DEADLOCK_EXIT_CODE,
     HANG_EXIT_CODE,
-    LEFT_LOOP,
     GaveUp,
     RankStatus,
     Runs,
     Verdict,
 )
-from rankguard.callbacks.hang.verdict import diagnose, gone
+from rankguard.callbacks.hang.verdict import diagnose
 from rankguard.callbacks.hang.verdict_text import (
     NAMES_DECISION,
     flight_recorder_note,
-    left_at,
     nccl_timeout_advice,
     phase_label,
 )
+from rankguard.callbacks.hang.waits import WaitTracker
 
 __all__ = [
     "DEADLOCK_EXIT_CODE",
@@ -93,60 +82,6 @@ logger = logging.getLogger("rankguard.callbacks.hang_watchdog")
 
 _now = time.perf_counter  # the step log's clock: heartbeats are compared with it
 
-
-class Beat(NamedTuple):
-    """The training thread's last heartbeat, read by the watchdog thread."""
-
-    event: str
-    step: int
-    batch_index: int | None
-    loader: str | None
-    at: float  # time.perf_counter()
-    kind: str  # the phase kind whose deadline applies from here ("done" after fit end)
-
-
-class ClosestCall(NamedTuple):
-    """The healthy interval closest to its deadline: :attr:`HangWatchdog.closest_call`."""
-
-    share: float  # of the deadline
-    kind: str
-    seconds: float
-    deadline: float
-
-
-class Decision(NamedTuple):
-    """A decision that can split the ranks (``should_stop``...), as this rank last saw it."""
-
-    value: Any
-    step: int | None  # the step at which it last changed
-
-
-class Wait(NamedTuple):
-    """The rendezvous the training loop waits at (read by the watchdog thread)."""
-
-    key: str  # the wait point and the user frame that called it
-    since: float  # time.perf_counter() when first seen
-    progress: int  # heartbeats so far when first seen: a new one is a new wait
-
-
-class SeenWait(NamedTuple):
-    """The wait of the last status, and the heartbeats so far then (is it a usual one?)."""
-
-    key: str | None
-    progress: int
-
-
-class EarlyExchange(NamedTuple):
-    """The wait an early status exchange was last asked for, and when."""
-
-    wait: Wait | tuple | None  # a rendezvous, or ("record", quiet since)
-    at: float  # time.perf_counter()
-
-
-#: Set by torchrun (and its elastic agent) to the number of restarts of the worker group.
-RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
-MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
-
 STATUS_EXCHANGE = "hang_watchdog/status"
 ABORT_BARRIER = "hang_watchdog/abort"
 HISTORY = 256  # heartbeats kept per rank for rank{N}.jsonl
@@ -161,85 +96,8 @@ READ_PERIOD_S = 2.0
 #: leave one collective a few milliseconds apart, so a status sampled just before one rank
 #: returned from it must not confirm it.
 CONFIRM_AFTER_S = 1.0
-#: How long a rank must issue nothing and make no progress before its record of collectives
-#: counts toward a desync (seconds; at least ``calibration_factor`` x the train p99 once
-#: calibrated, ``deadlock_after_s`` before): ranks' counts differ briefly all the time.
-RECORD_SETTLE_S = 1.0
-#: Wait points seen healthy, kept per rank (to tell the usual one from the odd one).
-MAX_USUAL = 64
-#: Events that end a phase after eval: back in the train loop, or a checkpoint save.
-_LEAVE_OR_END_EVAL = {
-    "eval_end": "post_eval",
-    "checkpoint_save_start": "checkpoint",
-    "data_fetch_start": "data",
-    "data_fetch_end": "train",
-    "train_batch_start": "train",
-}
-#: The phase kind that follows each of a train step's heartbeats once a step has ended and
-#: no eval just ended (``_kind``'s answer then, with nothing for it to update).
-_STEP_KINDS = {"data_fetch_start": "data", "data_fetch_end": "train", "train_batch_start": "train"}
-
-
-def _add(spans: dict[str, list[float]], kind: str, seconds: float) -> None:
-    """Adds an interval of ``kind`` to those read."""
-    span = spans.get(kind)
-    if span is None:
-        spans[kind] = [seconds]
-    else:
-        span.append(seconds)
-
-
-#: Ceilings used when an argument is left at ``None``; under NCCL they are
-#: lowered to fit inside the process-group timeout (see ``_fit_defaults_under``).
-DEFAULT_DEADLINES = {
-    "timeout_s": 600.0,
-    "eval_timeout_s": 600.0,
-    "post_eval_timeout_s": 600.0,
-    "checkpoint_timeout_s": 1800.0,
-}
-
-
-def process_group_timeout() -> tuple[str | None, float | None]:
-    """Returns the default process group's backend and timeout (seconds), where known.
-
-    The timeout has no public getter; this is the one place the watchdog reads
-    a private ``torch.distributed`` attribute (``tests/hang/test_hang_watchdog.py``
-    fails if it disappears).
-    """
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None, None
-    backend = str(dist.get_backend())
-    try:
-        device = torch.device("cuda" if backend == "nccl" else "cpu")
-        options = dist.group.WORLD._get_backend(device).options
-        return backend, options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        return backend, None
-
-
-def attempt_dir(report_dir: str | os.PathLike, env: Mapping[str, str]) -> Path:
-    """Where this attempt's report goes: ``report_dir/attempt{N}`` when the launcher restarts.
-
-    torchrun with ``--max-restarts`` above 0 (``TORCHELASTIC_MAX_RESTARTS``) can
-    start the workers again, so each attempt keeps its own folder; otherwise
-    the report goes to ``report_dir`` itself, where the docs say it is.
-
-    Args:
-        report_dir: The configured report directory.
-        env: The environment (``os.environ``); :data:`RESTART_ENV` holds the
-            restart count under torchrun, the same on every rank of an attempt.
-
-    Returns:
-        ``report_dir`` itself when the launcher does not restart workers.
-    """
-    count = env.get(RESTART_ENV, "").strip()
-    restarts = env.get(MAX_RESTARTS_ENV, "").strip()
-    if not count.isdigit() or (int(count) == 0 and not (restarts.isdigit() and int(restarts))):
-        return Path(report_dir)
-    return Path(report_dir) / f"attempt{int(count)}"
+#: The exit codes an incident ends the job with (``incident.Report.code``).
+EXIT_CODES = (HANG_EXIT_CODE, DEADLOCK_EXIT_CODE)
 
 
 def _check_report_dir(report_dir: Any) -> str:
@@ -451,23 +309,21 @@ class HangWatchdog(Guard):
             check_choice("check_metric_reductions", check_metric_reductions, (True, False))
         )
         self._libraries = library_paths()
-        self._progress = 0  # heartbeats read by the watchdog thread so far
-        self._wait: Wait | None = None
-        self._usual: set[str] = set()
-        self._pending_usual = SeenWait(None, 0)
-        self._decisions: dict[str, Decision] = {}
-        self._settle_s = self.deadlock_after_s
-        self._record_settle_s = self.deadlock_after_s
+        self.history = IntervalHistory()
+        # What the heartbeats say: the step log's entries (the per-step events, and the
+        # others this guard appends), fed by the watchdog thread (_derive, read_steps).
+        self._phases = PhaseTracker(
+            self.history, measure=self.auto_calibrate, warmup=self.warmup_steps
+        )
+        self._waits = WaitTracker(self._libraries)
+        self._settle: Settle = policy.settle_times(self.deadlock_after_s, self.calibration_factor)
         self._recorder: CollectiveRecorder | None = None
-        self._quiet: tuple[Any, float] = (None, 0.0)  # (progress and counts, first seen at)
         self._told_mismatch: set[str] = set()
         self._decision_probe: Any = None  # the adapter's, from FIT_START
-        self._probed: EarlyExchange | None = None
         self.exchange_timeout_s = max(2.0, self.exchange_period_s)
         self.incidents = 0
         self.ceilings_reached = 0
         self.last_incident: HangDetectedError | None = None
-        self.history = IntervalHistory()
         self._restored = False  # the history came from a checkpoint
         self._save_estimate: float | None = None
         self._thread: threading.Thread | None = None
@@ -475,41 +331,45 @@ class HangWatchdog(Guard):
         self._wake = threading.Event()  # ends the thread's sleep early (fit end, close)
         self._ended = threading.Event()  # the open incident reached stage 2
         self._release_owner = _no_owner
-        # Heartbeats are the step log's entries (the per-step events, and the others this
-        # guard appends); the watchdog thread reads them (_derive, read_steps).
         self._history: deque = deque(maxlen=HISTORY)  # the last entries read: rank{N}.jsonl
         self._nccl_note = ""
         self._host = socket.gethostname()
-        self._beat: Beat | None = None
         self._loop_thread: int | None = None  # ident of the thread that sends the events
-        self._loop_thread_name: str | None = None
+        self._loop_thread_name: str | None = None  # its name, as the record names threads
         self._words: dict[str, Any] = {}  # the adapter's words for its decisions
         self._reset()
 
     @property
     def ceilings(self) -> dict[str, float]:
         """Configured (or NCCL-fitted) deadline per phase kind: stage 2."""
-        return {
-            "startup": self.first_step_timeout_s,
-            "train": self.timeout_s,
-            "data": self.timeout_s,
-            "eval": self.eval_timeout_s,
-            "post_eval": self.post_eval_timeout_s,
-            "checkpoint": self.checkpoint_timeout_s,
-        }
+        return policy.ceilings(
+            first_step_timeout_s=self.first_step_timeout_s,
+            timeout_s=self.timeout_s,
+            eval_timeout_s=self.eval_timeout_s,
+            post_eval_timeout_s=self.post_eval_timeout_s,
+            checkpoint_timeout_s=self.checkpoint_timeout_s,
+        )
 
     @property
     def deadlines(self) -> dict[str, float]:
         """Deadline per phase kind now (calibrated, at most the ceiling): stage 1."""
         return dict(self._deadline_s)
 
+    @property
+    def closest_call(self) -> ClosestCall | None:
+        """The healthy interval closest to its deadline since fit start, or ``None``."""
+        return self._phases.closest_call
+
+    @property
+    def _beat(self) -> Beat | None:
+        return self._phases.beat
+
     def _reset(self) -> None:
         self._deadline_s: dict[str, float] = self.ceilings
-        self._steps_done = 0  # train batches ended, as read from the step log
-        self._wake_at = 1  # the next of them after which the thread exchanges at once
+        self._phases.reset()
+        self._wake_at = 1  # the next train batch ended after which the thread exchanges at once
         self._read_wake = False  # the thread read a wake point: exchange at once
         self.due = 1  # the first train batch's start: on_due
-        self._after_eval = False
         self._incident: Runs = ()
         self._reported = False
         self._ended.clear()
@@ -517,9 +377,7 @@ class HangWatchdog(Guard):
         self._told_calibrated = False
         self._last: Verdict | None = None
         self._failures = 0
-        self._decisions = {}
-        self._wait = None
-        self.closest_call: ClosestCall | None = None
+        self._waits.wait = None
 
     # -- checkpoint state ---------------------------------------------------------------
 
@@ -535,15 +393,13 @@ class HangWatchdog(Guard):
         if state and self.auto_calibrate:
             self._restored = self.history.load_state_dict(state.get("calibration", {}))
 
-    # -- main thread: heartbeats only -------------------------------------------------
+    # -- heartbeats (main thread) and reading them (watchdog thread, or main at fit end) --
 
     def _heartbeat(self, event: str, facts: EventFacts) -> None:
         """Records a heartbeat of an event that is not per step in the step log."""
         self.steps.append(event, facts)
         if self._thread is None:
             self._start()
-
-    # -- what the heartbeats say (watchdog thread, or the main thread at fit end) --------
 
     def _derive(self) -> None:
         """Reads the step log now (this guard's part: :meth:`read_steps`).
@@ -556,93 +412,15 @@ class HangWatchdog(Guard):
         self.steps.drain()
 
     def read_steps(self, entries: list[Entry]) -> None:
-        """Reads heartbeats: intervals, phases, calibration (under the step log's lock).
+        """Reads heartbeats (under the step log's lock): see :class:`PhaseTracker`.
 
-        Each interval between two heartbeats is recorded under the phase kind of
-        the first (once ``warmup_steps`` train batches ended), against the deadline
-        then in force for the closest call; :attr:`_beat` becomes the last one.
         After the first train batch, and once calibrated, the thread is woken to
         exchange at once (:meth:`_exchange_now`).
         """
-        last = self._beat
-        at, kind = (None, "") if last is None else (last.at, last.kind)
-        measure, warmup = self.auto_calibrate, self.warmup_steps
-        done, after_eval = self._steps_done, self._after_eval
-        spans: dict[str, list[float]] = {}  # the intervals read, by kind: recorded at the end
-        for now, event, step, _, _, decisions in entries:
-            if event == "fit_start":  # a new fit: no interval from the last one
-                self._record(spans)
-                spans, at, self.closest_call, done, after_eval = {}, None, None, 0, False
-            if at is not None and measure and done >= warmup:
-                span = spans.get(kind)
-                if span is None:
-                    spans[kind] = [now - at]
-                else:
-                    span.append(now - at)
-            at = now
-            if decisions:  # none at most events
-                self._update_decisions(decisions, step)
-            if done and not after_eval:  # the usual heartbeats of a train step, past the first
-                if event == FETCH_END_BATCH_START or event == BATCH_END_FETCH_START:
-                    # Two heartbeats at once: a zero interval between them, of the first's kind.
-                    if event == BATCH_END_FETCH_START:
-                        done += 1
-                    if measure and done >= warmup:
-                        train = spans.get("train")
-                        if train is None:
-                            spans["train"] = [0.0]
-                        else:
-                            train.append(0.0)
-                    kind = "train" if event == FETCH_END_BATCH_START else "data"
-                    continue
-                if event == BATCH_END:
-                    done += 1
-                    kind = "train"
-                    continue
-                usual = _STEP_KINDS.get(event)
-                if usual is not None:
-                    kind = usual
-                    continue
-            self._steps_done, self._after_eval = done, after_eval
-            pair = PAIRS.get(event)
-            if pair is None:
-                kind = self._kind(event)
-            else:
-                kind = self._kind(pair[0])
-                if measure and self._steps_done >= warmup:
-                    _add(spans, kind, 0.0)
-                kind = self._kind(pair[1])
-            done, after_eval = self._steps_done, self._after_eval
-        self._steps_done, self._after_eval = done, after_eval
-        self._record(spans)
+        self._phases.read(entries, self._deadline_s)
         self._history.extend(entries)
-        self._progress += len(entries)
-        now, event, step, batch_index, loader, _ = expand(entries[-1:])[-1]
-        self._beat = Beat(event, step, batch_index, loader, now, kind)
-        if self._wake_at and self._steps_done >= self._wake_at:
+        if self._wake_at and self._phases.steps_done >= self._wake_at:
             self._exchange_now()
-
-    def _record(self, spans: Mapping[str, list[float]]) -> None:
-        """Adds the intervals read to the calibration; the longest against its deadline.
-
-        The closest call is the interval with the largest share of the deadline
-        then in force for its kind: per kind, the longest.
-        """
-        closest, deadlines = self.closest_call, self._deadline_s
-        for kind, seconds in spans.items():
-            self.history.record_many(kind, seconds)
-            deadline = deadlines.get(kind)
-            longest = max(seconds)
-            if deadline and (closest is None or longest > closest.share * deadline):
-                closest = ClosestCall(longest / deadline, kind, longest, deadline)
-        self.closest_call = closest
-
-    def _update_decisions(self, decisions: Mapping[str, Any], step: int) -> None:
-        """Keeps the decisions that can split the ranks, with the step each was last changed."""
-        for name, value in decisions.items():
-            seen = self._decisions.get(name)
-            if (seen.value if seen is not None else None) != value:
-                self._decisions[name] = Decision(value, step)
 
     def _probe_decisions(self) -> None:
         """Reads the adapter's decisions now (watchdog thread, at each status): never raises."""
@@ -650,24 +428,9 @@ class HangWatchdog(Guard):
         if probe is None or beat is None:
             return
         try:
-            self._update_decisions(probe(), beat.step)
+            self._phases.update_decisions(probe(), beat.step)
         except Exception as exc:  # a framework's state read from another thread
             logger.debug("rankguard %s: decision probe failed: %s", self.name, exc)
-
-    def _kind(self, event: str) -> str:
-        if event == "fit_end":
-            return "done"
-        if event == "train_batch_end":
-            self._steps_done += 1
-        if self._steps_done == 0:
-            return "startup"
-        if event in ("eval_start", "eval_batch_start", "eval_batch_end"):
-            self._after_eval = False
-            return "eval"
-        if event in _LEAVE_OR_END_EVAL:
-            self._after_eval = event == "eval_end"
-            return _LEAVE_OR_END_EVAL[event]
-        return "post_eval" if self._after_eval else "train"
 
     def on_fit_start(self, facts: EventFacts) -> None:
         """Starts the watchdog thread (a new fit starts a new incident state, same calibration)."""
@@ -731,12 +494,12 @@ class HangWatchdog(Guard):
 
     def on_checkpoint_save_start(self, facts: EventFacts) -> None:
         """Records a heartbeat; the checkpoint deadline applies."""
-        self._decisions["save"] = Decision(True, facts.step)
+        self._phases.decisions["save"] = Decision(True, facts.step)
         self._heartbeat("checkpoint_save_start", facts)
 
     def on_checkpoint_save_end(self, facts: EventFacts) -> None:
         """Records a heartbeat."""
-        self._decisions.pop("save", None)
+        self._phases.decisions.pop("save", None)
         self._heartbeat("checkpoint_save_end", facts)
 
     def on_fit_end(self, facts: EventFacts) -> None:
@@ -772,7 +535,7 @@ class HangWatchdog(Guard):
             # together, so no rank is left waiting for a rank that already left. Until then
             # this rank's status says it left the loop: a rank that waits at a rendezvous
             # in it for its settle time proves a deadlock (the thread then ends the job).
-            limit = 2 * self.exchange_period_s + self.exchange_timeout_s + self._settle_s
+            limit = 2 * self.exchange_period_s + self.exchange_timeout_s + self._settle.stack_s
             thread.join(timeout=limit)
         self._stop.set()
         self._wake.set()
@@ -813,7 +576,7 @@ class HangWatchdog(Guard):
             self.raise_on_every_rank(error)
 
         def names(reduced: tuple[str, ...], step: int) -> None:
-            self._decisions[f"{NAMES_DECISION}{name}"] = Decision(reduced, step)
+            self._phases.decisions[f"{NAMES_DECISION}{name}"] = Decision(reduced, step)
 
         return ReductionCheck(
             self.channel,
@@ -862,12 +625,8 @@ class HangWatchdog(Guard):
         backend, pg_timeout = process_group_timeout()
         if backend == "nccl":
             self._fit_defaults_under(pg_timeout)
-            deadlines = {
-                f"{k}_timeout_s" if k != "train" else "timeout_s": v
-                for k, v in self.ceilings.items()
-                if k not in ("startup", "data")
-            }
             detect = self.exchange_period_s + self.exchange_timeout_s
+            deadlines = policy.ceiling_arguments(self.ceilings)
             advice = nccl_timeout_advice(pg_timeout, deadlines, detect)
             if advice and self.channel.is_leader:
                 self.warn_once("nccl_timeout", advice)
@@ -895,133 +654,103 @@ class HangWatchdog(Guard):
         if recorder.install():
             self._recorder = recorder
 
+    def _settings(self) -> policy.Settings:
+        """The settings the deadline policy reads."""
+        return policy.Settings(
+            self.auto_calibrate,
+            self.warmup_steps,
+            self.calibration_factor,
+            self.floor_s,
+            self.first_step_timeout_s,
+            self.deadlock_after_s,
+            self.action,
+            self.abort_at,
+        )
+
     def _plan(self) -> str:
         """The INFO line at fit start: what is reported when, and when the job ends."""
-        labels = KIND_LABELS
-        ceilings = ", ".join(
-            f"{labels[k]} {v:.0f} s" for k, v in self.ceilings.items() if k != "data"
-        )
-        end = "aborts" if self.action == "abort" else "reports again (action='report')"
-        if not self.auto_calibrate:
-            return f"deadlines (no calibration): {ceilings}; past one it {end}."
-        if self._restored:
-            calibrated = f"calibrated from the checkpoint: {describe(self._calibrated())}"
-        else:
-            calibrated = (
-                f"calibrated after {self.warmup_steps} warm-up train steps to "
-                f"{self.calibration_factor:g} x the 99th percentile of each phase's intervals, "
-                f"at least {self.floor_s:g} s"
-            )
-        if self.abort_at == "calibrated":
-            return f"deadlines {calibrated}, at most {ceilings}; past one it {end}."
-        return f"reports at deadlines {calibrated}; {end} at the ceilings: {ceilings}."
+        restored = self._calibrated() if self._restored else None
+        return policy.plan(self.ceilings, self._settings(), restored)
 
     def _fit_defaults_under(self, pg_timeout: float | None) -> None:
         """Lowers defaulted ceilings so a hang ends before NCCL ends the job."""
-        if pg_timeout is None:
-            return
-        detect = self.exchange_period_s + self.exchange_timeout_s
-        fitted = max(self.exchange_period_s, 0.8 * pg_timeout - detect)
-        for name in self.defaulted:
-            if getattr(self, name) > fitted:
-                setattr(self, name, fitted)
-                logger.info(
-                    "rankguard %s: `%s` set to %.0f s to report before NCCL's %.0f s timeout",
-                    self.name,
-                    name,
-                    fitted,
-                    pg_timeout,
-                )
+        values = {name: getattr(self, name) for name in self.defaulted}
+        period, timeout = self.exchange_period_s, self.exchange_timeout_s
+        fitted = policy.fit_defaults_under(
+            values, self.defaulted, pg_timeout, exchange_period_s=period, exchange_timeout_s=timeout
+        )
+        for name, seconds in fitted.items():
+            setattr(self, name, seconds)
+            logger.info(
+                "rankguard %s: `%s` set to %.0f s to report before NCCL's %.0f s timeout",
+                self.name,
+                name,
+                seconds,
+                pg_timeout,
+            )
 
     def _calibrated(self) -> dict:
+        factor, floor_s, save_estimate = self.calibration_factor, self.floor_s, self._save_estimate
         return calibrate(
-            self.history,
-            self.ceilings,
-            factor=self.calibration_factor,
-            floor_s=self.floor_s,
-            save_estimate=self._save_estimate,
+            self.history, self.ceilings, factor=factor, floor_s=floor_s, save_estimate=save_estimate
         )
 
     def _recalibrate(self) -> None:
         """Sets the deadlines from the intervals seen (at each status exchange)."""
         self._derive()
-        ready = self._restored or self._steps_done >= self.warmup_steps
+        ready = self._restored or self._phases.steps_done >= self.warmup_steps
         if not self.auto_calibrate or not ready:
             return
-        calibrated = self._calibrated()
-        train = self.history.snapshot()["train"]
-        if len(train) >= MIN_SAMPLES:
-            step_p99 = quantile(train, QUANTILE)
-            self._settle_s = max(self.deadlock_after_s, self.calibration_factor * step_p99)
-            self._record_settle_s = max(RECORD_SETTLE_S, self.calibration_factor * step_p99)
-        self._deadline_s = {"startup": self.first_step_timeout_s}
-        self._deadline_s.update({kind: d.seconds for kind, d in calibrated.items()})
-        if not self._told_calibrated and self.history.count("train") >= MIN_SAMPLES:
+        new = policy.recalibrate(self.history, self.ceilings, self._settings(), self._save_estimate)
+        if new.settle is not None:
+            self._settle = new.settle
+        self._deadline_s = new.deadlines
+        if not self._told_calibrated and new.settle is not None:
             self._told_calibrated = True
+            step = self._beat.step if self._beat else 0
+            describe_ = describe(new.calibrated)
             logger.info(
                 "rankguard %s: calibrated at train step %d: reports past %s.",
                 self.name,
-                self._beat.step if self._beat else 0,
-                describe(calibrated),
+                step,
+                describe_,
             )
 
     def _sample(self) -> tuple[list, str | None, float]:
         """Reads the loop's stack; tracks how long it has waited at one rendezvous."""
         stack = self._loop_stack()
-        point = rendezvous(stack)
-        now = _now()
         recorder = self._recorder
-        state = (self._progress, recorder.counts() if recorder is not None else ())
-        if state != self._quiet[0]:
-            self._quiet = (state, now)
-        if point is None:
-            self._wait = None
-            return stack, None, 0.0
-        key = f"{point} at {user_frame(stack, self._libraries, source=False)}"
-        wait = self._wait
-        if wait is None or wait.key != key or wait.progress != self._progress:
-            wait = self._wait = Wait(key, now, self._progress)
-        return stack, point, now - wait.since
+        counts = recorder.counts() if recorder is not None else ()
+        point, wait_s = self._waits.sample(stack, _now(), self._phases.progress, counts)
+        return stack, point, wait_s
 
     def _status(self) -> RankStatus:
+        """This rank's status now (built by :mod:`rankguard.callbacks.hang.rank_status`)."""
         self._derive()
-        event, step, batch_index, loader, since, kind = self._beat  # set before the thread starts
-        done = kind == "done"
+        beat = self._beat  # set before the thread starts
         stack, waits_at, wait_s = self._sample()
         self._probe_decisions()
-        key = self._wait.key if self._wait else None
-        settled = waits_at is not None and wait_s >= self._settle_s
-        pending, self._pending_usual = self._pending_usual, SeenWait(key, self._progress)
-        if pending.key and self._progress > pending.progress and len(self._usual) < MAX_USUAL:
-            self._usual.add(pending.key)  # a wait the loop came out of: a healthy one
-        status = RankStatus(
-            phase=phase_label(event, step, batch_index, loader),
-            step=step,
-            idle_s=round(_now() - since, 3),
-            deadline_s=None if done else self._deadline_s[kind],
+        progress = self._phases.progress
+        return rank_status(
+            beat,
+            stack,
+            waits_at,
+            wait_s,
+            now=_now(),
+            deadlines=self._deadline_s,
+            ceilings=self.ceilings,
+            settle=self._settle,
+            libraries=self._libraries,
             host=self._host,
             pid=os.getpid(),
-            blocked_in=blocked_in_call(stack),
-            ceiling_s=None if done else self.ceilings[kind],
             gave_up=self._gave_up,
-            user_frame=user_frame(stack, self._libraries),
-            waits_at=waits_at,
-            wait_s=round(wait_s, 3),
-            settled=settled,
-            progress=self._progress,
-            usual=key in self._usual,
-            direct=waits_at is not None and called_from_user(stack, self._libraries),
-            decisions=tuple((n, v, s) for n, (v, s) in sorted(dict(self._decisions).items())),
+            progress=progress,
+            usual=self._waits.is_usual(progress),
+            decisions=dict(self._phases.decisions),
             record=self._collectives(),
-            quiet=self._quiet_s() >= self._record_settle_s,
+            quiet_s=self._quiet_s(),
             loop_thread=self._loop_thread_name,
         )
-        if not done:
-            return status
-        # Fit ended here: this rank left the training loop and never comes back to a
-        # rendezvous in it; while another rank waits at one, that is a proven deadlock.
-        left = replace(status, waits_at=LEFT_LOOP, wait_s=status.idle_s, settled=True)
-        return replace(left, phase=left_at(left), direct=False, usual=False)
 
     def _collectives(self) -> tuple:
         """This rank's record of collectives for its status; ``()`` if it cannot be read."""
@@ -1036,7 +765,7 @@ class HangWatchdog(Guard):
 
     def _quiet_s(self) -> float:
         """How long this rank has made no progress and issued no collective (as sampled)."""
-        return _now() - self._quiet[1] if self._recorder is not None else 0.0
+        return self._waits.quiet_s(_now()) if self._recorder is not None else 0.0
 
     def _loop_stack(self) -> list[tuple[str, int, str]]:
         """The training loop thread's frames (innermost first), read from the watchdog thread."""
@@ -1074,15 +803,12 @@ class HangWatchdog(Guard):
                 self._last is None or self._last.suspect != verdict.suspect
             )
             self._last = verdict
-            if verdict.mismatch is not None:
-                self._on_mismatch(*verdict.mismatch)
-            if verdict.deadlock:
-                self._on_deadlock(verdict)
-            elif verdict.stuck:
-                self._incident = verdict.stuck
-                self._stage(verdict.summary, verdict.details, frozen=[], end=verdict.end)
-            elif self._reported:
-                self._recovered()
+            leader = self.channel.is_leader
+            state, told = self._state(), self._told_mismatch
+            for step in incident.after_verdict(
+                verdict, state, self._policy(), leader=leader, told=told
+            ):
+                self._act(step)
             if verdict.done == ((0, self.channel.world_size - 1),):
                 return  # every rank's fit ended: every thread ends after this same exchange
             if self._beat.kind == "done":
@@ -1117,11 +843,10 @@ class HangWatchdog(Guard):
         return PROBE_PERIOD_S
 
     def _settled_at_rendezvous(self) -> bool:
-        """Whether the loop, without progress, has waited at one rendezvous for its settle time.
+        """Whether the loop, without progress, settled (see :meth:`WaitTracker.exchange_early`).
 
         Cheap while training goes on: the stack is read only once no heartbeat
-        came for a probe period. A wait already exchanged is not exchanged
-        again before another settle time has passed.
+        came for a probe period.
         """
         self._derive()
         beat = self._beat
@@ -1130,155 +855,86 @@ class HangWatchdog(Guard):
         if _now() - beat.at < PROBE_PERIOD_S:
             return False
         _, point, wait_s = self._sample()
-        if point is not None and wait_s >= self._settle_s:
-            marker, again_s = self._wait, self._settle_s
-        elif self._recorder is not None and self._quiet_s() >= self._record_settle_s:
-            # Issued nothing for its settle time: its record may prove a desync that no stack
-            # shows (NCCL, async collectives: the thread waits later, at a host sync).
-            marker, again_s = ("record", self._quiet[1]), self._record_settle_s
-        else:
-            return False
-        probed = self._probed
-        if probed is not None and probed.wait == marker and _now() - probed.at < again_s:
-            return False
-        self._probed = EarlyExchange(marker, _now())
-        return True
+        quiet_s = self._quiet_s() if self._recorder is not None else None
+        return self._waits.exchange_early(point, wait_s, quiet_s, self._settle, _now())
 
-    def _on_deadlock(self, verdict: Verdict) -> None:
-        """A proven deadlock: report at once; with ``deadlock_action="abort"`` end the job.
+    # -- incidents: the state machine is incident.py's; here its steps are performed -----
 
-        With ``"report"`` it is reported once and the incident ends at the
-        ceiling as any other (stage 2, :data:`HANG_EXIT_CODE` with ``action="abort"``).
-        """
-        self._incident = verdict.stuck
-        if self.deadlock_action == "abort":
-            self._report(verdict.summary, verdict.details, [], final=True, deadlock=True)
-        elif not self._reported:
-            self._report(verdict.summary, verdict.details, [], final=False, deadlock=True)
-        elif verdict.end and not self._ended.is_set():
-            self._report(verdict.summary, verdict.details, [], final=True)
+    def _policy(self) -> incident.Policy:
+        return incident.Policy(
+            self.action, self.abort_at, self.deadlock_action, self.collective_mismatch
+        )
 
-    def _on_mismatch(self, key: str, text: str) -> None:
-        """Collectives paired with the wrong partner while the job runs: told once each."""
-        if self.collective_mismatch == "abort":  # every rank got the same verdict
-            summary = f"collective mismatch, {text.rstrip('.')}"
-            self._report(summary, (), [], final=True, deadlock=True)
-        elif key not in self._told_mismatch and self.channel.is_leader:
-            self._told_mismatch.add(key)
-            logger.warning("rankguard %s: Collective mismatch: %s", self.name, text)
+    def _state(self) -> incident.State:
+        return incident.State(self._reported, self._ended.is_set())
 
     def _on_missing(self, missing: list[int]) -> None:
         waited = self.exchange_period_s + self._failures * self.exchange_timeout_s
-        given_up = self._gave_up[1] if self._gave_up else ()
-        verdict = gone(
+        if self._stop.is_set() or self._beat.kind == "done":
+            return
+        report = incident.after_missing(
             missing,
             rank=self.channel.rank,
             waited_s=waited,
             last=self._last,
-            default_s=self.ceilings["startup"],
-            given_up=given_up,
+            first_step_s=self.first_step_timeout_s,
+            gave_up=self._gave_up,
+            state=self._state(),
+            policy=self._policy(),
         )
-        if verdict is not None and not self._stop.is_set() and self._beat.kind != "done":
-            frozen = [r for first, last in verdict.stuck for r in range(first, last + 1)]
-            self._stage(verdict.summary, verdict.details, frozen=frozen, end=verdict.end)
+        if report is not None:
+            self._report(report)
 
-    def _stage(self, summary: str, details: tuple[str, ...], frozen: list[int], end: bool) -> None:
-        """Acts on a stuck verdict: stage 1 (report once) or stage 2 (end the incident)."""
-        if self._ended.is_set():
-            return  # stage 2 done (action="report"): once per incident
-        if end or self.abort_at == "calibrated":
-            self._report(summary, details, frozen, final=True)
-        elif not self._reported:
-            self._report(summary, details, frozen, final=False)
+    def _act(self, step: incident.Step) -> None:
+        """Performs one step of :func:`incident.after_verdict`."""
+        if isinstance(step, incident.Hold):
+            self._incident = step.runs
+        elif isinstance(step, incident.WarnMismatch):
+            self._told_mismatch.add(step.key)
+            logger.warning("rankguard %s: Collective mismatch: %s", self.name, step.text)
+        elif isinstance(step, incident.Recovered):
+            logger.info("rankguard %s: %s", self.name, incident.recovered_text(step.ended))
+            self._incident, self._reported, self._gave_up = (), False, None
+            self._ended.clear()
+        else:
+            self._report(step)
 
-    def _recovered(self) -> None:
-        """Every rank made progress again: the incident was a slow phase, or it ended."""
-        if self._reported:
-            slow = ": the phase reported was slow, not stuck; its deadline now allows for it"
-            logger.info(
-                "rankguard %s: every rank is making progress again%s.",
-                self.name,
-                "" if self._ended.is_set() else slow,
-            )
-        self._incident, self._reported, self._gave_up = (), False, None
-        self._ended.clear()
-
-    def _report(
-        self,
-        summary: str,
-        details: tuple[str, ...],
-        frozen: list[int],
-        final: bool,
-        deadlock: bool = False,
-    ) -> None:
+    def _report(self, report: Report) -> None:
+        """Writes this rank's report files, logs the incident, and exits where it says."""
         rank, status = self.channel.rank, self._status()
-        header = f"rank {rank}, host {status.host}, pid {status.pid}: {status.phase}"
-        report = attempt_dir(self.report_dir, os.environ)
+        header = incident.header(rank, status.host, status.pid, status.phase)
+        folder = attempt_dir(self.report_dir, os.environ)
         wall = time.time() - _now()  # the beats' monotonic times as wall-clock times
         beats = [
             {"t": wall + t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
             for t, e, s, b, ld, _ in expand(list(self._history))
         ]
-        writer = min(r for r in range(self.channel.world_size) if r not in frozen)
-        stage = (
-            "Stage 2: the incident ends (ceiling, or a check gave up waiting)."
-            if final
-            else "Stage 1: reported at the calibrated deadline; training goes on."
-        )
-        if deadlock:
-            stage = (
-                f"Proven deadlock: the job ends now with exit code {DEADLOCK_EXIT_CODE}."
-                if final
-                else "Proven deadlock (deadlock_action='report'): the two stages go on."
-            )
-        text = (
-            "\n".join([summary, "", *details, stage, "", self._nccl_note])
-            if rank == writer
-            else None
-        )
+        writes = rank == incident.writer(self.channel.world_size, report.frozen)
+        text = incident.summary_text(report, self._nccl_note) if writes else None
         first_line = f"{header}, idle {status.idle_s:.1f} s"
         try:
             write_incident(
-                report, rank, first_line, beats, text, loop_thread=self._loop_thread, status=status
+                folder, rank, first_line, beats, text, loop_thread=self._loop_thread, status=status
             )
         except OSError as exc:
             logger.error("rankguard %s: could not write the report: %s", self.name, exc)
-        if final or deadlock:
-            write_flight_recorder(report, rank)  # where the running torch keeps one
-        where = (
-            f"This is {header}. Stacks in {report}/rank{rank}.txt; "
-            f"summary in {report}/summary.txt. {self._nccl_note}".rstrip()
-        )
+        if report.final or report.deadlock:
+            write_flight_recorder(folder, rank)  # where the running torch keeps one
         if not self._reported:
             self.incidents += 1  # counted once per incident (tests wait on it)
         self._reported = True
-        if not final:
-            heading = "Deadlock" if deadlock else "Hang suspected"
-            self.last_incident = HangDetectedError(
-                "\n".join([f"{heading}: {summary}.", *details, where])
-            )
-            then = "aborts" if self.action == "abort" else "reports again"
-            logger.warning(
-                "rankguard %s: %s Training goes on; it %s if there is still no progress at "
-                "the ceiling.",
-                self.name,
-                self.last_incident,
-                then,
-            )
+        where = incident.where(header, str(folder), rank, self._nccl_note)
+        self.last_incident = HangDetectedError(incident.message(report, where))
+        outcome = incident.outcome(report, self.action)
+        if not report.final:
+            logger.warning("rankguard %s: %s %s", self.name, self.last_incident, outcome)
             return
-        heading = "Deadlock" if deadlock else "Hang"
-        self.last_incident = HangDetectedError(
-            "\n".join([f"{heading}: {summary}.", *details, where])
-        )
         self.ceilings_reached += 1
         self._gave_up = None
-        code = DEADLOCK_EXIT_CODE if deadlock else HANG_EXIT_CODE
-        aborts = deadlock or self.action == "abort"
-        then = f"aborting with exit code {code}" if aborts else "waiting"
-        logger.error("rankguard %s: %s Now %s.", self.name, self.last_incident, then)
+        logger.error("rankguard %s: %s %s", self.name, self.last_incident, outcome)
         self._ended.set()
-        if aborts:
-            self._abort(code)
+        if report.code is not None:
+            self._abort(report.code)
 
     def _abort(self, code: int = HANG_EXIT_CODE) -> None:
         for handler in logging.getLogger().handlers:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rankguard.callbacks.core.ranks import group_ranks, rank_label
+from rankguard.callbacks.hang.timeline import REPORT_EVENT
 
 if TYPE_CHECKING:
     from rankguard.callbacks.hang.status import RankStatus
@@ -42,8 +43,6 @@ SUMMARY_FILE = "summary.txt"
 MERGED_FILE = "merged.txt"
 TIMELINE_FILE = "timeline.png"
 
-#: The ``event`` of the record that ends ``rank{N}.jsonl``: the rank's status when it reported.
-REPORT_EVENT = "report"
 #: Added to the training loop thread's line in ``rank{N}.txt``.
 LOOP_MARK = "[training loop]"
 

@@ -23,10 +23,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rankguard.callbacks.hang.report import REPORT_EVENT
-
 __all__ = [
     "PHASE_COLORS",
+    "REPORT_EVENT",
     "RankRow",
     "Span",
     "Timeline",
@@ -36,6 +35,8 @@ __all__ = [
     "title",
 ]
 
+#: The ``event`` of the record that ends ``rank{N}.jsonl``: the rank's status when it reported.
+REPORT_EVENT = "report"
 #: Rows drawn at most; stuck ranks first, then the others by rank.
 MAX_ROWS = 32
 
