@@ -171,3 +171,35 @@ def test_the_watchdog_builds_the_check_only_when_it_is_on(setting):
         assert check.name == "metric_reduction/flush"
     with pytest.raises(ValueError, match="check_metric_reductions"):
         HangWatchdog(check_metric_reductions="yes")
+
+
+def _gathered(rank, world_size):
+    channel = SideChannel.from_environment(timeout_s=20)
+    check = ReductionCheck(channel, name="gathered", where="the flush", fix="f")
+    agreed = check.same(("loss",))
+    differ = check.same(("loss", "stage") if rank == 1 else ("loss",))
+    # Names differ by design; only the steps size the reduction: the same steps agree.
+    names = {5: ["loss", "stage"] if rank == 1 else ["loss"]}
+    check.check(reduction_rows(names, TYPES_ANY), compared=(5,))
+    steps = {5: ["loss"], 6: ["loss"]} if rank == 0 else {6: ["loss"]}
+    try:
+        check.check(reduction_rows(steps, TYPES_ANY), compared=tuple(steps))
+    except MetricMismatchError as exc:
+        return {"same": [agreed, differ], "error": str(exc)}
+    return {"same": [agreed, differ], "error": None}
+
+
+TYPES_ANY = {"loss": "max", "stage": "sum"}
+
+
+def test_same_and_a_comparison_of_what_sizes_a_gathered_reduction():
+    for o in run_ranks(_gathered, 2, timeout_s=60):
+        assert o.error is None, o.error
+        assert o.value["same"] == [True, False]
+        message = o.value["error"]
+        assert message is not None and "(the flush, step 5)" in message
+        assert "rank 0 recorded 'loss' (max) at step 5; rank 1 did not." in message
+
+
+def test_same_is_true_on_one_rank():
+    assert ReductionCheck(SideChannel(None), name="n", where="w", fix="f").same(1)

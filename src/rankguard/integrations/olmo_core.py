@@ -14,9 +14,12 @@ import functools
 import importlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import PurePath
 from typing import Any, ClassVar
+
+import torch
 
 # The core guard: this module's own ``SharedDirBarrier`` is the OLMo-core callback of that name.
 from rankguard.callbacks.checkpoint.shared_dir_barrier import (
@@ -24,7 +27,7 @@ from rankguard.callbacks.checkpoint.shared_dir_barrier import (
 )
 from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
-from rankguard.callbacks.hang.metric_reductions import ReductionCheck, reduction_rows
+from rankguard.callbacks.hang.metric_reductions import ReductionCheck, Rows, reduction_rows
 from rankguard.integrations import _api
 from rankguard.integrations._common import metric_reduction_check
 from rankguard.integrations._driver import EventDriver
@@ -393,6 +396,79 @@ def hook_trainer(trainer: Trainer, hooks: _Hooks, watched: Iterable[Evaluator]) 
     return unhooks
 
 
+def reduced_names(reduce_types: Mapping[str, Any]) -> tuple[str, ...]:
+    """The names OLMo-core's first flush compares across ranks: every name with a reduce type.
+
+    ``check_metrics_consistent`` compares the names ever recorded with a reduce
+    type (``Trainer._metrics_reduce_type``), not the steps' names: equal sets make
+    every later flush one ``all_reduce`` per reduce kind sized by each rank's own
+    steps and names; different sets make it gather the names first, so that only
+    the steps size it.
+    """
+    return tuple(sorted(name for name, kind in reduce_types.items() if kind is not None))
+
+
+#: OLMo-core's reduce types by the ``all_reduce`` of its flush that reduces them.
+COLLECTIVE_OF = {"mean": "sum", "sum": "sum", "l2_norm": "sum", "max": "max"}
+
+
+def gathered_flush(
+    pending: Mapping[int, Mapping[str, Any]], reduce_types: Mapping[str, Any]
+) -> tuple[Rows, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """What sizes a flush for which OLMo-core gathers every rank's names first.
+
+    Each of its two ``all_reduce`` (one per :data:`COLLECTIVE_OF` value) holds a
+    row per step this rank flushes, one column per name any rank recorded; its
+    dtype is float64 where this rank has a value recorded as a Python number
+    (OLMo-core stores those as float64, tensors as float32), else float32.
+
+    Args:
+        pending: This rank's ``Trainer._metrics`` (values per name per step).
+        reduce_types: ``Trainer._metrics_reduce_type``.
+
+    Returns:
+        ``(rows, compared)``: the float64 names per step (what the message names,
+        e.g. ``checkpoint/save_async_duration_s``, a Python float), and what is
+        compared: the steps and the collectives that are float64.
+    """
+    wide = {
+        step: [name for name, value in values.items() if value.dtype == torch.float64]
+        for step, values in pending.items()
+    }
+    rows = reduction_rows(wide, reduce_types)
+    collectives = {COLLECTIVE_OF.get(kind, kind) for row in rows for _, kind in row.names}
+    return rows, (tuple(row.label for row in rows), tuple(sorted(collectives)))
+
+
+def check_flush(
+    check: ReductionCheck,
+    pending: Mapping[int, Mapping[str, Any]],
+    reduce_types: Mapping[str, Any],
+    consistent: bool | None,
+) -> None:
+    """Compares, on every rank, what the coming OLMo-core flush reduces; raises on every rank.
+
+    ``consistent`` is ``Trainer._metrics_consistent``: ``None`` before the first
+    flush that had metrics, where OLMo-core compares :func:`reduced_names` itself
+    (compared here first, through the side channel, to know what follows). Where
+    they agree (and after a first flush that found them so), each rank's names per
+    step size the collective and are compared; where they differ (pipeline
+    parallelism, a metric one rank recorded early) OLMo-core gathers the names per
+    flush, and :func:`gathered_flush` is compared. A rank with nothing to flush
+    issues no collective at all: it differs from one that has steps.
+
+    Raises:
+        MetricMismatchError: The ranks' flushes differ (on every rank).
+    """
+    if consistent is None:
+        consistent = check.same(reduced_names(reduce_types))
+    if consistent:
+        check.check(reduction_rows(pending, reduce_types))
+    else:
+        rows, compared = gathered_flush(pending, reduce_types)
+        check.check(rows, compared=compared)
+
+
 def hook_metric_flush(trainer: Trainer, check: ReductionCheck) -> Unhook:
     """Runs ``check`` at every metric flush, before OLMo-core reduces the metrics.
 
@@ -401,36 +477,55 @@ def hook_metric_flush(trainer: Trainer, check: ReductionCheck) -> Unhook:
     at the same points on every rank; it reduces ``_metrics`` (the names per
     step since the last flush, nothing where this rank has none while another
     may have some) by their ``_metrics_reduce_type``, and ``_metrics_consistent``
-    holds its first flush's verdict on the names.
+    holds its first flush's verdict on the names (see :func:`check_flush`).
 
     The check runs on the training thread, before OLMo-core hands the metrics
     to its reduction (its bookkeeping thread where bookkeeping is
     asynchronous), so every rank stops at the same flush: raised from the
     bookkeeping thread, the error reached each training thread at a step of
     its own, and a rank one step ahead waited in its gradient all-reduce for
-    a rank that had stopped. From OLMo-core's second flush on: its first checks
-    the names itself. Where that check found them different (by design, or a
-    metric one rank recorded early), OLMo-core gathers the names per flush and
-    only whether each rank reduces at all is compared: a rank with nothing to
-    flush issues no collective while the others gather.
-    ``tests/integrations/test_olmo_core.py`` fails if that changes.
+    a rank that had stopped.
+
+    ``Trainer.record_metric`` is wrapped too: a metric recorded from another
+    thread (OLMo-core's asynchronous save records
+    ``checkpoint/save_async_duration_s`` from the thread that completed the
+    save) waits while a flush is checked and OLMo-core takes its metrics, so the
+    names compared are the names OLMo-core reduces (recorded between the two, it
+    was reduced unchecked: a healthy 2-rank job's first flush paired different
+    sizes). ``tests/integrations/test_olmo_core.py`` fails if that changes.
 
     Returns:
-        The function that removes the wrapper (safe to call twice).
+        The function that removes both wrappers (safe to call twice).
     """
+    flush = threading.RLock()  # re-entered where a flush's reduction records (synchronous)
 
     def flushing(log_metrics: Callable[..., Any]) -> Callable[..., Any]:
         def _log_metrics(*args: Any, **kwargs: Any) -> Any:
-            consistent, pending = trainer._metrics_consistent, trainer._metrics
-            if consistent:
-                check.check(reduction_rows(pending, trainer._metrics_reduce_type))
-            elif consistent is not None:  # names gathered per flush: only whether it reduces
-                check.check(reduction_rows({max(pending): ()}, {}) if pending else ())
-            return log_metrics(*args, **kwargs)
+            with flush:
+                check_flush(
+                    check,
+                    trainer._metrics,
+                    trainer._metrics_reduce_type,
+                    trainer._metrics_consistent,
+                )
+                return log_metrics(*args, **kwargs)
 
         return _log_metrics
 
-    return _wrap(trainer, "_log_metrics", flushing)
+    def recording(record_metric: Callable[..., Any]) -> Callable[..., Any]:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            with flush:
+                return record_metric(*args, **kwargs)
+
+        return record
+
+    unhooks = [_wrap(trainer, "_log_metrics", flushing), _wrap(trainer, "record_metric", recording)]
+
+    def unhook() -> None:
+        for undo in unhooks:
+            undo()
+
+    return unhook
 
 
 def hook_load(trainer: Trainer, before_load: Callable[[str], None]) -> Unhook:
@@ -634,9 +729,12 @@ class StragglerMonitor(_api.StragglerMonitorSettings, _OlmoCoreAdapter):
 
 
 __all__ = [  # noqa: RUF022
+    "check_flush",
     "checkpoint_to_load",
+    "gathered_flush",
     "hook_metric_flush",
     "hook_trainer",
+    "reduced_names",
     "save_options",
     "BatchParityGuard",
     "CheckpointPlanner",

@@ -256,8 +256,28 @@ class ReductionCheck:
         self.checks = 0
         self._agreed: tuple[tuple[tuple[str, str], ...], ...] | None = None
 
-    def check(self, rows: Rows) -> None:
+    def same(self, value: Any) -> bool:
+        """Whether every rank holds the same ``value`` (by its repr), through the side channel.
+
+        Every rank calls it at the same points, as :meth:`check`; ``True`` on one rank.
+        """
+        if not self.channel.is_distributed:
+            return True
+        return self.channel.exchange(
+            f"{self.name}/same",
+            hashlib.blake2b(repr(value).encode(), digest_size=16).digest(),
+            lambda digests: len(set(digests.values())) == 1,
+            timeout_s=self.timeout_s,
+        )
+
+    def check(self, rows: Rows, *, compared: Any = None) -> None:
         """Returns when every rank reduces the same rows; else raises on every rank.
+
+        Args:
+            rows: What this rank is about to reduce (:func:`reduction_rows`).
+            compared: What sizes the reduction where it is not ``rows`` (a
+                framework that gathers the names first: its steps, say); ``rows``
+                then only say, in the message, what differs.
 
         Raises:
             MetricMismatchError: The ranks' rows differ; the message names the
@@ -270,7 +290,7 @@ class ReductionCheck:
             return
         same = self.channel.exchange(
             self.name,
-            digest(rows),
+            digest(rows) if compared is None else digest(compared),
             lambda digests: len(set(digests.values())) == 1,
             timeout_s=self.timeout_s,
         )
