@@ -9,7 +9,8 @@ framework reduces (OLMo-core's flush, Composer's loss).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rankguard.callbacks.core.guard import Guard
@@ -17,9 +18,19 @@ from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck
 from rankguard.callbacks.registry import GUARDS, build_guard, build_guards, unknown_name_error
 
-__all__ = ["Defaults", "bundle_guards", "class_name", "metric_reduction_check", "single_guard"]
+__all__ = [
+    "Defaults",
+    "Unhook",
+    "bundle_guards",
+    "class_name",
+    "metric_reduction_check",
+    "single_guard",
+    "wrap_method",
+]
 
 Defaults = Mapping[str, Mapping[str, Any]]
+#: Removes a wrapper it was returned for (safe to call twice).
+Unhook = Callable[[], None]
 
 
 def _with_defaults(name: str, settings: Any, defaults: Defaults | None) -> Any:
@@ -74,3 +85,22 @@ def metric_reduction_check(
     if watchdog is None or not watchdog.channel.is_distributed:
         return None
     return watchdog.metric_reduction_check(name, where=where, fix=fix, notes=notes)
+
+
+def wrap_method(
+    obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Unhook:
+    """Replaces ``obj.name`` on the instance with ``make(original)``; returns the undo.
+
+    The undo removes the wrapper only while it is still the instance's own
+    attribute, so undoing twice, or after someone else re-wrapped it, is safe.
+    """
+    original = getattr(obj, name)
+    wrapper = functools.wraps(original)(make(original))
+    setattr(obj, name, wrapper)
+
+    def unhook() -> None:
+        if vars(obj).get(name) is wrapper:
+            delattr(obj, name)
+
+    return unhook
