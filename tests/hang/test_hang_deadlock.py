@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import torch
@@ -389,3 +390,17 @@ def test_with_deadlock_action_report_the_deadlock_still_ends_at_the_ceiling():
     assert verdict.deadlock and verdict.end  # past the 30 s deadline (no ceiling given)
     young = {r: _status("all_reduce" if r else "barrier", idle_s=4.0) for r in (0, 1)}
     assert not diagnose(young, suspect=diagnose(young).suspect).end
+
+
+def _comprehension_code():
+    def reduce_metrics(names):
+        return [sys._getframe().f_code for _ in names]  # Python 3.11: the <listcomp>'s code
+
+    return reduce_metrics(["loss"])[0]
+
+
+def test_a_collective_issued_in_a_comprehension_names_the_function_it_is_written_in():
+    from rankguard.callbacks.hang.stacks import code_name
+
+    assert code_name(_comprehension_code()) == "reduce_metrics"
+    assert code_name(_comprehension_code.__code__) == "_comprehension_code"
