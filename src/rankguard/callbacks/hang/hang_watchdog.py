@@ -101,8 +101,9 @@ class HangWatchdog(Guard):
     deadlock (every rank waits at a rendezvous, not all at one) ends the job at once
     with :data:`DEADLOCK_EXIT_CODE`. Under NCCL, ceilings left at their default fit
     inside the process group's timeout. The calibration is saved with checkpoints
-    (:meth:`state_dict`). How and why: ``docs/hang.md`` (What you get, The verdict,
-    Proven deadlocks, Calibrated deadlines).
+    (:meth:`state_dict`). How and why: docs/hang.md#the-verdict,
+    docs/hang.md#proven-deadlocks-code-paths-that-split-the-ranks,
+    docs/hang.md#calibrated-deadlines-the-numbers-and-why.
 
     Args:
         timeout_s: Ceiling of train steps and data fetches (seconds; default 600).
