@@ -125,7 +125,7 @@ def test_watchdog_state_goes_through_the_runner_and_starts_a_resumed_fit_calibra
     resumed.on_fit_start(EventFacts())  # starts the thread: calibrated before any step
     try:
         assert resumed.deadlines["train"] == 1.0 and resumed.deadlines["eval"] == 2.0
-        assert "calibrated from the checkpoint: train 1 s (calibrated)" in resumed._plan()
+        assert "calibrated from the checkpoint: train 1 s (calibrated)" in resumed._watch.plan()
     finally:
         resumed.close()
     fresh = HangWatchdog(report_dir=str(tmp_path), floor_s=0.5)

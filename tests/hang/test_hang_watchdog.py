@@ -94,7 +94,7 @@ def _rank1_stalls_in_eval(rank, world_size, report_dir, action):
         waited = _wait_for_incident(watchdog, limit_s, action)
     watchdog.close()
     watchdog.close()
-    return waited, watchdog.incidents, records.lines, watchdog._thread
+    return waited, watchdog.incidents, records.lines, watchdog._watch.thread
 
 
 def test_rank_stuck_in_eval_is_named_with_phase_step_and_stack(tmp_path):
@@ -236,7 +236,7 @@ def test_single_process_stall_is_reported_without_a_process_group(tmp_path, capl
     watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=1))
     with caplog.at_level(logging.ERROR, logger="rankguard"):
         waited = stall_in_train(watchdog)
-    thread = watchdog._thread
+    thread = watchdog._watch.thread
     watchdog.close()
     assert waited < 1.5 and not thread.is_alive()
     assert "rank 0 stuck" in caplog.text and "in train batch 1 (deadline 0.3 s)" in caplog.text
@@ -257,7 +257,7 @@ def test_post_eval_deadline_runs_from_eval_end_until_the_next_data_fetch(tmp_pat
 
     def beat(handler: str, **facts) -> None:
         watchdog.handle(Event(handler), EventFacts(**facts))
-        status = watchdog._status()
+        status = watchdog._watch.status()
         seen.append((status.phase, status.deadline_s))
 
     beat("fit_start")
@@ -270,7 +270,7 @@ def test_post_eval_deadline_runs_from_eval_end_until_the_next_data_fetch(tmp_pat
     beat("checkpoint_save_start", step=1)
     beat("checkpoint_save_end", step=1)
     beat("fit_end", step=2)
-    thread, start = watchdog._thread, time.monotonic()
+    thread, start = watchdog._watch.thread, time.monotonic()
     watchdog.close()  # fit end woke the thread: no wait for the 10 s exchange period
     assert time.monotonic() - start < 2 and not thread.is_alive()
     assert seen == [
@@ -386,7 +386,7 @@ def test_report_cli_groups_identical_stacks_and_draws_a_timeline(tmp_path, capsy
 def test_default_deadlines_fit_under_the_nccl_timeout_and_set_ones_are_kept(tmp_path):
 
     watchdog = HangWatchdog(eval_timeout_s=900, report_dir=str(tmp_path))
-    watchdog._fit_defaults_under(300.0)  # Composer's default dist_timeout
+    watchdog._watch.fit_defaults_under(300.0)  # Composer's default dist_timeout
     detect = watchdog.exchange_period_s + watchdog.exchange_timeout_s
     assert watchdog.timeout_s == watchdog.post_eval_timeout_s == 0.8 * 300 - detect
     assert watchdog.checkpoint_timeout_s == 0.8 * 300 - detect
@@ -486,7 +486,7 @@ def _leave(rank, world_size, delay_s):
     watchdog = _bound(report_dir=".")
     time.sleep(delay_s if rank else 0.0)
     start = time.monotonic()
-    watchdog._leave_store_last()
+    watchdog._watch.leave_store_last()
     return time.monotonic() - start
 
 

@@ -78,8 +78,8 @@ RECORDER_CODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collec
 EXCHANGE_CODE = (side_channel.__file__, background_exchange.__file__)
 #: Frames skipped before the innermost one is read: locks and events, torch's logging
 #: wrapper of collectives, and the watchdog's handler of a check's missing ranks (called
-#: from inside the check's exchange).
-_MACHINERY = ("threading.py", "c10d_logger.py", "hang_watchdog.py")
+#: from inside the check's exchange) and its thread's (joined by the training thread).
+_MACHINERY = ("threading.py", "c10d_logger.py", "hang_watchdog.py", "watchdog_thread.py")
 #: Code in which a thread waits for other ranks, in the wide sense of :func:`blocked_in`.
 _PEER_WAIT_CODE = (_C10D, _DDP, *EXCHANGE_CODE, AUTOGRAD_CODE, RECORDER_CODE)
 #: Functions Python gives frames of their own that a person does not call by name.
