@@ -129,14 +129,65 @@ class WarningCollector(logging.Handler):
             self.messages.append(record.getMessage())
 
 
+#: Threads a process keeps for the rest of its life once something started them, whichever
+#: scenario that was (name prefixes); a thread a scenario leaves behind is none of these.
+PROCESS_WIDE: tuple[str, ...] = ()
+
+
+class ThreadAudit:
+    """The threads a scenario left running into the next, in a process that runs several.
+
+    A job's process ends after its fit, and its threads with it: Python joins them at exit.
+    Here each scenario must end its own (its saves finished, its executors shut down); one it
+    left running acts inside the next scenario (a save's done-callback that records a metric
+    and reaches a collective there), whose outcome is then no longer its own.
+    """
+
+    def __init__(self) -> None:
+        self._before = set(threading.enumerate())
+        self._started_in: dict[threading.Thread, str] = {}
+
+    def leftovers(self) -> list[str]:
+        """At a scenario's start: each live thread a previous one started, ``name (scenario)``."""
+        return sorted(
+            f"{thread.name} (from {scenario})"
+            for thread, scenario in self._started_in.items()
+            if thread.is_alive() and not thread.name.startswith(PROCESS_WIDE)
+        )
+
+    def ended(self, scenario: str) -> None:
+        """Marks each live thread not seen before as started by ``scenario`` (or after it)."""
+        for thread in threading.enumerate():
+            if thread not in self._before and thread not in self._started_in:
+                self._started_in[thread] = scenario
+
+
+def join_started_since(before: set[threading.Thread], timeout_s: float = 60.0) -> None:
+    """Joins the non-daemon threads started since ``before``, as a process's exit does.
+
+    Call it once their executors are shut down; one still alive after ``timeout_s`` is left
+    to :class:`ThreadAudit`, which names it at the next scenario's start.
+    """
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread not in before and not thread.daemon and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
 class Recorder:
-    """Writes each scenario's outcome on this rank to ``out_dir/rank{N}.json``."""
+    """Writes each scenario's outcome on this rank to ``out_dir/rank{N}.json``.
+
+    Each record holds ``leftover_threads``: the threads an earlier scenario left running
+    when it started (:class:`ThreadAudit`), written before the scenario runs (one may
+    never return).
+    """
 
     def __init__(self, out_dir: str) -> None:
         self.rank = int(os.environ.get("RANK", "0"))
         self.path = Path(out_dir) / f"rank{self.rank}.json"
         self.results: dict[str, dict] = {}
         self.collector = WarningCollector()
+        self.threads = ThreadAudit()
         logging.getLogger("rankguard").addHandler(self.collector)
 
     def outcome(self, fn, counters: dict) -> dict:
@@ -156,7 +207,12 @@ class Recorder:
         return result
 
     def run(self, name: str, fn, counters: dict) -> None:
-        self.results[name] = result = self.outcome(fn, counters)
+        leftovers = self.threads.leftovers()
+        self.results[name] = {"leftover_threads": leftovers}
+        self.path.write_text(json.dumps(self.results, indent=1))
+        result = self.outcome(fn, counters)
+        self.threads.ended(name)
+        self.results[name] = result = {**result, "leftover_threads": leftovers}
         self.path.write_text(json.dumps(self.results, indent=1))
         if result["outcome"] != "ok" and os.environ.get("E2E_RERAISE") == "1":
             raise SystemExit(f"{result['outcome']}: {result['message']}")

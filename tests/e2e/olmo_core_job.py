@@ -22,6 +22,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from olmo_core.train.train_module.transformer.config import TransformerDataParal
 from olmo_core.utils import seed_all
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.e2e.common import Mirror, own_node, run_scenarios
+from tests.e2e.common import Mirror, join_started_since, own_node, run_scenarios
 from tests.e2e.hang_settings import HANG
 
 COUNTERS: dict[str, Any] = {}
@@ -251,9 +252,23 @@ class StallAfterEval(Callback):
 
 
 def fit(trainer: Trainer) -> None:
+    """``trainer.fit()``, ended as a job's process ends: with every thread the fit started.
+
+    The next scenario runs in this process. A fit that raised leaves OLMo-core's bookkeeping
+    pools running (``_shutdown(gracefully=False)``), and an asynchronous save's executor
+    (torch's ``AsyncCheckpointExecutor``) runs the save's done-callbacks after its future is
+    set: OLMo-core's ``post_train`` returns from ``future.result()`` while they may still
+    record ``checkpoint/save_async_duration_s`` and call ``post_checkpoint_saved``. A job's
+    exit shuts the pools down and joins both; so does this.
+    """
+    before = set(threading.enumerate())
     try:
         trainer.fit()
     finally:
+        for pool in (trainer._multi_thread_pool, trainer._single_thread_pool):
+            if pool is not None:  # OLMo-core's own graceful end shut them down already
+                pool.shutdown(wait=False)
+        join_started_since(before)
         COUNTERS["files"] = sorted(
             p.name for p in Path(trainer.save_folder).glob("step*") if p.is_dir()
         )

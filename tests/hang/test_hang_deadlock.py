@@ -325,10 +325,13 @@ def _split_collectives(rank, world_size, report_dir):
     import torch.distributed as dist
 
     group = dist.new_group(backend="gloo")
-    _watchdog(report_dir)
-    if rank == 0:
-        reduce_under_if_rank_0(group)  # the bug: rank 1 never calls it
-    dist.barrier()
+    watchdog = _watchdog(report_dir)
+    try:
+        if rank == 0:
+            reduce_under_if_rank_0(group)  # the bug: rank 1 never calls it
+        dist.barrier()
+    finally:  # error-then-close, as the adapters do: rank 1 exits 70 first and gloo may
+        watchdog.close()  # raise "Connection closed by peer" in rank 0 before its own exit
 
 
 def test_collective_on_one_rank_is_a_proven_deadlock_ending_every_rank_with_70(tmp_path):

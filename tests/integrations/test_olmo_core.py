@@ -347,8 +347,13 @@ def test_olmo_core_rank_slow_by_a_tenth_of_a_second_per_batch_over_40_steps_is_n
         assert result["outcome"] == "ok" and result["counters"]["steps"] == 40, result
         [warning] = result["warnings"]  # at the first verdict (batch 3), once
         assert "Data loading cannot keep up on rank 1: " in warning, warning
-        assert re.search(r"rank 1: waited \d+% of step time, 0\.(09|1\d) s per batch", warning)
-        assert "other ranks 0.0" in warning
+        slow = re.search(r"rank 1: waited \d+% of step time, (\d+\.\d\d) s per batch", warning)
+        others = re.search(r"other ranks (\d+\.\d\d) s per batch", warning)
+        assert slow and others, warning
+        # Bounds, not the figure (benchmarks/ measure it): rank 1 waits the injected 0.1 s
+        # less what OLMo-core's loader thread overlaps with the step's compute (ms for this
+        # model, tens of ms at twice the load); rank 0's queue is full, DDP paces it by rank 1.
+        assert float(others[1]) < 0.05 <= float(slow[1]), warning
 
 
 @pytest.mark.framework
@@ -487,7 +492,7 @@ def test_olmo_core_metric_recorded_on_rank_1_only_stops_every_rank_before_the_fl
         assert "rank 1 would reduce steps 5-6, 5 values at step 5." in trace
         assert "Fix: record a metric that has a reduce type on every rank" in trace
     # Both processes lived on: the next scenario ran on both.
-    assert all("async_save_metric" in rank for rank in job[2])
+    assert all("outcome" in rank["async_save_metric"] for rank in job[2])
 
 
 @pytest.mark.framework
@@ -512,6 +517,31 @@ def test_olmo_core_asynchronous_saves_never_hang_and_their_metric_is_named(job):
         "debug/skipped_tokens",
         "checkpoint/save_async_duration_s",
     }, named
+
+
+#: OLMo-core's loader thread for one epoch's instances (``threaded_generator``, a daemon): a
+#: fit that stops mid-epoch leaves it parked on its full queue, which nothing drains or stops;
+#: it reads no more than the queue holds and issues no collective (a job's exit discards it).
+PARKED_LOADER = re.compile(r"data thread \d+ \(from \w+\)")
+
+
+@pytest.mark.framework
+@pytest.mark.xfail(
+    reason="open: after async_save_metric's MetricMismatchError, rank 1's "
+    "trainer-single-thread-pool_0 (an OLMo-core bookkeeping op) outlived the 60 s join "
+    "into post_eval_stall in 1 of 1 runs; see the suite report",
+    strict=False,
+)
+def test_olmo_core_no_scenario_starts_with_a_thread_an_earlier_one_left_running(job):
+    # Each scenario ends as a job's process would, its async saves' executors joined: a
+    # save's done-callback left running recorded its metric inside the next scenario.
+    for rank in job[2]:
+        assert list(rank) == SCENARIOS  # the last, which never returns, recorded its start
+        leftovers = {
+            name: [t for t in r["leftover_threads"] if not PARKED_LOADER.fullmatch(t)]
+            for name, r in rank.items()
+        }
+        assert leftovers == {name: [] for name in SCENARIOS}, leftovers
 
 
 def test_olmo_core_reduces_metrics_where_rankguard_checks_them():
