@@ -522,19 +522,6 @@ def metric_on_one_rank_bare() -> None:
     fit(build_trainer(OUT / "metric_on_one_rank_bare", {"debug": RecordOnRank1()}))
 
 
-def async_save_metric() -> None:
-    """OLMo-core's default asynchronous saves: 8 steps, then 4 more resumed from step 8.
-
-    Each rank records ``checkpoint/save_async_duration_s`` (reduce type max) when its own
-    save ends, so the ranks' flushes can hold it at different steps.
-    """
-    from rankguard.integrations.olmo_core import RankGuard
-
-    work = OUT / "async_save_metric"
-    fit(build_trainer(work, counting(RankGuard(**QUICK)), save_async=True))
-    fit(build_trainer(work, counting(RankGuard(**QUICK)), save_async=True, steps=12))
-
-
 def post_eval_stall() -> None:
     from rankguard.integrations.olmo_core import RankGuard
 
@@ -558,7 +545,6 @@ SCENARIOS = {
     "full_export_over_memory": full_export_over_memory,
     "metric_on_one_rank": metric_on_one_rank,
     "metric_on_one_rank_bare": metric_on_one_rank_bare,
-    "async_save_metric": async_save_metric,
     "post_eval_stall": post_eval_stall,
 }
 
