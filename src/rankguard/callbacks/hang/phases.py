@@ -42,7 +42,7 @@ class ClosestCall(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """A decision that can split the ranks (``should_stop``...), as this rank last saw it."""
+    """A decision that can split the ranks (a stop, a save entered...), as this rank saw it."""
 
     value: Any
     step: int | None  # the step at which it last changed
