@@ -253,12 +253,13 @@ def test_post_eval_deadline_runs_from_eval_end_until_the_next_data_fetch(tmp_pat
         first_step_timeout_s=500,
         report_dir=str(tmp_path),
     )
-    seen = []
+    seen, threads = [], set()
 
     def beat(handler: str, **facts) -> None:
         watchdog.handle(Event(handler), EventFacts(**facts))
         status = watchdog._watch.status()
         seen.append((status.phase, status.deadline_s))
+        threads.add(status.loop_thread)  # the name the record gives its collectives
 
     beat("fit_start")
     beat("train_batch_start", step=0)
@@ -273,6 +274,7 @@ def test_post_eval_deadline_runs_from_eval_end_until_the_next_data_fetch(tmp_pat
     thread, start = watchdog._watch.thread, time.monotonic()
     watchdog.close()  # fit end woke the thread: no wait for the 10 s exchange period
     assert time.monotonic() - start < 2 and not thread.is_alive()
+    assert threads == {threading.current_thread().name}
     assert seen == [
         ("fit start", 500),
         ("train batch 0", 500),

@@ -231,7 +231,10 @@ def odd_rank_of(statuses: Mapping[int, RankStatus], words: Mapping[str, SplitDec
 
 
 def held_by_own_collective(
-    rank: int, status: RankStatus, records: Mapping[int, Sequence[GroupRecord]]
+    rank: int,
+    status: RankStatus,
+    records: Mapping[int, Sequence[GroupRecord]],
+    counts: Sequence[Difference],
 ) -> bool:
     """Whether this rank's training thread issued a collective no peer issued (it waits on it).
 
@@ -241,9 +244,12 @@ def held_by_own_collective(
     One that only another thread of the rank issued (a bookkeeping or
     checkpoint thread) is evidence to report, not proof that the training
     thread waits behind it: it may be computing or sleeping in its own code.
+
+    ``counts`` are the groups' count differences (:func:`differences`, computed
+    once for every rank).
     """
-    for diff in differences(records):
-        if diff.kind != "count" or rank not in ahead(diff):
+    for diff in counts:
+        if rank not in ahead(diff):
             continue
         low = min(diff.counts.values())
         own = {i.seq: i for rec in records[rank] if rec.name == diff.group for i in rec.last}
@@ -277,7 +283,7 @@ def record_proof(
     counts = [d for d in diffs if d.kind == "count"]
     paired = [d for d in diffs if d.kind == "call" and last_call(records, d)]
     waiting = all(
-        bool(s.waits_at and (s.settled or s.quiet)) or held_by_own_collective(r, s, records)
+        bool(s.waits_at and (s.settled or s.quiet)) or held_by_own_collective(r, s, records, counts)
         for r, s in statuses.items()
     )
     if not (waiting and counts) and not paired:
@@ -286,8 +292,8 @@ def record_proof(
     first = first_difference(proven)
     odd = odd_rank(first)
     summary, details = describe_desync(records, proven, first, odd)
-    counts = sorted((r, sorted((g.name, g.count) for g in recs)) for r, recs in records.items())
-    state = repr((counts, sorted((r, s.progress) for r, s in statuses.items())))
+    issued = sorted((r, sorted((g.name, g.count) for g in recs)) for r, recs in records.items())
+    state = repr((issued, sorted((r, s.progress) for r, s in statuses.items())))
     key = "record:" + hashlib.sha1(state.encode()).hexdigest()[:16]
     return Proof("desync", key, summary, details, odd)
 
