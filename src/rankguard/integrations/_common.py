@@ -24,6 +24,7 @@ __all__ = [
     "bundle_guards",
     "class_name",
     "metric_reduction_check",
+    "on_raise",
     "single_guard",
     "wrap_method",
 ]
@@ -104,3 +105,23 @@ def wrap_method(
             delattr(obj, name)
 
     return unhook
+
+
+def on_raise(obj: Any, name: str, on_error: Callable[[BaseException], None]) -> Unhook:
+    """Wraps ``obj.name`` so ``on_error(exc)`` runs where an exception leaves it; returns the undo.
+
+    The exception then propagates unchanged. A framework without an exception
+    event (Composer's ``fit``) is seen failing there, before its caller's ``finally``.
+    """
+
+    def make(method: Callable[..., Any]) -> Callable[..., Any]:
+        def raising(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(*args, **kwargs)
+            except BaseException as exc:
+                on_error(exc)
+                raise
+
+        return raising
+
+    return wrap_method(obj, name, make)

@@ -29,7 +29,7 @@ from rankguard.callbacks.core.events import EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck, Rows, reduction_rows
 from rankguard.integrations import _api
-from rankguard.integrations._common import metric_reduction_check
+from rankguard.integrations._common import Unhook, metric_reduction_check, on_raise
 
 try:
     from composer import Trainer
@@ -70,6 +70,7 @@ _BEFORE_DATALOADER = Event.BEFORE_DATALOADER
 _AFTER_DATALOADER = Event.AFTER_DATALOADER
 _BATCH_END = Event.BATCH_END
 _BATCH_CHECKPOINT = Event.BATCH_CHECKPOINT
+_INIT = Event.INIT
 #: The value of each event of a train batch rankguard has nothing to do at (BATCH_START: it
 #: is recorded with AFTER_DATALOADER). Composer calls every callback at each event, often
 #: on a cold cache (after the forward, the backward, the optimizer step): a test of the
@@ -174,6 +175,28 @@ UPLOAD_SETTING = (
 )
 
 
+def _trainer_init_frame() -> Any:
+    """The frame of the ``Trainer.__init__`` on the call stack, or ``None``."""
+    frame = inspect.currentframe()
+    init = Trainer.__init__.__code__
+    while frame is not None and frame.f_code is not init:
+        frame = frame.f_back
+    return frame
+
+
+def constructing_trainer() -> Trainer | None:
+    """The ``Trainer`` under construction, read at ``INIT`` (its ``__init__``'s ``self``).
+
+    Composer's callbacks never receive the Trainer, and it has no exception event:
+    its ``fit`` is wrapped on this instance (``_common.on_raise``). The same frame as
+    :func:`trainer_load_path`'s; ``tests/integrations/test_adapters.py`` fails if
+    Composer stops firing ``INIT`` from ``Trainer.__init__``.
+    """
+    frame = _trainer_init_frame()
+    trainer = frame.f_locals.get("self") if frame is not None else None
+    return trainer if isinstance(trainer, Trainer) else None
+
+
 def trainer_load_path() -> str | None:
     """The ``load_path`` the ``Trainer`` being constructed will load, read at ``BEFORE_LOAD``.
 
@@ -187,10 +210,7 @@ def trainer_load_path() -> str | None:
         The path, or ``None`` (no checkpoint to load, or not called from a
         ``Trainer`` under construction).
     """
-    frame = inspect.currentframe()
-    init = Trainer.__init__.__code__
-    while frame is not None and frame.f_code is not init:
-        frame = frame.f_back
+    frame = _trainer_init_frame()
     load_path = frame.f_locals.get("load_path") if frame is not None else None
     return str(load_path) if load_path else None
 
@@ -354,6 +374,8 @@ class _ComposerAdapter(Callback):
         #: The loss keys' check while fitting (see :func:`loss_rows`), and the last keys seen.
         self._loss_check: ReductionCheck | None = None
         self._loss_keys: object = _UNSEEN
+        self._state: State | None = None  # the state of the Trainer whose fit is wrapped
+        self._unhook: Unhook | None = None
 
     def _train_facts(self, state: State) -> LoaderFacts | None:
         """The train loader's facts, built again only when Composer's loader or length changes."""
@@ -432,6 +454,8 @@ class _ComposerAdapter(Callback):
             return  # every batch: a save only when a saver says so
         core_event = _EVENTS_BY_ID.get(id(event))
         if core_event is None:  # Composer's other events: rankguard has no use for them
+            if event is _INIT:
+                self._hook_fit(state)
             return
         runner = self.runner
         if core_event is CoreEvent.CHECKPOINT_SAVE_START and not (
@@ -463,6 +487,28 @@ class _ComposerAdapter(Callback):
             counter = observe_pass(state)
             if counter is not None:
                 self._passes[str(state.dataloader_label)] = (counter, original)
+
+    def _hook_fit(self, state: State) -> None:
+        """At ``INIT``: an error that leaves the Trainer's ``fit`` reaches the guards there.
+
+        That is before the caller's ``finally`` (``trainer.close()``, a teardown that may wait).
+        """
+        trainer = constructing_trainer()
+        if trainer is None:
+            return
+        if self._unhook is not None:
+            self._unhook()
+        self._state = state
+        self._unhook = on_raise(trainer, "fit", self._error)
+
+    def _error(self, exc: BaseException) -> None:
+        """An error left ``fit`` (see :meth:`_hook_fit`): the guards explain it, then stop."""
+        if self._fitting and self._state is not None:
+            self._fitting = False
+            timestamp = self._state.timestamp
+            facts = EventFacts(step=int(timestamp.batch), epoch=int(timestamp.epoch))
+            self.runner.error(exc, facts)
+            self.runner.close()
 
     def _pass_end(self, state: State, event: CoreEvent) -> Any:
         """What the pass that ends now did; puts the train loader back at its epoch end."""

@@ -1,7 +1,7 @@
 """rankguard callbacks for the Hugging Face ``Trainer``.
 
 Holds ``RankGuard`` and one callback per guard (settings declared in
-``rankguard.integrations._api``), and :func:`calling_trainer`, :func:`hook_resume`.
+``rankguard.integrations._api``), and :func:`calling_trainer`, :func:`hook_train`.
 Requires ``pip install 'rankguard[transformers]'``.
 See docs/integrations.md#hugging-face-trainer-where-each-event-comes-from.
 """
@@ -120,14 +120,23 @@ def resume_checkpoint(args: TrainingArguments, resume: str | bool) -> str:
     return os.path.join(folder, TRAINER_STATE_NAME)
 
 
-def hook_resume(trainer: Trainer, before_load: Callable[[str], None]) -> Callable[[], None]:
-    """Calls ``before_load(path)`` before ``trainer.train`` loads its resume checkpoint.
+def hook_train(
+    trainer: Trainer,
+    before_load: Callable[[str], None],
+    on_error: Callable[[BaseException], None],
+) -> Callable[[], None]:
+    """Wraps ``trainer.train``: ``before_load(path)`` before a resume, ``on_error(exc)`` after.
+
+    ``before_load`` runs before ``train`` loads its resume checkpoint; ``on_error``
+    where an exception leaves ``train``.
 
     ``Trainer.train(resume_from_checkpoint=...)`` loads the model, optimizer and
-    scheduler before calling any callback hook. Its ``train`` is wrapped on this
-    instance (the public method, its public argument; the path as
-    :func:`resume_checkpoint` reads it); ``tests/integrations/test_transformers.py`` fails if
-    ``train`` stops taking ``resume_from_checkpoint``.
+    scheduler before calling any callback hook, and the Trainer has no exception
+    hook. Its ``train`` is wrapped on this instance (the public method, its public
+    argument; the path as :func:`resume_checkpoint` reads it), so an error is seen
+    where it leaves ``train``, before the caller's ``finally`` (a teardown that may
+    wait). ``tests/integrations/test_transformers.py`` fails if ``train`` stops taking
+    ``resume_from_checkpoint``.
 
     Returns:
         A function that removes the wrapper (safe to call twice).
@@ -144,7 +153,11 @@ def hook_resume(trainer: Trainer, before_load: Callable[[str], None]) -> Callabl
         resume = called.get("resume_from_checkpoint")
         if resume:  # None or False: a fresh start
             before_load(resume_checkpoint(trainer.args, resume))
-        return train(*args, **kwargs)
+        try:
+            return train(*args, **kwargs)
+        except BaseException as exc:
+            on_error(exc)
+            raise
 
     trainer.train = train_resuming  # type: ignore[method-assign]
 
@@ -225,10 +238,14 @@ class _TrainerAdapter(TrainerCallback):
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Wraps the Trainer's ``train`` so a resume checkpoint is checked before it is loaded."""
+        """Wraps the Trainer's ``train`` (see :func:`hook_train`).
+
+        A resume checkpoint is checked before it is loaded, and an error that leaves
+        ``train`` reaches the guards before the caller's teardown.
+        """
         trainer = calling_trainer()
         if trainer is not None and self._unhook is None:
-            self._unhook = hook_resume(trainer, self.driver.load_start)
+            self._unhook = hook_train(trainer, self.driver.load_start, self._error)
 
     def on_train_begin(
         self,
@@ -411,11 +428,18 @@ class _TrainerAdapter(TrainerCallback):
         finally:
             self.close()
 
+    def _error(self, exc: BaseException) -> None:
+        """An error left ``train`` (the wrapper's, :func:`hook_train`): explain it, then stop."""
+        if self.driver.fitting:
+            self.driver.abandon(exc)
+        self.close()
+
     def close(self) -> None:
         """Stops every guard; safe to call twice and after an error.
 
-        The Trainer calls no hook when ``train()`` raises: in a process that
-        lives on (a notebook), call this so the guards' threads stop.
+        An error that leaves ``train()`` stops them (see :func:`hook_train`); a
+        Trainer whose ``train`` was not wrapped (no ``on_init_end``) calls no hook
+        when it raises: in a process that lives on (a notebook), call this.
         """
         self.driver.fitting = False
         self._trainer = None

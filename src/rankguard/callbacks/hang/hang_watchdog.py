@@ -21,7 +21,12 @@ from rankguard.callbacks.core.errors import (
 )
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.guard import Guard
-from rankguard.callbacks.core.settings import check_choice, check_int, check_positive
+from rankguard.callbacks.core.settings import (
+    check_choice,
+    check_int,
+    check_positive,
+    check_seconds,
+)
 from rankguard.callbacks.core.side_channel import own_missing_ranks
 from rankguard.callbacks.core.step_log import Entry
 from rankguard.callbacks.hang import deadlines as policy
@@ -132,6 +137,10 @@ class HangWatchdog(Guard):
             ``"warn"`` (a WARNING, once each) or ``"abort"`` (exit as a proven deadlock).
         check_metric_reductions: Compare the metric names every rank is about to reduce
             before a framework reduces them by name (OLMo-core's flush, Composer's loss).
+        teardown_timeout_s: A rank whose training raised tells the others at once
+            (they end within seconds); if its own process is still running this long
+            after (a teardown that waits for a peer), it is ended with the fault's exit
+            code (docs/hang.md#a-rank-that-raises-or-dies). ``0`` turns the bound off.
 
     Raises:
         ValueError: A setting out of range, or a ``report_dir`` that is not writable.
@@ -192,6 +201,7 @@ class HangWatchdog(Guard):
         deadlock_after_s: float = 3.0,
         collective_mismatch: str = "warn",
         check_metric_reductions: bool = True,
+        teardown_timeout_s: float = 30.0,
     ) -> None:
         super().__init__()
         given = {
@@ -224,6 +234,7 @@ class HangWatchdog(Guard):
         self.check_metric_reductions = bool(
             check_choice("check_metric_reductions", check_metric_reductions, (True, False))
         )
+        self.teardown_timeout_s = check_seconds("teardown_timeout_s", teardown_timeout_s)
         self._libraries = library_paths()
         self.history = IntervalHistory()
         # What the heartbeats say: the step log's entries (the per-step events, and the
@@ -407,6 +418,13 @@ class HangWatchdog(Guard):
                 deadline,
             )
         self._watch.wake.set()
+
+    def on_error(self, exc: BaseException, facts: EventFacts | None = None) -> None:
+        """Tells the other ranks this rank's training raised ``exc`` (a store write only).
+
+        They end within seconds naming it, where each would wait for this rank.
+        """
+        self._watch.faults.raised(exc, facts.step if facts is not None else None)
 
     def close(self) -> None:
         """Stops and joins the watchdog thread; safe to call twice and after an error."""

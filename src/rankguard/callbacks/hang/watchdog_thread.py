@@ -25,6 +25,7 @@ from rankguard.callbacks.hang.calibration import calibrate, describe
 from rankguard.callbacks.hang.collective_files import write_flight_recorder
 from rankguard.callbacks.hang.collectives import CollectiveRecorder
 from rankguard.callbacks.hang.deadlines import Settle
+from rankguard.callbacks.hang.fault_watch import FaultWatch
 from rankguard.callbacks.hang.incident import Report
 from rankguard.callbacks.hang.job import attempt_dir, process_group_timeout
 from rankguard.callbacks.hang.rank_status import rank_status
@@ -81,6 +82,8 @@ class WatchdogThread:
         self.host = socket.gethostname()
         self.loop_thread: int | None = None  # ident of the thread that sends the events
         self.loop_thread_name: str | None = None  # its name, as the record names threads
+        self.faults = FaultWatch(self)  # a rank that raised or died
+        self.store_failed_at: float | None = None  # the first of consecutive failed exchanges
         self.reset()
 
     def reset(self) -> None:
@@ -94,6 +97,7 @@ class WatchdogThread:
         self.told_calibrated = False
         self.last: Verdict | None = None
         self.failures = 0
+        self.faults.reset()
 
     # -- start and stop (the training thread) --------------------------------------------
 
@@ -141,6 +145,7 @@ class WatchdogThread:
         """Stops and joins the thread (``fit_ended``: first let the last exchange end it)."""
         guard = self.guard
         thread, self.thread = self.thread, None
+        self.faults.leave("closed")  # its process may end now: not a rank gone
         if thread is None or thread is threading.current_thread():
             self.stop.set()
             self.wake.set()
@@ -316,7 +321,9 @@ class WatchdogThread:
     def _run(self) -> None:
         g = self.guard
         channel = g.channel
+        self.faults.start()
         while not self.stop.is_set():
+            self.faults.check()  # a rank that raised or died: this rank ends here
             self.recalibrate()
             suspect = self.last.suspect if self.last is not None else None
             decide = functools.partial(
@@ -335,9 +342,12 @@ class WatchdogThread:
             except Exception as exc:
                 if not self.stop.is_set() and g._beat.kind != "done":
                     g.warn_once("exchange", "status exchange failed (%s); retrying.", exc)
+                    self._store_failed(exc)
                 self._sleep()
                 continue
             self.failures = 0
+            self.store_failed_at = None
+            self.faults.after_exchange()
             confirm = verdict.suspect is not None and (
                 self.last is None or self.last.suspect != verdict.suspect
             )
@@ -366,6 +376,7 @@ class WatchdogThread:
             left = until - _now()
             if left <= 0 or self.wake.wait(min(left, self._probe_period())):
                 break
+            self.faults.check()
             if self._settled_at_rendezvous():
                 break
         self.wake.clear()
@@ -400,6 +411,16 @@ class WatchdogThread:
 
     # -- incidents: the state machine is incident.py's; here its steps are performed -----
 
+    def _store_failed(self, exc: Exception) -> None:
+        """An exchange failed outright: past the slack a rank may go silent, the store is gone."""
+        g, now = self.guard, _now()
+        if self.store_failed_at is None:
+            self.store_failed_at = now
+        slack = g.first_step_timeout_s if self.last is None else self.last.slack_s
+        failed_s = now - self.store_failed_at
+        if failed_s > max(slack, 3 * g.exchange_timeout_s):
+            self.faults.store_gone(failed_s, exc)
+
     def _policy(self) -> incident.Policy:
         g = self.guard
         return incident.Policy(g.action, g.abort_at, g.deadlock_action, g.collective_mismatch)
@@ -409,6 +430,7 @@ class WatchdogThread:
 
     def _on_missing(self, missing: list[int]) -> None:
         g = self.guard
+        self.faults.check()  # a rank that raised is missing for that reason
         waited = g.exchange_period_s + self.failures * g.exchange_timeout_s
         if self.stop.is_set() or g._beat.kind == "done":
             return
@@ -481,6 +503,7 @@ class WatchdogThread:
     def _abort(self, code: int = HANG_EXIT_CODE) -> None:
         for handler in logging.getLogger().handlers:
             handler.flush()
+        self.faults.leave("ended")  # the others' fault watch must not take it for gone
         try:  # every rank has read the verdict before any exits
             self.guard.channel.barrier(ABORT_BARRIER, timeout_s=self.guard.exchange_timeout_s)
             self.leave_store_last()

@@ -1,0 +1,354 @@
+"""The watchdog's part in a rank that raised or died: publish, read, end, and bound a teardown.
+
+Owned by :class:`~rankguard.callbacks.hang.watchdog_thread.WatchdogThread`. What a
+fault is, its words and its exit code are :mod:`~rankguard.callbacks.hang.faults`';
+here they are performed. docs/hang.md#a-rank-that-raises-or-dies.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rankguard.callbacks.core.errors import HangDetectedError
+from rankguard.callbacks.core.nodes import node_identity
+from rankguard.callbacks.core.step_log import expand
+from rankguard.callbacks.hang import incident
+from rankguard.callbacks.hang.collective_files import (
+    FAULT_SUFFIX,
+    read_files,
+    write_flight_recorder,
+)
+from rankguard.callbacks.hang.faults import (
+    Fault,
+    FaultBoard,
+    Process,
+    from_exception,
+    gone_fault,
+    is_alive,
+    message,
+    pid_namespace,
+    record_heads,
+    root,
+)
+from rankguard.callbacks.hang.job import attempt_dir
+from rankguard.callbacks.hang.report import write_incident, write_stacks
+from rankguard.callbacks.hang.status import RankStatus
+from rankguard.callbacks.hang.verdict_text import phase_label, point
+
+logger = logging.getLogger("rankguard.callbacks.hang_watchdog")
+
+_now = time.perf_counter  # the step log's clock
+#: A rank acts on a peer's fault once its own loop made no progress this long (seconds): a
+#: rank still stepping is not held yet (NCCL returns at the collective, waits at a host sync).
+QUIET_S = 0.5
+#: How long rank 0, which may host the store, waits at exit for the others to read a fault.
+LEAVE_WAIT_S = 5.0
+
+
+def _waited(rank: int, status: RankStatus) -> str:
+    """``"rank 0 waited in all_reduce at train.py:88 (step)"``: where this rank was."""
+    if status.waits_at:
+        return f"rank {rank} waited in {point(status)}"
+    if status.blocked_in:
+        return f"rank {rank} was blocked in {status.blocked_in}"
+    return f"rank {rank} was in {status.phase}"
+
+
+class FaultWatch:
+    """The faults of one fit, as one rank's watchdog sees them (``owner``: its thread)."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+        self.board: FaultBoard | None = None
+        self.local: dict[int, Process] = {}  # ranks on this node: their pids mean something
+        self.published: Fault | None = None  # this rank's own fault
+        self.handled = False
+        self.cancel = threading.Event()
+        self._processes_read = False
+
+    def reset(self) -> None:
+        """A new fit: a new board (the channel's prefix is new) and no bound on this process."""
+        self.cancel.set()  # a bound set after the last fit's error is lifted
+        self.cancel = threading.Event()
+        self.board, self.local, self.published, self.handled = None, {}, None, False
+        self._processes_read = False
+
+    # -- every rank ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Opens the board and says where this rank's process runs (the watchdog thread)."""
+        channel = self.owner.guard.channel
+        if not channel.is_distributed or self.board is not None:
+            return
+        board = FaultBoard(channel)
+        node = node_identity()
+        try:
+            board.register(Process(node.key, os.getpid(), pid_namespace(), node.host))
+        except Exception as exc:
+            logger.debug("rankguard: could not register this rank's process: %s", exc)
+            return
+        self.board = board
+
+    def after_exchange(self) -> None:
+        """After an exchange every rank answered: every rank registered; find this node's."""
+        board = self.board
+        if board is None or self._processes_read:
+            return
+        self._processes_read = True
+        me = board.channel.rank
+        try:
+            processes = board.processes()
+        except Exception as exc:
+            logger.debug("rankguard: could not read the ranks' processes: %s", exc)
+            return
+        mine = processes[me]
+        self.local = {
+            rank: p
+            for rank, p in processes.items()
+            if rank != me and p.node == mine.node and p.namespace == mine.namespace is not None
+        }
+
+    def leave(self, why: str) -> None:
+        """Says this rank's process may end without a fault (never raises)."""
+        if self.board is not None:
+            try:
+                self.board.leave(why)
+            except Exception as exc:
+                logger.debug("rankguard: could not say this rank leaves: %s", exc)
+
+    def check(self) -> None:
+        """Reads new faults and this node's dead peers; ends this rank on one (never raises)."""
+        board = self.board
+        if board is None or self.handled or self.published is not None:
+            return
+        try:
+            faults = board.poll()
+            if not faults:
+                faults = self._dead_peers()
+        except Exception as exc:  # the store: a peer of this node that hosted it may be dead
+            logger.debug("rankguard: fault board unreadable: %s", exc)
+            faults = self._dead_peers(store=False)
+        if faults:
+            self._act(faults)
+
+    def store_gone(self, failed_s: float, exc: Exception) -> None:
+        """Ends this rank: the store failed longer than any rank may go silent."""
+        if self.handled or self.published is not None:
+            return
+        owner = self.owner
+        error = (
+            f"the store stopped answering {failed_s:.0f} s ago ({type(exc).__name__}): rank 0, "
+            "or the launcher that hosts the store, is gone"
+        )
+        phase = "its last known phase" if owner.last is None else owner.last.phases
+        beat = owner.guard._beat
+        step = beat.step if beat is not None else 0
+        self._act([Fault(0, "gone", error, None, step, phase, "its host", 0, (), -1, time.time())])
+
+    def _dead_peers(self, store: bool = True) -> list[Fault]:
+        """Publishes a peer of this node whose process ended without a word; the board after.
+
+        Without the ``store`` (it stopped answering) the peers found dead are this rank's
+        verdict alone: one of them hosted it.
+        """
+        board = self.board
+        assert board is not None
+        dead = [rank for rank, p in self.local.items() if not is_alive(p.pid)]
+        if not dead:
+            return []
+        if not store:
+            return [self._gone(rank, self.local[rank]) for rank in dead]
+        faults = board.poll()  # one may have published just before it ended
+        told = {f.rank for f in faults}
+        for rank in dead:
+            if rank in told or board.left(rank):
+                self.local.pop(rank, None)  # it ended as it said: never again
+                continue
+            process = self.local.pop(rank)
+            board.publish(self._gone(rank, process))
+        return board.poll()
+
+    def _gone(self, rank: int, process: Process) -> Fault:
+        """The fault of a local peer gone: its last beat as seen, its record, its fault file."""
+        owner = self.owner
+        last = owner.last
+        phase = "its last known phase" if last is None else f"the phases: {last.phases}"
+        folder = attempt_dir(owner.guard.report_dir, os.environ)
+        fault = gone_fault(
+            rank,
+            host=process.host,
+            pid=process.pid,
+            by=owner.guard.channel.rank,
+            phase=phase,
+            step=owner.guard._beat.step if owner.guard._beat else 0,
+        )
+        record = record_heads(read_files(folder).get(rank, ())) if folder.is_dir() else ()
+        signal_file = Path(folder) / f"rank{rank}{FAULT_SUFFIX}"
+        try:
+            fatal = signal_file.read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            fatal = ""
+        if fatal:
+            record = (*record, f"fatal signal ({fatal.splitlines()[0]}): stacks in {signal_file}")
+        return Fault(**{**fault.__dict__, "record": record})
+
+    def _act(self, faults: list[Fault]) -> None:
+        """Ends this rank on ``faults`` once its loop is held (see :data:`QUIET_S`)."""
+        owner, guard = self.owner, self.owner.guard
+        first = root(faults)
+        rank = guard.channel.rank
+        if first.rank == rank:
+            return
+        beat = guard._beat
+        if beat is not None and beat.kind != "done" and _now() - beat.at < QUIET_S:
+            return  # still stepping: it will be held at its next host sync
+        self.handled = True
+        status = owner.status()
+        header = incident.header(rank, status.host, status.pid, status.phase)
+        folder = attempt_dir(guard.report_dir, os.environ)
+        where = incident.where(header, str(folder), rank, owner.nccl_note)
+        code = first.code
+        text = message(faults, waited=_waited(rank, status), code=code, where=where)
+        faulty = {f.rank for f in faults if f.family != "communication"} | {first.rank}
+        writes = rank == min(r for r in range(guard.channel.world_size) if r not in faulty)
+        wall = time.time() - _now()
+        beats = [
+            {"t": wall + t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
+            for t, e, s, b, ld, _ in expand(list(owner.entries))
+        ]
+        try:
+            write_incident(
+                folder,
+                rank,
+                f"{header}, idle {status.idle_s:.1f} s",
+                beats,
+                text if writes else None,
+                loop_thread=owner.loop_thread,
+                status=status,
+            )
+        except OSError as exc:
+            logger.error("rankguard %s: could not write the report: %s", guard.name, exc)
+        guard.incidents += 1
+        guard.last_incident = HangDetectedError(text)
+        if beat is not None and beat.kind == "done":
+            logger.error("rankguard %s: %s Its fit had ended: it goes on.", guard.name, text)
+            return
+        if guard.action != "abort":
+            logger.error("rankguard %s: %s Now waiting (action='report').", guard.name, text)
+            return
+        logger.error("rankguard %s: %s Now ending with exit code %d.", guard.name, text, code)
+        owner.ended.set()
+        write_flight_recorder(folder, rank)
+        self.exit(code, faulty)
+
+    def exit(self, code: int, faulty: set[int]) -> None:
+        """Ends this process with ``code``; rank 0 (which may host the store) last."""
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        board = self.board
+        if board is not None:
+            self.leave("ended")
+            if board.channel.is_leader:
+                others = set(range(1, board.channel.world_size)) - faulty
+                board.wait_left(sorted(others), LEAVE_WAIT_S)
+        os._exit(code)
+
+    # -- the rank that raised (its training thread) -----------------------------------------
+
+    def raised(self, exc: BaseException, step: int | None) -> None:
+        """Publishes this rank's fault before anything can hang, then bounds its teardown."""
+        owner, guard = self.owner, self.owner.guard
+        board = self.board
+        if board is None or self.published is not None or self.handled:
+            return
+        try:
+            status = owner.status()
+            phase, beat_step = status.phase, status.step
+        except Exception:  # the fault matters more than where it was
+            phase, beat_step = "an unknown phase", 0
+        fault = from_exception(
+            exc,
+            rank=guard.channel.rank,
+            step=beat_step if step is None else step,
+            phase=phase,
+            host=owner.host,
+            pid=os.getpid(),
+            libraries=guard._libraries,
+            record=owner._collectives(),
+        )
+        try:
+            self._dead_peers()  # a peer of this node gone first is the cause, not this error
+            board.publish(fault)
+        except Exception as exc_store:
+            logger.warning(
+                "rankguard %s: could not tell the other ranks this rank raised (%s).",
+                guard.name,
+                exc_store,
+            )
+            return
+        self.published = fault
+        bound = guard.teardown_timeout_s
+        then = f"; it ends this process in {bound:g} s if it is still running" if bound else ""
+        logger.error(
+            "rankguard %s: %s %s Told the other ranks: those still training end with exit "
+            "code %d%s.",
+            guard.name,
+            fault.sentence(),
+            fault.detail(),
+            fault.code,
+            then,
+        )
+        if bound:
+            threading.Thread(
+                target=self._bound,
+                args=(fault, bound, self.cancel),
+                name="rankguard-teardown",
+                daemon=True,
+            ).start()
+        if board.channel.is_leader:
+            atexit.register(self._wait_at_exit, self.cancel)
+
+    def _bound(self, fault: Fault, bound: float, cancel: threading.Event) -> None:
+        """Ends this process ``bound`` seconds after it raised, if still running (a teardown)."""
+        if cancel.wait(bound):
+            return
+        guard = self.owner.guard
+        rank = guard.channel.rank
+        folder = attempt_dir(guard.report_dir, os.environ)
+        header = (
+            f"rank {rank}, host {fault.host}, pid {fault.pid}: still running {bound:g} s after "
+            f"it raised {fault.error}"
+        )
+        try:
+            write_stacks(folder, rank, header, self.owner.loop_thread)
+            write_flight_recorder(folder, rank)
+        except OSError as exc:
+            logger.error("rankguard %s: could not write the stacks: %s", guard.name, exc)
+        logger.error(
+            "rankguard %s: This rank is still running %g s after it raised %s (its teardown "
+            "waits: see the stacks in %s/rank%d.txt). Ending it with exit code %d "
+            "(teardown_timeout_s).",
+            guard.name,
+            bound,
+            fault.error,
+            folder,
+            rank,
+            fault.code,
+        )
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(fault.code)
+
+    def _wait_at_exit(self, cancel: threading.Event) -> None:
+        """Rank 0 raised and exits: the store may go with it, so let the others read first."""
+        board = self.board
+        if cancel.is_set() or board is None:
+            return
+        others = set(range(1, board.channel.world_size))
+        board.wait_left(sorted(others), LEAVE_WAIT_S)

@@ -1,0 +1,203 @@
+"""A rank that raises or dies: the exit-code table, the words, then 2 real ranks (gloo)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from rankguard.callbacks.core.events import Event, EventFacts
+from rankguard.callbacks.hang.faults import (
+    FAMILIES,
+    Fault,
+    family_of,
+    from_exception,
+    is_alive,
+    message,
+    root,
+)
+from rankguard.callbacks.hang.stacks import library_paths
+from rankguard.callbacks.hang.status import DEADLOCK_EXIT_CODE, HANG_EXIT_CODE
+from tests.mp import run_ranks
+
+# -- the exit-code table (README and docs/hang.md: each row) -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("exc", "family", "code"),
+    [
+        (ValueError("sample 4711 has no tokens"), "code", DEADLOCK_EXIT_CODE),
+        (AssertionError("loss is NaN"), "code", DEADLOCK_EXIT_CODE),
+        (KeyError("input_ids"), "code", DEADLOCK_EXIT_CODE),
+        (RuntimeError("shape mismatch"), "code", DEADLOCK_EXIT_CODE),
+        (torch.OutOfMemoryError("CUDA out of memory"), "transient", HANG_EXIT_CODE),
+        (RuntimeError("CUDA error: an illegal memory access"), "transient", HANG_EXIT_CODE),
+        (OSError(122, "Disk quota exceeded"), "transient", HANG_EXIT_CODE),
+        (RuntimeError("[gloo/pair.cc:534] Connection closed by peer"), "communication", 75),
+        (ConnectionResetError("store"), "communication", HANG_EXIT_CODE),
+        (KeyboardInterrupt(), "interrupted", HANG_EXIT_CODE),
+        (SystemExit(143), "interrupted", HANG_EXIT_CODE),
+    ],
+)
+def test_each_fault_family_has_its_exit_code(exc, family, code):
+    assert family_of(exc) == family
+    assert FAMILIES[family][0] == code
+
+
+def check_batch(batch: dict) -> None:
+    if not batch["tokens"]:
+        raise ValueError("sample 4711 has no tokens after filtering\n(the second line is dropped)")
+
+
+def _raised() -> BaseException:
+    try:
+        check_batch({"tokens": []})
+    except ValueError as exc:
+        return exc
+    raise AssertionError("check_batch did not raise")
+
+
+def test_a_fault_names_the_rank_its_error_and_the_users_line():
+    fault = from_exception(
+        _raised(), rank=1, step=6, phase="train batch 7", host="h", pid=9, libraries=library_paths()
+    )
+    sentence = "Rank 1 raised ValueError: sample 4711 has no tokens after filtering."
+    assert fault.sentence() == sentence
+    detail = fault.detail()
+    assert detail.startswith("At test_faults.py:") and "(check_batch): raise ValueError(" in detail
+    assert detail.endswith("step 6, in train batch 7 (host h, pid 9).")
+    assert fault.code == DEADLOCK_EXIT_CODE
+
+
+def _fault(rank: int, family: str, error: str = "ValueError: x") -> Fault:
+    return Fault(rank, family, error, None, 6, "train batch 7", "h", 100 + rank)
+
+
+def test_the_root_is_the_first_fault_not_a_peers_consequence():
+    consequence = _fault(0, "communication", "RuntimeError: Connection closed by peer")
+    gone = _fault(1, "gone", "its process ended")
+    assert root([consequence, gone]) is gone
+    assert root([consequence]) is consequence
+    text = message([consequence, gone], waited="rank 2 was in train batch 7", code=75, where="W.")
+    assert text.startswith("Rank 1 is gone: its process ended. At step 6")
+    assert "Rank 2 was in train batch 7; it ends with exit code 75" in text
+    assert "Then: Rank 0 raised RuntimeError: Connection closed by peer." in text
+
+
+def test_a_zombie_or_missing_pid_is_not_alive():
+    assert is_alive(os.getpid())
+    assert not is_alive(2**22 + 12345)  # above the kernel's pid_max default
+
+
+# -- two real ranks --------------------------------------------------------------------------
+
+
+def _watchdog(report_dir: str, teardown_s: float = 3.0):
+    from rankguard.callbacks.core.side_channel import SideChannel
+    from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
+
+    watchdog = HangWatchdog(
+        report_dir=report_dir, timeout_s=60, exchange_period_s=2, teardown_timeout_s=teardown_s
+    )
+    watchdog.bind(SideChannel.from_environment(timeout_s=10))
+    watchdog.on_fit_start(EventFacts())
+    for step in range(3):
+        watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
+        watchdog.handle(Event.TRAIN_BATCH_END, EventFacts(step=step + 1))
+    time.sleep(3)  # a first exchange: the ranks know where each other's process runs
+    return watchdog
+
+
+def destroy_process_group_waits() -> None:
+    """NCCL's communicator teardown waiting for a peer: the raising rank's process stays."""
+    time.sleep(120)
+
+
+def _rank1_raises(rank, world_size, report_dir):
+    import torch.distributed as dist
+
+    watchdog = _watchdog(report_dir)
+    if rank == 1:
+        try:
+            check_batch({"tokens": []})
+        except ValueError as exc:  # what every adapter does where the fit's error escapes
+            watchdog.on_error(exc, EventFacts(step=3))
+            watchdog.close()
+        destroy_process_group_waits()
+    dist.barrier()  # rank 0's next collective: rank 1 never comes
+
+
+def test_a_rank_that_raised_ends_every_rank_in_seconds_naming_it(tmp_path):
+    started = time.monotonic()
+    outcomes = run_ranks(_rank1_raises, 2, str(tmp_path), timeout_s=90)
+    took = time.monotonic() - started
+    # rank 0 ends on the fault; rank 1's teardown is ended at teardown_timeout_s (3 s)
+    assert [o.exitcode for o in outcomes] == [DEADLOCK_EXIT_CODE] * 2, outcomes
+    assert took < 40, took  # not the harness's 90 s, nor gloo's 30 min
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("Rank 1 raised ValueError: sample 4711 has no tokens after filt")
+    assert "(check_batch): raise ValueError(" in summary and "step 3" in summary
+    assert "Rank 0 waited in barrier at test_faults.py:" in summary
+    assert "it ends with exit code 70" in summary and "Next: fix the error on rank 1" in summary
+    assert "destroy_process_group_waits" in (tmp_path / "rank1.txt").read_text()
+    assert "check_batch" not in (tmp_path / "rank0.txt").read_text().split("\n")[0]
+
+
+def wait_at_host_sync() -> None:
+    """A rank under NCCL waits for the killed peer at its next host sync, not at the call."""
+    time.sleep(120)
+
+
+def _rank1_killed(rank, world_size, report_dir):
+    _watchdog(report_dir)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer: nothing runs after it
+    wait_at_host_sync()
+
+
+def test_a_killed_rank_is_named_gone_by_its_node_within_seconds(tmp_path):
+    started = time.monotonic()
+    outcomes = run_ranks(_rank1_killed, 2, str(tmp_path), timeout_s=90)
+    took = time.monotonic() - started
+    assert outcomes[1].exitcode == -signal.SIGKILL, outcomes
+    assert outcomes[0].exitcode == HANG_EXIT_CODE, outcomes
+    assert took < 30, took
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("Rank 1 is gone: its process (pid "), summary
+    assert "ended without an exception in Python" in summary
+    assert "Rank 0 waited in" in summary or "Rank 0 was in" in summary, summary
+    assert "it ends with exit code 75" in summary
+
+
+def _every_rank_raises_and_catches(rank, world_size, report_dir):
+    """The user's code catches the fit's error on every rank and trains again: nothing ends."""
+    import torch.distributed as dist
+
+    watchdog = _watchdog(report_dir, teardown_s=2.0)
+    try:
+        check_batch({"tokens": []})
+    except ValueError as exc:
+        watchdog.on_error(exc, EventFacts(step=3))
+        watchdog.close()
+    dist.barrier()  # the user's retry: a second fit, healthy
+    from rankguard.callbacks.core.side_channel import SideChannel
+
+    watchdog.bind(SideChannel.from_environment(timeout_s=10))
+    watchdog.on_fit_start(EventFacts())
+    for step in range(3):
+        watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
+        dist.barrier()
+        watchdog.handle(Event.TRAIN_BATCH_END, EventFacts(step=step + 1))
+    time.sleep(3)  # past the first fit's teardown bound: the second fit lifted it
+    watchdog.on_fit_end(EventFacts(step=3))
+    watchdog.close()
+    return watchdog.incidents
+
+
+def test_a_fault_every_rank_catches_before_a_new_fit_ends_nothing(tmp_path):
+    outcomes = run_ranks(_every_rank_raises_and_catches, 2, str(tmp_path), timeout_s=90)
+    assert [(o.error, o.value) for o in outcomes] == [(None, 0), (None, 0)], outcomes
+    assert not (tmp_path / "summary.txt").exists()
