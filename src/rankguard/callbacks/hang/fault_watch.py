@@ -146,7 +146,7 @@ class FaultWatch:
             f"the store stopped answering {failed_s:.0f} s ago ({type(exc).__name__}): rank 0, "
             "or the launcher that hosts the store, is gone"
         )
-        phase = "its last known phase" if owner.last is None else owner.last.phases
+        phase = "no status exchanged yet" if owner.last is None else owner.last.phases
         beat = owner.guard._beat
         step = beat.step if beat is not None else 0
         self._act([Fault(0, "gone", error, None, step, phase, "its host", 0, (), -1, time.time())])
@@ -178,7 +178,7 @@ class FaultWatch:
         """The fault of a local peer gone: its last beat as seen, its record, its fault file."""
         owner = self.owner
         last = owner.last
-        phase = "its last known phase" if last is None else f"the phases: {last.phases}"
+        phase = "no status exchanged yet" if last is None else last.phases
         folder = attempt_dir(owner.guard.report_dir, os.environ)
         fault = gone_fault(
             rank,
@@ -311,8 +311,8 @@ class FaultWatch:
                 name="rankguard-teardown",
                 daemon=True,
             ).start()
-        if board.channel.is_leader:
-            atexit.register(self._wait_at_exit, self.cancel)
+        if board.channel.is_leader and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            atexit.register(self._wait_at_exit, self.cancel)  # its process hosts the store
 
     def _bound(self, fault: Fault, bound: float, cancel: threading.Event) -> None:
         """Ends this process ``bound`` seconds after it raised, if still running (a teardown)."""
@@ -346,9 +346,16 @@ class FaultWatch:
         os._exit(fault.code)
 
     def _wait_at_exit(self, cancel: threading.Event) -> None:
-        """Rank 0 raised and exits: the store may go with it, so let the others read first."""
+        """Rank 0 raised and exits: the store goes with it, so let the others read first.
+
+        It waits for the ranks that said nothing of their own (not gone, not raised).
+        """
         board = self.board
         if cancel.is_set() or board is None:
             return
-        others = set(range(1, board.channel.world_size))
+        try:
+            told = {f.rank for f in board.poll()}
+        except Exception:
+            return
+        others = set(range(1, board.channel.world_size)) - told
         board.wait_left(sorted(others), LEAVE_WAIT_S)

@@ -146,9 +146,12 @@ class Fault:
         return f"Rank {self.rank} raised {self.error.rstrip('.')}."
 
     def detail(self) -> str:
-        """Where and when, e.g. ``"At train.py:212 (check_batch): raise ..., step 6, ..."``."""
-        place = f"At {self.where}, " if self.where else "At "
-        return f"{place}step {self.step}, in {self.phase} (host {self.host}, pid {self.pid})."
+        """Where, e.g. ``"At train.py:212 (check_batch): raise ..., in train batch 5 (...)."``."""
+        where = f"host {self.host}, pid {self.pid}"
+        if self.gone:
+            return f"Last seen: {self.phase} ({where})."
+        place = f"At {self.where}, in" if self.where else "In"
+        return f"{place} {self.phase} ({where})."
 
 
 _NEXT = {
@@ -249,7 +252,7 @@ def from_exception(
 def gone_fault(rank: int, *, host: str, pid: int, by: int, phase: str, step: int) -> Fault:
     """The fault of a rank whose process ended without a word (seen by ``by``, on its node)."""
     error = (
-        f"its process (pid {pid} on {host}) ended without an exception in Python "
+        "its process ended without an exception in Python "
         "(killed: SIGKILL, the OOM killer, or a crash)"
     )
     return Fault(rank, "gone", error, None, step, phase, host, pid, (), by, time.time())

@@ -1,0 +1,94 @@
+"""A rank on another node raises or is killed: a hand-written loop on two simulated nodes.
+
+Run by one torchrun per node (``benchmarks/launch.py::launch_nodes``)::
+
+    torchrun --nnodes=2 --nproc-per-node=1 --node-rank=N ... nodes_fault_job.py OUT SCENARIO
+
+Rank 1 (node 1) fails at train step 6; rank 0 (node 0) goes on into its next step.
+No launcher stops the other node's ranks: node 0's torchrun watches node 0 only.
+
+- ``raise``: rank 1's data check raises ``ValueError``; its ``finally`` then waits, as
+  NCCL's communicator teardown waits for a peer (its process stays); rank 0 waits
+  in its next all-reduce.
+- ``kill``: rank 1 is SIGKILLed (the OOM killer); rank 0 waits at its next host
+  sync, as under NCCL, where the all-reduce returns at once and the thread waits at
+  the next ``.item()`` (on gloo the dead peer's closed socket would raise at once).
+
+Rank 1 writes ``OUT/rank1.json`` the moment it fails (for the test).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rankguard.integrations.torch import RankGuard
+
+FAIL_AT = 6
+#: Short deadlines: a rank gone on another node is named at its deadline (no pid to read).
+WATCHDOG = {"timeout_s": 6.0, "exchange_period_s": 1.0, "teardown_timeout_s": 3.0}
+
+
+def check_batch(batch: torch.Tensor, step: int) -> None:
+    """The user's data check: rank 1's sample at step 6 has no tokens."""
+    if dist.get_rank() == 1 and step == FAIL_AT:
+        raise ValueError("sample 4711 has no tokens after filtering")
+
+
+def destroy_process_group_waits() -> None:
+    """NCCL's teardown waiting for a peer that never comes (the raising rank's process stays)."""
+    time.sleep(600)
+
+
+def wait_at_host_sync() -> None:
+    """Under NCCL the all-reduce returns; the thread waits at its next host sync, forever."""
+    time.sleep(600)
+
+
+def mark(out: Path, what: str) -> None:
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({what: time.time()}))
+
+
+def main() -> None:
+    out, scenario = Path(sys.argv[1]), sys.argv[2]
+    rank = int(os.environ["RANK"])
+    logging.basicConfig(format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model = torch.nn.Linear(4, 1)
+    data = [torch.randn(2, 4) for _ in range(40)]
+    guard = RankGuard(hang_watchdog={**WATCHDOG, "report_dir": str(out / "reports")})
+    try:
+        with guard.fit(model) as run:
+            for batch in run.train(data):
+                step = run.step  # the batch in the body counts: 6 is the sixth
+                if scenario == "kill" and rank == 1 and step == FAIL_AT:
+                    mark(out, "failed")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if scenario == "kill" and rank == 0 and step == FAIL_AT:
+                    wait_at_host_sync()  # its all-reduce was enqueued: NCCL returned
+                if scenario == "raise" and rank == 1 and step == FAIL_AT:
+                    mark(out, "failed")
+                check_batch(batch, step)
+                loss = model(batch).sum()
+                loss.backward()
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                time.sleep(0.05)
+    finally:
+        if scenario == "raise" and rank == 1:
+            destroy_process_group_waits()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
