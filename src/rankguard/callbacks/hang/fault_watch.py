@@ -267,6 +267,8 @@ class FaultWatch:
         board = self.board
         if board is None or self.published is not None or self.handled:
             return
+        if getattr(exc, "every_rank", False):  # a rankguard error every rank raises together
+            return
         try:
             status = owner.status()
             phase, beat_step = status.phase, status.step
