@@ -14,17 +14,20 @@ No launcher stops the other node's ranks: node 0's torchrun watches node 0 only.
   sync, as under NCCL, where the all-reduce returns at once and the thread waits at
   the next ``.item()`` (on gloo the dead peer's closed socket would raise at once).
 
-Rank 1 writes ``OUT/rank1.json`` the moment it fails (for the test).
+Rank 1 writes ``OUT/rank1.json`` the moment it fails; log lines carry their Unix time
+(``benchmarks/faults.py`` reads both). ``RANKGUARD=off``: the same loop without rankguard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -53,6 +56,20 @@ def wait_at_host_sync() -> None:
     time.sleep(600)
 
 
+class Bare:
+    """The loop's ``guard.fit(...)`` / ``run`` without rankguard (``RANKGUARD=off``)."""
+
+    step = 0
+
+    @contextlib.contextmanager
+    def fit(self, model: torch.nn.Module) -> Iterator[Bare]:
+        yield self
+
+    def train(self, data: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+        for self.step, batch in enumerate(data, start=1):
+            yield batch
+
+
 def mark(out: Path, what: str) -> None:
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({what: time.time()}))
 
@@ -60,12 +77,16 @@ def mark(out: Path, what: str) -> None:
 def main() -> None:
     out, scenario = Path(sys.argv[1]), sys.argv[2]
     rank = int(os.environ["RANK"])
-    logging.basicConfig(format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(format=f"%(created).3f [rank {rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     model = torch.nn.Linear(4, 1)
     data = [torch.randn(2, 4) for _ in range(40)]
-    guard = RankGuard(hang_watchdog={**WATCHDOG, "report_dir": str(out / "reports")})
+    guard: RankGuard | Bare = RankGuard(
+        hang_watchdog={**WATCHDOG, "report_dir": str(out / "reports")}
+    )
+    if os.environ.get("RANKGUARD") == "off":
+        guard = Bare()
     try:
         with guard.fit(model) as run:
             for batch in run.train(data):

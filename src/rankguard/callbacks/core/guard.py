@@ -122,7 +122,6 @@ class Guard:
                 self.channel.barrier(f"{self.name}/raised", timeout_s=RAISE_WAIT_S)
             except Exception as exc:  # a rank that never logs it must not hold this one
                 logger.debug("rankguard %s: not every rank logged the error: %s", self.name, exc)
-            error.every_rank = True  # every rank raises it: no rank tells the others of it
         raise error
 
     def warn_once(self, key: str, message: str, *args: Any) -> None:

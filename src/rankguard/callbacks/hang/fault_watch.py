@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rankguard.callbacks.core.errors import HangDetectedError
+from rankguard.callbacks.core.errors import HangDetectedError, RankGuardError
 from rankguard.callbacks.core.nodes import node_identity
 from rankguard.callbacks.core.step_log import expand
 from rankguard.callbacks.hang import incident
@@ -49,6 +49,16 @@ _now = time.perf_counter  # the step log's clock
 QUIET_S = 0.5
 #: How long rank 0, which may host the store, waits at exit for the others to read a fault.
 LEAVE_WAIT_S = 5.0
+#: The teardown bounds set in this process (one per fault it raised): a new fit lifts them all.
+_bounds: list[threading.Event] = []
+_bounds_lock = threading.Lock()
+
+
+def lift_bounds() -> None:
+    """A fit starts in this process: the error before it was handled; no bound ends it."""
+    with _bounds_lock:
+        while _bounds:
+            _bounds.pop().set()
 
 
 def _waited(rank: int, status: RankStatus) -> str:
@@ -73,8 +83,7 @@ class FaultWatch:
         self._processes_read = False
 
     def reset(self) -> None:
-        """A new fit: a new board (the channel's prefix is new) and no bound on this process."""
-        self.cancel.set()  # a bound set after the last fit's error is lifted
+        """A new fit: a new board (the channel's prefix is new)."""
         self.cancel = threading.Event()
         self.board, self.local, self.published, self.handled = None, {}, None, False
         self._processes_read = False
@@ -83,6 +92,7 @@ class FaultWatch:
 
     def start(self) -> None:
         """Opens the board and says where this rank's process runs (the watchdog thread)."""
+        lift_bounds()  # any guard's: a fit runs again in this process
         channel = self.owner.guard.channel
         if not channel.is_distributed or self.board is not None:
             return
@@ -267,7 +277,7 @@ class FaultWatch:
         board = self.board
         if board is None or self.published is not None or self.handled:
             return
-        if getattr(exc, "every_rank", False):  # a rankguard error every rank raises together
+        if isinstance(exc, RankGuardError):  # from a verdict every rank shares: each raises it
             return
         try:
             status = owner.status()
@@ -307,6 +317,8 @@ class FaultWatch:
             then,
         )
         if bound:
+            with _bounds_lock:
+                _bounds.append(self.cancel)
             threading.Thread(
                 target=self._bound,
                 args=(fault, bound, self.cancel),

@@ -1,0 +1,120 @@
+"""A rank that raises or dies: from the fault to every rank's report and to the job's end.
+
+Rank 1 of a 2-rank gloo loop (``tests/e2e/nodes_fault_job.py``) raises at its sixth
+batch and its teardown then waits (as NCCL's does), or is SIGKILLed while rank 0 waits
+at its next host sync (as under NCCL). One node (one torchrun, which stops the
+other ranks once one exits) and two (one torchrun per node: neither sees the other's
+ranks). With rankguard (``RankGuard`` with short deadlines, ``teardown_timeout_s=3``)
+and without it, side by side; the job is killed at ``--cap`` seconds. Usage::
+
+    python benchmarks/faults.py [--cap 60] [--cases raise,kill]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.launch import finish, free_port, job_env, start  # noqa: E402
+
+JOB = ROOT / "tests" / "e2e" / "nodes_fault_job.py"
+#: A rank's log line that names the fault (its Unix time first, as the job logs).
+_NAMED = re.compile(
+    r"^(\d+\.\d+) \[rank (\d+)\] ERROR rankguard\.callbacks\.hang_watchdog: rankguard "
+    r"hang_watchdog: (Rank 1 raised|Rank 1 is gone|Hang: rank 1)"
+)
+_CODES = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s+exitcode\s*:\s*(-?\d+)")
+CASES = {"raise": "rank 1 raises, teardown waits", "kill": "rank 1 SIGKILLed"}
+
+
+def run(case: str, nodes: int, rankguard: bool, cap_s: float) -> dict:
+    """One job; the times are from rank 1's fault."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = job_env(
+            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]),
+            OMP_NUM_THREADS="1",
+            RANKGUARD="on" if rankguard else "off",
+        )
+        torchrun = str(Path(sys.executable).parent / "torchrun")
+        port = free_port()
+        per_node = 2 // nodes
+        procs = [
+            start(
+                [
+                    torchrun,
+                    f"--nnodes={nodes}",
+                    f"--nproc-per-node={per_node}",
+                    f"--node-rank={node}",
+                    "--master-addr=127.0.0.1",
+                    f"--master-port={port}",
+                    str(JOB),
+                    tmp,
+                    case,
+                ],
+                env=env,
+            )
+            for node in range(nodes)
+        ]
+        ended = finish(procs, cap_s)
+        failed_file = Path(tmp) / "rank1.json"
+        if not failed_file.exists():
+            return {"error": "rank 1 never reached its fault"}
+        failed = json.loads(failed_file.read_text())["failed"]
+    output = "".join(e.stdout for e in ended)
+    named: dict[int, float] = {}
+    for match in filter(None, map(_NAMED.match, output.splitlines())):
+        named.setdefault(int(match.group(2)), float(match.group(1)))
+    codes = dict(_CODES.findall(output))
+    timed_out = any(e.timed_out for e in ended)
+    return {
+        "named": {rank: at - failed for rank, at in named.items()},
+        "ends": max(e.ended_at for e in ended) - failed,
+        "codes": ",".join(codes.get(str(r), "?") for r in range(2)),
+        "timed_out": timed_out,
+    }
+
+
+def _cell(result: dict, cap_s: float) -> str:
+    if "error" in result:
+        return result["error"]
+    named = result["named"].get(0)
+    said = f"rank 0 told {named:.1f} s" if named is not None else "nothing said"
+    if result["timed_out"]:
+        return f"{said}; hangs (killed at {cap_s:.0f} s)"
+    return f"{said}; ends {result['ends']:.1f} s ({result['codes']})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cap", type=float, default=60.0, help="seconds before a job is killed")
+    parser.add_argument("--cases", default=",".join(CASES), help="which of: raise, kill")
+    args = parser.parse_args()
+    print(
+        "2 ranks, gloo on CPU; times from rank 1's fault. Goal with rankguard: "
+        "report <= 2 s, job ended <= 5 s (one node; on two, rank 1's node at its bound)."
+    )
+    header = f"{'case':<32} | {'nodes':>5} | {'with rankguard':<40} | {'without':<40}"
+    print(header)
+    print("-" * len(header))
+    for case in args.cases.split(","):
+        for nodes in (1, 2):
+            with_ = run(case, nodes, True, args.cap)
+            without = run(case, nodes, False, args.cap)
+            print(
+                f"{CASES[case]:<32} | {nodes:>5} | {_cell(with_, args.cap):<40} | "
+                f"{_cell(without, args.cap):<40}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
