@@ -310,8 +310,18 @@ def slow_rank_data() -> None:
 
 
 def starved_loader() -> None:
-    """Rank 1's loader waits from its first batch and raises at its 8th (it ends the job)."""
+    """Rank 1's loader waits from its first batch and raises at its 8th (it ends the job).
+
+    Rank 0 waits in its next collective; rank 1 goes on to ``teardown_waits``.
+    """
     slow_loop(0.25, 20, raise_at=8)
+
+
+def teardown_waits() -> None:
+    """After its error, rank 1's process stays, as NCCL's communicator teardown waits for a
+    peer: no closed socket tells rank 0 (on gloo it would, at once)."""
+    if dist.get_rank() == 1:
+        time.sleep(120)
 
 
 def unsharded(make_loader: Callable[[Any], DataLoader]) -> None:
@@ -385,6 +395,7 @@ SCENARIOS = {
     "straggler": straggler,
     "slow_rank_data": slow_rank_data,
     "starved_loader": starved_loader,
+    "teardown_waits": teardown_waits,
     "no_sampler": no_sampler,
     "sampler_wrong_replicas": sampler_wrong_replicas,
     "post_eval_stall": post_eval_stall,

@@ -67,7 +67,7 @@ def _waited(rank: int, status: RankStatus) -> str:
         return f"rank {rank} waited in {point(status)}"
     if status.blocked_in:
         return f"rank {rank} was blocked in {status.blocked_in}"
-    return f"rank {rank} was in {status.phase}"
+    return f"rank {rank} was in its own code ({status.phase})"
 
 
 class FaultWatch:
@@ -81,6 +81,7 @@ class FaultWatch:
         self.handled = False
         self.cancel = threading.Event()
         self._processes_read = False
+        self._lock = threading.Lock()
 
     def reset(self) -> None:
         """A new fit: a new board (the channel's prefix is new)."""
@@ -169,19 +170,26 @@ class FaultWatch:
         """
         board = self.board
         assert board is not None
-        dead = [rank for rank, p in self.local.items() if not is_alive(p.pid)]
+        dead = [rank for rank, p in list(self.local.items()) if not is_alive(p.pid)]
         if not dead:
             return []
         if not store:
             return [self._gone(rank, self.local[rank]) for rank in dead]
+        with self._lock:  # the training thread (an error) and the watchdog thread
+            return self._publish_dead(dead)
+
+    def _publish_dead(self, dead: list[int]) -> list[Fault]:
+        board = self.board
+        assert board is not None
         faults = board.poll()  # one may have published just before it ended
         told = {f.rank for f in faults}
         for rank in dead:
             if rank in told or board.left(rank):
                 self.local.pop(rank, None)  # it ended as it said: never again
                 continue
-            process = self.local.pop(rank)
-            board.publish(self._gone(rank, process))
+            process = self.local.pop(rank, None)
+            if process is not None:
+                board.publish(self._gone(rank, process))
         return board.poll()
 
     def _gone(self, rank: int, process: Process) -> Fault:
@@ -305,15 +313,22 @@ class FaultWatch:
             )
             return
         self.published = fault
+        try:
+            first = root(board.poll())
+        except Exception:
+            first = fault
         bound = guard.teardown_timeout_s
         then = f"; it ends this process in {bound:g} s if it is still running" if bound else ""
+        cause = f"{first.sentence()} {first.detail()}"
+        if first != fault:  # a peer's fault came first: this error follows from it
+            cause += f" This rank's {fault.error} follows from it."
+        else:
+            cause += " Told the other ranks."
         logger.error(
-            "rankguard %s: %s %s Told the other ranks: those still training end with exit "
-            "code %d%s.",
+            "rankguard %s: %s Those still training end with exit code %d%s.",
             guard.name,
-            fault.sentence(),
-            fault.detail(),
-            fault.code,
+            cause,
+            first.code,
             then,
         )
         if bound:
@@ -321,14 +336,14 @@ class FaultWatch:
                 _bounds.append(self.cancel)
             threading.Thread(
                 target=self._bound,
-                args=(fault, bound, self.cancel),
+                args=(fault, bound, self.cancel, first.code),
                 name="rankguard-teardown",
                 daemon=True,
             ).start()
         if board.channel.is_leader and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             atexit.register(self._wait_at_exit, self.cancel)  # its process hosts the store
 
-    def _bound(self, fault: Fault, bound: float, cancel: threading.Event) -> None:
+    def _bound(self, fault: Fault, bound: float, cancel: threading.Event, code: int) -> None:
         """Ends this process ``bound`` seconds after it raised, if still running (a teardown)."""
         if cancel.wait(bound):
             return
@@ -353,11 +368,11 @@ class FaultWatch:
             fault.error,
             folder,
             rank,
-            fault.code,
+            code,
         )
         for handler in logging.getLogger().handlers:
             handler.flush()
-        os._exit(fault.code)
+        os._exit(code)
 
     def _wait_at_exit(self, cancel: threading.Event) -> None:
         """Rank 0 raised and exits: the store goes with it, so let the others read first.

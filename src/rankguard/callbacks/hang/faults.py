@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 import traceback
 from collections.abc import Iterable, Sequence
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from rankguard.callbacks.data.data_worker import worker_failure
 from rankguard.callbacks.hang.collective_compare import GroupRecord
 from rankguard.callbacks.hang.stacks import code_name, describe_frame, user_frame
 from rankguard.callbacks.hang.status import DEADLOCK_EXIT_CODE, HANG_EXIT_CODE
@@ -40,7 +42,8 @@ FAMILIES: dict[str, tuple[int, str]] = {
     "code": (DEADLOCK_EXIT_CODE, "a code fault (ValueError, AssertionError, KeyError, ...)"),
     "transient": (
         HANG_EXIT_CODE,
-        "a transient fault (out of memory, a CUDA or NCCL error, OSError from storage or network)",
+        "a transient fault (out of memory, a CUDA or NCCL error, OSError from storage, "
+        "a data loader's worker or thread that died)",
     ),
     "communication": (HANG_EXIT_CODE, "a collective or store that failed (a peer's fault)"),
     "interrupted": (HANG_EXIT_CODE, "an interrupt (KeyboardInterrupt, SystemExit on SIGTERM)"),
@@ -82,6 +85,8 @@ def family_of(exc: BaseException) -> str:
     """
     if isinstance(exc, KeyboardInterrupt | SystemExit):
         return "interrupted"
+    if worker_failure(exc) is not None:  # a loader's worker or thread died: not the code
+        return "transient"
     if isinstance(exc, (MemoryError, *_torch_classes("OutOfMemoryError", "AcceleratorError"))):
         return "transient"
     if isinstance(exc, (ConnectionError, *_torch_classes("DistError"))):
@@ -146,12 +151,12 @@ class Fault:
         return f"Rank {self.rank} raised {self.error.rstrip('.')}."
 
     def detail(self) -> str:
-        """Where, e.g. ``"At train.py:212 (check_batch): raise ..., in train batch 5 (...)."``."""
+        """Where: ``"At train.py:212 (check_batch): raise ...; train batch 5, host h, pid 9."``."""
         where = f"host {self.host}, pid {self.pid}"
         if self.gone:
             return f"Last seen: {self.phase} ({where})."
-        place = f"At {self.where}, in" if self.where else "In"
-        return f"{place} {self.phase} ({where})."
+        place = f"At {self.where}; " if self.where else ""
+        return f"{place}{self.phase}, {where}."
 
 
 _NEXT = {
@@ -216,6 +221,8 @@ def record_heads(record: Sequence[GroupRecord]) -> tuple[str, ...]:
     """A rank's record as lines: per group, its count and the last collective it issued."""
     lines = []
     for group in record:
+        if not group.count:
+            continue
         last = group.last[-1] if group.last else None
         issued = f"; last {last.op} at {last.where}" if last is not None else ""
         lines.append(f"group {group.name}: {group.count} collectives issued{issued}")
@@ -312,6 +319,7 @@ class FaultBoard:
         self._base = base
         self.seen: list[Fault] = []
         self._read = 0  # the faults read so far (by number)
+        self._lock = threading.Lock()  # the training thread (an error) and the watchdog's
 
     def _key(self, what: str, rank: int) -> str:
         return f"{self._base}/{what}/r{rank}"
@@ -323,16 +331,17 @@ class FaultBoard:
         store.set(f"{self._base}/{number}", pickle.dumps(fault, protocol=pickle.HIGHEST_PROTOCOL))
 
     def poll(self) -> list[Fault]:
-        """Every fault published so far, in order (new ones read from the store)."""
+        """Every fault published so far, in order (new ones read from the store; any thread)."""
         store = self.channel.store
         count = store.add(self._count, 0)
-        while self._read < count:
-            key = f"{self._base}/{self._read + 1}"
-            if not store.check([key]):  # numbered, not yet written: the next poll reads it
-                break
-            self.seen.append(pickle.loads(store.get(key)))
-            self._read += 1
-        return list(self.seen)
+        with self._lock:
+            while self._read < count:
+                key = f"{self._base}/{self._read + 1}"
+                if not store.check([key]):  # numbered, not yet written: the next poll reads it
+                    break
+                self.seen.append(pickle.loads(store.get(key)))
+                self._read += 1
+            return list(self.seen)
 
     def register(self, process: Process) -> None:
         """Says where this rank's process runs (once, before its first exchange)."""
