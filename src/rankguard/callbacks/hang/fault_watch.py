@@ -84,27 +84,38 @@ class FaultWatch:
         self._lock = threading.Lock()
 
     def reset(self) -> None:
-        """A new fit: a new board (the channel's prefix is new)."""
+        """A new fit (the board is the channel's: a fit on the same channel keeps it)."""
         self.cancel = threading.Event()
-        self.board, self.local, self.published, self.handled = None, {}, None, False
-        self._processes_read = False
 
     # -- every rank ------------------------------------------------------------------------
 
     def start(self) -> None:
         """Opens the board and says where this rank's process runs (the watchdog thread)."""
         lift_bounds()  # any guard's: a fit runs again in this process
+        self._open()
+
+    def _open(self) -> FaultBoard | None:
+        """The board of the guard's channel now, opened (and this rank registered) once per channel.
+
+        A framework may start the watchdog before its fit starts (Lightning's sanity
+        check): the fit keeps the channel, so it keeps the board.
+        """
         channel = self.owner.guard.channel
-        if not channel.is_distributed or self.board is not None:
-            return
+        if channel is None or not channel.is_distributed:
+            return None
+        if self.board is not None and self.board.channel is channel:
+            return self.board
+        self.board, self.local, self.published, self.handled = None, {}, None, False
+        self._processes_read = False
         board = FaultBoard(channel)
         node = node_identity()
         try:
             board.register(Process(node.key, os.getpid(), pid_namespace(), node.host))
         except Exception as exc:
             logger.debug("rankguard: could not register this rank's process: %s", exc)
-            return
+            return None
         self.board = board
+        return board
 
     def after_exchange(self) -> None:
         """After an exchange every rank answered: every rank registered; find this node's."""
@@ -135,7 +146,7 @@ class FaultWatch:
 
     def check(self) -> None:
         """Reads new faults and this node's dead peers; ends this rank on one (never raises)."""
-        board = self.board
+        board = self._open()
         if board is None or self.handled or self.published is not None:
             return
         try:
@@ -282,7 +293,7 @@ class FaultWatch:
     def raised(self, exc: BaseException, step: int | None) -> None:
         """Publishes this rank's fault before anything can hang, then bounds its teardown."""
         owner, guard = self.owner, self.owner.guard
-        board = self.board
+        board = self._open()
         if board is None or self.published is not None or self.handled:
             return
         if isinstance(exc, RankGuardError):  # from a verdict every rank shares: each raises it
