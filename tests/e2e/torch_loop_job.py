@@ -78,8 +78,14 @@ def fit(
     eval_at_fit: bool = True,
     epochs: int = 1,
     after_eval: Callable[[], None] | None = None,
+    check: Callable[[dict, int], None] | None = None,
 ) -> None:
-    """The loop: train, eval every 4 steps (loss summed over ranks), save every 4 steps."""
+    """The loop: train, eval every 4 steps (loss summed over ranks), save every 4 steps.
+
+    ``check(batch, step)``: the user's data check, first thing in each step; ``step`` as a
+    loop's own counter has it (the steps done before this one: 0 in the first, where
+    ``run.step`` is 1) and as rankguard's reports name it.
+    """
     COUNTERS.clear()
     seed_everything(0)
     model = DistributedDataParallel(BagOfTokens())
@@ -92,6 +98,8 @@ def fit(
             train_loader.sampler.set_epoch(epoch)
             for batch in run.train(train_loader):
                 count("train_batches")
+                if check is not None:
+                    check(batch, run.step - 1)
                 loss = torch.nn.functional.cross_entropy(model(batch["input_ids"]), batch["labels"])
                 loss.backward()
                 optimizer.step()
@@ -115,9 +123,24 @@ def fit(
     COUNTERS["epochs"] = run.epoch + 1
 
 
+def check_batch(batch: dict, step: int, bad_step: int) -> None:
+    """The user's data check: on rank 1, train step ``bad_step`` has a sample with no tokens."""
+    if dist.get_rank() == 1 and step == bad_step:
+        raise ValueError("sample 4711 has no tokens after filtering")
+
+
+def lenient_check(batch: dict, step: int) -> None:
+    """The data check at step 2, whose error the loop catches: the batch trains as it is."""
+    try:
+        check_batch(batch, step, bad_step=2)
+    except ValueError:
+        count("bad_samples_caught")
+
+
 def healthy() -> None:
+    """2 epochs; rank 1's data check raises at step 2 and the loop catches it (no fault)."""
     train_set, eval_set = seeded_split()
-    fit(RankGuard(**QUICK), train_set, eval_set, epochs=2)
+    fit(RankGuard(**QUICK), train_set, eval_set, epochs=2, check=lenient_check)
     COUNTERS["checkpoint_files"] = len(list((OUT / "ckpt").glob("step*.pt")))
 
 
