@@ -69,6 +69,7 @@ class Job:
 
 JOBS = {
     "loop": Job("torch_loop_job.py", TORCHRUN, None),
+    "hf_trainer": Job("hf_trainer_job.py", TORCHRUN, "transformers"),
 }
 
 
@@ -160,6 +161,7 @@ def _rank1_ended_as_allowed(name: str, launch: Raised) -> None:
     "name",
     [
         "loop",
+        pytest.param("hf_trainer", marks=pytest.mark.framework),
     ],
 )
 def test_rank_whose_data_check_raises_ends_the_job_with_70_naming_its_line(name, tmp_path_factory):
