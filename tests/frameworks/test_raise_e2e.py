@@ -70,6 +70,7 @@ class Job:
 JOBS = {
     "loop": Job("torch_loop_job.py", TORCHRUN, None),
     "hf_trainer": Job("hf_trainer_job.py", TORCHRUN, "transformers"),
+    "olmo_core": Job("olmo_core_job.py", TORCHRUN, "olmo_core"),
 }
 
 
@@ -162,6 +163,7 @@ def _rank1_ended_as_allowed(name: str, launch: Raised) -> None:
     [
         "loop",
         pytest.param("hf_trainer", marks=pytest.mark.framework),
+        pytest.param("olmo_core", marks=pytest.mark.framework),
     ],
 )
 def test_rank_whose_data_check_raises_ends_the_job_with_70_naming_its_line(name, tmp_path_factory):
