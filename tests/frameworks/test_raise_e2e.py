@@ -70,6 +70,7 @@ class Job:
 JOBS = {
     "loop": Job("torch_loop_job.py", TORCHRUN, None),
     "hf_trainer": Job("hf_trainer_job.py", TORCHRUN, "transformers"),
+    "lightning": Job("lightning_job.py", [sys.executable], "lightning"),  # it starts rank 1
     "composer": Job("composer_job.py", [str(BIN / "composer"), "-n", "2"], "composer"),
     "olmo_core": Job("olmo_core_job.py", TORCHRUN, "olmo_core"),
 }
@@ -164,6 +165,7 @@ def _rank1_ended_as_allowed(name: str, launch: Raised) -> None:
     [
         "loop",
         pytest.param("hf_trainer", marks=pytest.mark.framework),
+        pytest.param("lightning", marks=pytest.mark.framework),
         pytest.param("composer", marks=pytest.mark.framework),
         pytest.param("olmo_core", marks=pytest.mark.framework),
     ],
