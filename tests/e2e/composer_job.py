@@ -5,8 +5,8 @@ one torchrun per simulated node (``benchmarks/launch.py::launch_nodes``);
 ``restart`` alone under ``torchrun --max-restarts=1``.
 
 Each scenario is a fresh Trainer in the same processes; outcomes per rank go to
-``OUT/rank{N}.json`` (see tests/e2e/common.py). A hang scenario, ``dead_worker``
-and ``restart`` end the job, so each comes last.
+``OUT/rank{N}.json`` (see tests/e2e/common.py). A hang scenario, ``dead_worker``,
+``data_check_raises`` and ``restart`` end the job, so each comes last.
 """
 
 from __future__ import annotations
@@ -647,6 +647,44 @@ def loss_key_on_rank1() -> None:
     raise AssertionError("loss_key_on_rank1: the fit ended; the watchdog should have ended it")
 
 
+def check_batch(batch: Any, step: int) -> None:
+    """The user's data check: on rank 1, train step 6 has a sample with no tokens left."""
+    if rank() == 1 and step == 6:
+        mark_stall("raised.json")
+        raise ValueError("sample 4711 has no tokens after filtering")
+
+
+class CheckBatches(Callback):
+    """The user's callback that checks each train batch once it is loaded."""
+
+    def after_dataloader(self, state, logger):
+        check_batch(state.batch, int(state.timestamp.batch))
+
+
+def destroy_process_group_waits() -> None:
+    """NCCL's communicator teardown waiting for a peer (here a long sleep): the process stays."""
+    time.sleep(600)
+
+
+def data_check_raises() -> None:
+    """The field report: rank 1's data check raises at step 6; rank 0 goes on into its next
+    collective; rank 1's teardown (the script's ``finally``) then waits.
+
+    ``RankGuard`` with a report folder and a 3 s teardown bound, every other setting at its
+    default; an eval every 4 batches. It ends the job (exit code 70).
+    """
+    with open(os.path.join(OUT, f"pid{rank()}"), "w") as file:
+        file.write(str(os.getpid()))
+    watchdog = {"report_dir": reports("data_check_raises"), "teardown_timeout_s": 3}
+    callbacks = [RankGuard(hang_watchdog=watchdog), CheckBatches()]
+    job = trainer(sharded(64), callbacks, sharded(32), eval_interval="4ba")
+    try:
+        job.fit()
+    finally:
+        destroy_process_group_waits()
+    raise AssertionError("the fit ended; rank 1's data check should have raised")
+
+
 def reports(scenario: str) -> str:
     return os.path.join(OUT, f"reports_{scenario}")
 
@@ -684,6 +722,7 @@ HANG = {
     "stop_one_rank": lambda: hang("stop_one_rank", StopOnRank0(), {}, "4ba"),
     "save_on_rank0": lambda: hang("save_on_rank0", SaveOnRank0(), {}, "4ba"),
     "loss_key_on_rank1": loss_key_on_rank1,
+    "data_check_raises": data_check_raises,
     "unmatched_collective": lambda: hang(
         "unmatched_collective", UnmatchedCollective(), hang_settings.HANG, "2ba"
     ),
@@ -845,7 +884,7 @@ CONCERNS: list[tuple[dict[str, Callable[[], None]], Callable[[list[str]], None] 
     (STRAGGLERS, setup_straggler),
 ]
 #: Scenarios that end the job: run bare (not recorded), so the process exits as it would.
-ENDS_JOB = {"dead_worker", "restart"}
+ENDS_JOB = {"dead_worker", "restart", "data_check_raises"}
 
 
 def main() -> None:

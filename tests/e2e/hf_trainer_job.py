@@ -10,13 +10,17 @@ outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
 ``post_eval_stall`` never returns (the watchdog ends every rank with exit code
 75), nor does ``early_stop_one_rank`` (a proven deadlock: exit code 70), so either
 must come last; rank 1 writes the moment its stall starts to ``OUT_DIR/stall.json``,
-rank 0 the moment it decides to stop to ``OUT_DIR/split.json``. Nothing needs the
-network: the model is built from a config.
+rank 0 the moment it decides to stop to ``OUT_DIR/split.json``. ``data_check_raises``
+(rank 1's data check raises at step 6, then its teardown waits) ends the job (exit
+code 70), so it runs alone; rank 1 writes the moment it raises to ``OUT_DIR/raised.json``,
+each rank its pid to ``OUT_DIR/pid{N}``. Nothing needs the network: the model is built
+from a config.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -73,8 +77,13 @@ def train(
     *extra: TrainerCallback,
     output_dir: Path | None = None,
     resume: bool | None = None,
+    trainer_class: type[Trainer] = Trainer,
+    max_steps: int = 6,
 ) -> None:
-    """Evaluates every 3 steps and saves every 4, for 6 steps (one epoch of 48 samples)."""
+    """Evaluates every 3 steps and saves every 4, for 6 steps (one epoch of 48 samples).
+
+    ``trainer_class``: the user's subclass; ``max_steps``: more steps (a second epoch).
+    """
     COUNTERS.clear()
     args = TrainingArguments(
         output_dir=str(output_dir or OUT / name),
@@ -82,7 +91,7 @@ def train(
         ddp_backend="gloo",
         per_device_train_batch_size=4,
         per_device_eval_batch_size=4,
-        max_steps=6,
+        max_steps=max_steps,
         eval_strategy="steps",
         eval_steps=3,
         save_strategy="steps",
@@ -92,7 +101,7 @@ def train(
         disable_tqdm=True,
         seed=0,
     )
-    trainer = Trainer(
+    trainer = trainer_class(
         model=tiny_bert(),
         args=args,
         train_dataset=train_set,
@@ -221,6 +230,45 @@ def early_stop_one_rank() -> None:
     (OUT / f"train_returned{dist.get_rank()}.json").write_text(json.dumps({"t": time.time()}))
 
 
+def check_batch(batch: dict, step: int) -> None:
+    """The user's data check: on rank 1, train step 6 has a sample with no tokens left."""
+    if dist.get_rank() == 1 and step == 6:
+        (OUT / "raised.json").write_text(json.dumps({"rank": 1, "t": time.time()}))
+        raise ValueError("sample 4711 has no tokens after filtering")
+
+
+class CheckedTrainer(Trainer):
+    """A Trainer whose train step first checks the batch (the user's subclass)."""
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        check_batch(inputs, self.state.global_step)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+
+def destroy_process_group_waits() -> None:
+    """NCCL's communicator teardown waiting for a peer (here a long sleep): the process stays."""
+    time.sleep(600)
+
+
+def data_check_raises() -> None:
+    """The field report: rank 1's data check raises at step 6 (after the eval at step 6);
+    rank 0 goes on into its next collective; rank 1's teardown (the script's ``finally``)
+    then waits.
+
+    ``RankGuard`` with a report folder and a 3 s teardown bound, every other setting at its
+    default.
+    """
+    (OUT / f"pid{os.environ['RANK']}").write_text(str(os.getpid()))  # before the process group
+    seed_everything(0)
+    watchdog = {"report_dir": str(OUT / "reports_data_check_raises"), "teardown_timeout_s": 3}
+    guard = RankGuard(hang_watchdog=watchdog)
+    checked = {"trainer_class": CheckedTrainer, "max_steps": 8}  # evals at steps 3 and 6
+    try:
+        train("data_check_raises", guard, *seeded_split(), **checked)
+    finally:
+        destroy_process_group_waits()
+
+
 SCENARIOS = {
     "healthy": healthy,
     "unseeded_split": unseeded,
@@ -229,6 +277,7 @@ SCENARIOS = {
     "straggler": straggler,
     "post_eval_stall": post_eval_stall,
     "early_stop_one_rank": early_stop_one_rank,
+    "data_check_raises": data_check_raises,
 }
 
 

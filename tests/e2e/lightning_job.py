@@ -826,6 +826,42 @@ def save_on_rank0() -> dict[str, Any]:
     raise AssertionError("the fit ended; the watchdog should have ended the process")
 
 
+def check_batch(batch: Any, step: int) -> None:
+    """The user's data check: on rank 1, train step 6 has a sample with no tokens left."""
+    if rank() == 1 and step == 6:
+        mark("raised.json", 1)
+        raise ValueError("sample 4711 has no tokens after filtering")
+
+
+class CheckedModule(PacedModule):
+    """The user's module: its train step first checks the batch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        check_batch(batch, self.global_step)
+        return super().training_step(batch, batch_idx)
+
+
+def destroy_process_group_waits() -> None:
+    """NCCL's communicator teardown waiting for a peer (here a long sleep): the process stays."""
+    time.sleep(600)
+
+
+def data_check_raises() -> dict[str, Any]:
+    """The field report: rank 1's data check raises at step 6; rank 0 goes on into its next
+    collective; rank 1's teardown (the script's ``finally``) then waits.
+
+    ``RankGuard`` with a report folder and a 3 s teardown bound, every other setting at its
+    default. It ends the job (exit code 70).
+    """
+    watchdog = {"report_dir": reports("data_check_raises"), "teardown_timeout_s": 3}
+    job = trainer([RankGuard(hang_watchdog=watchdog)])
+    try:
+        job.fit(CheckedModule(), loader(32), loader(16))
+    finally:
+        destroy_process_group_waits()
+    raise AssertionError("the fit ended; rank 1's data check should have raised")
+
+
 HANG = {
     "healthy_slow_eval": healthy_slow_eval,
     # Resumes from the checkpoint healthy_slow_eval saves, so it must follow it.
@@ -837,6 +873,7 @@ HANG = {
     "rank0_collective": rank0_collective,
     "epoch_end_all_gather": epoch_end_all_gather,
     "save_on_rank0": save_on_rank0,
+    "data_check_raises": data_check_raises,
 }
 
 

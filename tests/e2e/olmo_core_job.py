@@ -9,7 +9,10 @@ outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
 ``resume`` continues ``healthy``'s run from its last checkpoint, so it comes
 after it; ``post_eval_stall`` never returns (the watchdog ends every rank with
 exit code 75), so it must come last; rank 1 writes the moment its stall starts
-to ``OUT_DIR/stall.json``. ``metric_on_one_rank_bare`` (no rankguard) ends in
+to ``OUT_DIR/stall.json``. ``data_check_raises`` (rank 1's data check raises at step
+6, then its teardown waits) ends the job (exit code 70), so it runs alone; rank 1
+writes the moment it raises to ``OUT_DIR/raised.json``, each rank its pid to
+``OUT_DIR/pid{N}``. ``metric_on_one_rank_bare`` (no rankguard) ends in
 gloo's abort of both processes, so it runs alone. Token files are random ids
 written into ``OUT_DIR``; nothing needs the network. :func:`build_trainer` also
 serves the one-process tests in ``tests/integrations/test_olmo_core.py``.
@@ -530,6 +533,48 @@ def post_eval_stall() -> None:
     fit(build_trainer(OUT / "post_eval_stall", callbacks))
 
 
+def check_batch(batch: dict[str, Any], step: int) -> None:
+    """The user's data check: on rank 1, train step 6 has a sample with no tokens left."""
+    if dist.get_rank() == 1 and step == 6:
+        (OUT / "raised.json").write_text(json.dumps({"rank": 1, "t": time.time()}))
+        raise ValueError("sample 4711 has no tokens after filtering")
+
+
+class CheckBatches(Callback):
+    """The user's callback that checks each train batch before its step.
+
+    OLMo-core's ``global_step`` counts the step in progress (1 in the first); ``step`` is the
+    steps done before it, as a loop's own counter and rankguard's reports count them.
+    """
+
+    def pre_step(self, batch: dict[str, Any]) -> None:
+        check_batch(batch, self.trainer.global_step - 1)
+
+
+def destroy_process_group_waits() -> None:
+    """NCCL's communicator teardown waiting for a peer (here a long sleep): the process stays."""
+    time.sleep(600)
+
+
+def data_check_raises() -> None:
+    """The field report: rank 1's data check raises at step 6; rank 0 goes on into its next
+    collective; rank 1's teardown (the script's ``finally``) then waits.
+
+    ``RankGuard`` with a report folder and a 3 s teardown bound, every other setting at its
+    default. It ends the job (exit code 70).
+    """
+    from rankguard.integrations.olmo_core import RankGuard
+
+    (OUT / f"pid{dist.get_rank()}").write_text(str(os.getpid()))
+    watchdog = {"report_dir": str(OUT / "reports_data_check_raises"), "teardown_timeout_s": 3}
+    callbacks = {"rankguard": RankGuard(hang_watchdog=watchdog), "check": CheckBatches()}
+    trainer = build_trainer(OUT / "data_check_raises", callbacks)
+    try:
+        trainer.fit()
+    finally:
+        destroy_process_group_waits()
+
+
 SCENARIOS = {
     "healthy": healthy,
     "resume": resume,
@@ -546,6 +591,7 @@ SCENARIOS = {
     "metric_on_one_rank": metric_on_one_rank,
     "metric_on_one_rank_bare": metric_on_one_rank_bare,
     "post_eval_stall": post_eval_stall,
+    "data_check_raises": data_check_raises,
 }
 
 

@@ -13,12 +13,17 @@ outcomes per rank go to ``OUT_DIR/rank{N}.json`` (see ``tests/e2e/common.py``).
 ``OUT_DIR/stall.json``. ``rank0_collective`` (a collective on rank 0 only
 after the first eval) never returns either: the deadlock ends every rank with
 exit code 70; rank 0 writes the moment of the split to ``OUT_DIR/split.json``.
+``data_check_raises`` (rank 1's data check raises at step 6, then its teardown
+waits) never returns: it ends the job (exit code 70), so it runs alone; rank 1
+writes the moment it raises to ``OUT_DIR/raised.json``, each rank its pid to
+``OUT_DIR/pid{N}``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -78,8 +83,14 @@ def fit(
     eval_at_fit: bool = True,
     epochs: int = 1,
     after_eval: Callable[[], None] | None = None,
+    check: Callable[[dict, int], None] | None = None,
 ) -> None:
-    """The loop: train, eval every 4 steps (loss summed over ranks), save every 4 steps."""
+    """The loop: train, eval every 4 steps (loss summed over ranks), save every 4 steps.
+
+    ``check(batch, step)``: the user's data check, first thing in each step; ``step`` as a
+    loop's own counter has it (the steps done before this one: 0 in the first, where
+    ``run.step`` is 1) and as rankguard's reports name it.
+    """
     COUNTERS.clear()
     seed_everything(0)
     model = DistributedDataParallel(BagOfTokens())
@@ -92,6 +103,8 @@ def fit(
             train_loader.sampler.set_epoch(epoch)
             for batch in run.train(train_loader):
                 count("train_batches")
+                if check is not None:
+                    check(batch, run.step - 1)
                 loss = torch.nn.functional.cross_entropy(model(batch["input_ids"]), batch["labels"])
                 loss.backward()
                 optimizer.step()
@@ -115,9 +128,24 @@ def fit(
     COUNTERS["epochs"] = run.epoch + 1
 
 
+def check_batch(batch: dict, step: int, bad_step: int) -> None:
+    """The user's data check: on rank 1, train step ``bad_step`` has a sample with no tokens."""
+    if dist.get_rank() == 1 and step == bad_step:
+        raise ValueError("sample 4711 has no tokens after filtering")
+
+
+def lenient_check(batch: dict, step: int) -> None:
+    """The data check at step 2, whose error the loop catches: the batch trains as it is."""
+    try:
+        check_batch(batch, step, bad_step=2)
+    except ValueError:
+        count("bad_samples_caught")
+
+
 def healthy() -> None:
+    """2 epochs; rank 1's data check raises at step 2 and the loop catches it (no fault)."""
     train_set, eval_set = seeded_split()
-    fit(RankGuard(**QUICK), train_set, eval_set, epochs=2)
+    fit(RankGuard(**QUICK), train_set, eval_set, epochs=2, check=lenient_check)
     COUNTERS["checkpoint_files"] = len(list((OUT / "ckpt").glob("step*.pt")))
 
 
@@ -383,6 +411,33 @@ def rank0_collective() -> None:
     fit(guard, *seeded_split(), after_eval=reduce_on_rank0_only)
 
 
+def strict_check(batch: dict, step: int) -> None:
+    """The data check at step 6, whose error leaves the loop; rank 1 marks the moment."""
+    if dist.get_rank() == 1 and step == 6:
+        (OUT / "raised.json").write_text(json.dumps({"rank": 1, "t": time.time()}))
+    check_batch(batch, step, bad_step=6)
+
+
+def destroy_process_group_waits() -> None:
+    """NCCL's communicator teardown waiting for a peer (here a long sleep): the process stays."""
+    time.sleep(600)
+
+
+def data_check_raises() -> None:
+    """The field report: rank 1's data check raises at step 6 (epoch 1); rank 0 goes on into
+    its next collective; rank 1's teardown (the script's ``finally``) then waits.
+
+    ``RankGuard`` with a report folder and a 3 s teardown bound, every other setting at its
+    default.
+    """
+    (OUT / f"pid{dist.get_rank()}").write_text(str(os.getpid()))
+    watchdog = {"report_dir": str(OUT / "reports_data_check_raises"), "teardown_timeout_s": 3}
+    try:
+        fit(RankGuard(hang_watchdog=watchdog), *seeded_split(), epochs=2, check=strict_check)
+    finally:
+        destroy_process_group_waits()
+
+
 SCENARIOS = {
     "healthy": healthy,
     "unseeded_split": unseeded,
@@ -400,6 +455,7 @@ SCENARIOS = {
     "sampler_wrong_replicas": sampler_wrong_replicas,
     "post_eval_stall": post_eval_stall,
     "rank0_collective": rank0_collective,
+    "data_check_raises": data_check_raises,
 }
 
 

@@ -4,7 +4,8 @@ Two launches (``torchrun --standalone``, so concurrent launches never share a
 port), each running in one pair of processes, in order:
 
 - a healthy run, which must log no rankguard warning (the loop also with FSDP2
-  and sharded saves through ``torch.distributed.checkpoint``);
+  and sharded saves through ``torch.distributed.checkpoint``; in the loop's, rank 1's
+  data check raises at step 2 and the loop catches it);
 - the real "seed 003" failure: ``datasets``' ``train_test_split`` without a seed,
   in processes whose numpy is not seeded, so each rank trains on its own split;
   it must stop at fit start on every rank, before any batch;
@@ -81,11 +82,13 @@ def hf(tmp_path_factory):
 
 
 def test_loop_healthy_run_is_clean_on_both_ranks(loop):
-    _, _, ranks = loop
-    for rank in ranks:
+    out, _, ranks = loop
+    for r, rank in enumerate(ranks):
         result = rank["healthy"]
         assert result["outcome"] == "ok" and result["warnings"] == [], result
-        # 2 epochs of 6 batches; an eval (2 batches) and a save every 4 steps.
+        # 2 epochs of 6 batches; an eval (2 batches) and a save every 4 steps. At step 2
+        # rank 1's data check raised and the loop caught it: nothing for rankguard to say.
+        caught = {"bad_samples_caught": 1} if r == 1 else {}
         assert result["counters"] == {
             "train_batches": 12,
             "eval_batches": 6,
@@ -93,7 +96,9 @@ def test_loop_healthy_run_is_clean_on_both_ranks(loop):
             "steps": 12,
             "epochs": 2,
             "checkpoint_files": 3,
+            **caught,
         }
+    assert not (out / "rankguard_reports" / "summary.txt").exists()  # no incident
 
 
 def test_loop_with_fsdp2_and_sharded_dcp_saves_is_clean_and_planned_sharded(loop):
