@@ -10,8 +10,9 @@ gloo's timeout (30 min). With ``RankGuard(hang_watchdog={"report_dir": ...,
 
 - rank 0 ends with exit code 70 (a code fault), its log leading with
   ``Rank 1 raised ValueError: sample 4711 has no tokens after filtering.``, the user's
-  line (``check_batch``), step 6, where rank 0 waited and what to do next; rank 1 logs
-  once that it raised and told the others;
+  line (``check_batch``), its phase (``train batch 6``: six steps done), where rank 0
+  waited and what to do next; rank 1 logs once that it raised and told the others, with
+  its traceback (its ``finally`` may never let Python print it);
 - ``summary.txt`` (written by rank 0, the lowest rank that did not raise) leads with the
   same sentence;
 - rank 1's process ends, at the bound (70) or by its launcher;
@@ -180,8 +181,8 @@ def test_rank_whose_data_check_raises_ends_the_job_with_70_naming_its_line(name,
     script = JOBS[name].script
     assert re.match(
         rf"{re.escape(SENTENCE)} At {script}:\d+ \(check_batch\): "
-        r'raise ValueError\("sample 4711 has no tokens after filtering"\), '
-        r"step 6, in train batch 6 \(host ",
+        r'raise ValueError\("sample 4711 has no tokens after filtering"\); '
+        r"train batch 6, host ",
         first,
     ), summary
     assert re.match(
@@ -197,7 +198,7 @@ def test_rank_whose_data_check_raises_ends_the_job_with_70_naming_its_line(name,
     assert "rankguard.callbacks.hang_watchdog" in logged[0] and "ERROR" in logged[0]
     assert f"{waited}\n{next_step}\n" in output
     assert output.count("This is rank 0, ") == 1 and "Now ending with exit code 70." in output
-    told = f"{first} Told the other ranks: those still training end with exit code 70"
+    told = f"{first} Told the other ranks. Those still training end with exit code 70"
     assert output.count(told) == 1, output[-6000:]
     # rank 1's process ended, and every process of the job did within seconds of the raise
     _rank1_ended_as_allowed(name, launch)

@@ -36,6 +36,8 @@ from tests.mp import run_ranks
         (torch.OutOfMemoryError("CUDA out of memory"), "transient", HANG_EXIT_CODE),
         (RuntimeError("CUDA error: an illegal memory access"), "transient", HANG_EXIT_CODE),
         (OSError(122, "Disk quota exceeded"), "transient", HANG_EXIT_CODE),
+        (FileExistsError("checkpoint-8"), "code", DEADLOCK_EXIT_CODE),
+        (RuntimeError("DataLoader worker (pid 42) is killed by signal: Killed."), "transient", 75),
         (RuntimeError("[gloo/pair.cc:534] Connection closed by peer"), "communication", 75),
         (ConnectionResetError("store"), "communication", HANG_EXIT_CODE),
         (KeyboardInterrupt(), "interrupted", HANG_EXIT_CODE),

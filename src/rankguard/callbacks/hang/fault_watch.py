@@ -335,12 +335,13 @@ class FaultWatch:
             cause += f" This rank's {fault.error} follows from it."
         else:
             cause += " Told the other ranks."
-        logger.error(
+        logger.error(  # with the traceback: a teardown that waits never lets Python print it
             "rankguard %s: %s Those still training end with exit code %d%s.",
             guard.name,
             cause,
             first.code,
             then,
+            exc_info=exc,
         )
         if bound:
             with _bounds_lock:

@@ -59,6 +59,9 @@ _COMMUNICATION_WORDS = (
     "gloo",
     "Broken pipe",
 )
+#: ``OSError``s a restart replays (a checkpoint folder that exists, a permission), unlike
+#: storage or network that may come back (a quota, a timeout, a stale NFS handle).
+_REPLAYED_OS_ERRORS = (FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
 _MESSAGE_CHARS = 200
 
 
@@ -91,6 +94,8 @@ def family_of(exc: BaseException) -> str:
         return "transient"
     if isinstance(exc, (ConnectionError, *_torch_classes("DistError"))):
         return "communication"  # a store's or a backend's: most often a peer's fault first
+    if isinstance(exc, _REPLAYED_OS_ERRORS):  # a restart meets the same file or permission
+        return "code"
     if isinstance(exc, OSError):
         return "transient"
     if type(exc) is RuntimeError:
