@@ -336,12 +336,17 @@ def dead_worker() -> None:
     """Rank 1's only loader worker dies reading item 49, its 25th (train batch 7 of 8).
 
     As in a real job, nothing catches the error and ``trainer.close()`` is never
-    called (it would wait in a barrier for rank 0, itself waiting in a
-    collective for rank 1): rank 1 exits with the error, rank 0 with the broken
-    collective, and Composer closes the callbacks at exit.
+    called (it would wait in a barrier for rank 0, itself waiting in a collective
+    for rank 1). Rank 1's process then stays, as NCCL's communicator teardown waits
+    for a peer (on gloo its closed socket would break rank 0's collective at once):
+    rank 0 waits in its collective until rankguard ends it, naming rank 1's error.
     """
     data = WorkerDiesOnRank(64, at=49, dying_rank=1)
-    trainer(sharded(data, num_workers=1), [RankGuard(), CountBatches()]).fit()
+    try:
+        trainer(sharded(data, num_workers=1), [RankGuard(), CountBatches()]).fit()
+    finally:
+        if rank() == 1:
+            destroy_process_group_waits()
 
 
 STREAMING = ["streaming_healthy", "streaming_shuffle_seed_differs"]

@@ -274,21 +274,23 @@ def test_lightning_healthy_run_logs_data_wait_metrics_and_never_warns(lightning_
 
 def test_composer_dead_worker_is_logged_with_rank_and_step(composer_job):
     assert composer_job["returncode"] != 0  # the job ends, as a real one would
-    # The launcher ends the job because rank 1 exited with Composer's own error.
-    assert re.search("Global rank 1 \\(PID \\d+\\) exited with code 1", composer_job["output"])
-    [error] = [w for w in composer_job["log1"] if w["scenario"] == "dead_worker"]
+    # Rank 1's teardown waits (as NCCL's): rank 0, waiting in its collective, is ended by
+    # rankguard with 75 (a loader that died: a restart may pass); the launcher then stops
+    # rank 1.
+    assert re.search("Global rank 0 \\(PID \\d+\\) exited with code 75", composer_job["output"])
+    [error] = [
+        w
+        for w in composer_job["log1"]
+        if w["scenario"] == "dead_worker" and re.search(DEAD_WORKER, w["message"])
+    ]
     assert error["level"] == "ERROR"
     step = int(re.search(DEAD_WORKER, error["message"]).group(1))
     assert step <= 6  # the worker died reading batch 6 (it prefetches up to 2 ahead)
-    # Rank 0's own error (the launcher's teardown) is told what failed on rank 1 and what
-    # rankguard measured there before it.
+    # Rank 0 is told what failed on rank 1, and where, within seconds.
     [told] = [w for w in composer_job["log0"] if w["scenario"] == "dead_worker"]
     assert told["level"] == "ERROR"
-    assert re.search(
-        r"this rank's error follows another rank's loader failure: rank 1's loader raised at "
-        r"batch \d+ ",
-        told["message"],
-    ), told["message"]
+    assert re.match(r"rankguard hang_watchdog: Rank 1 raised \w+Error: ", told["message"]), told
+    assert "it ends with exit code 75 (a transient fault" in told["message"], told["message"]
 
 
 def test_composer_stream_that_ignores_the_rank_stops_every_rank_after_4_batches(composer_job):
