@@ -218,6 +218,12 @@ class Recorder:
             raise SystemExit(f"{result['outcome']}: {result['message']}")
 
 
+def rankguard_off() -> bool:
+    """``E2E_RANKGUARD=off``: a scenario that honours it runs without rankguard (the
+    "without" column of ``benchmarks/faults.py``)."""
+    return os.environ.get("E2E_RANKGUARD") == "off"
+
+
 def run_scenarios(scenarios: dict, counters: dict) -> None:
     """A job's main: ``job.py OUT_DIR SCENARIO...`` runs each scenario, recording its outcome.
 
