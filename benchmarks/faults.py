@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from importlib.util import find_spec  # noqa: E402
 
-from benchmarks.launch import finish, free_port, job_env, start  # noqa: E402
+from benchmarks.launch import finish, job_env, start, start_nodes  # noqa: E402
 from rankguard.callbacks.hang.faults import is_alive  # noqa: E402
 
 JOB = ROOT / "tests" / "e2e" / "nodes_fault_job.py"
@@ -49,31 +49,8 @@ CASES = {"raise": "rank 1 raises, teardown waits", "kill": "rank 1 SIGKILLed"}
 def run(case: str, nodes: int, rankguard: bool, cap_s: float) -> dict:
     """One job; the times are from rank 1's fault."""
     with tempfile.TemporaryDirectory() as tmp:
-        env = job_env(
-            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]),
-            OMP_NUM_THREADS="1",
-            RANKGUARD="on" if rankguard else "off",
-        )
-        torchrun = str(Path(sys.executable).parent / "torchrun")
-        port = free_port()
-        per_node = 2 // nodes
-        procs = [
-            start(
-                [
-                    torchrun,
-                    f"--nnodes={nodes}",
-                    f"--nproc-per-node={per_node}",
-                    f"--node-rank={node}",
-                    "--master-addr=127.0.0.1",
-                    f"--master-port={port}",
-                    str(JOB),
-                    tmp,
-                    case,
-                ],
-                env=env,
-            )
-            for node in range(nodes)
-        ]
+        env = {"RANKGUARD": "on" if rankguard else "off"}
+        procs = start_nodes(JOB, [tmp, case], nodes, 2 // nodes, env=env, merge_output=True)
         ended = finish(procs, cap_s)
         failed_file = Path(tmp) / "rank1.json"
         if not failed_file.exists():

@@ -187,6 +187,44 @@ def finish(
     return ended
 
 
+def start_nodes(
+    script: Path,
+    args: list[str],
+    nodes: int,
+    per_node: int,
+    prefix: Mapping[int, Sequence[str]] | None = None,
+    env: Mapping[str, str] | None = None,
+    merge_output: bool = False,
+) -> list[subprocess.Popen]:
+    """Starts ``script`` on ``nodes`` x ``per_node`` ranks, each node its own torchrun.
+
+    ``prefix`` gives a node's launcher a command to run under (e.g. :func:`node_disk`);
+    ``env`` adds to this process's environment. :func:`finish` waits for them.
+    """
+    port = free_port()
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    environment = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
+    return [
+        start(
+            [
+                *(prefix or {}).get(node, ()),
+                torchrun,
+                f"--nnodes={nodes}",
+                f"--nproc-per-node={per_node}",
+                f"--node-rank={node}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                str(script),
+                *args,
+            ],
+            env=environment,
+            merge_output=merge_output,
+        )
+        for node in range(nodes)
+    ]
+
+
 def launch_nodes(
     script: Path,
     args: list[str],
@@ -201,28 +239,7 @@ def launch_nodes(
     every process below it are killed (:func:`finish`). ``prefix`` gives a
     node's launcher a command to run under (e.g. :func:`node_disk`).
     """
-    port = free_port()
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    procs = [
-        start(
-            [
-                *(prefix or {}).get(node, ()),
-                torchrun,
-                f"--nnodes={nodes}",
-                f"--nproc-per-node={per_node}",
-                f"--node-rank={node}",
-                "--master-addr=127.0.0.1",
-                f"--master-port={port}",
-                str(script),
-                *args,
-            ],
-            env=env,
-            merge_output=False,
-        )
-        for node in range(nodes)
-    ]
+    procs = start_nodes(script, args, nodes, per_node, prefix)
     return [
         subprocess.CompletedProcess(proc.args, e.returncode, e.stdout, e.stderr)
         for proc, e in zip(procs, finish(procs, timeout), strict=True)
