@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +57,11 @@ def run(case: str, nodes: int, rankguard: bool, cap_s: float) -> dict:
         if not failed_file.exists():
             return {"error": "rank 1 never reached its fault"}
         failed = json.loads(failed_file.read_text())["failed"]
+        reports = Path(tmp) / "reports"
+        post_mortem = ""
+        if case == "kill" and rankguard and reports.is_dir():  # what is left to read after
+            cli = [sys.executable, "-m", "rankguard.cli", "report", str(reports)]
+            post_mortem = subprocess.run(cli, capture_output=True, text=True).stdout
     output = "".join(e.stdout for e in ended)
     named: dict[int, float] = {}
     for match in filter(None, map(_NAMED.match, output.splitlines())):
@@ -67,6 +73,7 @@ def run(case: str, nodes: int, rankguard: bool, cap_s: float) -> dict:
         "ends": max(e.ended_at for e in ended) - failed,
         "codes": ",".join(codes.get(str(r), "?") for r in range(2)),
         "timed_out": timed_out,
+        "post_mortem": post_mortem,
     }
 
 
@@ -187,6 +194,9 @@ def loop_table(args: argparse.Namespace) -> None:
                 f"{_cell(without, args.cap):<40}",
                 flush=True,
             )
+            if with_.get("post_mortem"):
+                head = "\n".join(with_["post_mortem"].splitlines()[:8])
+                print(f"  rankguard report on its folder afterwards:\n{head}\n  ...")
 
 
 if __name__ == "__main__":

@@ -171,7 +171,7 @@ class FaultWatch:
         phase = "no status exchanged yet" if owner.last is None else owner.last.phases
         beat = owner.guard._beat
         step = beat.step if beat is not None else 0
-        self._act([Fault(0, "gone", error, None, step, phase, "its host", 0, (), -1, time.time())])
+        self._act([Fault(0, "gone", error, None, step, phase, "", 0, (), -1, time.time())])
 
     def _dead_peers(self, store: bool = True) -> list[Fault]:
         """Publishes a peer of this node whose process ended without a word; the board after.

@@ -159,7 +159,7 @@ class Fault:
         """Where: ``"At train.py:212 (check_batch): raise ...; train batch 5, host h, pid 9."``."""
         where = f"host {self.host}, pid {self.pid}"
         if self.gone:
-            return f"Last seen: {self.phase} ({where})."
+            return f"Last seen: {self.phase}" + (f" ({where})." if self.pid > 0 else ".")
         place = f"At {self.where}; " if self.where else ""
         return f"{place}{self.phase}, {where}."
 
