@@ -109,7 +109,9 @@ def _watchdog(report_dir: str, teardown_s: float = 3.0):
     for step in range(3):
         watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
         watchdog.handle(Event.TRAIN_BATCH_END, EventFacts(step=step + 1))
-    time.sleep(3)  # a first exchange: the ranks know where each other's process runs
+    deadline = time.monotonic() + 30  # a first exchange: the ranks know each other's process
+    while not watchdog._watch.faults.local and time.monotonic() < deadline:
+        time.sleep(0.05)
     return watchdog
 
 
