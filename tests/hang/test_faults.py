@@ -83,7 +83,7 @@ def test_the_root_is_the_first_fault_not_a_peers_consequence():
     gone = _fault(1, "gone", "its process ended")
     assert root([consequence, gone]) is gone
     assert root([consequence]) is consequence
-    text = message([consequence, gone], waited="rank 2 was in its own code", code=75, where="W.")
+    text = message([consequence, gone], waited="rank 2 was in its own code", where="W.")
     assert text.startswith("Rank 1 is gone: its process ended. Last seen: train batch 7")
     assert "Rank 2 was in its own code; it ends with exit code 75" in text
     assert "Then: Rank 0 raised RuntimeError: Connection closed by peer." in text

@@ -22,6 +22,7 @@ from rankguard.callbacks.core.events import LoaderFacts, SplitDecision
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.callbacks.core.step_log import BATCH_END_FETCH_START, FETCH_END_BATCH_START
 from rankguard.integrations import _api
+from rankguard.integrations._common import wrap_method
 from rankguard.integrations._driver import EventDriver
 
 try:
@@ -141,31 +142,26 @@ def hook_train(
     Returns:
         A function that removes the wrapper (safe to call twice).
     """
-    train = trainer.train
-    signature = inspect.signature(train)
+    signature = inspect.signature(trainer.train)
 
-    @functools.wraps(train)
-    def train_resuming(*args: Any, **kwargs: Any) -> Any:
-        try:
-            called = signature.bind_partial(*args, **kwargs).arguments
-        except TypeError:  # train itself will say what is wrong with the call
-            called = {}
-        resume = called.get("resume_from_checkpoint")
-        if resume:  # None or False: a fresh start
-            before_load(resume_checkpoint(trainer.args, resume))
-        try:
-            return train(*args, **kwargs)
-        except BaseException as exc:
-            on_error(exc)
-            raise
+    def make(train: Callable[..., Any]) -> Callable[..., Any]:
+        def train_resuming(*args: Any, **kwargs: Any) -> Any:
+            try:
+                called = signature.bind_partial(*args, **kwargs).arguments
+            except TypeError:  # train itself will say what is wrong with the call
+                called = {}
+            resume = called.get("resume_from_checkpoint")
+            if resume:  # None or False: a fresh start
+                before_load(resume_checkpoint(trainer.args, resume))
+            try:
+                return train(*args, **kwargs)
+            except BaseException as exc:  # as _common.on_raise, in the one frame
+                on_error(exc)
+                raise
 
-    trainer.train = train_resuming  # type: ignore[method-assign]
+        return train_resuming
 
-    def unhook() -> None:
-        if vars(trainer).get("train") is train_resuming:
-            del trainer.train
-
-    return unhook
+    return wrap_method(trainer, "train", make)
 
 
 #: How the hang verdict tells the Trainer's stop decision where it split the ranks.

@@ -12,12 +12,12 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rankguard.callbacks.core.errors import HangDetectedError, RankGuardError
 from rankguard.callbacks.core.nodes import node_identity
-from rankguard.callbacks.core.step_log import expand
 from rankguard.callbacks.hang import incident
 from rankguard.callbacks.hang.collective_files import (
     FAULT_SUFFIX,
@@ -37,9 +37,9 @@ from rankguard.callbacks.hang.faults import (
     root,
 )
 from rankguard.callbacks.hang.job import attempt_dir
-from rankguard.callbacks.hang.report import write_incident, write_stacks
+from rankguard.callbacks.hang.report import write_stacks
 from rankguard.callbacks.hang.status import RankStatus
-from rankguard.callbacks.hang.verdict_text import phase_label, point
+from rankguard.callbacks.hang.verdict_text import point
 
 logger = logging.getLogger("rankguard.callbacks.hang_watchdog")
 
@@ -59,6 +59,12 @@ def lift_bounds() -> None:
     with _bounds_lock:
         while _bounds:
             _bounds.pop().set()
+
+
+def flush_logs() -> None:
+    """Flushes every root handler: the process is about to end with ``os._exit``."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
 
 
 def _waited(rank: int, status: RankStatus) -> str:
@@ -163,15 +169,19 @@ class FaultWatch:
         """Ends this rank: the store failed longer than any rank may go silent."""
         if self.handled or self.published is not None:
             return
-        owner = self.owner
         error = (
             f"the store stopped answering {failed_s:.0f} s ago ({type(exc).__name__}): rank 0, "
             "or the launcher that hosts the store, is gone"
         )
+        phase, step = self._last_seen()
+        self._act([Fault(0, "gone", error, None, step, phase, "", 0, (), -1, time.time())])
+
+    def _last_seen(self) -> tuple[str, int]:
+        """How a gone rank was last seen: every rank's phases at the last verdict; this step."""
+        owner = self.owner
         phase = "no status exchanged yet" if owner.last is None else owner.last.phases
         beat = owner.guard._beat
-        step = beat.step if beat is not None else 0
-        self._act([Fault(0, "gone", error, None, step, phase, "", 0, (), -1, time.time())])
+        return phase, beat.step if beat is not None else 0
 
     def _dead_peers(self, store: bool = True) -> list[Fault]:
         """Publishes a peer of this node whose process ended without a word; the board after.
@@ -205,17 +215,11 @@ class FaultWatch:
 
     def _gone(self, rank: int, process: Process) -> Fault:
         """The fault of a local peer gone: its last beat as seen, its record, its fault file."""
-        owner = self.owner
-        last = owner.last
-        phase = "no status exchanged yet" if last is None else last.phases
-        folder = attempt_dir(owner.guard.report_dir, os.environ)
+        guard = self.owner.guard
+        phase, step = self._last_seen()
+        folder = attempt_dir(guard.report_dir, os.environ)
         fault = gone_fault(
-            rank,
-            host=process.host,
-            pid=process.pid,
-            by=owner.guard.channel.rank,
-            phase=phase,
-            step=owner.guard._beat.step if owner.guard._beat else 0,
+            rank, host=process.host, pid=process.pid, by=guard.channel.rank, phase=phase, step=step
         )
         record = record_heads(read_files(folder).get(rank, ())) if folder.is_dir() else ()
         signal_file = Path(folder) / f"rank{rank}{FAULT_SUFFIX}"
@@ -225,7 +229,7 @@ class FaultWatch:
             fatal = ""
         if fatal:
             record = (*record, f"fatal signal ({fatal.splitlines()[0]}): stacks in {signal_file}")
-        return Fault(**{**fault.__dict__, "record": record})
+        return replace(fault, record=record)
 
     def _act(self, faults: list[Fault]) -> None:
         """Ends this rank on ``faults`` once its loop is held (see :data:`QUIET_S`)."""
@@ -243,26 +247,10 @@ class FaultWatch:
         folder = attempt_dir(guard.report_dir, os.environ)
         where = incident.where(header, str(folder), rank, owner.nccl_note)
         code = first.code
-        text = message(faults, waited=_waited(rank, status), code=code, where=where)
+        text = message(faults, waited=_waited(rank, status), where=where)
         faulty = {f.rank for f in faults if f.family != "communication"} | {first.rank}
-        writes = rank == min(r for r in range(guard.channel.world_size) if r not in faulty)
-        wall = time.time() - _now()
-        beats = [
-            {"t": wall + t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
-            for t, e, s, b, ld, _ in expand(list(owner.entries))
-        ]
-        try:
-            write_incident(
-                folder,
-                rank,
-                f"{header}, idle {status.idle_s:.1f} s",
-                beats,
-                text if writes else None,
-                loop_thread=owner.loop_thread,
-                status=status,
-            )
-        except OSError as exc:
-            logger.error("rankguard %s: could not write the report: %s", guard.name, exc)
+        writes = rank == incident.writer(guard.channel.world_size, faulty)
+        owner.write_report(folder, status, header, text if writes else None)
         guard.incidents += 1
         guard.last_incident = HangDetectedError(text)
         if beat is not None and beat.kind == "done":
@@ -278,8 +266,7 @@ class FaultWatch:
 
     def exit(self, code: int, faulty: set[int]) -> None:
         """Ends this process with ``code``; rank 0 (which may host the store) last."""
-        for handler in logging.getLogger().handlers:
-            handler.flush()
+        flush_logs()
         board = self.board
         if board is not None:
             self.leave("ended")
@@ -382,8 +369,7 @@ class FaultWatch:
             rank,
             code,
         )
-        for handler in logging.getLogger().handlers:
-            handler.flush()
+        flush_logs()
         os._exit(code)
 
     def _wait_at_exit(self, cancel: threading.Event) -> None:

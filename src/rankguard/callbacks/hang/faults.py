@@ -175,16 +175,16 @@ _NEXT = {
 }
 
 
-def message(faults: Sequence[Fault], *, waited: str, code: int, where: str) -> str:
+def message(faults: Sequence[Fault], *, waited: str, where: str) -> str:
     """What every other rank logs, leading with the first fault's sentence.
 
     Args:
         faults: Every fault published, in order (the root is :func:`root`'s).
         waited: Where this rank was, e.g. ``"rank 0 waited in all_reduce at train.py:88"``.
-        code: The exit code it ends with (``None``-free: the family's).
         where: The last sentence: this rank and its report files.
     """
     first = root(faults)
+    code = first.code  # the exit code this rank ends with
     lines = [f"{first.sentence()} {first.detail()}"]
     meaning = "a restart replays it" if code == DEADLOCK_EXIT_CODE else "a restart may pass"
     lines.append(

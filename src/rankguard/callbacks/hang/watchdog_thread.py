@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from rankguard.callbacks.core.errors import HangDetectedError, RanksMissingError
@@ -25,7 +26,7 @@ from rankguard.callbacks.hang.calibration import calibrate, describe
 from rankguard.callbacks.hang.collective_files import write_flight_recorder
 from rankguard.callbacks.hang.collectives import CollectiveRecorder
 from rankguard.callbacks.hang.deadlines import Settle
-from rankguard.callbacks.hang.fault_watch import FaultWatch
+from rankguard.callbacks.hang.fault_watch import FaultWatch, flush_logs
 from rankguard.callbacks.hang.incident import Report
 from rankguard.callbacks.hang.job import attempt_dir, process_group_timeout
 from rankguard.callbacks.hang.rank_status import rank_status
@@ -468,20 +469,9 @@ class WatchdogThread:
         rank, status = g.channel.rank, self.status()
         header = incident.header(rank, status.host, status.pid, status.phase)
         folder = attempt_dir(g.report_dir, os.environ)
-        wall = time.time() - _now()  # the beats' monotonic times as wall-clock times
-        beats = [
-            {"t": wall + t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
-            for t, e, s, b, ld, _ in expand(list(self.entries))
-        ]
         writes = rank == incident.writer(g.channel.world_size, report.frozen)
         text = incident.summary_text(report, self.nccl_note) if writes else None
-        first_line = f"{header}, idle {status.idle_s:.1f} s"
-        try:
-            write_incident(
-                folder, rank, first_line, beats, text, loop_thread=self.loop_thread, status=status
-            )
-        except OSError as exc:
-            logger.error("rankguard %s: could not write the report: %s", g.name, exc)
+        self.write_report(folder, status, header, text)
         if report.final or report.deadlock:
             write_flight_recorder(folder, rank)  # where the running torch keeps one
         if not self.reported:
@@ -500,9 +490,35 @@ class WatchdogThread:
         if report.code is not None:
             self._abort(report.code)
 
+    def write_report(
+        self, folder: Path, status: RankStatus, header: str, summary: str | None
+    ) -> None:
+        """Writes this rank's report files into ``folder`` (``summary.txt`` where ``summary``).
+
+        Its stacks, its last heartbeats and ``status``; one rank writes the summary.
+        """
+        wall = time.time() - _now()  # the beats' monotonic times as wall-clock times
+        beats = [
+            {"t": wall + t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
+            for t, e, s, b, ld, _ in expand(list(self.entries))
+        ]
+        first_line = f"{header}, idle {status.idle_s:.1f} s"
+        guard = self.guard
+        try:
+            write_incident(
+                folder,
+                guard.channel.rank,
+                first_line,
+                beats,
+                summary,
+                loop_thread=self.loop_thread,
+                status=status,
+            )
+        except OSError as exc:
+            logger.error("rankguard %s: could not write the report: %s", guard.name, exc)
+
     def _abort(self, code: int = HANG_EXIT_CODE) -> None:
-        for handler in logging.getLogger().handlers:
-            handler.flush()
+        flush_logs()
         self.faults.leave("ended")  # the others' fault watch must not take it for gone
         try:  # every rank has read the verdict before any exits
             self.guard.channel.barrier(ABORT_BARRIER, timeout_s=self.guard.exchange_timeout_s)
