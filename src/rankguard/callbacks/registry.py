@@ -18,6 +18,7 @@ from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.data.data_consistency_guard import DataConsistencyGuard
 from rankguard.callbacks.data.data_stall_monitor import DataStallMonitor
 from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
+from rankguard.callbacks.resume.resume_guard import ResumeGuard
 from rankguard.callbacks.straggler.straggler_monitor import StragglerMonitor
 
 __all__ = ["GUARDS", "build_guard", "build_guards", "unknown_name_error"]
@@ -37,6 +38,7 @@ GUARDS: dict[str, type[Guard]] = {
     DropLastGuard.name: DropLastGuard,
     BatchParityGuard.name: BatchParityGuard,
     SharedDirBarrier.name: SharedDirBarrier,
+    ResumeGuard.name: ResumeGuard,
     CheckpointPlanner.name: CheckpointPlanner,
     DataStallMonitor.name: DataStallMonitor,
     StragglerMonitor.name: StragglerMonitor,

@@ -27,7 +27,13 @@ from collections.abc import Iterable
 from time import perf_counter
 from typing import Any
 
-from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts, LoaderPass
+from rankguard.callbacks.core.events import (
+    Event,
+    EventFacts,
+    LoaderFacts,
+    LoaderPass,
+    ResumeFacts,
+)
 from rankguard.callbacks.core.guard import GuardRunner, MetricSink
 from rankguard.callbacks.core.step_log import BATCH_END_FETCH_START, FETCH_END_BATCH_START
 
@@ -260,6 +266,10 @@ class EventDriver:
         if not self.fitting:  # a resume: no step of an earlier fit applies
             self._reset()
         self.fire(Event.CHECKPOINT_LOAD_START, load_path=load_path, upload_setting=upload_setting)
+
+    def resumed(self, resume: ResumeFacts) -> None:
+        """RESUMED: the resumed state is in place, before the first train batch of the fit."""
+        self.fire(Event.RESUMED, resume=resume)
 
     def save_start(self, directories: list[str], model: Any = None) -> None:
         """CHECKPOINT_SAVE_START before a save into ``directories``."""

@@ -18,6 +18,7 @@ __all__ = [
     "NodeLocalDirError",
     "RankGuardError",
     "RanksMissingError",
+    "ResumeMismatchError",
     "SharedDirCreateError",
     "SharedDirTimeoutError",
     "StragglerError",
@@ -82,6 +83,10 @@ class HangDetectedError(RankGuardError):
 
 class StragglerError(RankGuardError):
     """A rank or node has been computing slower than the others for several intervals."""
+
+
+class ResumeMismatchError(RankGuardError):
+    """Ranks resumed from different checkpoints, counters, data positions or random states."""
 
 
 class MetricMismatchError(RankGuardError):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["Event", "EventFacts", "LoaderFacts", "LoaderPass", "SplitDecision"]
+__all__ = ["Event", "EventFacts", "LoaderFacts", "LoaderPass", "ResumeFacts", "SplitDecision"]
 
 
 class Event(str, Enum):
@@ -23,6 +23,7 @@ class Event(str, Enum):
 
     CHECKPOINT_LOAD_START = "checkpoint_load_start"
     FIT_START = "fit_start"
+    RESUMED = "resumed"
     EPOCH_START = "epoch_start"
     DATA_FETCH_START = "data_fetch_start"
     DATA_FETCH_END = "data_fetch_end"
@@ -100,6 +101,41 @@ class LoaderPass:
 
 
 @dataclass
+class ResumeFacts:
+    """What one rank resumed from, as its framework restored it (RESUMED).
+
+    Attributes:
+        asked: How the job asked for the resume, in the framework's words
+            (``"resume_from_checkpoint=True"``, ``"ckpt_path='last'"``), named in messages.
+        checkpoint: The checkpoint this rank loaded (file or folder, as resolved on
+            this rank), or ``None`` when it found none and started fresh.
+        counters: The framework's counters after the load, under its names
+            (``{"global_step": 8, "epoch": 1}``): they must match on every rank.
+        loader: The train loader; its position (a stateful loader's, its dataset's or
+            its sampler's ``state_dict``, a sampler's ``epoch``) is read by the guard.
+        positions: Other data positions the adapter read, by name (a framework's
+            own data-loader state): each a plain value.
+        folder: Where the framework looked the checkpoint up (a save folder that
+            "latest" is resolved in); ``None``: the checkpoint's parent.
+        restores_rng: Whether the framework restores each rank's random state from the
+            checkpoint (then the pattern at the save is what the resume must show).
+        fix: How to resume every rank from the same checkpoint in this framework.
+        data_fix: How to save and restore each rank's own data position in this
+            framework (``None``: the generic words).
+    """
+
+    asked: str
+    checkpoint: str | None
+    counters: dict[str, int] = field(default_factory=dict)
+    loader: Any = None
+    positions: dict[str, Any] = field(default_factory=dict)
+    folder: str | None = None
+    restores_rng: bool = False
+    fix: str | None = None
+    data_fix: str | None = None
+
+
+@dataclass
 class EventFacts:
     """The plain facts that come with an event; unset fields are unknown.
 
@@ -132,6 +168,7 @@ class EventFacts:
         upload_setting: The framework's way to save or upload checkpoints to
             remote storage, named in messages (FIT_START).
         load_path: The checkpoint about to be loaded (CHECKPOINT_LOAD_START).
+        resume: What this rank resumed from (RESUMED).
         loader_pass: What this rank's pass over ``loader`` did (EVAL_END,
             EPOCH_END), where the adapter could see the loader's iterator.
         decisions: Decisions that can split the ranks, as the framework holds
@@ -160,6 +197,7 @@ class EventFacts:
     uploads: dict[str, str] = field(default_factory=dict)
     upload_setting: str | None = None
     load_path: str | None = None
+    resume: ResumeFacts | None = None
     loader_pass: LoaderPass | None = None
     decisions: dict[str, Any] = field(default_factory=dict)
     decision_probe: Callable[[], dict[str, Any]] | None = None
