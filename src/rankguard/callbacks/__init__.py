@@ -22,17 +22,25 @@ from rankguard.callbacks.core.errors import (
     NodeLocalDirError,
     RankGuardError,
     RanksMissingError,
+    ResumeMismatchError,
     SharedDirCreateError,
     SharedDirTimeoutError,
     StragglerError,
 )
-from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts, LoaderPass
+from rankguard.callbacks.core.events import (
+    Event,
+    EventFacts,
+    LoaderFacts,
+    LoaderPass,
+    ResumeFacts,
+)
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.callbacks.core.side_channel import SideChannel
 from rankguard.callbacks.data.data_consistency_guard import DataConsistencyGuard
 from rankguard.callbacks.data.data_stall_monitor import DataStallMonitor
 from rankguard.callbacks.hang.hang_watchdog import DEADLOCK_EXIT_CODE, HANG_EXIT_CODE, HangWatchdog
 from rankguard.callbacks.registry import GUARDS, build_guards
+from rankguard.callbacks.resume.resume_guard import ResumeGuard
 from rankguard.callbacks.straggler.straggler_monitor import StragglerMonitor
 
 __all__ = [
@@ -62,6 +70,9 @@ __all__ = [
     "NodeLocalDirError",
     "RankGuardError",
     "RanksMissingError",
+    "ResumeFacts",
+    "ResumeGuard",
+    "ResumeMismatchError",
     "SharedDirBarrier",
     "SharedDirCreateError",
     "SharedDirTimeoutError",

@@ -21,6 +21,7 @@ from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.data.data_consistency_guard import DataConsistencyGuard
 from rankguard.callbacks.data.data_stall_monitor import DataStallMonitor
 from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
+from rankguard.callbacks.resume.resume_guard import ResumeGuard
 from rankguard.callbacks.straggler.straggler_monitor import StragglerMonitor
 from rankguard.integrations._common import Defaults, bundle_guards, single_guard
 
@@ -143,6 +144,7 @@ class RankGuardSettings(_Settings):
         drop_last_guard: dict[str, Any] | bool = True,
         batch_parity_guard: dict[str, Any] | bool = True,
         shared_dir_barrier: dict[str, Any] | bool = True,
+        resume_guard: dict[str, Any] | bool = True,
         checkpoint_planner: dict[str, Any] | bool = True,
         data_stall_monitor: dict[str, Any] | bool = True,
         straggler_monitor: dict[str, Any] | bool = True,
@@ -162,6 +164,7 @@ class RankGuardSettings(_Settings):
             drop_last_guard: As ``hang_watchdog``.
             batch_parity_guard: As ``hang_watchdog``.
             shared_dir_barrier: As ``hang_watchdog``.
+            resume_guard: As ``hang_watchdog``.
             checkpoint_planner: As ``hang_watchdog``.
             data_stall_monitor: As ``hang_watchdog``.
             straggler_monitor: As ``hang_watchdog``.
@@ -200,6 +203,13 @@ class SharedDirBarrierSettings(_Settings):
     """The shared-directory barrier alone."""
 
     @guard_settings(SharedDirBarrier)
+    def __init__(self, **settings: Any) -> None: ...
+
+
+class ResumeGuardSettings(_Settings):
+    """The resume check alone."""
+
+    @guard_settings(ResumeGuard)
     def __init__(self, **settings: Any) -> None: ...
 
 

@@ -569,6 +569,10 @@ class SharedDirBarrier(_api.SharedDirBarrierSettings, _ComposerAdapter):
     """The shared-directory barrier, as a Composer callback."""
 
 
+class ResumeGuard(_api.ResumeGuardSettings, _ComposerAdapter):
+    """The resume check, as a Composer callback."""
+
+
 class CheckpointPlanner(_api.CheckpointPlannerSettings, _ComposerAdapter):
     """The checkpoint planner, as a Composer callback."""
 
@@ -589,6 +593,7 @@ __all__ = [
     "DropLastGuard",
     "HangWatchdog",
     "RankGuard",
+    "ResumeGuard",
     "SharedDirBarrier",
     "StragglerMonitor",
 ]

@@ -461,6 +461,10 @@ class SharedDirBarrier(_api.SharedDirBarrierSettings, _LightningAdapter):
     """The shared-directory barrier, as a Lightning callback."""
 
 
+class ResumeGuard(_api.ResumeGuardSettings, _LightningAdapter):
+    """The resume check, as a Lightning callback."""
+
+
 class CheckpointPlanner(_api.CheckpointPlannerSettings, _LightningAdapter):
     """The checkpoint planner, as a Lightning callback."""
 
@@ -481,6 +485,7 @@ __all__ = [
     "DropLastGuard",
     "HangWatchdog",
     "RankGuard",
+    "ResumeGuard",
     "SharedDirBarrier",
     "StragglerMonitor",
 ]

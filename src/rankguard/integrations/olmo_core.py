@@ -546,6 +546,10 @@ class SharedDirBarrier(_api.SharedDirBarrierSettings, _OlmoCoreAdapter):
     """The shared-directory barrier, as an OLMo-core ``Callback``."""
 
 
+class ResumeGuard(_api.ResumeGuardSettings, _OlmoCoreAdapter):
+    """The resume check, as an OLMo-core ``Callback``."""
+
+
 class CheckpointPlanner(_api.CheckpointPlannerSettings, _OlmoCoreAdapter):
     """The checkpoint planner, as an OLMo-core ``Callback``."""
 
@@ -570,6 +574,7 @@ __all__ = [  # noqa: RUF022
     "DropLastGuard",
     "HangWatchdog",
     "RankGuard",
+    "ResumeGuard",
     "SharedDirBarrier",
     "StragglerMonitor",
 ]

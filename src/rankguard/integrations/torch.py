@@ -471,6 +471,10 @@ class SharedDirBarrier(_api.SharedDirBarrierSettings, _LoopGuard):
     """The shared-directory barrier, as a hand-written loop's guard (``guard.fit``)."""
 
 
+class ResumeGuard(_api.ResumeGuardSettings, _LoopGuard):
+    """The resume check, as a hand-written loop's guard (``guard.fit``)."""
+
+
 class CheckpointPlanner(_api.CheckpointPlannerSettings, _LoopGuard):
     """The checkpoint planner, as a hand-written loop's guard (``guard.fit``)."""
 
@@ -494,6 +498,7 @@ __all__ = [  # noqa: RUF022
     "DropLastGuard",
     "HangWatchdog",
     "RankGuard",
+    "ResumeGuard",
     "SharedDirBarrier",
     "StragglerMonitor",
 ]

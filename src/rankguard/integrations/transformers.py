@@ -468,6 +468,10 @@ class SharedDirBarrier(_api.SharedDirBarrierSettings, _TrainerAdapter):
     """The shared-directory barrier, as a Hugging Face ``TrainerCallback``."""
 
 
+class ResumeGuard(_api.ResumeGuardSettings, _TrainerAdapter):
+    """The resume check, as a Hugging Face ``TrainerCallback``."""
+
+
 class CheckpointPlanner(_api.CheckpointPlannerSettings, _TrainerAdapter):
     """The checkpoint planner, as a Hugging Face ``TrainerCallback``."""
 
@@ -489,6 +493,7 @@ __all__ = [  # noqa: RUF022
     "DropLastGuard",
     "HangWatchdog",
     "RankGuard",
+    "ResumeGuard",
     "SharedDirBarrier",
     "StragglerMonitor",
 ]
