@@ -271,14 +271,27 @@ class EventDriver:
         """RESUMED: the resumed state is in place, before the first train batch of the fit."""
         self.fire(Event.RESUMED, resume=resume)
 
-    def save_start(self, directories: list[str], model: Any = None) -> None:
-        """CHECKPOINT_SAVE_START before a save into ``directories``."""
+    def save_start(
+        self,
+        directories: list[str],
+        model: Any = None,
+        positions: dict[str, Any] | None = None,
+    ) -> None:
+        """CHECKPOINT_SAVE_START before a save into ``directories``.
+
+        ``positions``: data positions the framework holds beside the train loader.
+        """
         if self.saving:
             raise RuntimeError("rankguard: CHECKPOINT_SAVE_START during a save")
         self.end_train_batch()
         self.fetching = False
         self.saving = True
-        self.fire(Event.CHECKPOINT_SAVE_START, directories=list(directories), model=model)
+        self.fire(
+            Event.CHECKPOINT_SAVE_START,
+            directories=list(directories),
+            model=model,
+            positions=positions or {},
+        )
 
     def save_end(self) -> None:
         """CHECKPOINT_SAVE_END."""

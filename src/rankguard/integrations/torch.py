@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
-from rankguard.callbacks.core.events import LoaderFacts, LoaderPass
+from rankguard.callbacks.core.events import LoaderFacts, LoaderPass, ResumeFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.integrations import _api
 from rankguard.integrations._driver import EventDriver
@@ -84,6 +84,7 @@ class _LoopGuard:
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
         self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
         self._running: Run | None = None
+        self._resume: ResumeFacts | None = None
 
     def fit(
         self,
@@ -173,6 +174,51 @@ class _LoopGuard:
         if not isinstance(path, str | os.PathLike) or not str(path):
             raise ValueError(f"`path` must be a checkpoint file or folder path; got {path!r}.")
         return _Load(self, os.fspath(path))
+
+    def resumed(
+        self,
+        checkpoint: str | os.PathLike | None,
+        *,
+        step: int,
+        epoch: int = 0,
+        state: Mapping[str, Any] | None = None,
+        restores_rng: bool = False,
+        folder: str | os.PathLike | None = None,
+        **counters: int,
+    ) -> None:
+        """Tells the guards what this rank resumed from; call it on every rank before ``fit``.
+
+        The next ``guard.fit(...)`` compares every rank's resume before its first
+        batch (:class:`~rankguard.callbacks.ResumeGuard`): the checkpoint, the
+        counters, the train loader's position and the random states::
+
+            path = latest_checkpoint(save_dir)  # None where this rank finds none
+            state = torch.load(path) if path else {}
+            guard.resumed(path, step=state.get("step", 0), state=state.get("rankguard"))
+            with guard.fit(model, optimizer, train_loader) as run: ...
+
+        Args:
+            checkpoint: The file or folder this rank loaded; ``None`` where it found
+                none and starts fresh.
+            step: The step the loop goes on from, as restored.
+            epoch: The epoch it goes on in, as restored.
+            state: What :meth:`state_dict` returned when the checkpoint was saved.
+            restores_rng: Whether the loop restored this rank's random states from the
+                checkpoint (then they must show the pattern they had at the save).
+            folder: Where the loop looked for the checkpoint (its save folder): the
+                checkpoint's path in it is its name in messages, and what each node
+                sees there is compared. Default: the checkpoint's parent.
+            **counters: Other counters the loop restored, e.g. ``batch_in_epoch=3``.
+        """
+        if state:
+            self.runner.load_state_dict(state)
+        self._resume = ResumeFacts(
+            asked="guard.resumed(...)",
+            checkpoint=None if checkpoint is None else os.fspath(checkpoint),
+            counters={"step": int(step), "epoch": int(epoch), **counters},
+            restores_rng=bool(restores_rng),
+            folder=None if folder is None else os.fspath(folder),
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """What the guards keep across a restart (plain values), to save with a checkpoint.
@@ -307,6 +353,10 @@ class Run:
                 switch_to_sharded=None,
                 sharded_setting=SHARDED_SETTING,
             )
+            resume, self._guard._resume = self._guard._resume, None
+            if resume is not None:
+                resume.loader = self._train.loader if self._train else None
+                self._driver.resumed(resume)
         except BaseException as exc:
             self._end(exc)
             raise

@@ -169,6 +169,8 @@ class EventFacts:
             remote storage, named in messages (FIT_START).
         load_path: The checkpoint about to be loaded (CHECKPOINT_LOAD_START).
         resume: What this rank resumed from (RESUMED).
+        positions: Data positions the framework holds beside the train loader, by
+            name, as ``ResumeFacts.positions`` has them (CHECKPOINT_SAVE_START).
         loader_pass: What this rank's pass over ``loader`` did (EVAL_END,
             EPOCH_END), where the adapter could see the loader's iterator.
         decisions: Decisions that can split the ranks, as the framework holds
@@ -198,6 +200,7 @@ class EventFacts:
     upload_setting: str | None = None
     load_path: str | None = None
     resume: ResumeFacts | None = None
+    positions: dict[str, Any] = field(default_factory=dict)
     loader_pass: LoaderPass | None = None
     decisions: dict[str, Any] = field(default_factory=dict)
     decision_probe: Callable[[], dict[str, Any]] | None = None

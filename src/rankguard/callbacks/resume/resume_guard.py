@@ -37,7 +37,7 @@ class ResumeGuard(Guard):
     checkpoint" on its own disk, and restores its own loader position and random
     state, or rank 0's. Where the job asked for a resume (``ckpt_path=``,
     ``resume_from_checkpoint=``, Composer's ``autoresume`` or ``load_path``,
-    OLMo-core's load, the loop's ``guard.load``), every rank sends, once the
+    OLMo-core's load, the loop's ``guard.resumed``), every rank sends, once the
     framework restored everything and before the first train batch, what it
     loaded (the checkpoint as resolved, a size), its counters after the load, a
     digest of each data position (a stateful loader's, its dataset's or sampler's
@@ -84,7 +84,8 @@ class ResumeGuard(Guard):
         """Records each rank's data positions and random states, to keep with the save."""
         if not self.channel.is_distributed:
             return
-        mine = {f"data/{k}": v for k, v in _position_digests(self._train_loader, {})[0].items()}
+        digests = _position_digests(self._train_loader, facts.positions)[0]
+        mine = {f"data/{k}": v for k, v in digests.items()}
         mine.update({f"rng/{g}": d for g, d in rng_digests().items()})
         self._saved = self.channel.exchange(
             f"{self.name}/save", mine, _columns, timeout_s=self.timeout_s

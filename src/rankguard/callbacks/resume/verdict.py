@@ -74,10 +74,14 @@ class RankResume:
 
     @property
     def name(self) -> str | None:
-        """The checkpoint's name (its last path part), which copies on other nodes share."""
+        """The checkpoint's name, which copies on other nodes share: its path in ``folder``."""
         if self.checkpoint is None:
             return None
-        return self.checkpoint.rstrip("/").rsplit("/", 1)[-1] or self.checkpoint
+        path = self.checkpoint.rstrip("/")
+        folder = (self.folder or "").rstrip("/")
+        if folder and path.startswith(folder + "/"):
+            return path[len(folder) + 1 :]
+        return path.rsplit("/", 1)[-1] or self.checkpoint
 
 
 @dataclass(frozen=True)
@@ -219,8 +223,8 @@ def _positions(per_rank: Mapping[int, RankResume]) -> str | None:
             )
             problems.append(
                 f"{name} is at the same position on every rank ({text[min(text)]}), but it was "
-                f"{_pattern(saved)} when the checkpoint was saved: {origin}. Every rank would "
-                "train on the same batches (N times the compute on 1/N of the data), silently."
+                f"{_pattern(saved)} when the checkpoint was saved: {origin}. Each rank would go "
+                "on from that position instead of its own: batches repeated or skipped, silently."
             )
         else:
             problems.append(
