@@ -312,7 +312,8 @@ def test_olmo_core_resume_starts_calibrated_from_the_checkpoint(job):
         result = rank["resume"]
         assert result["outcome"] == "ok" and result["warnings"] == [], result
         counters = result["counters"]
-        assert counters["saved_state"] == ["hang_watchdog"]  # in each rank's trainer state
+        # in each rank's trainer state: the calibration and the pattern at the save
+        assert counters["saved_state"] == ["hang_watchdog", "resume_guard"]
         assert counters["resumed_at"] == 8 and counters["steps"] == 4
         assert counters["calibrated_from_checkpoint"] is True
 
