@@ -24,6 +24,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -34,7 +35,7 @@ import numpy as np
 import olmo_core.distributed.parallel as olmo_parallel
 import torch
 import torch.distributed as dist
-from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDataset
+from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDataLoader, NumpyFSLDataset
 from olmo_core.distributed.parallel import DataParallelType
 from olmo_core.eval import Evaluator
 from olmo_core.nn.transformer import TransformerConfig
@@ -140,6 +141,8 @@ def build_trainer(
     node_local_tokens: bool = False,
     sequences: int = 64,
     save_async: bool = False,
+    load_path: str | None = None,
+    rank_cursor: bool = False,
 ) -> Trainer:
     """A tiny OLMo-core Trainer: 64 train sequences (8 steps of 8 on 2 ranks), evals, saves.
 
@@ -156,6 +159,8 @@ def build_trainer(
         node_local_tokens: Each rank reads its own token file (see :func:`token_file`).
         sequences: Train sequences in the token file.
         save_async: Save asynchronously (OLMo-core's default; see the comment below).
+        load_path: ``TrainerConfig(load_path=...)``.
+        rank_cursor: The data loader also keeps each rank's own cursor (:class:`RankCursorLoader`).
     """
     work.mkdir(parents=True, exist_ok=True)
     seed_all(0)  # as OLMo-core's scripts do
@@ -178,6 +183,8 @@ def build_trainer(
         num_threads=1,
         work_dir=str(work),
     ).build(dataset)
+    if rank_cursor:
+        loader.__class__, loader.rank_last_index = RankCursorLoader, -1
     model = TransformerConfig.llama_like(
         d_model=16, vocab_size=VOCAB, n_layers=1, n_heads=2, hidden_size_multiple_of=16
     ).build(init_device="cpu")
@@ -203,11 +210,33 @@ def build_trainer(
     config = TrainerConfig(
         save_folder=str(save_folder or work / "ckpt"),
         work_dir=str(work),
+        load_path=load_path,
         max_duration=Duration.steps(steps),
         metrics_collect_interval=2,
         callbacks=olmo_callbacks,
     )
     return config.build(module, loader)
+
+
+class RankCursorLoader(NumpyFSLDataLoader):
+    """OLMo-core's loader that also keeps this rank's own cursor (its last instance index).
+
+    As a loader over per-rank shards does; OLMo-core saves it per rank (``train/rank{N}.pt``).
+    """
+
+    rank_last_index = -1
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            self.rank_last_index = int(batch["index"].max())
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "rank_last_index": self.rank_last_index}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.rank_last_index = state_dict["rank_last_index"]
 
 
 class Count(Callback):
@@ -222,6 +251,10 @@ class Count(Callback):
 
     def post_checkpoint_saved(self, path) -> None:
         COUNTERS["saves"] += 1
+
+    def post_checkpoint_loaded(self, path) -> None:
+        COUNTERS["loaded"] = str(path)
+        COUNTERS["cursor_after_load"] = getattr(self.trainer.data_loader, "rank_last_index", None)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         keys = {k for k in metrics if k.startswith("rankguard/")}
@@ -302,6 +335,127 @@ def resume() -> None:
     fit(trainer)
     COUNTERS["resumed_at"] = 8 if trainer.checkpoint_loaded else 0
     COUNTERS["calibrated_from_checkpoint"] = bool(watchdog._restored)
+
+
+#: The resume scenarios' run: saved at steps 0, 4 and 8, with a per-rank data cursor.
+RESUME_RUN = "resume_run"
+
+
+def resume_guard_of(guard: Callback) -> Any:
+    return next(g for g in guard.runner.guards if g.name == "resume_guard")
+
+
+def resume_first() -> None:
+    """A first fit of 8 steps saving at 0, 4 and 8; the resume guard's state at the last save."""
+    from rankguard.integrations.olmo_core import RankGuard
+
+    guard = RankGuard(**QUICK)
+    fit(build_trainer(OUT / RESUME_RUN, counting(guard), eval_sequences=None, rank_cursor=True))
+    COUNTERS["guard_saved"] = resume_guard_of(guard).state_dict()
+
+
+def resumed_fit(guard: Callback, trainer: Trainer) -> None:
+    """``trainer.fit()``, recording what the resume guard holds as RESUMED starts."""
+    resume = resume_guard_of(guard)
+    resumed = guard.driver.resumed
+
+    def recorded(facts):
+        COUNTERS["loaded_state"] = dict(resume._loaded)
+        COUNTERS["resumed"] = {"checkpoint": facts.checkpoint, "asked": facts.asked}
+        resumed(facts)
+
+    guard.driver.resumed = recorded
+    try:
+        fit(trainer)
+    finally:
+        COUNTERS["verdict"] = resume.verdict and [resume.verdict.error, resume.verdict.warnings]
+
+
+def resume_healthy() -> None:
+    """The same config with 4 more steps, fit again: OLMo-core loads the latest (step8)."""
+    from rankguard.integrations.olmo_core import RankGuard
+
+    guard = RankGuard(**QUICK)
+    trainer = build_trainer(
+        OUT / RESUME_RUN, counting(guard), eval_sequences=None, steps=12, rank_cursor=True
+    )
+    state = torch.load(
+        OUT / RESUME_RUN / "ckpt" / "step8" / "train" / f"rank{dist.get_rank()}.pt",
+        weights_only=False,
+    )
+    COUNTERS["file_state"] = state["callbacks"]["rankguard"].get("resume_guard")
+    resumed_fit(guard, trainer)
+
+
+def resume_callbacks(rank_guard: type) -> dict[str, Callback]:
+    """``Count`` and ``RankGuard``, or ``Count`` alone with ``E2E_RANKGUARD=off``."""
+    return {"count": Count()} if rankguard_off() else counting(rank_guard(**QUICK))
+
+
+def run_resumed(trainer: Trainer) -> None:
+    guard = trainer.callbacks.get("rankguard")
+    if guard is None:
+        fit(trainer)
+    else:
+        resumed_fit(guard, trainer)
+
+
+def copy_checkpoints(target: Path, names: list[str], train_files: str = "rank*.pt") -> None:
+    """Copies ``names`` of the first fit's save folder to ``target`` (``train/`` as matched)."""
+    for name in names:
+        source = OUT / RESUME_RUN / "ckpt" / name
+        shutil.copytree(source, target / name, ignore=shutil.ignore_patterns("train"))
+        (target / name / "train").mkdir()
+        for file in (source / "train").glob(train_files):
+            shutil.copy2(file, target / name / "train" / file.name)
+
+
+def resume_lagging_copy() -> None:
+    """Each rank plays a node resuming from its own disk's ``ckpt`` (the same path on every
+    node, as ``/local/ckpt``); node 1's copy lost the newest, ``step8``."""
+    from rankguard.integrations.olmo_core import RankGuard
+
+    rank = dist.get_rank()
+    os.environ["OLMO_SHARED_FS"] = "1"
+    here = os.getcwd()
+    try:
+        with own_node(rank, OUT / f"lagging_node{rank}") as disk:
+            copy_checkpoints(disk / "ckpt", ["step0", "step4", "step8"][: 3 - rank])
+            dist.barrier()  # both copies are in place before the restart
+            os.chdir(disk)
+            trainer = build_trainer(
+                OUT / RESUME_RUN,
+                resume_callbacks(RankGuard),
+                eval_sequences=None,
+                save_folder=Path("ckpt"),
+                steps=12,
+                rank_cursor=True,
+            )
+            run_resumed(trainer)
+    finally:
+        os.chdir(here)
+        del os.environ["OLMO_SHARED_FS"]
+
+
+def resume_rank0_state() -> None:
+    """``load_path=`` a copy of step8 that kept ``train/rank0.pt`` alone (the trainer state as
+    one file): OLMo-core's load falls back to it on rank 1 (data cursor and random states)."""
+    from rankguard.integrations.olmo_core import RankGuard
+
+    copy = OUT / "promoted"
+    if dist.get_rank() == 0:
+        copy_checkpoints(copy, ["step8"], train_files="rank0.pt")
+    dist.barrier()
+    trainer = build_trainer(
+        OUT / RESUME_RUN,
+        resume_callbacks(RankGuard),
+        eval_sequences=None,
+        save_folder=OUT / "rank0_state" / "ckpt",
+        steps=12,
+        load_path=str(copy / "step8"),
+        rank_cursor=True,
+    )
+    run_resumed(trainer)
 
 
 def uneven_eval() -> None:
@@ -578,6 +732,10 @@ def data_check_raises() -> None:
 
 
 SCENARIOS = {
+    "resume_first": resume_first,
+    "resume_healthy": resume_healthy,
+    "resume_lagging_copy": resume_lagging_copy,
+    "resume_rank0_state": resume_rank0_state,
     "healthy": healthy,
     "resume": resume,
     "uneven_eval": uneven_eval,

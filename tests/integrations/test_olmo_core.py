@@ -93,7 +93,8 @@ def test_olmo_core_hooks_fire_core_events_in_order(one_process):
     evaluation = [("eval_start", 4, "eval")]
     evaluation += [("eval_batch_start", 4, "eval"), ("eval_batch_end", 4, "eval")] * 2
     evaluation.append(("eval_end", 4, "eval"))
-    expected = [("fit_start", 0, None), *save(0), ("epoch_start", 0, "train")]
+    # RESUMED at every fit that can resume (here a fresh start: nothing to load)
+    expected = [("fit_start", 0, None), ("resumed", 0, None), *save(0), ("epoch_start", 0, "train")]
     for i in range(4):
         expected += batch(i)
     expected += save(4) + evaluation  # the checkpointer saves before the evaluator runs
@@ -112,6 +113,7 @@ def test_olmo_core_resume_is_announced_before_it_is_read_and_restores_the_guards
     assert resumed.global_step == 12
     assert log.events[0] == ("checkpoint_load_start", 0, None)
     assert log.events[1] == ("fit_start", 0, None)
+    assert log.events[2] == ("resumed", 0, None)  # after the restore, before any batch
 
 
 def test_olmo_core_methods_wrapped_during_the_fit_are_restored_after_it(one_process):
@@ -310,7 +312,8 @@ def test_olmo_core_resume_starts_calibrated_from_the_checkpoint(job):
         result = rank["resume"]
         assert result["outcome"] == "ok" and result["warnings"] == [], result
         counters = result["counters"]
-        assert counters["saved_state"] == ["hang_watchdog"]  # in each rank's trainer state
+        # in each rank's trainer state: the calibration and the pattern at the save
+        assert counters["saved_state"] == ["hang_watchdog", "resume_guard"]
         assert counters["resumed_at"] == 8 and counters["steps"] == 4
         assert counters["calibrated_from_checkpoint"] is True
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 from rankguard.callbacks.checkpoint.shared_dir_barrier import (
     SharedDirBarrier as CoreSharedDirBarrier,
 )
-from rankguard.callbacks.core.events import LoaderFacts
+from rankguard.callbacks.core.events import LoaderFacts, ResumeFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.integrations import _api
 from rankguard.integrations._common import Unhook, metric_reduction_check, wrap_method
@@ -30,8 +30,8 @@ from rankguard.integrations.olmo_core_flush import FLUSH, FLUSH_FIX, FLUSH_NOTES
 
 try:
     from olmo_core.eval import Evaluator
-    from olmo_core.io import is_url
-    from olmo_core.train import Trainer
+    from olmo_core.io import is_url, normalize_path
+    from olmo_core.train import LoadStrategy, Trainer
     from olmo_core.train.callbacks import Callback, CheckpointerCallback, EvaluatorCallback
     from olmo_core.train.common import DurationUnit, MetricMergeStrategy
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -56,6 +56,17 @@ SHARDED_SETTING = (
 #: and numpy states differ between ranks in a healthy run: OLMo-core draws from ``random`` on
 #: the rank that writes its data indices, and a resume restores each rank's own states; its
 #: data order comes from the data loader's ``seed`` (datasets are still compared).
+#: How an OLMo-core job resumes every rank from one checkpoint, and keeps each rank's own state.
+RESUME_FIX = (
+    "resume every rank from one copy: TrainerConfig(save_folder=...) on storage every node "
+    "mounts (OLMO_SHARED_FS=1 only where it is shared) or a URL (s3://, gs://), or the same "
+    "checkpoint copied to every node before the restart"
+)
+RESUME_DATA_FIX = (
+    "keep every rank's train/rank{N}.pt in the checkpoint: where a rank's file is missing, "
+    "OLMo-core's Checkpointer.load restores train/rank0.pt (rank 0's data loader state and "
+    "random states) on that rank"
+)
 DEFAULTS: dict[str, dict[str, Any]] = {
     "shared_dir_barrier": {"on_node_local": "raise"},
     "data_consistency_guard": {"check_rng": False},
@@ -359,20 +370,43 @@ def hook_trainer(trainer: Trainer, hooks: _Hooks, watched: Iterable[Evaluator]) 
 
 
 def hook_load(trainer: Trainer, before_load: Callable[[str], None]) -> Unhook:
-    """Calls ``before_load(path)`` on every rank before ``trainer.load_checkpoint`` reads.
+    """Calls ``before_load(path)`` on every rank before the Trainer's checkpointer reads ``path``.
 
-    ``Trainer.fit`` loads its resume checkpoint before any callback hook, through
-    its public ``load_checkpoint(dir, ...)``, wrapped here on the instance.
+    ``Trainer.fit`` loads its resume checkpoint before any callback hook: its
+    ``load_checkpoint`` resolves a folder's latest checkpoint on rank 0 alone and
+    broadcasts it; every rank then reads that path with ``trainer.checkpointer.load``,
+    wrapped here on the instance (so a node without it is named before any rank reads).
     """
 
     def make(load: Callable[..., Any]) -> Callable[..., Any]:
-        def load_checkpoint(dir: Any, *args: Any, **kwargs: Any) -> Any:
-            before_load(checkpoint_to_load(trainer, dir))
+        def checkpointer_load(dir: Any, *args: Any, **kwargs: Any) -> Any:
+            before_load(str(dir))
             return load(dir, *args, **kwargs)
 
-        return load_checkpoint
+        return checkpointer_load
 
-    return wrap_method(trainer, "load_checkpoint", make)
+    return wrap_method(trainer.checkpointer, "load", make)
+
+
+def resume_facts(trainer: Trainer, checkpoint: str | None) -> ResumeFacts:
+    """What this rank resumed from: ``checkpoint`` (``None``: a fresh start), counters, loader."""
+    folder, load_path = str(trainer.save_folder), trainer.load_path
+    from_load_path = checkpoint is not None and load_path is not None
+    from_load_path = from_load_path and not checkpoint.startswith(normalize_path(folder) + "/")
+    loader = trainer.data_loader
+    counters = {"global_step": trainer.global_step, "epoch": trainer.epoch}
+    if isinstance(batches := getattr(loader, "batches_processed", None), int):
+        counters["batches_processed"] = batches
+    return ResumeFacts(
+        f"load_path={str(load_path)!r}" if from_load_path else f"save_folder={folder!r} (latest)",
+        checkpoint,
+        counters,
+        loader=loader,
+        folder=None if from_load_path else folder,
+        restores_rng=True,  # Trainer.load_state_dict, from the same world size
+        fix=RESUME_FIX,
+        data_fix=RESUME_DATA_FIX,
+    )
 
 
 class _OlmoCoreAdapter(Callback):
@@ -391,6 +425,7 @@ class _OlmoCoreAdapter(Callback):
         self._metrics: dict[str, float] = {}
         self._unhooks: list[Unhook] = []
         self._unhook_load: Unhook | None = None
+        self._loaded_from: str | None = None
 
     # -- facts -----------------------------------------------------------------------
 
@@ -414,6 +449,10 @@ class _OlmoCoreAdapter(Callback):
         """Wraps the Trainer's ``load_checkpoint`` so a resume is checked before it is read."""
         if self._unhook_load is None:
             self._unhook_load = hook_load(self.trainer, self._load_start)
+
+    def post_checkpoint_loaded(self, path: Any) -> None:
+        """Notes the checkpoint this rank loaded (before ``pre_train``: RESUMED comes there)."""
+        self._loaded_from = str(path)
 
     def state_dict(self) -> dict[str, Any]:
         """The guards' checkpoint state (the hang watchdog's calibration), saved per rank."""
@@ -467,6 +506,9 @@ class _OlmoCoreAdapter(Callback):
         )
         if check is not None:
             self._unhooks.append(hook_metric_flush(trainer, check))
+        loaded, self._loaded_from = self._loaded_from, None
+        if not trainer.no_checkpoints and trainer.load_strategy != LoadStrategy.never:
+            self.driver.resumed(resume_facts(trainer, loaded))  # restored, before any batch
 
     def pre_epoch(self) -> None:
         """EPOCH_START."""
