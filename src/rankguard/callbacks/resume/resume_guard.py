@@ -84,7 +84,8 @@ class ResumeGuard(Guard):
         """Records each rank's data positions and random states, to keep with the save."""
         if not self.channel.is_distributed:
             return
-        mine = {f"data/{k}": v for k, v in _position_digests(self._train_loader, {})[0].items()}
+        extra = facts.resume.positions if facts.resume is not None else {}  # LOCAL PATCH
+        mine = {f"data/{k}": v for k, v in _position_digests(self._train_loader, extra)[0].items()}
         mine.update({f"rng/{g}": d for g, d in rng_digests().items()})
         self._saved = self.channel.exchange(
             f"{self.name}/save", mine, _columns, timeout_s=self.timeout_s
