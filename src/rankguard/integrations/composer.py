@@ -237,10 +237,7 @@ DATA_FIX = (
 
 
 def resume_request() -> tuple[str, str | None] | None:
-    """How the ``Trainer`` being constructed asks for a resume, and its ``save_folder``.
-
-    Read at ``BEFORE_LOAD`` from ``Trainer.__init__``'s locals, as :func:`trainer_load_path`.
-    """
+    """How the ``Trainer`` asks for a resume, and its ``save_folder`` (read at BEFORE_LOAD)."""
     frame = _trainer_init_frame()
     local = frame.f_locals if frame is not None else {}
     if local.get("autoresume"):
@@ -558,19 +555,12 @@ class _ComposerAdapter(Callback):
             loaded = resolved_checkpoint(loaded.format(rank=0, local_rank=0, node_rank=0))
         elif folder:
             folder = format_name_with_dist(folder, state.run_name)
-        counters = ("epoch", "batch", "batch_in_epoch", "sample")
-        resume = ResumeFacts(
-            asked,
-            loaded,
-            {c: int(getattr(time, c)) for c in counters},
-            state.train_dataloader,
-            positions,
-            folder,
-            True,
-            RESUME_FIX,
-            DATA_FIX,
-        )
-        self.runner.fire(RESUMED, EventFacts(step=int(time.batch), resume=resume))
+        counters = {
+            c: int(getattr(time, c)) for c in ("epoch", "batch", "batch_in_epoch", "sample")
+        }
+        facts = ResumeFacts(asked, loaded, counters, state.train_dataloader, positions, folder)
+        facts.restores_rng, facts.fix, facts.data_fix = True, RESUME_FIX, DATA_FIX
+        self.runner.fire(RESUMED, EventFacts(step=int(time.batch), resume=facts))
 
     def _hook_fit(self, state: State) -> None:
         """At ``INIT``: an error that leaves the Trainer's ``fit`` reaches the guards there.
