@@ -10,6 +10,7 @@ framework reduces (OLMo-core's flush, Composer's loss).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "class_name",
     "metric_reduction_check",
     "on_raise",
+    "resolved_checkpoint",
     "single_guard",
     "wrap_method",
 ]
@@ -125,3 +127,10 @@ def on_raise(obj: Any, name: str, on_error: Callable[[BaseException], None]) -> 
         return raising
 
     return wrap_method(obj, name, make)
+
+
+def resolved_checkpoint(path: str | None) -> str | None:
+    """The checkpoint ``path`` names on this rank: a local one with its links resolved."""
+    if not path or "://" in path:
+        return path or None
+    return os.path.realpath(path)

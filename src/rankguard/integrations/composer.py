@@ -18,6 +18,7 @@ Requires ``pip install 'rankguard[composer]'``.
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -25,11 +26,16 @@ from typing import Any
 from rankguard.callbacks.batches.loader_passes import PassCounter
 from rankguard.callbacks.checkpoint.plan import register_sharded_setting
 from rankguard.callbacks.core.events import Event as CoreEvent
-from rankguard.callbacks.core.events import EventFacts, LoaderFacts
+from rankguard.callbacks.core.events import EventFacts, LoaderFacts, ResumeFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck, Rows, reduction_rows
 from rankguard.integrations import _api
-from rankguard.integrations._common import Unhook, metric_reduction_check, on_raise
+from rankguard.integrations._common import (
+    Unhook,
+    metric_reduction_check,
+    on_raise,
+    resolved_checkpoint,
+)
 
 try:
     from composer import Trainer
@@ -71,6 +77,7 @@ _AFTER_DATALOADER = Event.AFTER_DATALOADER
 _BATCH_END = Event.BATCH_END
 _BATCH_CHECKPOINT = Event.BATCH_CHECKPOINT
 _INIT = Event.INIT
+_BEFORE_LOAD = Event.BEFORE_LOAD
 #: The value of each event of a train batch rankguard has nothing to do at (BATCH_START: it
 #: is recorded with AFTER_DATALOADER). Composer calls every callback at each event, often
 #: on a cold cache (after the forward, the backward, the optimizer step): a test of the
@@ -103,6 +110,7 @@ LOSS_FIX = (
 )
 #: Composer events that start or end a fit.
 _FIT_BOUNDS = (CoreEvent.FIT_START, CoreEvent.FIT_END)
+RESUMED = CoreEvent.RESUMED
 
 #: The event that starts a pass over a loader, by the event that ends it.
 _PASS_ENDS = {CoreEvent.EVAL_END: CoreEvent.EVAL_START, CoreEvent.EPOCH_END: CoreEvent.EPOCH_START}
@@ -215,6 +223,37 @@ def trainer_load_path() -> str | None:
     return str(load_path) if load_path else None
 
 
+#: How to resume every rank from one checkpoint, and keep each rank's data position, in Composer.
+RESUME_FIX = (
+    "give every node the same newest checkpoint: autoresume loads rank 0's "
+    "`<save_folder>/latest-rank0.pt` as each node sees it, so save to remote storage (a remote "
+    "`save_folder`, which Composer downloads on every node) or a folder every node mounts"
+)
+DATA_FIX = (
+    "Composer saves the train dataset's `state_dict(num_samples, from_beginning)` of the rank "
+    "that writes the checkpoint and loads it into every rank's dataset: return a state that "
+    "holds for every rank (a global sample count, as StreamingDataset does)"
+)
+
+
+def resume_request() -> tuple[str, str | None] | None:
+    """How the ``Trainer`` asks for a resume, and its ``save_folder`` (read at BEFORE_LOAD)."""
+    frame = _trainer_init_frame()
+    local = frame.f_locals if frame is not None else {}
+    if local.get("autoresume"):
+        return "autoresume=True", local.get("save_folder")
+    return (f"load_path={local['load_path']!r}", None) if local.get("load_path") else None
+
+
+def dataset_positions(state: State) -> dict[str, Any]:
+    """Composer's own train data position: what it saves as ``dataset_state['train']``."""
+    method = getattr(getattr(state.train_dataloader, "dataset", None), "state_dict", None)
+    try:  # a state_dict() without Composer's arguments is read by the guard itself
+        return {"train dataset_state": method(int(state.timestamp.sample_in_epoch), True)}
+    except TypeError:  # also: no state_dict at all
+        return {}
+
+
 #: Composer's setting for sharded checkpoints (FSDP), named in rankguard's messages.
 SHARDED_SETTING = "parallelism_config={'fsdp': {'state_dict_type': 'sharded'}}"
 register_sharded_setting("Composer", SHARDED_SETTING)
@@ -289,6 +328,7 @@ def event_facts(event: CoreEvent, state: State, logger: Logger) -> EventFacts:
     elif event is CoreEvent.CHECKPOINT_SAVE_START:
         facts.model = state.model
         facts.directories = save_directories(state)
+        facts.resume = ResumeFacts("", None, positions=dataset_positions(state))  # as saved
     elif event is CoreEvent.EPOCH_END:
         facts.epoch -= 1  # Composer counts the epoch as done before EPOCH_END
         facts.loader = _train_loader(state)
@@ -376,6 +416,9 @@ class _ComposerAdapter(Callback):
         self._loss_keys: object = _UNSEEN
         self._state: State | None = None  # the state of the Trainer whose fit is wrapped
         self._unhook: Unhook | None = None
+        #: How the Trainer asked for a resume (BEFORE_LOAD); its data position at FIT_START.
+        self._resume: tuple[str, str | None] | None = None
+        self._resume_due: dict[str, Any] | None = None
 
     def _train_facts(self, state: State) -> LoaderFacts | None:
         """The train loader's facts, built again only when Composer's loader or length changes."""
@@ -431,6 +474,8 @@ class _ComposerAdapter(Callback):
                 # The fetch ends and the batch starts: Composer fires BATCH_START next,
                 # with nothing between them, so one entry holds both (see step_log.PAIRS).
                 steps.fetch_end_batch_start(self._step)
+                if self._resume_due is not None:  # the fit's first BATCH_START: see _resumed
+                    self._resumed(state)
                 if steps.batch_probe is not None:  # the first train batches, for guards
                     steps.batch_probe(state.batch)
             else:
@@ -452,6 +497,8 @@ class _ComposerAdapter(Callback):
             return
         if event is _BATCH_CHECKPOINT and not self._save_due(state, event):
             return  # every batch: a save only when a saver says so
+        if event is _BEFORE_LOAD:
+            self._resume = resume_request()
         core_event = _EVENTS_BY_ID.get(id(event))
         if core_event is None:  # Composer's other events: rankguard has no use for them
             if event is _INIT:
@@ -478,6 +525,9 @@ class _ComposerAdapter(Callback):
         self.runner.fire(core_event, facts, logger.log_metrics)
         if core_event in _FIT_BOUNDS:
             self._loss_check, self._loss_keys = None, _UNSEEN
+            self._resume_due = None
+            if core_event is CoreEvent.FIT_START and self._resume and runner.handles(RESUMED):
+                self._resume_due = dataset_positions(state)  # as loaded, before any batch
             if core_event is CoreEvent.FIT_START:
                 self._loss_check = metric_reduction_check(
                     self.runner.guards, "composer_loss", where=LOSS_REDUCTION, fix=LOSS_FIX
@@ -487,6 +537,30 @@ class _ComposerAdapter(Callback):
             counter = observe_pass(state)
             if counter is not None:
                 self._passes[str(state.dataloader_label)] = (counter, original)
+
+    def _resumed(self, state: State) -> None:
+        """RESUMED, once per fit that resumes, on every rank, at its first BATCH_START.
+
+        ``Trainer.__init__`` loaded the checkpoint (``state.load_path``); ``_train_loop``
+        restores the random state after FIT_START, at once where ``batch_in_epoch == 0``,
+        else while spinning the loader to the resumed batch, before that batch is fetched
+        (composer/trainer/trainer.py, 0.32: ``_train_loop``). Composer fires BATCH_START
+        right after this AFTER_DATALOADER: the first point where all of it is in place.
+        """
+        (asked, folder), positions = self._resume or ("", None), self._resume_due or {}
+        self._resume = self._resume_due = None  # once: a later fit() of this Trainer goes on
+        loaded, time = state.load_path, state.timestamp
+        if loaded:  # every node loads rank 0's path (see composer.utils.checkpoint)
+            folder = os.path.dirname(loaded) if folder else None
+            loaded = resolved_checkpoint(loaded.format(rank=0, local_rank=0, node_rank=0))
+        elif folder:
+            folder = format_name_with_dist(folder, state.run_name)
+        counters = {
+            c: int(getattr(time, c)) for c in ("epoch", "batch", "batch_in_epoch", "sample")
+        }
+        facts = ResumeFacts(asked, loaded, counters, state.train_dataloader, positions, folder)
+        facts.restores_rng, facts.fix, facts.data_fix = True, RESUME_FIX, DATA_FIX
+        self.runner.fire(RESUMED, EventFacts(step=int(time.batch), resume=facts))
 
     def _hook_fit(self, state: State) -> None:
         """At ``INIT``: an error that leaves the Trainer's ``fit`` reaches the guards there.
