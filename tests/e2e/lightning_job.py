@@ -44,6 +44,7 @@ from torch.utils.data import (
     random_split,
 )
 
+from rankguard.callbacks.resume.position import digest
 from rankguard.integrations.lightning import (
     BatchParityGuard,
     CheckpointPlanner,
@@ -675,9 +676,9 @@ def points_loader() -> DataLoader:
 
 def lagging_copy() -> None:
     """Each rank plays a node with its own copy of the checkpoint folder; node 1's lagged."""
-    rank = torch.distributed.get_rank()
-    with own_node(rank, Path(OUT) / f"lagging_node{rank}") as disk:
-        shutil.copytree(LAGGED_COPY if rank == 1 else RESUME_DIR, disk / "ckpt")
+    node = rank()
+    with own_node(node, Path(OUT) / f"lagging_node{node}") as disk:
+        shutil.copytree(LAGGED_COPY if node == 1 else RESUME_DIR, disk / "ckpt")
         copied = sorted(os.listdir(disk / "ckpt"))
         try:
             resume_fit(str(disk / "ckpt"), points_loader(), 12, ckpt_path="last")
@@ -686,7 +687,37 @@ def lagging_copy() -> None:
 
 
 def stream_loader() -> StreamLoader:
-    return StreamLoader(OffsetStream(torch.distributed.get_rank()), batch_size=4)
+    return StreamLoader(OffsetStream(rank()), batch_size=4)
+
+
+class PositionAtSave(L.Callback):
+    """Records this rank's train loader position (its digest) at each save, as it is written."""
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
+        position = digest(trainer.train_dataloader.state_dict())
+        COUNTERS.setdefault("position_at_save", []).append(position)
+
+
+def stream_first_fit() -> None:
+    """Fits over the stream; records what each checkpoint keeps of the guard and the loader."""
+    folder = "resume/stream"
+    try:
+        resume_fit(folder, stream_loader(), 8, callbacks=(PositionAtSave(),))
+    finally:
+        for name in ("epoch=0-step=4.ckpt", "last.ckpt"):
+            ckpt = torch.load(os.path.join(folder, name), weights_only=False)
+            kept = ckpt["callbacks"].get("RankGuard", {}).get("resume_guard", {})
+            COUNTERS[f"{name} guard"] = kept.get("saved", {}).get("data/train loader")
+            COUNTERS[f"{name} loader"] = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+
+
+def stream_resume() -> None:
+    """Resumes the stream from last.ckpt; records where this rank's stream ended."""
+    train = stream_loader()
+    try:
+        resume_fit("resume/stream", train, 12, ckpt_path="last")
+    finally:
+        COUNTERS["next_index"] = train.dataset.next_index
 
 
 RESUME: dict[str, Callable[[], None]] = {
@@ -697,8 +728,8 @@ RESUME: dict[str, Callable[[], None]] = {
     "resume_lagging_copy": lagging_copy,
     # From the shared folder, mid-epoch, a DistributedSampler: nothing to say.
     "resume_healthy": lambda: resume_fit(RESUME_DIR, points_loader(), 12, ckpt_path="last"),
-    "resume_stream_first_fit": lambda: resume_fit("resume/stream", stream_loader(), 8),
-    "resume_stream": lambda: resume_fit("resume/stream", stream_loader(), 12, ckpt_path="last"),
+    "resume_stream_first_fit": stream_first_fit,
+    "resume_stream": stream_resume,
 }
 
 
