@@ -18,11 +18,13 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -42,6 +44,7 @@ from torch.utils.data import (
     random_split,
 )
 
+from rankguard.callbacks.resume.position import digest
 from rankguard.integrations.lightning import (
     BatchParityGuard,
     CheckpointPlanner,
@@ -52,7 +55,7 @@ from rankguard.integrations.lightning import (
     SharedDirBarrier,
 )
 from tests.e2e import hang_settings
-from tests.e2e.common import Points, Recorder, WarningCollector, rankguard_off
+from tests.e2e.common import Points, Recorder, WarningCollector, own_node, rankguard_off
 from tests.e2e.straggler_common import (
     BATCHES,
     STRAGGLER,
@@ -590,6 +593,155 @@ CHECKPOINT = {
 }
 
 
+# --- Resumes on two simulated nodes (test_resume_lightning.py) ------------------------------------
+
+#: The first fit's checkpoint folder (shared by both nodes), and the copy of it a node took
+#: right after its step-4 save (the node-local copy that lagged).
+RESUME_DIR = "resume/ckpt"
+LAGGED_COPY = "resume/ckpt_at_step4"
+
+
+class CountBatches(L.Callback):
+    """Counts the train batches this fit ran."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        COUNTERS["train_batches"] = COUNTERS.get("train_batches", 0) + 1
+
+
+class CopyAfterStep(L.Callback):
+    """Rank 0 copies the checkpoint folder after step ``step``'s save, once (a sync that died)."""
+
+    def __init__(self, src: str, dst: str, step: int) -> None:
+        self.src, self.dst, self.step = src, dst, step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.is_global_zero and trainer.global_step == self.step:
+            shutil.copytree(self.src, self.dst)
+
+
+class OffsetStream(IterableDataset):
+    """This rank's share of a stream (samples rank, rank + 2, ...), read on from ``next_index``."""
+
+    def __init__(self, rank: int) -> None:
+        self.points, self.next_index = Points(512), rank
+
+    def __iter__(self) -> Iterator[Any]:
+        while self.next_index < len(self.points):
+            self.next_index += 2
+            yield self.points[self.next_index - 2]
+
+
+class StreamLoader(DataLoader):
+    """A resumable loader: Lightning saves and loads its ``state_dict`` (where its stream is)."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next_index": self.dataset.next_index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.dataset.next_index = state["next_index"]
+
+
+def resume_fit(
+    dirpath: str,
+    train: DataLoader,
+    max_steps: int,
+    ckpt_path: str | None = None,
+    callbacks: tuple[L.Callback, ...] = (),
+) -> None:
+    """Fits 2 nodes of 1 rank to ``max_steps``; a ModelCheckpoint saves every 4 steps and last."""
+    COUNTERS.clear()
+    L.seed_everything(0, verbose=False)
+    checkpoints = ModelCheckpoint(
+        dirpath=dirpath, every_n_train_steps=4, save_top_k=-1, save_last=True
+    )
+    # Every guard but the two that time steps: a step here takes a millisecond, on cores shared
+    # with other jobs, and their calls are not what these scenarios are about.
+    quiet = {"data_stall_monitor": False, "straggler_monitor": False}
+    guards = [] if rankguard_off() else [RankGuard(**quiet)]
+    job = trainer(
+        [*guards, CountBatches(), *callbacks, checkpoints],
+        devices=1,
+        num_nodes=2,
+        max_steps=max_steps,
+        use_distributed_sampler=True,
+        enable_checkpointing=True,
+    )
+    try:
+        job.fit(Module(), train, ckpt_path=ckpt_path)
+    finally:
+        COUNTERS["global_step"] = job.global_step
+
+
+def points_loader() -> DataLoader:
+    """Map-style, 16 batches of 4 per rank an epoch (Lightning adds a DistributedSampler)."""
+    return DataLoader(Points(128), batch_size=4)
+
+
+def lagging_copy() -> None:
+    """Each rank plays a node with its own copy of the checkpoint folder; node 1's lagged."""
+    node = rank()
+    with own_node(node, Path(OUT) / f"lagging_node{node}") as disk:
+        shutil.copytree(LAGGED_COPY if node == 1 else RESUME_DIR, disk / "ckpt")
+        copied = sorted(os.listdir(disk / "ckpt"))
+        try:
+            resume_fit(str(disk / "ckpt"), points_loader(), 12, ckpt_path="last")
+        finally:
+            COUNTERS["copied"] = copied
+
+
+def stream_loader() -> StreamLoader:
+    return StreamLoader(OffsetStream(rank()), batch_size=4)
+
+
+class PositionAtSave(L.Callback):
+    """Records this rank's train loader position (its digest) at each save, as it is written."""
+
+    def on_save_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
+        position = digest(trainer.train_dataloader.state_dict())
+        COUNTERS.setdefault("position_at_save", []).append(position)
+
+
+def stream_first_fit() -> None:
+    """Fits over the stream; records what each checkpoint keeps of the guard and the loader."""
+    folder = "resume/stream"
+    try:
+        resume_fit(folder, stream_loader(), 8, callbacks=(PositionAtSave(),))
+    finally:
+        for name in ("epoch=0-step=4.ckpt", "last.ckpt"):
+            ckpt = torch.load(os.path.join(folder, name), weights_only=False)
+            kept = ckpt["callbacks"].get("RankGuard", {}).get("resume_guard", {})
+            COUNTERS[f"{name} guard"] = kept.get("saved", {}).get("data/train loader")
+            COUNTERS[f"{name} loader"] = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+
+
+def stream_resume() -> None:
+    """Resumes the stream from last.ckpt; records where this rank's stream ended."""
+    train = stream_loader()
+    try:
+        resume_fit("resume/stream", train, 12, ckpt_path="last")
+    finally:
+        COUNTERS["next_index"] = train.dataset.next_index
+
+
+RESUME: dict[str, Callable[[], None]] = {
+    # 8 of 16 batches of an epoch; saves at steps 4 and 8 (and last.ckpt), a copy after step 4.
+    "resume_first_fit": lambda: resume_fit(
+        RESUME_DIR, points_loader(), 8, callbacks=(CopyAfterStep(RESUME_DIR, LAGGED_COPY, 4),)
+    ),
+    "resume_lagging_copy": lagging_copy,
+    # From the shared folder, mid-epoch, a DistributedSampler: nothing to say.
+    "resume_healthy": lambda: resume_fit(RESUME_DIR, points_loader(), 12, ckpt_path="last"),
+    "resume_stream_first_fit": stream_first_fit,
+    "resume_stream": stream_resume,
+}
+
+
+def setup_resume() -> Callable[[str], Outcome]:
+    os.chdir(OUT)  # the checkpoint folders go to OUT/resume
+    recorder = Recorder(OUT)
+    return lambda name: (recorder.outcome(RESUME[name], COUNTERS), None)
+
+
 # --- Hangs and deadlocks (test_hang_e2e.py, test_deadlock_e2e.py) ---------------------------------
 
 
@@ -1001,11 +1153,12 @@ CONCERNS: list[tuple[dict[str, Any], Callable[[], Callable[[str], Outcome]]]] = 
     (GENERAL, lambda: lambda name: run_fit(name, GENERAL[name], data=False)),
     (DATA, lambda: lambda name: run_fit(name, DATA[name], data=True)),
     (CHECKPOINT, setup_checkpoint),
+    (RESUME, setup_resume),
     (HANG, setup_hang),
     (STRAGGLERS, setup_straggler),
 ]
 #: Whose ``OUT/rank<r>.json`` holds the records alone, not a report around them.
-RECORDS_ALONE = {**HANG, **CHECKPOINT}
+RECORDS_ALONE = {**HANG, **CHECKPOINT, **RESUME}
 
 
 def rank() -> int:

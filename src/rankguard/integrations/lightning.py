@@ -28,7 +28,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rankguard.callbacks.checkpoint.plan import register_sharded_setting
-from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts, SplitDecision
+from rankguard.callbacks.core.events import (
+    Event,
+    EventFacts,
+    LoaderFacts,
+    ResumeFacts,
+    SplitDecision,
+)
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.integrations import _api
 
@@ -137,6 +143,51 @@ UPLOAD_SETTING = (
     "(`ModelCheckpoint(dirpath='s3://bucket/run/checkpoints')`, "
     "`trainer.fit(..., ckpt_path='s3://bucket/run/checkpoints/last.ckpt')`)"
 )
+
+
+#: How to resume every rank from one checkpoint, and keep each rank's data position, in
+#: Lightning's words (the resume check's messages).
+RESUME_FIX = (
+    "resolve the checkpoint once for every node: `ModelCheckpoint(dirpath=...)` on storage every "
+    "node mounts or on remote storage (fsspec, 's3://...') with `ckpt_path='last'`, or pass every "
+    "rank the same path, `trainer.fit(..., ckpt_path=...)`"
+)
+DATA_FIX = (
+    "Lightning saves a stateful train loader's `state_dict()` from rank 0 only and loads it on "
+    "every rank: return every rank's position from it (e.g. gathered with "
+    "`torch.distributed.all_gather_object`, by rank) and take this rank's in `load_state_dict()`"
+)
+
+
+def resume_facts(trainer: pl.Trainer, train: LoaderFacts | None) -> ResumeFacts:
+    """What this rank resumed from, once Lightning restored it (at ``on_train_start``).
+
+    ``trainer.ckpt_path`` is the checkpoint as this rank resolved it (``None``: it
+    found none, e.g. no ``last`` in its ``ModelCheckpoint`` folder, and started fresh).
+    Lightning does not save or restore random states.
+    """
+    ckpt = trainer.ckpt_path
+    folders = save_directories(trainer)  # where ckpt_path="last" is looked up
+    folder = (
+        folders[0]
+        if folders and (ckpt is None or os.path.dirname(str(ckpt)) == folders[0])
+        else None
+    )
+    batch = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # the next batch to run
+    counters = {
+        "global_step": trainer.global_step,
+        "epoch": trainer.current_epoch,
+        "batch_idx": batch,
+    }
+    return ResumeFacts(
+        asked="trainer.fit(ckpt_path=...)",
+        checkpoint=None if ckpt is None else str(ckpt),
+        counters=counters,
+        loader=train.loader if train else None,
+        folder=folder,
+        fix=RESUME_FIX,
+        data_fix=DATA_FIX,
+    )
 
 
 def hook_checkpoint_io(
@@ -326,6 +377,11 @@ class _LightningAdapter(Callback):
             decision_probe=functools.partial(split_decisions, trainer),
             split_decisions=SPLIT_DECISIONS,
         )
+        # RESUMED here: Lightning restored the checkpoint and the loops' counters in `_run`, and
+        # the train loaders' states in `fit_loop.setup_data()`, both before `on_train_start`, the
+        # last hook before the first batch. On every fit: a rank that found no `last` (or SLURM's
+        # `hpc`) starts fresh without knowing a resume was asked, so every rank checks.
+        self._fire(trainer, Event.RESUMED, resume=resume_facts(trainer, train))
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EPOCH_START with the train loader."""
