@@ -6,7 +6,8 @@ node, master on 127.0.0.1; see ``benchmarks/scale_worker.py``) it prints:
 1. the fit-start checks of every guard, as ``RankGuard()`` runs them, on the
    deciding rank (0) and the slowest other rank: wall time and CPU time. With
    more processes than cores, wall time mostly measures waiting for the
-   scheduler to run the other ranks; CPU time is each rank's own work;
+   scheduler to run the other ranks; CPU time is each rank's own work; 1b. what
+   a resumed fit's start adds (the resume check's exchange);
 2. the hang watchdog's status exchange (its real background thread): CPU
    time per exchange and bytes per exchange;
 3. per check (guard and event): store exchanges, bytes sent and received on
@@ -124,6 +125,11 @@ def main() -> None:
                 for name in leader["checks"]
                 if "fit_start" in leader["checks"][name]
             ),
+            "resume_wall0": 1000 * leader["checks"]["resume_guard"]["resumed"]["wall_s"],
+            "resume_cpu0": 1000 * leader["checks"]["resume_guard"]["resumed"]["cpu_s"],
+            "resume_cpu_o": 1000
+            * max(r["checks"]["resume_guard"]["resumed"]["cpu_s"] for r in others),
+            "resume_in0": leader["checks"]["resume_guard"]["resumed"]["received"],
             "status_cpu0": 1000 * leader["checks"]["hang_watchdog"]["status"]["cpu_s"],
             "status_cpu_o": 1000
             * max(r["checks"]["hang_watchdog"]["status"]["cpu_s"] for r in others),
@@ -139,6 +145,20 @@ def main() -> None:
         print(
             f"{world:>5} | {row['wall0']:>11.1f} {row['wall_o']:>15.1f} | "
             f"{row['cpu0']:>10.1f} {row['cpu_o']:>14.1f} | {row['decide0']:>13.2f}"
+        )
+
+    print(
+        "\n1b. a resumed fit's start adds the resume check (one exchange; a fresh fit's start "
+        "none), ms"
+    )
+    print(
+        f"{'world':>5} | {'wall rank 0':>11} | {'CPU rank 0':>10} {'CPU others max':>14} | "
+        f"{'bytes in, rank 0':>16}"
+    )
+    for row in rows:
+        print(
+            f"{row['world']:>5} | {row['resume_wall0']:>11.1f} | {row['resume_cpu0']:>10.1f} "
+            f"{row['resume_cpu_o']:>14.1f} | {row['resume_in0']:>16.0f}"
         )
 
     print("\n2. hang watchdog status exchange (real thread, period 0.5 s), per exchange")
@@ -178,6 +198,8 @@ def main() -> None:
         ("cpu_o", "fit-start CPU, slowest other", "ms"),
         ("decide0", "fit-start decide, rank 0", "ms"),
         ("wall0", "fit-start wall, rank 0", "ms"),
+        ("resume_cpu0", "resume check CPU, rank 0", "ms"),
+        ("resume_in0", "resume check bytes in, rank 0", "B"),
         ("status_cpu0", "status exchange CPU, rank 0", "ms"),
         ("status_cpu_o", "status exchange CPU, other", "ms"),
         ("status_in0", "status bytes in, rank 0", "B"),

@@ -31,7 +31,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from rankguard.callbacks import Event, EventFacts, LoaderFacts, RankGuardError, SideChannel
+from rankguard.callbacks import (
+    Event,
+    EventFacts,
+    LoaderFacts,
+    RankGuardError,
+    ResumeFacts,
+    SideChannel,
+)
 from rankguard.callbacks.registry import GUARDS, build_guard, build_guards
 from tests.e2e.common import Points
 
@@ -41,6 +48,8 @@ CHECKS: dict[str, tuple[str, ...]] = {
     "drop_last_guard": ("fit_start",),
     "batch_parity_guard": ("fit_start", "eval_start", "eval_end", "epoch_end"),
     "shared_dir_barrier": ("fit_start", "checkpoint_save_start"),
+    # The pattern at each save; then a resumed fit's check (no exchange at a fresh fit's start).
+    "resume_guard": ("fit_start", "checkpoint_save_start", "resumed"),
     "checkpoint_planner": ("fit_start",),
     "data_stall_monitor": ("interval",),
 }
@@ -121,6 +130,10 @@ def measure_guard(name: str, facts: EventFacts, folder: str, repeats: int) -> di
                 meter.time(event, lambda: guard.handle(Event.EPOCH_END, train_facts))
             elif event == "checkpoint_save_start":
                 meter.time(event, lambda: guard.handle(Event.CHECKPOINT_SAVE_START, save_facts))
+            elif event == "resumed":
+                resume = ResumeFacts("bench", folder, {"step": 8}, train.loader, folder=folder)
+                resumed = EventFacts(step=8, resume=resume)
+                meter.time(event, lambda r=resumed: guard.handle(Event.RESUMED, r))
             elif event == "interval":  # the 10th train batch start exchanges
                 guard.handle(Event.FIT_START, facts)
                 for _ in range(settings["interval"] - 1):

@@ -204,3 +204,24 @@ def test_checkpoint_identity_and_siblings(tmp_path):
     )
     assert sibling_checkpoints(str(tmp_path), str(tmp_path / "last.ckpt")) == ("last.ckpt",)
     assert sibling_checkpoints(str(tmp_path / "gone"), None) == ()
+
+
+def test_copies_of_one_name_from_different_saves():
+    # Lightning's last.ckpt on each node: the same size, node 1's from the save at step 4.
+    a = replace(rank("n0", 8, seen=("epoch=0-step=8.ckpt", "last.ckpt")), counters={"step": 8})
+    b = replace(rank("n1", 4, seen=("last.ckpt",)), counters={"step": 4})
+    a = replace(a, checkpoint="/n0/out/last.ckpt", identity="44656 bytes")
+    b = replace(b, checkpoint="/n1/out/last.ckpt", identity="44656 bytes")
+    error = judge({0: a, 1: b}).error
+    assert error is not None
+    assert error.splitlines()[:2] == [
+        "Ranks resumed from different copies of last.ckpt.",
+        f"Loaded ({HF}): rank 0: last.ckpt (step 8); rank 1: last.ckpt (step 4).",
+    ]
+    assert "  node n1 (rank 1) sees in /n1/out: not epoch=0-step=8.ckpt" in error
+    # The same folders everywhere: a restore that set other counters, not another copy.
+    same = replace(b, seen=a.seen)
+    error = judge({0: a, 1: same}).error
+    assert error is not None and error.startswith(
+        "Ranks resumed from last.ckpt at different points: step: rank 0: 8, rank 1: 4."
+    )

@@ -328,7 +328,7 @@ def event_facts(event: CoreEvent, state: State, logger: Logger) -> EventFacts:
     elif event is CoreEvent.CHECKPOINT_SAVE_START:
         facts.model = state.model
         facts.directories = save_directories(state)
-        facts.resume = ResumeFacts("", None, positions=dataset_positions(state))  # as saved
+        facts.positions = dataset_positions(state)  # as saved
     elif event is CoreEvent.EPOCH_END:
         facts.epoch -= 1  # Composer counts the epoch as done before EPOCH_END
         facts.loader = _train_loader(state)

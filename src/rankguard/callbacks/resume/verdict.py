@@ -116,10 +116,14 @@ def _counters_text(counters: Mapping[str, int]) -> str:
 
 
 def _checkpoints(per_rank: Mapping[int, RankResume]) -> str | None:
+    first = per_rank[min(per_rank)]
     loaded = {r: (p.name, p.identity) for r, p in per_rank.items()}
     if len(set(loaded.values())) == 1:
-        return None
-    first = per_rank[min(per_rank)]
+        # One name and size (checkpoints of the same shapes), other counters, nodes that see
+        # different checkpoints beside it: copies of one name from different saves.
+        counters = {tuple(sorted(p.counters.items())) for p in per_rank.values()}
+        if first.name is None or len(counters) == 1 or not _folders(per_rank):
+            return None
     names = {r: p.name for r, p in per_rank.items()}
 
     def what(name: str | None) -> str:
@@ -136,8 +140,12 @@ def _checkpoints(per_rank: Mapping[int, RankResume]) -> str | None:
         lead = "Ranks resumed from different checkpoints."
     if len(set(names.values())) > 1:
         loads = format_groups(names, what)
-    else:
+    elif len({p.identity for p in per_rank.values()}) > 1:
         loads = format_groups({r: p.identity for r, p in per_rank.items()}, str)
+    else:
+        loads = format_groups(
+            {r: f"{p.name} ({_counters_text(p.counters)})" for r, p in per_rank.items()}, str
+        )
     lines = [lead, f"Loaded ({first.asked}): {loads}."]
     lines += _folders(per_rank)
     lines.append(
