@@ -321,12 +321,14 @@ class _TrainerAdapter(TrainerCallback):
         """DATA_FETCH_END, TRAIN_BATCH_START; logs the guards' metrics."""
         driver = self.driver
         if driver.fitting:
-            if self._resume is not None:
-                self._resumed(args, state)
             self._fetch_after_log = False
             if driver.saving:  # a "best" save that did not happen
                 driver.save_end()
-            if driver.fetching and not driver.batch_open:
+            if self._resume is not None:  # the batch is fetched: an error here is no loader's
+                driver.fetch_end()
+                self._resumed(args, state)
+                driver.train_batch_start()
+            elif driver.fetching and not driver.batch_open:
                 # The usual step, as EventDriver.fetch_end_batch_start makes it, inline:
                 # here, on the cache the backward and the optimizer left cold, each frame
                 # costs about 2 us, and this hook runs every step.
