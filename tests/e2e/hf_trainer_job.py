@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch.utils.data import IterableDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
@@ -46,6 +47,23 @@ from tests.e2e.common import (
     unseeded_split,
 )
 from tests.e2e.hang_settings import HANG
+
+
+def _cpu_map_location(load):
+    """transformers 4 loads a multi-rank resume's optimizer with ``map_location=args.device``,
+    which a CPU-only gloo run (staging only; on GPUs it is ``cuda:N``) has as ``cpu:0``, a
+    location torch 2.7 cannot restore: here it is ``cpu``."""
+
+    def load_on_cpu(*args, map_location=None, **kwargs):
+        if isinstance(map_location, torch.device) and map_location.type == "cpu":
+            map_location = "cpu"
+        return load(*args, map_location=map_location, **kwargs)
+
+    return load_on_cpu
+
+
+if transformers.__version__ < "5":
+    torch.load = _cpu_map_location(torch.load)
 
 COUNTERS: dict[str, Any] = {}
 OUT = Path(".")
