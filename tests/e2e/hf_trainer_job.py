@@ -307,7 +307,7 @@ def resume_data_position() -> None:
     }
     for resume in (None, True):
         seed_everything(0)
-        stream = ShardStream(dist.get_rank())
+        stream = ShardStream(int(os.environ["RANK"]))  # before the Trainer joins the group
         callbacks = (
             KeepDataPosition(stream),
             StepsRun(),
