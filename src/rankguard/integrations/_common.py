@@ -10,26 +10,33 @@ framework reduces (OLMo-core's flush, Composer's loss).
 from __future__ import annotations
 
 import functools
+import json
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rankguard.callbacks.core.guard import Guard
+from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck
 from rankguard.callbacks.registry import GUARDS, build_guard, build_guards, unknown_name_error
 
 __all__ = [
+    "GUARD_STATE_FILE",
     "Defaults",
     "Unhook",
     "bundle_guards",
     "class_name",
+    "load_guard_state",
     "metric_reduction_check",
     "on_raise",
     "resolved_checkpoint",
+    "save_guard_state",
     "single_guard",
     "wrap_method",
 ]
+
+logger = logging.getLogger(__name__)
 
 Defaults = Mapping[str, Mapping[str, Any]]
 #: Removes a wrapper it was returned for (safe to call twice).
@@ -134,3 +141,37 @@ def resolved_checkpoint(path: str | None) -> str | None:
     if not path or "://" in path:
         return path or None
     return os.path.realpath(path)
+
+
+#: The guards' checkpoint state, in a checkpoint folder, where a framework keeps no
+#: callback state of its own (the Hugging Face Trainer's).
+GUARD_STATE_FILE = "rankguard_state.json"
+
+
+def save_guard_state(runner: GuardRunner, folder: str) -> None:
+    """Writes ``runner.state_dict()`` into checkpoint ``folder`` (nothing if it is empty).
+
+    Call it on the process that writes the checkpoint, after the save's
+    CHECKPOINT_SAVE_START (whose exchange the state records).
+    """
+    state = runner.state_dict()
+    if not state or not os.path.isdir(folder):
+        return
+    path = os.path.join(folder, GUARD_STATE_FILE)
+    with open(f"{path}.tmp", "w") as file:
+        json.dump(state, file)
+    os.replace(f"{path}.tmp", path)
+
+
+def load_guard_state(runner: GuardRunner, folder: str) -> None:
+    """Gives the guards what :func:`save_guard_state` wrote into ``folder``, if it is there."""
+    path = os.path.join(folder, GUARD_STATE_FILE)
+    try:
+        with open(path) as file:
+            state = json.load(file)
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:  # a torn or foreign file: checked without it
+        logger.info("rankguard: cannot read %s (%s)", path, exc)
+        return
+    runner.load_state_dict(state)

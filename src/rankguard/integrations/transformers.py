@@ -18,11 +18,11 @@ from collections.abc import Callable, Mapping
 from time import perf_counter
 from typing import Any
 
-from rankguard.callbacks.core.events import LoaderFacts, SplitDecision
+from rankguard.callbacks.core.events import LoaderFacts, ResumeFacts, SplitDecision
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.callbacks.core.step_log import BATCH_END_FETCH_START, FETCH_END_BATCH_START
 from rankguard.integrations import _api
-from rankguard.integrations._common import wrap_method
+from rankguard.integrations._common import load_guard_state, save_guard_state, wrap_method
 from rankguard.integrations._driver import EventDriver
 
 try:
@@ -65,13 +65,15 @@ def calling_trainer() -> Trainer | None:
 
     Call it from the hook itself (it looks from its caller's caller up).
     """
-    frame: types.FrameType | None = sys._getframe(2)
+    frame = _trainer_frame(sys._getframe(2))
+    return frame.f_locals["self"] if frame is not None else None
+
+
+def _trainer_frame(frame: types.FrameType | None) -> types.FrameType | None:
+    """The frame of the ``Trainer`` method at most :data:`_TRAINER_DEPTH` frames up."""
     for _ in range(_TRAINER_DEPTH):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            return candidate
+        if frame is None or isinstance(frame.f_locals.get("self"), Trainer):
+            return frame
         frame = frame.f_back
     return None
 
@@ -123,12 +125,13 @@ def resume_checkpoint(args: TrainingArguments, resume: str | bool) -> str:
 
 def hook_train(
     trainer: Trainer,
-    before_load: Callable[[str], None],
+    before_load: Callable[[str, str | bool], None],
     on_error: Callable[[BaseException], None],
 ) -> Callable[[], None]:
-    """Wraps ``trainer.train``: ``before_load(path)`` before a resume, ``on_error(exc)`` after.
+    """Wraps ``trainer.train``: ``before_load(path, resume)`` before a resume, ``on_error(exc)``.
 
-    ``before_load`` runs before ``train`` loads its resume checkpoint; ``on_error``
+    ``before_load`` runs before ``train`` loads its resume checkpoint (``resume``: the
+    ``resume_from_checkpoint`` given); ``on_error``
     where an exception leaves ``train``.
 
     ``Trainer.train(resume_from_checkpoint=...)`` loads the model, optimizer and
@@ -152,7 +155,7 @@ def hook_train(
                 called = {}
             resume = called.get("resume_from_checkpoint")
             if resume:  # None or False: a fresh start
-                before_load(resume_checkpoint(trainer.args, resume))
+                before_load(resume_checkpoint(trainer.args, resume), resume)
             try:
                 return train(*args, **kwargs)
             except BaseException as exc:  # as _common.on_raise, in the one frame
@@ -186,6 +189,20 @@ def stop_decision(control: TrainerControl) -> dict[str, Any]:
     return {"should_training_stop": bool(control.should_training_stop)}
 
 
+RESUME_FIX = (
+    "resume every rank from the same checkpoint: `trainer.train(resume_from_checkpoint=<path>)` "
+    "with a checkpoint-<step> folder every node mounts, or copy the newest checkpoint folder "
+    "into every node's `output_dir` before the restart (`resume_from_checkpoint=True` takes "
+    "the newest one each node sees in its own `output_dir`)"
+)
+DATA_FIX = (
+    "save each rank's own data position (a file per rank, e.g. named by `args.process_index`, "
+    "written on every rank, not only where `state.is_world_process_zero`) and load each rank's "
+    "own; or leave the position to the Trainer, which skips the trained batches "
+    "(`ignore_data_skip=False`)"
+)
+
+
 class _TrainerAdapter(TrainerCallback):
     """Drives a :class:`GuardRunner` from ``TrainerCallback`` hooks."""
 
@@ -200,6 +217,7 @@ class _TrainerAdapter(TrainerCallback):
         self._fetch_after_log = False
         self._metrics: dict[str, float] = {}
         self._unhook: Callable[[], None] | None = None
+        self._resume: tuple[str, str | bool] | None = None  # a resume's checkpoint, asked
 
     # -- facts -----------------------------------------------------------------------
 
@@ -241,7 +259,11 @@ class _TrainerAdapter(TrainerCallback):
         """
         trainer = calling_trainer()
         if trainer is not None and self._unhook is None:
-            self._unhook = hook_train(trainer, self.driver.load_start, self._error)
+            self._unhook = hook_train(trainer, self._before_load, self._error)
+
+    def _before_load(self, path: str, resume: str | bool) -> None:
+        self._resume = (os.path.dirname(path), resume)
+        self.driver.load_start(path)
 
     def on_train_begin(
         self,
@@ -267,6 +289,8 @@ class _TrainerAdapter(TrainerCallback):
             self._train = LoaderFacts("train", train_dataloader, is_train=True)
         evals = self._eval_loaders() if args.eval_strategy != "no" or args.eval_on_start else []
         dirs = [str(args.output_dir)] if args.save_strategy != "no" else []
+        if self._resume:  # the guards' state saved with the checkpoint (see on_save)
+            load_guard_state(self.runner, self._resume[0])
         self.driver.fit_start(
             loaders=([self._train] if self._train else []) + evals,
             model=model,
@@ -300,7 +324,11 @@ class _TrainerAdapter(TrainerCallback):
             self._fetch_after_log = False
             if driver.saving:  # a "best" save that did not happen
                 driver.save_end()
-            if driver.fetching and not driver.batch_open:
+            if self._resume is not None:  # the batch is fetched: an error here is no loader's
+                driver.fetch_end()
+                self._resumed(args, state)
+                driver.train_batch_start()
+            elif driver.fetching and not driver.batch_open:
                 # The usual step, as EventDriver.fetch_end_batch_start makes it, inline:
                 # here, on the cache the backward and the optimizer left cold, each frame
                 # costs about 2 us, and this hook runs every step.
@@ -316,6 +344,37 @@ class _TrainerAdapter(TrainerCallback):
                 driver.fetch_end_batch_start()
             if self._metrics:  # at most once an interval
                 self._flush_metrics()
+
+    def _resumed(self, args: TrainingArguments, state: TrainerState) -> None:
+        """RESUMED, at the resumed train's first ``on_step_begin``.
+
+        Where the Trainer (transformers 4.57 and 5) has restored everything: the
+        checkpoint and counters in ``train``, the data position (``skip_first_batches``),
+        and each rank's random state (``_load_rng_state``: after ``on_epoch_begin``, or
+        after the first batch is fetched where it skips batches, ``rng_to_sync``).
+        """
+        folder, resume = self._resume or ("", False)
+        self._resume = None
+        frame = _trainer_frame(sys._getframe(1))
+        local = frame.f_locals if frame is not None else {}
+        counters = {"global_step": state.global_step, "epoch": local.get("epoch", -1)}
+        if isinstance(skip := local.get("steps_trained_in_current_epoch"), int):
+            counters["batches skipped"] = 0 if args.ignore_data_skip else skip
+        loader = local.get("epoch_dataloader", local.get("train_dataloader"))  # 4.57, 5
+        self.driver.resumed(
+            ResumeFacts(
+                asked=f"resume_from_checkpoint={resume!r}",
+                checkpoint=folder
+                if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME))
+                else None,
+                counters=counters,
+                loader=loader if loader is not None else self._train and self._train.loader,
+                folder=str(args.output_dir) if resume is True else None,
+                restores_rng=True,
+                fix=RESUME_FIX,
+                data_fix=DATA_FIX,
+            )
+        )
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -405,8 +464,10 @@ class _TrainerAdapter(TrainerCallback):
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """CHECKPOINT_SAVE_END, then the next fetch."""
+        """The guards' state into the checkpoint (the save's exchange is done); SAVE_END."""
         if self.driver.fitting and self.driver.saving:
+            if args.should_save:  # the Trainer keeps no callback state of its own
+                save_guard_state(self.runner, checkpoint_folder(args, state))
             self.driver.save_end()
             self.driver.fetch_start()
 
@@ -439,6 +500,7 @@ class _TrainerAdapter(TrainerCallback):
         """
         self.driver.fitting = False
         self._trainer = None
+        self._resume = None
         self._evals = []
         self._eval_source = None
         self.runner.close()

@@ -107,9 +107,14 @@ def loader_positions(loader: Any) -> dict[str, Any]:
         return {}
     positions: dict[str, Any] = {}
     sampler = getattr(loader, "sampler", None)
+    dataset = getattr(loader, "dataset", None)
+    for _ in range(4):  # a wrapper's inner dataset (accelerate's IterableDatasetShard, Subset)
+        if callable(getattr(dataset, "state_dict", None)) or not hasattr(dataset, "dataset"):
+            break
+        dataset = dataset.dataset
     parts = (
         ("loader", loader),
-        ("dataset", getattr(loader, "dataset", None)),
+        ("dataset", dataset),
         ("sampler", sampler),
         ("batch sampler", getattr(loader, "batch_sampler", None)),
     )
