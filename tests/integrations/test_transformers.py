@@ -181,3 +181,16 @@ def test_stop_decision_reads_should_training_stop_for_the_deadlock_report():
     assert stop_decision(control) == {"should_training_stop": False}
     control.should_training_stop = True  # what EarlyStoppingCallback sets, on one rank
     assert stop_decision(control) == {"should_training_stop": True}
+
+
+def test_a_dispatching_loader_is_not_read_for_data_positions():
+    # accelerate's default for an iterable dataset: rank 0 reads every batch and sends each
+    # rank its own, so other ranks' dataset positions never move (no resume check of them).
+    import torch
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(8))
+
+    assert type(DataLoaderDispatcher(Stream(), batch_size=2)).__name__ == rg_hf.DISPATCHER

@@ -225,3 +225,19 @@ def test_copies_of_one_name_from_different_saves():
     assert error is not None and error.startswith(
         "Ranks resumed from last.ckpt at different points: step: rank 0: 8, rank 1: 4."
     )
+
+
+def test_a_loader_one_rank_reads_for_all_is_not_recorded_at_saves():
+    from rankguard.callbacks import EventFacts, LoaderFacts, ResumeGuard
+    from rankguard.callbacks.core.events import Event
+
+    class Stream:
+        def state_dict(self):
+            return {"offset": 3}
+
+    loader = torch.utils.data.DataLoader(Stream(), batch_size=None)
+    for each, recorded in ((True, loader), (False, None)):
+        guard = ResumeGuard()
+        facts = EventFacts(loaders=[LoaderFacts("train", loader, True, read_by_each_rank=each)])
+        guard.handle(Event.FIT_START, facts)
+        assert guard._train_loader is recorded

@@ -53,6 +53,11 @@ SHARDED_SETTING = (
 _TRAINER_DEPTH = 6
 
 
+#: accelerate's loader where rank 0 reads every batch and sends each rank its own (the
+#: default for an iterable dataset, ``dispatch_batches``): other ranks' positions mean nothing.
+DISPATCHER = "DataLoaderDispatcher"
+
+
 def calling_trainer() -> Trainer | None:
     """The ``Trainer`` whose method is calling the current callback hook, or ``None``.
 
@@ -286,7 +291,8 @@ class _TrainerAdapter(TrainerCallback):
             )
         self._train = None
         if train_dataloader is not None:
-            self._train = LoaderFacts("train", train_dataloader, is_train=True)
+            own = type(train_dataloader).__name__ != DISPATCHER  # each rank reads its own
+            self._train = LoaderFacts("train", train_dataloader, True, read_by_each_rank=own)
         evals = self._eval_loaders() if args.eval_strategy != "no" or args.eval_on_start else []
         dirs = [str(args.output_dir)] if args.save_strategy != "no" else []
         if self._resume:  # the guards' state saved with the checkpoint (see on_save)
@@ -368,7 +374,11 @@ class _TrainerAdapter(TrainerCallback):
                 if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME))
                 else None,
                 counters=counters,
-                loader=loader if loader is not None else self._train and self._train.loader,
+                loader=None
+                if self._train is None or not self._train.read_by_each_rank
+                else loader
+                if loader is not None
+                else self._train.loader,
                 folder=str(args.output_dir) if resume is True else None,
                 restores_rng=True,
                 fix=RESUME_FIX,

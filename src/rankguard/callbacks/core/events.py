@@ -53,12 +53,16 @@ class LoaderFacts:
             in one pass (after its own limits such as Composer's
             ``eval_subset_num_batches`` or Lightning's ``limit_val_batches``),
             or ``None`` when unknown; then guards fall back to ``len(loader)``.
+        read_by_each_rank: Whether each rank reads its own data from ``loader``
+            (``False``: one rank reads for all and sends each its batches, as
+            accelerate's ``DataLoaderDispatcher``: the others' positions mean nothing).
     """
 
     name: str
     loader: Any
     is_train: bool
     num_batches: int | None = None
+    read_by_each_rank: bool = True
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,8 @@ class ResumeGuard(Guard):
 
     def on_fit_start(self, facts: EventFacts) -> None:
         """Records the train loader and the random states at the fit's start."""
-        self._train_loader = next((lf.loader for lf in facts.loaders if lf.is_train), None)
+        train = next((lf for lf in facts.loaders if lf.is_train), None)
+        self._train_loader = train.loader if train and train.read_by_each_rank else None
         self._rng_start = rng_digests()
         self._saved = {}
 
