@@ -107,6 +107,22 @@ class EventDriver:
             event_facts = EventFacts(step=self.step, epoch=max(self.epoch, 0), **facts)
             self.runner.fire(event, event_facts, self.log_metrics)
 
+    def dispatch(
+        self, event: Event, facts: EventFacts, log_metrics: MetricSink | None = None
+    ) -> None:
+        """Fires ``event`` with facts the adapter read itself (a framework that announces each).
+
+        FIT_START and FIT_END open and close the fit as :meth:`fit_start` and
+        :meth:`fit_end` do; ``log_metrics`` defaults to the driver's sink.
+        """
+        if event is Event.FIT_START:
+            self._reset()
+            self.fitting = True
+        elif event is Event.FIT_END:
+            self.fitting = False
+        if self.runner.handles(event):
+            self.runner.fire(event, facts, log_metrics or self.log_metrics)
+
     def note_limits(self, loaders: Iterable[LoaderFacts]) -> None:
         """Says once per loader name, at INFO, what the guards cannot read from it."""
         for facts in loaders:

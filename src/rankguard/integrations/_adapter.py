@@ -1,0 +1,109 @@
+"""What every adapter is made of, written once: :class:`Adapter`.
+
+An adapter translates: its framework's events into core events (its event map)
+and its framework's objects into facts. Everything else every adapter needs is
+here: the guards' runner and the :class:`~rankguard.integrations._driver.EventDriver`
+that fires core events in order, the framework methods it wrapped (each with
+its undo), the guards' metrics until the framework takes them, the sequence
+that lets the guards explain an error and then stops them, and the guards'
+checkpoint state. See docs/integrations.md#adding-an-integration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rankguard.callbacks.core.events import EventFacts
+from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.integrations._common import Unhook, on_raise, wrap_method
+from rankguard.integrations._driver import EventDriver
+
+__all__ = ["Adapter"]
+
+
+class Adapter:
+    """The base of every adapter: runner, driver, wrapped methods, metrics, errors, state.
+
+    Args:
+        guards: The guards, in run order (``RankGuard`` builds them).
+        exchange_timeout_s: The side channel's default timeout.
+
+    Attributes:
+        runner: The guards' runner.
+        driver: Fires core events on ``runner`` in order; the guards' metrics go to
+            :meth:`buffer_metrics` until the adapter hands them on (:meth:`take_metrics`).
+    """
+
+    def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
+        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
+        self.driver = EventDriver(self.runner, self.buffer_metrics)
+        self._unhooks: list[Unhook] = []
+        self._metrics: dict[str, float] = {}
+
+    # -- wrapped framework methods ------------------------------------------------------
+
+    def wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Any]) -> None:
+        """Wraps ``obj.name`` on the instance with ``make(original)`` until :meth:`unwrap`."""
+        self._unhooks.append(wrap_method(obj, name, make))
+
+    def watch_raise(self, obj: Any, name: str) -> None:
+        """Lets the guards see an error where it leaves ``obj.name`` (:meth:`fail`)."""
+        self._unhooks.append(on_raise(obj, name, self.fail))
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether any framework method is wrapped now."""
+        return bool(self._unhooks)
+
+    def unwrap(self) -> None:
+        """Removes every wrapper (safe to call twice)."""
+        while self._unhooks:
+            self._unhooks.pop()()
+
+    # -- metrics ------------------------------------------------------------------------
+
+    def buffer_metrics(self, metrics: Mapping[str, float]) -> None:
+        """The guards' metric sink: kept until the framework can take them."""
+        self._metrics.update(metrics)
+
+    def take_metrics(self) -> dict[str, float]:
+        """The metrics kept since the last call (empty if none)."""
+        metrics, self._metrics = self._metrics, {}
+        return metrics
+
+    # -- errors and the end -------------------------------------------------------------
+
+    def fail(self, exc: BaseException, step: int | None = None, epoch: int | None = None) -> None:
+        """An error left the fit: the guards explain it (``on_error``), then every guard stops.
+
+        The guards explain it only while a fit runs; ``step`` and ``epoch`` default to
+        the driver's. Never raises.
+        """
+        driver = self.driver
+        try:
+            if driver.fitting:
+                driver.fitting = False
+                facts = EventFacts(
+                    step=driver.step if step is None else int(step),
+                    epoch=max(driver.epoch, 0) if epoch is None else int(epoch),
+                )
+                self.runner.error(exc, facts)
+        finally:
+            self.runner.close()
+
+    def stop(self) -> None:
+        """Stops every guard and removes every wrapper; safe to call twice and after an error."""
+        self.driver.fitting = False
+        self.unwrap()
+        self.runner.close()
+
+    # -- checkpoint state ---------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guards' state, saved with the framework's checkpoints."""
+        return self.runner.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restores the guards' state from a checkpoint (before the resumed fit's first event)."""
+        self.runner.load_state_dict(state_dict)
