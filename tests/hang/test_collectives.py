@@ -16,36 +16,15 @@ import torch
 
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.hang.collective_files import flight_recorder, read_files
-from rankguard.callbacks.hang.collectives import CollectiveRecorder, sequence_reader
+from rankguard.callbacks.hang.collectives import CollectiveRecorder
 from rankguard.callbacks.hang.report import run as report
 from rankguard.callbacks.hang.stacks import library_paths
 from tests.mp import run_ranks
 
 
-def test_torch_keeps_the_private_apis_the_record_reads():
-    """Fails when torch renames what :func:`sequence_reader` or :func:`flight_recorder` read."""
-    from torch._C import _distributed_c10d as c10d
-
-    assert hasattr(c10d.ProcessGroup, "_get_sequence_number_for_group")
-    dumps = {"_dump_fr_trace_json", "_dump_nccl_trace_json"} & set(dir(c10d))
-    assert dumps, "no flight recorder dump function in this torch"
+def test_flight_recorder_without_a_process_group_is_an_answer():
     entries, why = flight_recorder()  # no process group here: an answer, never an error
     assert entries == [] and why
-
-
-def _private_reaches(rank, world_size):
-    import torch.distributed as dist
-
-    read = sequence_reader(dist.group.WORLD)
-    before = read()
-    dist.all_reduce(torch.ones(1))
-    dist.barrier()
-    return before, read()
-
-
-def test_a_groups_sequence_number_counts_every_collective_issued():
-    outcomes = run_ranks(_private_reaches, 2, timeout_s=60)
-    assert [o.value for o in outcomes] == [(0, 2), (0, 2)], outcomes
 
 
 # -- a rank-dependent number of async metric reductions on a side group ---------------------

@@ -101,9 +101,15 @@ class Adapter:
     # -- checkpoint state ---------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The guards' state, saved with the framework's checkpoints."""
+        """The guards' state (plain values) to save with a checkpoint.
+
+        The hang watchdog's calibration (a resumed job starts with calibrated
+        deadlines) and each rank's data-position and random-state digests at the
+        last save (the resume check). A loop saves it itself:
+        ``torch.save({"model": ..., "rankguard": guard.state_dict()}, path)``.
+        """
         return self.runner.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restores the guards' state from a checkpoint (before the resumed fit's first event)."""
+        """Restores what :meth:`state_dict` saved, before the resumed fit (an empty dict: none)."""
         self.runner.load_state_dict(state_dict)

@@ -7,26 +7,29 @@ See docs/integrations.md#what-the-wrappers-infer.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
 from rankguard.callbacks.core.events import LoaderFacts, LoaderPass, ResumeFacts
-from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations import _api
-from rankguard.integrations._driver import EventDriver
+from rankguard.integrations._adapter import Adapter
 from rankguard.integrations.torch_loop import (
     ORDER,
     EvalLoader,
     EvalPass,
+    Load,
     Save,
     TrainLoader,
     TrainPass,
+    check_dirs,
+    check_eval,
+    check_fit,
+    check_iterable,
+    eval_facts,
 )
-
-logger = logging.getLogger(__name__)
 
 #: What a hand-written loop changes to save sharded checkpoints, named in rankguard's messages.
 SHARDED_SETTING = (
@@ -35,54 +38,18 @@ SHARDED_SETTING = (
     "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer), and "
     "guard.fit(..., state_dict_type='sharded')"
 )
-STATE_DICT_TYPES = ("full", "sharded")
 
 MetricsFn = Callable[[dict[str, float]], Any]
 
 
-def _check_iterable(name: str, loader: Any) -> Any:
-    if not isinstance(loader, Iterable):
-        raise ValueError(f"`{name}` must be an iterable of batches (a DataLoader); got {loader!r}.")
-    return loader
-
-
-def _check_dirs(save_dirs: Any) -> list[str]:
-    if save_dirs is None:
-        return []
-    if isinstance(save_dirs, str | os.PathLike):
-        save_dirs = [save_dirs]
-    if isinstance(save_dirs, Iterable):
-        save_dirs = list(save_dirs)
-    if not isinstance(save_dirs, list) or not all(
-        isinstance(d, str | os.PathLike) and str(d) for d in save_dirs
-    ):
-        raise ValueError(
-            f"`save_dirs` must be a directory path or a list of them; got {save_dirs!r}."
-        )
-    return [os.fspath(d) for d in save_dirs]
-
-
-def _eval_facts(eval_loaders: Any) -> dict[str, LoaderFacts]:
-    if eval_loaders is None:
-        return {}
-    if not isinstance(eval_loaders, Mapping):
-        eval_loaders = {"eval": eval_loaders}
-    facts = {}
-    for name, loader in eval_loaders.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"`eval_loaders` names must be non-empty strings; got {name!r}.")
-        facts[name] = LoaderFacts(name, _check_iterable(f"eval_loaders[{name!r}]", loader), False)
-    return facts
-
-
-class _LoopGuard:
-    """Drives a :class:`GuardRunner` from a hand-written loop.
+class _LoopGuard(Adapter):
+    """Drives the guards from a hand-written loop (one driver for every fit).
 
     What it infers: docs/integrations.md#what-the-wrappers-infer.
     """
 
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
-        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
+        super().__init__(guards, exchange_timeout_s)
         self._running: Run | None = None
         self._resume: ResumeFacts | None = None
 
@@ -125,32 +92,22 @@ class _LoopGuard:
         Raises:
             ValueError: An argument of the wrong kind.
         """
-        if state_dict_type is not None and state_dict_type not in STATE_DICT_TYPES:
-            raise ValueError(
-                f"`state_dict_type` must be one of 'full', 'sharded' or None; got "
-                f"{state_dict_type!r}."
-            )
-        if optimizer is not None and not hasattr(optimizer, "param_groups"):
-            raise ValueError(f"`optimizer` must be a torch optimizer or None; got {optimizer!r}.")
-        if model is not None and not hasattr(model, "parameters"):
-            raise ValueError(f"`model` must be a torch.nn.Module or None; got {model!r}.")
-        if log_metrics is not None and not callable(log_metrics):
-            raise ValueError(f"`log_metrics` must be callable or None; got {log_metrics!r}.")
+        check_fit(model, optimizer, state_dict_type, log_metrics)
         train = None
         if train_loader is not None:
-            train = LoaderFacts("train", _check_iterable("train_loader", train_loader), True)
+            train = LoaderFacts("train", check_iterable("train_loader", train_loader), True)
         return Run(
             self,
             model=model,
             optimizer=optimizer,
             train=train,
-            evals=_eval_facts(eval_loaders),
-            save_dirs=_check_dirs(save_dirs),
+            evals=eval_facts(eval_loaders),
+            save_dirs=check_dirs(save_dirs),
             state_dict_type=state_dict_type,
             log_metrics=log_metrics,
         )
 
-    def load(self, path: str | os.PathLike) -> _Load:
+    def load(self, path: str | os.PathLike) -> Load:
         """A context manager around loading a checkpoint, entered on every rank.
 
         On entry every rank checks that every node sees ``path`` (the file or
@@ -173,7 +130,7 @@ class _LoopGuard:
         """
         if not isinstance(path, str | os.PathLike) or not str(path):
             raise ValueError(f"`path` must be a checkpoint file or folder path; got {path!r}.")
-        return _Load(self, os.fspath(path))
+        return Load(self, os.fspath(path))
 
     def resumed(
         self,
@@ -220,60 +177,9 @@ class _LoopGuard:
             folder=None if folder is None else os.fspath(folder),
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        """What the guards keep across a restart (plain values), to save with a checkpoint.
-
-        Today the hang watchdog's calibration: save it with the model, and a
-        resumed job starts with calibrated deadlines from its first step::
-
-            torch.save({"model": ..., "rankguard": guard.state_dict()}, path)
-        """
-        return self.runner.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores what :meth:`state_dict` saved; call it before ``guard.fit(...)``.
-
-        Args:
-            state: A dict :meth:`state_dict` returned (an empty one is fine).
-        """
-        self.runner.load_state_dict(state)
-
     def close(self) -> None:
         """Stops every guard; safe to call twice and after an error."""
-        self.runner.close()
-
-
-class _Load:
-    """The context manager of :meth:`_LoopGuard.load`."""
-
-    def __init__(self, guard: _LoopGuard, path: str) -> None:
-        self._guard = guard
-        self.path = path
-        self._outside_fit = False
-
-    def __enter__(self) -> _Load:
-        run = self._guard._running
-        if run is not None:
-            run._require("guard.load(...)")
-            run._driver.load_start(self.path)
-            return self
-        self._outside_fit = True
-        try:
-            EventDriver(self._guard.runner).load_start(self.path)
-        except BaseException:
-            self._guard.runner.close()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._outside_fit:  # the fit that follows starts the guards afresh
-            self._outside_fit = False
-            self._guard.runner.close()
+        self.stop()
 
 
 class Run:
@@ -304,7 +210,7 @@ class Run:
         self._state_dict_type = state_dict_type
         self._user_metrics = log_metrics
         self.metrics: dict[str, float] = {}
-        self._driver = EventDriver(guard.runner, self._log_metrics)
+        self._driver = guard.driver
         self._state = "new"  # new -> active -> ended
         self._eval: EvalPass | None = None
         self._pass: TrainPass | None = None
@@ -342,6 +248,7 @@ class Run:
             )
         self._guard._running = self
         self._state = "active"
+        self._driver.log_metrics = self._log_metrics
         loaders = ([self._train] if self._train else []) + list(self._evals.values())
         try:
             self._driver.fit_start(
@@ -388,7 +295,7 @@ class Run:
         if exc is None:
             self._guard.runner.close()
         else:
-            self._driver.abandon(exc)
+            self._guard.fail(exc)
 
     def _require(self, call: str) -> None:
         if self._state != "active":
@@ -421,7 +328,7 @@ class Run:
                     "`run.train()` needs the train loader: pass it here or to `guard.fit(...)`."
                 )
             loader = self._train.loader
-        return TrainLoader(self, _check_iterable("loader", loader))
+        return TrainLoader(self, check_iterable("loader", loader))
 
     def _close_epoch(self) -> None:
         """EPOCH_END of the last train pass, with what its iterator did (next epoch, fit end).
@@ -452,33 +359,15 @@ class Run:
         Returns:
             An iterable with the loader's ``len()`` (capped by ``max_batches``).
         """
-        _check_iterable("loader", loader)
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"`name` must be a non-empty string or None; got {name!r}.")
-        if max_batches is not None and (
-            isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
-        ):
-            raise ValueError(f"`max_batches` must be an integer >= 1 or None; got {max_batches!r}.")
+        check_eval(loader, name, max_batches)
         if name is None:
             name = next((n for n, f in self._evals.items() if f.loader is loader), "eval")
         return EvalLoader(self, LoaderFacts(name, loader, is_train=False, num_batches=max_batches))
 
     def _close_eval(self) -> None:
         """Ends an eval the loop left early, with the batches that ran as its plan."""
-        it = self._eval
-        if it is None:
-            return
-        name = it.facts.name
-        if name not in self._left_early:
-            self._left_early.add(name)
-            logger.info(
-                "rankguard: the loop left eval %r after %d batches; the batches that ran are "
-                "compared across ranks (`run.eval(loader, max_batches=N)` also checks the plan "
-                "before the first batch)",
-                name,
-                it.started,
-            )
-        it.finish(early=True)
+        if self._eval is not None:
+            self._eval.finish(early=True)
 
     # -- checkpoint ------------------------------------------------------------------
 
@@ -493,7 +382,7 @@ class Run:
             *directories: The directories this save writes into (not file
                 names); default: ``save_dirs`` of ``guard.fit``.
         """
-        dirs = _check_dirs(list(directories)) if directories else list(self._save_dirs)
+        dirs = check_dirs(list(directories)) if directories else list(self._save_dirs)
         return Save(self, dirs)
 
 

@@ -1,24 +1,111 @@
-"""The loop's wrapped loaders and save: what ``run.train``, ``run.eval``, ``run.checkpoint`` return.
+"""The loop's wrapped loaders and save, and the checks of the loop API's arguments.
 
-Each turns the loop's own iteration into the driver's events; see
+The wrappers are what ``run.train``, ``run.eval`` and ``run.checkpoint`` return. Each
+turns the loop's own iteration into the driver's events; see
 :mod:`rankguard.integrations.torch` for the run they belong to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
 from rankguard.callbacks.core.events import LoaderFacts, LoaderPass
 
-__all__ = ["ORDER", "EvalLoader", "EvalPass", "Save", "TrainLoader", "TrainPass"]
+logger = logging.getLogger("rankguard.integrations.torch")
+
+__all__ = [
+    "ORDER",
+    "EvalLoader",
+    "EvalPass",
+    "Load",
+    "Save",
+    "TrainLoader",
+    "TrainPass",
+    "check_dirs",
+    "check_eval",
+    "check_fit",
+    "check_iterable",
+    "eval_facts",
+]
 
 ORDER = (
     "Expected order: `with guard.fit(...) as run:` once, then inside it `for batch in "
     "run.train(loader)`, `for batch in run.eval(loader)` and `with run.checkpoint(dir):` "
     "(one at a time, on every rank)."
 )
+
+
+# -- the arguments of guard.fit and run.checkpoint --------------------------------------
+
+
+def check_iterable(name: str, loader: Any) -> Any:
+    """``loader``, if it is an iterable of batches (``ValueError`` names ``name`` if not)."""
+    if not isinstance(loader, Iterable):
+        raise ValueError(f"`{name}` must be an iterable of batches (a DataLoader); got {loader!r}.")
+    return loader
+
+
+def check_dirs(save_dirs: Any) -> list[str]:
+    """``save_dirs`` (a path or paths) as a list of paths (``ValueError`` if not)."""
+    if save_dirs is None:
+        return []
+    if isinstance(save_dirs, str | os.PathLike):
+        save_dirs = [save_dirs]
+    if isinstance(save_dirs, Iterable):
+        save_dirs = list(save_dirs)
+    if not isinstance(save_dirs, list) or not all(
+        isinstance(d, str | os.PathLike) and str(d) for d in save_dirs
+    ):
+        raise ValueError(
+            f"`save_dirs` must be a directory path or a list of them; got {save_dirs!r}."
+        )
+    return [os.fspath(d) for d in save_dirs]
+
+
+def eval_facts(eval_loaders: Any) -> dict[str, LoaderFacts]:
+    """The eval loaders by name (one loader is ``"eval"``), checked."""
+    if eval_loaders is None:
+        return {}
+    if not isinstance(eval_loaders, Mapping):
+        eval_loaders = {"eval": eval_loaders}
+    facts = {}
+    for name, loader in eval_loaders.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"`eval_loaders` names must be non-empty strings; got {name!r}.")
+        facts[name] = LoaderFacts(name, check_iterable(f"eval_loaders[{name!r}]", loader), False)
+    return facts
+
+
+STATE_DICT_TYPES = ("full", "sharded")
+
+
+def check_fit(model: Any, optimizer: Any, state_dict_type: Any, log_metrics: Any) -> None:
+    """Checks ``guard.fit``'s other arguments (``ValueError`` naming the wrong one)."""
+    if state_dict_type is not None and state_dict_type not in STATE_DICT_TYPES:
+        raise ValueError(
+            f"`state_dict_type` must be one of 'full', 'sharded' or None; got {state_dict_type!r}."
+        )
+    if optimizer is not None and not hasattr(optimizer, "param_groups"):
+        raise ValueError(f"`optimizer` must be a torch optimizer or None; got {optimizer!r}.")
+    if model is not None and not hasattr(model, "parameters"):
+        raise ValueError(f"`model` must be a torch.nn.Module or None; got {model!r}.")
+    if log_metrics is not None and not callable(log_metrics):
+        raise ValueError(f"`log_metrics` must be callable or None; got {log_metrics!r}.")
+
+
+def check_eval(loader: Any, name: Any, max_batches: Any) -> None:
+    """Checks ``run.eval``'s arguments (``ValueError`` naming the wrong one)."""
+    check_iterable("loader", loader)
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"`name` must be a non-empty string or None; got {name!r}.")
+    if max_batches is not None and (
+        isinstance(max_batches, bool) or not isinstance(max_batches, int) or max_batches < 1
+    ):
+        raise ValueError(f"`max_batches` must be an integer >= 1 or None; got {max_batches!r}.")
 
 
 class TrainLoader:
@@ -159,6 +246,15 @@ class EvalPass:
         run._eval = None
         if early:
             facts = self.facts
+            if facts.name not in run._left_early:  # said once per loader
+                run._left_early.add(facts.name)
+                logger.info(
+                    "rankguard: the loop left eval %r after %d batches; the batches that ran are "
+                    "compared across ranks (`run.eval(loader, max_batches=N)` also checks the "
+                    "plan before the first batch)",
+                    facts.name,
+                    self.started,
+                )
             run._driver.evals[0] = LoaderFacts(facts.name, facts.loader, False, self.started)
         run._driver.eval_end(LoaderPass(self.started, self._ran_out))
 
@@ -202,3 +298,36 @@ class Save:
             run._driver.save_end()
         else:
             run._driver.saving = False
+
+
+class Load:
+    """The context manager ``guard.load(path)`` returns."""
+
+    def __init__(self, guard: Any, path: str) -> None:
+        self._guard = guard
+        self.path = path
+        self._outside_fit = False
+
+    def __enter__(self) -> Load:
+        run = self._guard._running
+        if run is not None:
+            run._require("guard.load(...)")
+            run._driver.load_start(self.path)
+            return self
+        self._outside_fit = True
+        try:
+            self._guard.driver.load_start(self.path)
+        except BaseException:
+            self._guard.runner.close()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._outside_fit:  # the fit that follows starts the guards afresh
+            self._outside_fit = False
+            self._guard.runner.close()

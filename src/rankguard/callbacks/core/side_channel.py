@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from rankguard.callbacks.core import torch_private
 from rankguard.callbacks.core.errors import RanksMissingError
 from rankguard.callbacks.core.ranks import rank_label
 
@@ -120,17 +121,8 @@ def _unwrap(store: Any) -> Any:
 
 
 def default_store() -> Any:
-    """Returns the key-value store of the default process group.
-
-    This is the one place rankguard touches a private ``torch.distributed``
-    name; ``tests/core/test_side_channel.py`` fails if it disappears.
-
-    Returns:
-        The store the default process group was initialised with.
-    """
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
+    """Returns the key-value store of the default process group (``torch_private``)."""
+    return torch_private.default_store()
 
 
 class SideChannel:

@@ -15,6 +15,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from rankguard.callbacks.core.torch_private import flight_recorder_dumps
 from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued
 from rankguard.callbacks.hang.stacks import describe_frame
 
@@ -50,30 +51,21 @@ FLIGHT_SUFFIX = ".flight.json"
 def flight_recorder() -> tuple[list[dict], str]:
     """PyTorch's flight recorder entries of this process, where the running torch keeps them.
 
-    The dump functions are private and change across versions: torch 2.7 has
-    ``_dump_nccl_trace_json`` (NCCL only, ``TORCH_NCCL_TRACE_BUFFER_SIZE``); torch 2.8+
-    keeps two recorders, NCCL's (``_dump_nccl_trace_json``) and every other backend's
-    (``_dump_fr_trace_json``), both sized by ``TORCH_FR_BUFFER_SIZE``. Each is read, and
-    their entries are joined. This is the one place they are read
-    (``tests/hang/test_collectives.py`` fails if both disappear).
+    The dump functions are private and change across versions
+    (``torch_private.flight_recorder_dumps``): each this torch has is read, and their
+    entries are joined.
 
     Returns:
         The entries (dicts with ``collective_seq_id``, ``profiling_name``, ``input_sizes``,
         ``state``, ``frames``, ...) and where they came from, or ``[]`` and why not.
     """
-    try:
-        from torch._C import _distributed_c10d as c10d
-    except ImportError:
-        return [], "torch.distributed is not available"
     entries: list[dict] = []
     sources: list[str] = []
     why: list[str] = []
-    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
-        dump = getattr(c10d, name, None)
-        if dump is not None:
-            found, reason = _dump_entries(name, dump)
-            entries += found
-            (sources if found else why).append(name if found else reason)
+    for name, dump in flight_recorder_dumps():
+        found, reason = _dump_entries(name, dump)
+        entries += found
+        (sources if found else why).append(name if found else reason)
     if entries:
         return entries, ", ".join(sources)
     return [], "; ".join(why) or "no flight recorder dump in this torch"

@@ -26,6 +26,7 @@ from pathlib import Path
 from time import time
 from typing import Any
 
+from rankguard.callbacks.core.torch_private import sequence_reader
 from rankguard.callbacks.hang.collective_compare import GroupRecord
 from rankguard.callbacks.hang.collective_files import (
     FAULT_SUFFIX,
@@ -83,7 +84,6 @@ LAST = 8
 MADE_MARK = ".rankguard-record-made"  # the folder was made for the record (no report yet)
 _SEQUENCES = frozenset({list, tuple})
 _MAX_WALK = 48  # frames walked up to the user's code per collective, at most
-_SEQ = "_get_sequence_number_for_group"  # ProcessGroup's count of collectives issued
 
 
 def _is_compiling() -> Callable[[], bool]:
@@ -92,24 +92,6 @@ def _is_compiling() -> Callable[[], bool]:
 
     compiler = getattr(torch, "compiler", None)
     return getattr(compiler, "is_compiling", None) or (lambda: False)
-
-
-def sequence_reader(group: Any) -> Callable[[], int] | None:
-    """The process group's count of collectives issued, as a callable, or ``None``.
-
-    ``ProcessGroup._get_sequence_number_for_group`` (gloo and NCCL, torch 2.7 to
-    2.13) counts every collective on the group, C++ callers such as DDP's
-    gradient all-reduce included. Private: this is the one place it is read
-    (``tests/hang/test_collectives.py`` fails if it disappears).
-    """
-    read = getattr(group, _SEQ, None)
-    if read is None:
-        return None
-    try:
-        read()
-    except (RuntimeError, AttributeError):
-        return None
-    return read
 
 
 class _Names:

@@ -9,6 +9,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from rankguard.callbacks.core.torch_private import group_timeout_s
+
 __all__ = ["MAX_RESTARTS_ENV", "RESTART_ENV", "attempt_dir", "process_group_timeout"]
 
 #: Set by torchrun (and its elastic agent) to the number of restarts of the worker group.
@@ -19,22 +21,14 @@ MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"
 def process_group_timeout() -> tuple[str | None, float | None]:
     """Returns the default process group's backend and timeout (seconds), where known.
 
-    The timeout has no public getter; this is the one place the watchdog reads
-    a private ``torch.distributed`` attribute (``tests/hang/test_hang_watchdog.py``
-    fails if it disappears).
+    The timeout has no public getter (``torch_private.group_timeout_s``).
     """
-    import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None, None
     backend = str(dist.get_backend())
-    try:
-        device = torch.device("cuda" if backend == "nccl" else "cpu")
-        options = dist.group.WORLD._get_backend(device).options
-        return backend, options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        return backend, None
+    return backend, group_timeout_s("cuda" if backend == "nccl" else "cpu")
 
 
 def attempt_dir(report_dir: str | os.PathLike, env: Mapping[str, str]) -> Path:

@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import torch
 from torch.compiler import is_compiling
 
+from rankguard.callbacks.core.torch_private import forward_hook_dicts
+
 __all__ = ["EventTimer", "ForwardClock", "TimingEvent", "cuda_events", "hook_targets"]
 
 
@@ -295,14 +297,16 @@ class ForwardClock:
             self.depth = 0  # a forward that raised while unarmed is forgotten
             enter, leave = self._enter, self._leave
             for module, entering, leaving in self._hooked:
-                module._forward_pre_hooks[entering.id] = enter
-                module._forward_hooks[leaving.id] = leave
-                module._forward_hooks_always_called[leaving.id] = True
+                pre, post, always = forward_hook_dicts(module)
+                pre[entering.id] = enter
+                post[leaving.id] = leave
+                always[leaving.id] = True
             return
         for module, entering, leaving in self._hooked:
-            module._forward_pre_hooks.pop(entering.id, None)
-            module._forward_hooks.pop(leaving.id, None)
-            module._forward_hooks_always_called.pop(leaving.id, None)
+            pre, post, always = forward_hook_dicts(module)
+            pre.pop(entering.id, None)
+            post.pop(leaving.id, None)
+            always.pop(leaving.id, None)
 
     def _hook(self, module: torch.nn.Module) -> tuple[torch.nn.Module, Any, Any]:
         enter = module.register_forward_pre_hook(self._enter)

@@ -1,0 +1,95 @@
+"""Every private ``torch`` name rankguard reads, one function each.
+
+``torch.distributed`` keeps some of what rankguard needs behind private names:
+the default process group's store and timeout, a process group's count of the
+collectives it issued, the flight recorder's dumps. A module's forward hooks are
+put back and taken off through its private hook dicts. Each read is here, with
+why no public API serves it; ``tests/core/test_torch_private.py`` calls each
+against the installed torch and fails when torch renames or moves what it reads.
+Nothing else in rankguard reads a private ``torch`` name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "FLIGHT_RECORDER_DUMPS",
+    "default_store",
+    "flight_recorder_dumps",
+    "forward_hook_dicts",
+    "group_timeout_s",
+    "sequence_reader",
+]
+
+#: The flight recorder's dump functions in ``torch._C._distributed_c10d``: torch 2.7 has
+#: NCCL's (``TORCH_NCCL_TRACE_BUFFER_SIZE``); torch 2.8+ also every other backend's, both
+#: sized by ``TORCH_FR_BUFFER_SIZE``.
+FLIGHT_RECORDER_DUMPS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
+_SEQ = "_get_sequence_number_for_group"
+
+
+def default_store() -> Any:
+    """The key-value store the default process group was initialised with.
+
+    No public getter: ``init_process_group`` keeps it in ``distributed_c10d``.
+    """
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def group_timeout_s(device_type: str) -> float | None:
+    """The default process group's timeout in seconds, for its backend on ``device_type``.
+
+    No public getter: the backend's options hold it (``_timeout``). ``None``
+    where this torch keeps it elsewhere.
+    """
+    import torch
+    import torch.distributed as dist
+
+    try:
+        options = dist.group.WORLD._get_backend(torch.device(device_type)).options
+        return float(options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def sequence_reader(group: Any) -> Callable[[], int] | None:
+    """The process group's count of collectives issued, as a callable, or ``None``.
+
+    ``ProcessGroup._get_sequence_number_for_group`` (gloo and NCCL, torch 2.7 to
+    2.13) counts every collective on the group, C++ callers such as DDP's
+    gradient all-reduce included; no public counter exists.
+    """
+    read = getattr(group, _SEQ, None)
+    if read is None:
+        return None
+    try:
+        read()
+    except (RuntimeError, AttributeError):
+        return None
+    return read
+
+
+def flight_recorder_dumps() -> list[tuple[str, Callable[..., Any]]]:
+    """The flight recorder dumps this torch has, by name (empty without ``torch.distributed``).
+
+    PyTorch's flight recorder has no public reader in-process.
+    """
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        return []
+    return [(n, d) for n in FLIGHT_RECORDER_DUMPS if (d := getattr(c10d, n, None)) is not None]
+
+
+def forward_hook_dicts(module: Any) -> tuple[dict, dict, dict]:
+    """A module's forward pre-hooks, forward hooks and always-called marks, by hook id.
+
+    Putting a registered hook back (or taking it off) through these dicts costs a
+    tenth of registering it again, and keeps its id and order; the public handles
+    only remove.
+    """
+    return module._forward_pre_hooks, module._forward_hooks, module._forward_hooks_always_called
