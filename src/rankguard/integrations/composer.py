@@ -248,9 +248,11 @@ def resume_request() -> tuple[str, str | None] | None:
 def dataset_positions(state: State) -> dict[str, Any]:
     """Composer's own train data position: what it saves as ``dataset_state['train']``."""
     method = getattr(getattr(state.train_dataloader, "dataset", None), "state_dict", None)
+    if not callable(method):
+        return {}
     try:  # a state_dict() without Composer's arguments is read by the guard itself
         return {"train dataset_state": method(int(state.timestamp.sample_in_epoch), True)}
-    except TypeError:  # also: no state_dict at all
+    except TypeError:
         return {}
 
 

@@ -391,8 +391,11 @@ def hook_load(trainer: Trainer, before_load: Callable[[str], None]) -> Unhook:
 def resume_facts(trainer: Trainer, checkpoint: str | None) -> ResumeFacts:
     """What this rank resumed from: ``checkpoint`` (``None``: a fresh start), counters, loader."""
     folder, load_path = str(trainer.save_folder), trainer.load_path
-    from_load_path = checkpoint is not None and load_path is not None
-    from_load_path = from_load_path and not checkpoint.startswith(normalize_path(folder) + "/")
+    from_load_path = (
+        checkpoint is not None
+        and load_path is not None
+        and not checkpoint.startswith(normalize_path(folder) + "/")
+    )
     loader = trainer.data_loader
     counters = {"global_step": trainer.global_step, "epoch": trainer.epoch}
     if isinstance(batches := getattr(loader, "batches_processed", None), int):
