@@ -2,7 +2,8 @@
 
 Holds ``RankGuard`` and one callback per guard (settings declared in
 ``rankguard.integrations._api``), and :func:`hook_trainer`, :func:`hook_metric_flush`,
-:func:`save_options`, :func:`route_checkpoint_dir_waits`.
+:func:`save_options`, :func:`route_checkpoint_dir_waits` (OLMo-core's private names are read
+in :mod:`rankguard.integrations.private.olmo_core`).
 Requires ``pip install 'rankguard[olmo-core]'``.
 See docs/integrations.md#olmo-core-where-each-event-comes-from.
 """
@@ -10,7 +11,6 @@ See docs/integrations.md#olmo-core-where-each-event-comes-from.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
@@ -39,8 +39,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "rankguard.integrations.olmo_core needs OLMo-core: pip install 'rankguard[olmo-core]'"
     ) from exc
 
-logger = logging.getLogger(__name__)
-
 #: Where OLMo-core saves checkpoints every node can read, named in rankguard's messages.
 UPLOAD_SETTING = (
     "save to remote storage: TrainerConfig(save_folder='s3://...') (or gs://, r2://, weka://), "
@@ -51,11 +49,6 @@ SHARDED_SETTING = (
     "TransformerTrainModuleConfig(state_dict_save_opts={'full_state_dict': False, "
     "'cpu_offload': True, 'flatten_optimizer_state_dict': True})"
 )
-#: OLMo-core's own guard settings. A local save folder must be shared by every node (its
-#: Trainer refuses one that is not unless ``OLMO_SHARED_FS=1`` says it is). Python ``random``
-#: and numpy states differ between ranks in a healthy run: OLMo-core draws from ``random`` on
-#: the rank that writes its data indices, and a resume restores each rank's own states; its
-#: data order comes from the data loader's ``seed`` (datasets are still compared).
 #: How an OLMo-core job resumes every rank from one checkpoint, and keeps each rank's own state.
 RESUME_FIX = (
     "resume every rank from one copy: TrainerConfig(save_folder=...) on storage every node "
@@ -67,6 +60,11 @@ RESUME_DATA_FIX = (
     "OLMo-core's Checkpointer.load restores train/rank0.pt (rank 0's data loader state and "
     "random states) on that rank"
 )
+#: OLMo-core's own guard settings. A local save folder must be shared by every node (its
+#: Trainer refuses one that is not unless ``OLMO_SHARED_FS=1`` says it is). Python ``random``
+#: and numpy states differ between ranks in a healthy run: OLMo-core draws from ``random`` on
+#: the rank that writes its data indices, and a resume restores each rank's own states; its
+#: data order comes from the data loader's ``seed`` (datasets are still compared).
 DEFAULTS: dict[str, dict[str, Any]] = {
     "shared_dir_barrier": {"on_node_local": "raise"},
     "data_consistency_guard": {"check_rng": False},
