@@ -14,26 +14,20 @@ stalling after its first eval (last: exit code 75).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import re
 import socket
-import time
-from concurrent.futures import Future
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("olmo_core", reason="needs rankguard[olmo-core]")
 
-import olmo_core.distributed.checkpoint as olmo_dist_checkpoint
 import olmo_core.train.callbacks as olmo_callbacks
 import olmo_core.train.callbacks.checkpointer
 import olmo_core.train.checkpoint as olmo_checkpoint
 import olmo_core.utils
-from olmo_core.train import Trainer
 
 from rankguard.callbacks.checkpoint.plan import RankMemory, plan_save
 from rankguard.callbacks.core.guard import Guard
@@ -172,83 +166,29 @@ def test_save_kind_comes_from_the_train_modules_public_save_options(tmp_path):
     assert module.state_dict_to_save(optim=False)["model"]  # still what OLMo-core saves
 
 
-def test_olmo_core_checkpoint_folder_polls_go_through_rankguard_and_are_restored(tmp_path):
-    # The one reach into OLMo-core's private code: fails if its checkpointer stops polling
-    # for step<N>-tmp, its train/ and step<N> with olmo_core.train.checkpoint.wait_for.
-    trainer = build_trainer(tmp_path, {}, eval_sequences=None)
-    polled: list[str] = []
-    unhook = rg_olmo.route_checkpoint_dir_waits(lambda path: polled.append(path) or True)
-    try:
-        step = tmp_path / "ckpt" / "step3"
-        trainer.checkpointer.save(step, trainer.train_module, {})
-    finally:
-        unhook()
-        unhook()
-    assert polled == [f"{step}-tmp", f"{step}-tmp/train", str(step)]
-    assert olmo_checkpoint.wait_for is olmo_core.utils.wait_for
+def test_a_fit_announces_a_resume_where_olmo_core_may_load_one():
+    from olmo_core.train import LoadStrategy
+
+    assert rg_olmo.announces_resume(False, LoadStrategy.if_available)
+    assert rg_olmo.announces_resume(False, LoadStrategy.always)
+    assert not rg_olmo.announces_resume(False, LoadStrategy.never)
+    assert not rg_olmo.announces_resume(True, LoadStrategy.always)
 
 
-def test_olmo_core_without_its_wait_for_is_left_alone(monkeypatch, caplog):
-    caplog.set_level(logging.DEBUG, logger="rankguard")
-    monkeypatch.delattr(olmo_checkpoint, "wait_for")
-    monkeypatch.setattr(rg_olmo, "_NOT_ROUTED", set())
-    for _ in range(2):
-        rg_olmo.route_checkpoint_dir_waits(lambda path: True)()
-    assert not hasattr(olmo_checkpoint, "wait_for")
-    [record] = [r for r in caplog.records if "wait_for" in r.getMessage()]
-    assert record.levelno == logging.DEBUG and "olmo_core.train.checkpoint" in record.getMessage()
+def test_a_checkpoint_outside_the_save_folder_came_from_the_load_path():
+    from_load_path = rg_olmo.resumed_from_load_path
+    assert not from_load_path(None, "/elsewhere", "/ckpt")  # a fresh start
+    assert not from_load_path("/elsewhere/step8", None, "/ckpt")  # no load path given
+    assert not from_load_path("/ckpt/step8", "/elsewhere", "/ckpt")  # the save folder's
+    assert from_load_path("/elsewhere/step8", "/elsewhere", "/ckpt")
+    assert from_load_path("/ckpt2/step8", "/ckpt2", "/ckpt")  # not a prefix match
 
 
-def _wait_for_callers() -> set[str]:
-    """The installed OLMo-core's modules that call ``wait_for`` (the name, not a longer one)."""
-    root = Path(olmo_core.__file__).parent
-    callers = set()
-    for file in root.rglob("*.py"):
-        text = file.read_text()
-        if re.search(r"(?<![\w.])wait_for\(", text.replace("def wait_for(", "")):
-            relative = file.relative_to(root.parent).with_suffix("")
-            callers.add(".".join(relative.parts).removesuffix(".__init__"))
-    return callers
-
-
-def test_every_module_where_the_installed_olmo_core_waits_for_a_checkpoint_is_routed():
-    # Fails when OLMo-core moves a wait_for (2.4 and 3.0 read: the checkpointer, its callback,
-    # distributed.checkpoint's save preparation): add it to WAIT_SITES, "folder" or "rank0".
-    assert _wait_for_callers() == set(rg_olmo.WAIT_SITES)
-
-
-def test_distributed_checkpoint_save_preparation_polls_its_folder_through_rankguard(tmp_path):
-    # 3.0: the DDP train module's save_state_dict_direct; 10 s in both versions.
-    polled: list[str] = []
-    unhook = rg_olmo.route_checkpoint_dir_waits(lambda path: polled.append(path) or True)
-    try:
-        olmo_dist_checkpoint._prepare_env_for_save(str(tmp_path / "model_and_optim"))
-    finally:
-        unhook()
-    assert polled == [str(tmp_path / "model_and_optim")]
-    assert olmo_dist_checkpoint.wait_for is olmo_core.utils.wait_for
-
-
-def test_rank_0s_wait_for_its_last_async_checkpoint_gets_rankguards_timeout(tmp_path):
-    # CheckpointerCallback._await_last_checkpoint: rank 0 alone, 10 s; never an exchange.
-    callback = build_trainer(tmp_path, {}, eval_sequences=None).callbacks["checkpointer"]
-    done: Future = Future()
-    done.set_result(None)
-    callback._future, callback._latest_checkpoint_path = done, str(tmp_path / "never")
-    timeouts: list[float] = []
-    folders: list[str] = []
-    unhook = rg_olmo.route_checkpoint_dir_waits(
-        lambda path: folders.append(path) or True, lambda t: timeouts.append(t) or 0.6
-    )
-    started = time.monotonic()
-    try:
-        with pytest.raises(TimeoutError, match="waiting to finalize checkpoint"):
-            callback._await_last_checkpoint()
-    finally:
-        unhook()
-    assert timeouts == [10.0] and folders == []  # OLMo-core's 10 s, replaced by rankguard's
-    assert 0.5 < time.monotonic() - started < 5
-    assert olmo_callbacks.checkpointer.wait_for is olmo_core.utils.wait_for
+def test_rank_0s_wait_for_its_last_checkpoint_takes_the_barriers_timeout_while_fitting():
+    assert rg_olmo.rank0_timeout(10.0, 300.0, fitting=True) == 300.0
+    assert rg_olmo.rank0_timeout(120.0, 60.0, fitting=True) == 120.0  # never shortened
+    assert rg_olmo.rank0_timeout(10.0, 300.0, fitting=False) == 10.0
+    assert rg_olmo.rank0_timeout(10.0, None, fitting=True) == 10.0  # no barrier
 
 
 def test_a_save_that_copies_each_replica_to_the_host_is_sized_per_rank():
@@ -514,22 +454,6 @@ def test_olmo_core_no_scenario_starts_with_a_thread_an_earlier_one_left_running(
             for name, r in rank.items()
         }
         assert leftovers == {name: [] for name in SCENARIOS}, leftovers
-
-
-def test_olmo_core_reduces_metrics_where_rankguard_checks_them():
-    # What hook_metric_flush relies on (private names are read in that one function).
-    from olmo_core.train import utils as train_utils
-
-    source = inspect.getsource(Trainer._log_metrics)
-    assert "if not self._metrics:" in source and "self.run_bookkeeping_op(" in source
-    assert "move_metrics(self._metrics," in source
-    assert "reduce_metrics," in source and "self._metrics_reduce_type," in source
-    assert "metrics_consistent=self._metrics_consistent" in source
-    assert {"metrics", "metrics_reduce_type", "metrics_consistent"} <= set(
-        inspect.signature(train_utils.reduce_metrics).parameters
-    )
-    fields = {f.name for f in dataclasses.fields(Trainer)}
-    assert {"_metrics", "_metrics_consistent", "_metrics_reduce_type"} <= fields
 
 
 def test_olmo_core_loaders_dataset_is_found_through_its_public_attribute(tmp_path):

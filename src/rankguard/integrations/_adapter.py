@@ -47,6 +47,10 @@ class Adapter:
         """Wraps ``obj.name`` on the instance with ``make(original)`` until :meth:`unwrap`."""
         self._unhooks.append(wrap_method(obj, name, make))
 
+    def add_undo(self, undo: Unhook) -> None:
+        """Runs ``undo`` at :meth:`unwrap`, as a wrapper's (for wrappers made elsewhere)."""
+        self._unhooks.append(undo)
+
     def watch_raise(self, obj: Any, name: str) -> None:
         """Lets the guards see an error where it leaves ``obj.name`` (:meth:`fail`)."""
         self._unhooks.append(on_raise(obj, name, self.fail))

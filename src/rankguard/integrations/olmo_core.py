@@ -2,7 +2,8 @@
 
 Holds ``RankGuard`` and one callback per guard (settings declared in
 ``rankguard.integrations._api``), and :func:`hook_trainer`, :func:`hook_metric_flush`,
-:func:`save_options`, :func:`route_checkpoint_dir_waits`.
+:func:`save_options`, :func:`route_checkpoint_dir_waits` (OLMo-core's private names are read
+in :mod:`rankguard.integrations.private.olmo_core`).
 Requires ``pip install 'rankguard[olmo-core]'``.
 See docs/integrations.md#olmo-core-where-each-event-comes-from.
 """
@@ -10,11 +11,8 @@ See docs/integrations.md#olmo-core-where-each-event-comes-from.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import PurePath
 from typing import Any, ClassVar
 
 # The core guard: this module's own ``SharedDirBarrier`` is the OLMo-core callback of that name.
@@ -22,11 +20,13 @@ from rankguard.callbacks.checkpoint.shared_dir_barrier import (
     SharedDirBarrier as CoreSharedDirBarrier,
 )
 from rankguard.callbacks.core.events import LoaderFacts, ResumeFacts
-from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations import _api
+from rankguard.integrations._adapter import Adapter
 from rankguard.integrations._common import Unhook, metric_reduction_check, wrap_method
 from rankguard.integrations._driver import EventDriver
 from rankguard.integrations.olmo_core_flush import FLUSH, FLUSH_FIX, FLUSH_NOTES, hook_metric_flush
+from rankguard.integrations.private.olmo_core import attached_trainer, route_checkpoint_dir_waits
 
 try:
     from olmo_core.eval import Evaluator
@@ -39,8 +39,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "rankguard.integrations.olmo_core needs OLMo-core: pip install 'rankguard[olmo-core]'"
     ) from exc
 
-logger = logging.getLogger(__name__)
-
 #: Where OLMo-core saves checkpoints every node can read, named in rankguard's messages.
 UPLOAD_SETTING = (
     "save to remote storage: TrainerConfig(save_folder='s3://...') (or gs://, r2://, weka://), "
@@ -51,11 +49,6 @@ SHARDED_SETTING = (
     "TransformerTrainModuleConfig(state_dict_save_opts={'full_state_dict': False, "
     "'cpu_offload': True, 'flatten_optimizer_state_dict': True})"
 )
-#: OLMo-core's own guard settings. A local save folder must be shared by every node (its
-#: Trainer refuses one that is not unless ``OLMO_SHARED_FS=1`` says it is). Python ``random``
-#: and numpy states differ between ranks in a healthy run: OLMo-core draws from ``random`` on
-#: the rank that writes its data indices, and a resume restores each rank's own states; its
-#: data order comes from the data loader's ``seed`` (datasets are still compared).
 #: How an OLMo-core job resumes every rank from one checkpoint, and keeps each rank's own state.
 RESUME_FIX = (
     "resume every rank from one copy: TrainerConfig(save_folder=...) on storage every node "
@@ -67,6 +60,11 @@ RESUME_DATA_FIX = (
     "OLMo-core's Checkpointer.load restores train/rank0.pt (rank 0's data loader state and "
     "random states) on that rank"
 )
+#: OLMo-core's own guard settings. A local save folder must be shared by every node (its
+#: Trainer refuses one that is not unless ``OLMO_SHARED_FS=1`` says it is). Python ``random``
+#: and numpy states differ between ranks in a healthy run: OLMo-core draws from ``random`` on
+#: the rank that writes its data indices, and a resume restores each rank's own states; its
+#: data order comes from the data loader's ``seed`` (datasets are still compared).
 DEFAULTS: dict[str, dict[str, Any]] = {
     "shared_dir_barrier": {"on_node_local": "raise"},
     "data_consistency_guard": {"check_rng": False},
@@ -163,110 +161,33 @@ def sharded_switch(train_module: Any) -> Callable[[], str] | None:
     return switch
 
 
-#: OLMo-core's modules that poll with ``olmo_core.utils.wait_for`` during a save, and what
-#: they poll for: ``"folder"``, a folder the filesystem-local rank 0 made, polled by every
-#: rank (routed through the barrier); ``"rank0"``, a condition rank 0 alone polls (its own
-#: last checkpoint finalised: given the barrier's ``timeout_s``, no exchange). Read from
-#: ai2-olmo-core 2.4 and 3.0 (3.0 moved the checkpointer's own to ``Checkpointer.FS_TIMEOUT``,
-#: 120 s; the other two still wait 10 s). ``tests/integrations/test_olmo_core.py`` fails if
-#: the installed OLMo-core calls ``wait_for`` in a module not listed here.
-WAIT_SITES: dict[str, str] = {
-    # Checkpointer._get_tmp_dir, _save_train_state, _prepare_dir, _teardown_tmp_dir
-    "olmo_core.train.checkpoint": "folder",
-    # _prepare_env_for_save (3.0: the DDP train module's save_state_dict_direct)
-    "olmo_core.distributed.checkpoint": "folder",
-    # CheckpointerCallback._await_last_checkpoint (async saves), rank 0 only
-    "olmo_core.train.callbacks.checkpointer": "rank0",
-}
-
-#: Why :func:`route_checkpoint_dir_waits` left a module alone, once per process.
-_NOT_ROUTED: set[str] = set()
+# -- decisions ---------------------------------------------------------------------------
 
 
-def polled_folder(condition: Callable[[], bool]) -> str | None:
-    """The folder a ``wait_for`` condition polls (``Path.exists`` bound, a lambda over one path)."""
-    owner = getattr(condition, "__self__", None)  # ``train_dir.exists``
-    if isinstance(owner, PurePath):
-        return str(owner)
-    cells = [c.cell_contents for c in getattr(condition, "__closure__", None) or ()]
-    paths = [c for c in cells if isinstance(c, str | PurePath)]  # ``lambda: dir.exists()``
-    return str(paths[0]) if len(paths) == 1 else None
+def announces_resume(no_checkpoints: bool, load_strategy: LoadStrategy) -> bool:
+    """Whether a fit announces RESUMED: where ``Trainer.fit`` may load a checkpoint."""
+    return not no_checkpoints and load_strategy != LoadStrategy.never
 
 
-def route_checkpoint_dir_waits(
-    wait: Callable[[str], bool], patience: Callable[[float], float] | None = None
-) -> Unhook:
-    """Makes OLMo-core's checkpoint waits go through rankguard, in every module that has one.
-
-    The one place rankguard reaches into OLMo-core's private code: the name
-    ``wait_for`` (``olmo_core.utils.wait_for``, polling every 0.5 s until its
-    ``timeout``) in each module of :data:`WAIT_SITES` is replaced, module-wide, until
-    the returned undo. A ``"folder"`` poll (the filesystem-local rank 0 made
-    ``step<N>-tmp``, its ``train/``, the renamed ``step<N>`` or a
-    ``model_and_optim`` folder; every rank then polls with ``Path.exists``) first calls
-    ``wait(path)`` on every rank, which may exchange across ranks; OLMo-core's own
-    ``wait_for`` runs where ``wait`` declines (returns ``False``), for any other
-    condition, and when the folder is still missing after ``wait``. A ``"rank0"`` poll
-    (rank 0 alone) never exchanges: it runs OLMo-core's ``wait_for`` with the timeout
-    ``patience(timeout)`` gives. A module without that name (another OLMo-core) is left
-    alone (logged once at DEBUG). ``tests/integrations/test_olmo_core.py`` fails if
-    these polls move.
-
-    Args:
-        wait: Waits for a folder on every rank; ``False`` to decline.
-        patience: OLMo-core's timeout of a ``"rank0"`` poll to the one to use
-            (default: unchanged).
-
-    Returns:
-        The undo (safe to call twice).
-    """
-    unhooks = [
-        _route(module, kind, wait, patience or (lambda timeout: timeout))
-        for module, kind in WAIT_SITES.items()
-    ]
-
-    def unhook() -> None:
-        for undo in unhooks:
-            undo()
-
-    return unhook
+def resumed_from_load_path(checkpoint: str | None, load_path: Any, save_folder: str) -> bool:
+    """Whether ``checkpoint`` came from ``load_path``, not the save folder (tried first)."""
+    if checkpoint is None or load_path is None:
+        return False
+    return not checkpoint.startswith(normalize_path(save_folder) + "/")
 
 
-def _route(
-    name: str, kind: str, wait: Callable[[str], bool], patience: Callable[[float], float]
-) -> Unhook:
-    """Replaces ``wait_for`` in module ``name`` (see :func:`route_checkpoint_dir_waits`)."""
-    module = importlib.import_module(name)
-    original = getattr(module, "wait_for", None)
-    if not callable(original):
-        if name not in _NOT_ROUTED:
-            _NOT_ROUTED.add(name)
-            logger.debug(
-                "rankguard: %s has no wait_for; its checkpoint polls keep OLMo-core's own timeout",
-                name,
-            )
-        return lambda: None
+def rank0_timeout(timeout: float, barrier_timeout_s: float | None, fitting: bool) -> float:
+    """Rank 0's wait for its last checkpoint: the barrier's ``timeout_s`` while fitting."""
+    if barrier_timeout_s is None or not fitting:
+        return timeout
+    return max(timeout, barrier_timeout_s)
 
-    def wait_for(condition: Callable[[], bool], description: str, timeout: float = 10.0) -> None:
-        if kind == "rank0":
-            original(condition, description, patience(timeout))
-            return
-        folder = polled_folder(condition)
-        if folder is not None and wait(folder) and condition():
-            return
-        original(condition, description, timeout)
 
-    setattr(module, "wait_for", wait_for)  # noqa: B010  (a name mypy does not know)
-
-    def unhook() -> None:
-        if getattr(module, "wait_for", None) is wait_for:
-            setattr(module, "wait_for", original)  # noqa: B010
-
-    return unhook
+# -- the wrapped public methods ----------------------------------------------------------
 
 
 class _Hooks:
-    """What :func:`hook_trainer` calls: the driver's events with OLMo-core's facts."""
+    """What :func:`hook_trainer`'s wrappers call: the driver's events with OLMo-core's facts."""
 
     def __init__(
         self,
@@ -286,10 +207,9 @@ class _Hooks:
         return True
 
     def patience(self, timeout: float) -> float:
-        """Rank 0's wait for its last checkpoint: the barrier's ``timeout_s`` while fitting."""
-        if self.barrier is None or not self.driver.fitting:
-            return timeout
-        return max(timeout, self.barrier.timeout_s)
+        """Rank 0's wait for its last checkpoint (:func:`rank0_timeout`)."""
+        barrier_timeout = None if self.barrier is None else self.barrier.timeout_s
+        return rank0_timeout(timeout, barrier_timeout, self.driver.fitting)
 
     def eval_start(self, evaluator: Evaluator) -> None:
         facts = self.evals.get(id(evaluator))
@@ -321,8 +241,13 @@ class _Hooks:
         return result
 
 
-def hook_trainer(trainer: Trainer, hooks: _Hooks, watched: Iterable[Evaluator]) -> list[Unhook]:
-    """Wraps, on these instances, the OLMo-core methods whose calls mark evals and saves.
+Wrapper = tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]
+
+
+def trainer_wrappers(
+    trainer: Trainer, hooks: _Hooks, watched: Iterable[Evaluator]
+) -> list[Wrapper]:
+    """The OLMo-core methods whose calls mark evals and saves: ``(instance, name, make)``.
 
     The one place rankguard relies on how OLMo-core calls its public API:
     ``Trainer.save_checkpoint`` / ``save_checkpoint_async`` for every save;
@@ -330,9 +255,6 @@ def hook_trainer(trainer: Trainer, hooks: _Hooks, watched: Iterable[Evaluator]) 
     before its first batch, ``TrainModule.eval_batch`` per batch and
     ``compute_metrics`` after its last. ``tests/integrations/test_olmo_core.py`` fails if
     that changes.
-
-    Returns:
-        The functions that remove each wrapper (safe to call twice).
     """
 
     def saving(save: Callable[..., Any]) -> Callable[..., Any]:
@@ -358,15 +280,20 @@ def hook_trainer(trainer: Trainer, hooks: _Hooks, watched: Iterable[Evaluator]) 
 
         return compute_metrics
 
-    unhooks = [
-        wrap_method(trainer, "save_checkpoint", saving),
-        wrap_method(trainer, "save_checkpoint_async", saving),
-        wrap_method(trainer.train_module, "eval_batch", batch),
+    wrappers: list[Wrapper] = [
+        (trainer, "save_checkpoint", saving),
+        (trainer, "save_checkpoint_async", saving),
+        (trainer.train_module, "eval_batch", batch),
     ]
     for evaluator in watched:
-        unhooks.append(wrap_method(evaluator, "reset_metrics", starting(evaluator)))
-        unhooks.append(wrap_method(evaluator, "compute_metrics", ending))
-    return unhooks
+        wrappers += [(evaluator, "reset_metrics", starting(evaluator))]
+        wrappers += [(evaluator, "compute_metrics", ending)]
+    return wrappers
+
+
+def hook_trainer(trainer: Trainer, hooks: _Hooks, watched: Iterable[Evaluator]) -> list[Unhook]:
+    """Wraps, on these instances, :func:`trainer_wrappers`; returns each wrapper's undo."""
+    return [wrap_method(*wrapper) for wrapper in trainer_wrappers(trainer, hooks, watched)]
 
 
 def hook_load(trainer: Trainer, before_load: Callable[[str], None]) -> Unhook:
@@ -391,11 +318,7 @@ def hook_load(trainer: Trainer, before_load: Callable[[str], None]) -> Unhook:
 def resume_facts(trainer: Trainer, checkpoint: str | None) -> ResumeFacts:
     """What this rank resumed from: ``checkpoint`` (``None``: a fresh start), counters, loader."""
     folder, load_path = str(trainer.save_folder), trainer.load_path
-    from_load_path = (
-        checkpoint is not None
-        and load_path is not None
-        and not checkpoint.startswith(normalize_path(folder) + "/")
-    )
+    from_load_path = resumed_from_load_path(checkpoint, load_path, folder)
     loader = trainer.data_loader
     counters = {"global_step": trainer.global_step, "epoch": trainer.epoch}
     if isinstance(batches := getattr(loader, "batches_processed", None), int):
@@ -412,8 +335,8 @@ def resume_facts(trainer: Trainer, checkpoint: str | None) -> ResumeFacts:
     )
 
 
-class _OlmoCoreAdapter(Callback):
-    """Drives a :class:`GuardRunner` from OLMo-core ``Callback`` hooks."""
+class _OlmoCoreAdapter(Adapter, Callback):
+    """Drives the guards (:class:`Adapter`) from OLMo-core ``Callback`` hooks."""
 
     #: Above every OLMo-core callback (the checkpointer's is 1): rankguard's
     #: fit-start checks run before the pre-train save and ``eval_on_startup``.
@@ -422,26 +345,16 @@ class _OlmoCoreAdapter(Callback):
     framework_defaults = DEFAULTS
 
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
-        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
-        self.driver = EventDriver(self.runner, self._log_metrics)
+        super().__init__(guards, exchange_timeout_s)
         self._train: LoaderFacts | None = None
-        self._metrics: dict[str, float] = {}
-        self._unhooks: list[Unhook] = []
-        self._unhook_load: Unhook | None = None
+        self._unhook_load: Unhook | None = None  # for the callback's life, not one fit's
         self._loaded_from: str | None = None
 
-    # -- facts -----------------------------------------------------------------------
-
-    def _log_metrics(self, metrics: Mapping[str, float]) -> None:
-        self._metrics.update(metrics)
-
     def _flush_metrics(self) -> None:
-        if self._metrics and self._trainer is not None:
-            metrics, self._metrics = self._metrics, {}
-            for name, value in metrics.items():
-                self.trainer.record_metric(
-                    name, float(value), merge_strategy=MetricMergeStrategy.latest
-                )
+        trainer = attached_trainer(self)
+        if trainer is not None:
+            for name, value in self.take_metrics().items():
+                trainer.record_metric(name, float(value), merge_strategy=MetricMergeStrategy.latest)
 
     def _load_start(self, path: str) -> None:
         self.driver.load_start(path, upload_setting=UPLOAD_SETTING)
@@ -457,19 +370,10 @@ class _OlmoCoreAdapter(Callback):
         """Notes the checkpoint this rank loaded (before ``pre_train``: RESUMED comes there)."""
         self._loaded_from = str(path)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The guards' checkpoint state (the hang watchdog's calibration), saved per rank."""
-        return self.runner.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores the guards' state from a checkpoint (before ``pre_train``)."""
-        self.runner.load_state_dict(state_dict)
-
     def pre_train(self) -> None:
         """FIT_START with the train loader, every evaluator's batches, model and optimizer."""
         if self.driver.fitting:  # a second fit() on the same Trainer
-            self._unhook()
-            self.driver.abandon()
+            self.stop()
         trainer = self.trainer
         self._train = LoaderFacts("train", trainer.data_loader, is_train=True)
         watched = evaluators(trainer)
@@ -485,11 +389,10 @@ class _OlmoCoreAdapter(Callback):
         guards = self.runner.guards
         barrier = next((g for g in guards if isinstance(g, CoreSharedDirBarrier)), None)
         hooks = _Hooks(self.driver, evals, barrier)
-        self._unhooks = hook_trainer(trainer, hooks, [evaluator for evaluator, _ in watched])
+        for wrapper in trainer_wrappers(trainer, hooks, [evaluator for evaluator, _ in watched]):
+            self.wrap(*wrapper)
         if barrier is not None:
-            self._unhooks.append(
-                route_checkpoint_dir_waits(hooks.checkpoint_folder, hooks.patience)
-            )
+            self.add_undo(route_checkpoint_dir_waits(hooks.checkpoint_folder, hooks.patience))
         folder = save_folder(trainer)
         module = trainer.train_module
         kind, to_host = save_options(module)
@@ -508,9 +411,9 @@ class _OlmoCoreAdapter(Callback):
             guards, "olmo_core_flush", where=FLUSH, fix=FLUSH_FIX, notes=FLUSH_NOTES
         )
         if check is not None:
-            self._unhooks.append(hook_metric_flush(trainer, check))
+            self.add_undo(hook_metric_flush(trainer, check))
         loaded, self._loaded_from = self._loaded_from, None
-        if not trainer.no_checkpoints and trainer.load_strategy != LoadStrategy.never:
+        if announces_resume(trainer.no_checkpoints, trainer.load_strategy):
             self.driver.resumed(resume_facts(trainer, loaded))  # restored, before any batch
 
     def pre_epoch(self) -> None:
@@ -530,7 +433,8 @@ class _OlmoCoreAdapter(Callback):
             probe = self.runner.steps.batch_probe
             if probe is not None:  # the first train batches, for the guards that read them
                 probe(batch)
-            self._flush_metrics()
+            if self._metrics:  # the guards' metrics (Adapter.buffer_metrics), rarely any
+                self._flush_metrics()
 
     def post_train_batch(self) -> None:
         """TRAIN_BATCH_END (before the checkpointer's save)."""
@@ -545,8 +449,8 @@ class _OlmoCoreAdapter(Callback):
     def on_error(self, exc: BaseException) -> None:
         """Lets the guards explain the error, then stops them."""
         if self.driver.fitting:
-            self._unhook()
-            self.driver.abandon(exc)
+            self.unwrap()
+            self.fail(exc)
 
     def close(self) -> None:
         """FIT_END after a successful fit (after the final save); then the guards stop.
@@ -557,14 +461,7 @@ class _OlmoCoreAdapter(Callback):
             if self.driver.fitting:
                 self.driver.fit_end()
         finally:
-            self.driver.fitting = False
-            self._unhook()
-            self.runner.close()
-
-    def _unhook(self) -> None:
-        unhooks, self._unhooks = self._unhooks, []
-        for unhook in unhooks:
-            unhook()
+            self.stop()
 
 
 class RankGuard(_api.RankGuardSettings, _OlmoCoreAdapter):

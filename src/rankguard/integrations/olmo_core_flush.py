@@ -14,6 +14,7 @@ import torch
 
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck, Rows, reduction_rows
 from rankguard.integrations._common import Unhook, wrap_method
+from rankguard.integrations.private.olmo_core import pending_flush, wrap_metric_flush
 
 try:
     from olmo_core.train import Trainer
@@ -129,7 +130,8 @@ def check_flush(
 def hook_metric_flush(trainer: Trainer, check: ReductionCheck) -> Unhook:
     """Runs ``check`` at every metric flush, before OLMo-core reduces the metrics.
 
-    The one place rankguard relies on how OLMo-core reduces its metrics: its
+    Relies on how OLMo-core reduces its metrics (the private names it reads are
+    read in :mod:`rankguard.integrations.private.olmo_core`): its
     private ``Trainer._log_metrics`` starts each flush on the training thread,
     at the same points on every rank; it reduces ``_metrics`` (the names per
     step since the last flush, nothing where this rank has none while another
@@ -149,7 +151,7 @@ def hook_metric_flush(trainer: Trainer, check: ReductionCheck) -> Unhook:
     save) waits while a flush is checked and OLMo-core takes its metrics, so the
     names compared are the names OLMo-core reduces (recorded between the two, it
     was reduced unchecked: a healthy 2-rank job's first flush paired different
-    sizes). ``tests/integrations/test_olmo_core.py`` fails if that changes.
+    sizes). ``tests/integrations/test_private_olmo_core.py`` fails if that changes.
 
     Returns:
         The function that removes both wrappers (safe to call twice).
@@ -159,12 +161,7 @@ def hook_metric_flush(trainer: Trainer, check: ReductionCheck) -> Unhook:
     def flushing(log_metrics: Callable[..., Any]) -> Callable[..., Any]:
         def _log_metrics(*args: Any, **kwargs: Any) -> Any:
             with flush:
-                check_flush(
-                    check,
-                    trainer._metrics,
-                    trainer._metrics_reduce_type,
-                    trainer._metrics_consistent,
-                )
+                check_flush(check, *pending_flush(trainer))
                 return log_metrics(*args, **kwargs)
 
         return _log_metrics
@@ -177,7 +174,7 @@ def hook_metric_flush(trainer: Trainer, check: ReductionCheck) -> Unhook:
         return record
 
     unhooks = [
-        wrap_method(trainer, "_log_metrics", flushing),
+        wrap_metric_flush(trainer, flushing),
         wrap_method(trainer, "record_metric", recording),
     ]
 
