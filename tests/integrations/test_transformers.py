@@ -1,4 +1,4 @@
-"""The Hugging Face Trainer adapter in one process: the Trainer it finds, its events, its silence.
+"""The Hugging Face Trainer adapter in one process: its events, its decisions, its silence.
 
 The same adapter runs on 2 ranks under ``torchrun`` in ``tests/frameworks/test_torchrun_e2e.py``.
 A 2-layer BERT built from a config; nothing reaches the network.
@@ -14,15 +14,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub
 pytest.importorskip("transformers", reason="needs rankguard[transformers]")
 
-from transformers import (
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+from transformers import Trainer, TrainerControl, TrainingArguments
 
 from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations import transformers as rg_hf
-from rankguard.integrations.transformers import RankGuard, calling_trainer
+from rankguard.integrations.transformers import RankGuard
 from tests.e2e.common import EventLog, tiny_bert, token_dataset
 
 
@@ -49,26 +45,6 @@ def trainer(tmp_path, callback, eval_dataset=None, **args) -> Trainer:
         eval_dataset=token_dataset(8) if eval_dataset is None else eval_dataset,
         callbacks=[callback],
     )
-
-
-class FindTrainer(TrainerCallback):
-    def __init__(self) -> None:
-        self.found: dict[str, object] = {}
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.found["on_train_begin"] = calling_trainer()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.found["on_step_end"] = calling_trainer()
-
-
-def test_the_trainer_calling_a_hook_is_found(tmp_path):
-    # The one private reliance: transformers calls hooks from the Trainer's own methods.
-    finder = FindTrainer()
-    hf = trainer(tmp_path, finder, max_steps=1)
-    hf.train()
-    assert finder.found == {"on_train_begin": hf, "on_step_end": hf}
-    assert calling_trainer() is None  # not inside a Trainer
 
 
 def test_trainer_hooks_fire_core_events_in_order(tmp_path):
@@ -173,8 +149,6 @@ def test_accelerate_sharded_loaders_are_distributed_for_the_content_check():
 
 
 def test_stop_decision_reads_should_training_stop_for_the_deadlock_report():
-    from transformers import TrainerControl
-
     from rankguard.integrations.transformers import stop_decision
 
     control = TrainerControl()
@@ -194,3 +168,62 @@ def test_a_dispatching_loader_is_not_read_for_data_positions():
             return iter(range(8))
 
     assert type(DataLoaderDispatcher(Stream(), batch_size=2)).__name__ == rg_hf.DISPATCHER
+
+
+def control(**flags: bool) -> TrainerControl:
+    control = TrainerControl()
+    for name, value in flags.items():
+        setattr(control, name, value)
+    return control
+
+
+@pytest.mark.parametrize("after_step", [True, False])
+@pytest.mark.parametrize("evaluate", [True, False])
+@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("log", [True, False])
+def test_next_event_after_a_step_or_an_epoch(after_step, evaluate, save, log):
+    flags = control(should_evaluate=evaluate, should_save=save, should_log=log)
+    expected = (
+        "eval"  # a save due as well waits for the eval's on_evaluate
+        if evaluate
+        else "save"
+        if save
+        else ("log" if log else "fetch")
+        if after_step
+        else None
+    )
+    assert rg_hf.next_event(flags, after_step) == expected
+    # on_step_end's inline usual step is exactly the "fetch" case
+    usual = not (evaluate or save or log)
+    assert (rg_hf.next_event(flags, after_step=True) == "fetch") == usual
+
+
+def test_save_after_eval_step_then_best_then_none(tmp_path):
+    def args(strategy):
+        return TrainingArguments(
+            output_dir=str(tmp_path),
+            save_strategy=strategy,
+            eval_strategy="steps",
+            load_best_model_at_end=strategy == "best",
+            metric_for_best_model="loss",
+            use_cpu=True,
+            report_to=[],
+        )
+
+    assert rg_hf.save_after_eval(control(should_save=True), args("steps")) == "step"
+    assert rg_hf.save_after_eval(control(should_save=True), args("best")) == "step"
+    assert rg_hf.save_after_eval(control(), args("best")) == "best"
+    assert rg_hf.save_after_eval(control(), args("steps")) is None
+    assert rg_hf.save_after_eval(control(), args("no")) is None
+
+
+def test_resume_loader_reads_the_epochs_loader_of_a_loader_each_rank_reads():
+    from rankguard.callbacks.core.events import LoaderFacts
+
+    train, skipping = object(), object()
+    own = LoaderFacts("train", train, True)
+    assert rg_hf.resume_loader(own, skipping) is skipping
+    assert rg_hf.resume_loader(own, None) is train
+    assert rg_hf.resume_loader(None, skipping) is None
+    dispatched = LoaderFacts("train", train, True, read_by_each_rank=False)
+    assert rg_hf.resume_loader(dispatched, skipping) is None

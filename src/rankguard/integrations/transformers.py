@@ -1,7 +1,8 @@
 """rankguard callbacks for the Hugging Face ``Trainer``.
 
 Holds ``RankGuard`` and one callback per guard (settings declared in
-``rankguard.integrations._api``), and :func:`calling_trainer`, :func:`hook_train`.
+``rankguard.integrations._api``), and :func:`calling_trainer` (from
+``rankguard.integrations.private.transformers``).
 Requires ``pip install 'rankguard[transformers]'``.
 See docs/integrations.md#hugging-face-trainer-where-each-event-comes-from.
 """
@@ -12,18 +13,17 @@ import functools
 import inspect
 import logging
 import os
-import sys
-import types
 from collections.abc import Callable, Mapping
 from time import perf_counter
 from typing import Any
 
 from rankguard.callbacks.core.events import LoaderFacts, ResumeFacts, SplitDecision
-from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.core.step_log import BATCH_END_FETCH_START, FETCH_END_BATCH_START
 from rankguard.integrations import _api
-from rankguard.integrations._common import load_guard_state, save_guard_state, wrap_method
-from rankguard.integrations._driver import EventDriver
+from rankguard.integrations._adapter import Adapter
+from rankguard.integrations._common import load_guard_state, save_guard_state
+from rankguard.integrations.private.transformers import calling_trainer, loop_position
 
 try:
     from transformers import (
@@ -48,39 +48,9 @@ SHARDED_SETTING = (
     "FSDP with sharded state dicts: FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT "
     "(Accelerate config `fsdp_state_dict_type: SHARDED_STATE_DICT`)"
 )
-#: How deep :func:`calling_trainer` looks: hook <- CallbackHandler.call_event <-
-#: CallbackHandler.on_<event> <- the Trainer's method.
-_TRAINER_DEPTH = 6
-
-
 #: accelerate's loader where rank 0 reads every batch and sends each rank its own (the
 #: default for an iterable dataset, ``dispatch_batches``): other ranks' positions mean nothing.
 DISPATCHER = "DataLoaderDispatcher"
-
-
-def calling_trainer() -> Trainer | None:
-    """The ``Trainer`` whose method is calling the current callback hook, or ``None``.
-
-    ``TrainerCallback`` hooks receive the model, optimizer and loaders, but not
-    the Trainer, whose public ``get_eval_dataloader`` builds the eval loaders
-    before the first eval batch. The Trainer calls every hook from one of its
-    own methods through its ``CallbackHandler``, so the Trainer is ``self`` a
-    few frames up. This is the one place rankguard relies on how transformers
-    calls its callbacks; ``tests/integrations/test_transformers.py`` fails if that changes.
-
-    Call it from the hook itself (it looks from its caller's caller up).
-    """
-    frame = _trainer_frame(sys._getframe(2))
-    return frame.f_locals["self"] if frame is not None else None
-
-
-def _trainer_frame(frame: types.FrameType | None) -> types.FrameType | None:
-    """The frame of the ``Trainer`` method at most :data:`_TRAINER_DEPTH` frames up."""
-    for _ in range(_TRAINER_DEPTH):
-        if frame is None or isinstance(frame.f_locals.get("self"), Trainer):
-            return frame
-        frame = frame.f_back
-    return None
 
 
 def eval_loader_names(eval_dataset: Any) -> list[tuple[str, str | None]]:
@@ -128,50 +98,6 @@ def resume_checkpoint(args: TrainingArguments, resume: str | bool) -> str:
     return os.path.join(folder, TRAINER_STATE_NAME)
 
 
-def hook_train(
-    trainer: Trainer,
-    before_load: Callable[[str, str | bool], None],
-    on_error: Callable[[BaseException], None],
-) -> Callable[[], None]:
-    """Wraps ``trainer.train``: ``before_load(path, resume)`` before a resume, ``on_error(exc)``.
-
-    ``before_load`` runs before ``train`` loads its resume checkpoint (``resume``: the
-    ``resume_from_checkpoint`` given); ``on_error``
-    where an exception leaves ``train``.
-
-    ``Trainer.train(resume_from_checkpoint=...)`` loads the model, optimizer and
-    scheduler before calling any callback hook, and the Trainer has no exception
-    hook. Its ``train`` is wrapped on this instance (the public method, its public
-    argument; the path as :func:`resume_checkpoint` reads it), so an error is seen
-    where it leaves ``train``, before the caller's ``finally`` (a teardown that may
-    wait). ``tests/integrations/test_transformers.py`` fails if ``train`` stops taking
-    ``resume_from_checkpoint``.
-
-    Returns:
-        A function that removes the wrapper (safe to call twice).
-    """
-    signature = inspect.signature(trainer.train)
-
-    def make(train: Callable[..., Any]) -> Callable[..., Any]:
-        def train_resuming(*args: Any, **kwargs: Any) -> Any:
-            try:
-                called = signature.bind_partial(*args, **kwargs).arguments
-            except TypeError:  # train itself will say what is wrong with the call
-                called = {}
-            resume = called.get("resume_from_checkpoint")
-            if resume:  # None or False: a fresh start
-                before_load(resume_checkpoint(trainer.args, resume), resume)
-            try:
-                return train(*args, **kwargs)
-            except BaseException as exc:  # as _common.on_raise, in the one frame
-                on_error(exc)
-                raise
-
-        return train_resuming
-
-    return wrap_method(trainer, "train", make)
-
-
 #: How the hang verdict tells the Trainer's stop decision where it split the ranks.
 SPLIT_DECISIONS = {
     "should_training_stop": SplitDecision(
@@ -208,20 +134,54 @@ DATA_FIX = (
 )
 
 
-class _TrainerAdapter(TrainerCallback):
+def next_event(control: TrainerControl, after_step: bool) -> str | None:
+    """What the Trainer does after a train step (``after_step``) or an epoch's end.
+
+    ``"eval"`` (a save due as well waits for the eval's ``on_evaluate``), ``"save"``,
+    ``"log"`` after a step (the Trainer gathers the loss, then fetches), ``"fetch"``
+    after a step, else ``None``.
+    """
+    if control.should_evaluate:
+        return "eval"
+    if control.should_save:
+        return "save"
+    if after_step:
+        return "log" if control.should_log else "fetch"
+    return None
+
+
+def save_after_eval(control: TrainerControl, args: TrainingArguments) -> str | None:
+    """Which save may follow the Trainer's last eval: ``"step"``, ``"best"`` or ``None``.
+
+    The Trainer decides a "best" save only after ``on_evaluate``: with
+    ``save_strategy="best"`` a save may follow any eval (into ``output_dir``).
+    """
+    if control.should_save:
+        return "step"
+    return "best" if args.save_strategy == "best" else None
+
+
+def resume_loader(train: LoaderFacts | None, epoch_loader: Any) -> Any:
+    """The loader a resume's data position is read from: the epoch's, else the train loader's.
+
+    ``None`` without a train loader or where one rank reads for all (:data:`DISPATCHER`).
+    """
+    if train is None or not train.read_by_each_rank:
+        return None
+    return epoch_loader if epoch_loader is not None else train.loader
+
+
+class _TrainerAdapter(Adapter, TrainerCallback):
     """Drives a :class:`GuardRunner` from ``TrainerCallback`` hooks."""
 
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
-        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
-        self.driver = EventDriver(self.runner, self._log_metrics)
+        super().__init__(guards, exchange_timeout_s)
         self._steps = self.runner.steps  # the usual step's entries go here, inline
         self._trainer: Trainer | None = None
         self._train: LoaderFacts | None = None
         self._evals: list[LoaderFacts] = []
         self._eval_source: Any = None
         self._fetch_after_log = False
-        self._metrics: dict[str, float] = {}
-        self._unhook: Callable[[], None] | None = None
         self._resume: tuple[str, str | bool] | None = None  # a resume's checkpoint, asked
 
     # -- facts -----------------------------------------------------------------------
@@ -244,31 +204,57 @@ class _TrainerAdapter(TrainerCallback):
             self._evals = []
         return self._evals
 
-    def _log_metrics(self, metrics: Mapping[str, float]) -> None:
-        self._metrics.update(metrics)
-
     def _flush_metrics(self) -> None:
         if self._metrics and self._trainer is not None:
-            metrics, self._metrics = self._metrics, {}
-            self._trainer.log(metrics)
+            self._trainer.log(self.take_metrics())
 
     # -- hooks -----------------------------------------------------------------------
 
     def on_init_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Wraps the Trainer's ``train`` (see :func:`hook_train`).
-
-        A resume checkpoint is checked before it is loaded, and an error that leaves
-        ``train`` reaches the guards before the caller's teardown.
-        """
+        """Wraps the Trainer's ``train`` (see :meth:`_hook_train`)."""
         trainer = calling_trainer()
-        if trainer is not None and self._unhook is None:
-            self._unhook = hook_train(trainer, self._before_load, self._error)
+        if trainer is not None and not self.wrapped:
+            self._hook_train(trainer)
 
-    def _before_load(self, path: str, resume: str | bool) -> None:
-        self._resume = (os.path.dirname(path), resume)
-        self.driver.load_start(path)
+    def _hook_train(self, trainer: Trainer) -> None:
+        """Wraps ``trainer.train``: a resume checkpoint is announced, an error reaches the guards.
+
+        ``Trainer.train(resume_from_checkpoint=...)`` loads the model, optimizer and
+        scheduler before calling any callback hook, and the Trainer has no exception
+        hook. Its ``train`` is wrapped on this instance (the public method, its public
+        argument; the path as :func:`resume_checkpoint` reads it), so a resume
+        checkpoint is checked before it is loaded, and an error is seen where it
+        leaves ``train``, before the caller's ``finally`` (a teardown that may wait).
+        ``tests/integrations/test_transformers.py`` fails if ``train`` stops taking
+        ``resume_from_checkpoint``.
+        """
+        signature = inspect.signature(trainer.train)
+
+        def make(train: Callable[..., Any]) -> Callable[..., Any]:
+            def train_resuming(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    called = signature.bind_partial(*args, **kwargs).arguments
+                except TypeError:  # train itself will say what is wrong with the call
+                    called = {}
+                resume = called.get("resume_from_checkpoint")
+                if resume:  # None or False: a fresh start
+                    path = resume_checkpoint(trainer.args, resume)
+                    self._resume = (os.path.dirname(path), resume)
+                    self.driver.load_start(path)
+                try:
+                    return train(*args, **kwargs)
+                except BaseException as exc:  # as Adapter.watch_raise, in the one frame
+                    try:
+                        self.fail(exc)
+                    finally:
+                        self.close()
+                    raise
+
+            return train_resuming
+
+        self.wrap(trainer, "train", make)
 
     def on_train_begin(
         self,
@@ -348,7 +334,7 @@ class _TrainerAdapter(TrainerCallback):
                     steps.act(batches)
             else:
                 driver.fetch_end_batch_start()
-            if self._metrics:  # at most once an interval
+            if self._metrics:  # at most once an interval (Adapter.buffer_metrics's)
                 self._flush_metrics()
 
     def _resumed(self, args: TrainingArguments, state: TrainerState) -> None:
@@ -361,12 +347,10 @@ class _TrainerAdapter(TrainerCallback):
         """
         folder, resume = self._resume or ("", False)
         self._resume = None
-        frame = _trainer_frame(sys._getframe(1))
-        local = frame.f_locals if frame is not None else {}
-        counters = {"global_step": state.global_step, "epoch": local.get("epoch", -1)}
-        if isinstance(skip := local.get("steps_trained_in_current_epoch"), int):
-            counters["batches skipped"] = 0 if args.ignore_data_skip else skip
-        loader = local.get("epoch_dataloader", local.get("train_dataloader"))  # 4.57, 5
+        position = loop_position()
+        counters = {"global_step": state.global_step, "epoch": position.epoch}
+        if position.skipped is not None:
+            counters["batches skipped"] = 0 if args.ignore_data_skip else position.skipped
         self.driver.resumed(
             ResumeFacts(
                 asked=f"resume_from_checkpoint={resume!r}",
@@ -374,11 +358,7 @@ class _TrainerAdapter(TrainerCallback):
                 if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME))
                 else None,
                 counters=counters,
-                loader=None
-                if self._train is None or not self._train.read_by_each_rank
-                else loader
-                if loader is not None
-                else self._train.loader,
+                loader=resume_loader(self._train, position.loader),
                 folder=str(args.output_dir) if resume is True else None,
                 restores_rng=True,
                 fix=RESUME_FIX,
@@ -423,15 +403,17 @@ class _TrainerAdapter(TrainerCallback):
         eval_dataloader: Any,
         after_step: bool,
     ) -> None:
-        if control.should_evaluate:  # a save due as well waits for its on_evaluate
+        """Announces :func:`next_event`."""
+        event = next_event(control, after_step)
+        if event == "eval":
             evals = self._eval_loaders(eval_dataloader)
             if evals:
                 self.driver.eval_start(evals)
-        elif control.should_save:
+        elif event == "save":
             self.driver.save_start([checkpoint_folder(args, state)], model=None)
-        elif after_step and control.should_log:
+        elif event == "log":
             self._fetch_after_log = True  # the Trainer gathers the loss first
-        elif after_step:
+        elif event == "fetch":
             self.driver.fetch_start()
 
     def on_log(
@@ -447,8 +429,7 @@ class _TrainerAdapter(TrainerCallback):
             self._fetch_after_log = False
             self.driver.fetch_start()
         if self._trainer is None and logs is not None and self._metrics:
-            logs.update(self._metrics)
-            self._metrics = {}
+            logs.update(self.take_metrics())
 
     def on_prediction_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -466,9 +447,9 @@ class _TrainerAdapter(TrainerCallback):
         self.driver.eval_end()
         if self.driver.evals:
             return
-        # The Trainer decides a "best" save only after this hook: a save may follow any eval.
-        if control.should_save or args.save_strategy == "best":
-            folder = checkpoint_folder(args, state) if control.should_save else args.output_dir
+        save = save_after_eval(control, args)
+        if save is not None:
+            folder = checkpoint_folder(args, state) if save == "step" else args.output_dir
             self.driver.save_start([str(folder)], model=None)
 
     def on_save(
@@ -495,18 +476,14 @@ class _TrainerAdapter(TrainerCallback):
         finally:
             self.close()
 
-    def _error(self, exc: BaseException) -> None:
-        """An error left ``train`` (the wrapper's, :func:`hook_train`): explain it, then stop."""
-        if self.driver.fitting:
-            self.driver.abandon(exc)
-        self.close()
-
     def close(self) -> None:
         """Stops every guard; safe to call twice and after an error.
 
-        An error that leaves ``train()`` stops them (see :func:`hook_train`); a
+        An error that leaves ``train()`` stops them (see :meth:`_hook_train`); a
         Trainer whose ``train`` was not wrapped (no ``on_init_end``) calls no hook
-        when it raises: in a process that lives on (a notebook), call this.
+        when it raises: in a process that lives on (a notebook), call this. The
+        wrapper stays: the Trainer may train again (a resume), and ``on_init_end``
+        runs once per Trainer.
         """
         self.driver.fitting = False
         self._trainer = None
