@@ -3,7 +3,8 @@
 Translation only: Lightning hooks become rankguard core events (the table:
 docs/design.md#events-the-training-loop-as-the-guards-see-it), and the facts the guards
 need (train loader, each val loader by name with Lightning's planned batch
-count) are read from the public ``Trainer`` properties.
+count) are read from the public ``Trainer`` properties; what only Lightning's
+private names say is read in :mod:`rankguard.integrations.private.lightning`.
 
 Every val loader gets its EVAL_START at ``on_validation_start`` and its
 EVAL_END at ``on_validation_end``, so each rank reports every loader even
