@@ -320,85 +320,21 @@ def test_lightning_every_save_and_resume_pass_through_rankguard(tmp_path):
     assert resumed.seen[0][0] == "load" and resumed.seen[0][1].load_path == path
 
 
-def test_lightning_split_decisions_read_should_stop_and_the_synced_keys_of_the_running_step():
-    """The one private reach of ``split_decisions`` (``trainer._results``): fails if it changes."""
-    import lightning as L
-
-    from rankguard.integrations.lightning import split_decisions
-
-    seen = []
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Linear(4, 2)
-
-        def training_step(self, batch, batch_idx):
-            loss = torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-            self.log("synced", loss, sync_dist=True)
-            self.log("local", loss)
-            if batch_idx == 1:
-                self.trainer.should_stop = True
-            results = self.trainer._results.values()
-            names = {m.meta.name: m.meta.sync.should for m in results}
-            seen.append((split_decisions(self.trainer), names))
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    trainer = cpu_trainer()
-    trainer.fit(Module(), DataLoader(Points(16), batch_size=4))
-    # One process: Lightning syncs nothing (sync_dist only applies when distributed); the
-    # 2-rank run in tests/frameworks/test_deadlock_e2e.py reads the synced key.
-    assert seen[0] == (
-        {"should_stop": False, "sync_dist_keys": (), "sync_dist_loop": "train"},
-        {"synced": False, "local": False},
-    )
-    assert seen[1][0] == {"should_stop": True, "sync_dist_keys": (), "sync_dist_loop": "train"}
+def test_lightning_resume_folder_is_the_checkpoint_folder_a_resume_looked_in():
+    resume_folder = rg_lightning.resume_folder
+    assert resume_folder(None, ["/ckpt"]) == "/ckpt"  # found no `last` there: started fresh
+    assert resume_folder("/ckpt/last.ckpt", ["/ckpt", "/other"]) == "/ckpt"
+    assert resume_folder("/elsewhere/x.ckpt", ["/ckpt"]) is None  # a path the user passed
+    assert resume_folder(None, []) is None and resume_folder("/ckpt/last.ckpt", []) is None
 
 
-@pytest.mark.parametrize("automatic", [True, False])
-def test_lightning_step_log_reads_global_step_from_its_tracker_in_either_optimization(automatic):
-    """The private reach of ``step_tracker``: the step logged is ``global_step`` at every batch."""
-    import lightning as L
-
-    from rankguard.integrations.lightning import RankGuard, step_tracker
-
-    logged: list[tuple[int, int]] = []  # (global_step, the step the log got) at each batch end
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Linear(4, 2)
-            self.automatic_optimization = automatic
-
-        def training_step(self, batch, batch_idx):
-            loss = torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-            if not automatic and batch_idx % 2 == 0:  # a step every other batch
-                optimizer = self.optimizers()
-                optimizer.zero_grad()
-                self.manual_backward(loss)
-                optimizer.step()
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    class Probe(L.Callback):
-        def on_train_batch_end(self, trainer, *args):
-            assert step_tracker(trainer) is not None
-            steps = guard.runner.steps
-            entry = steps.entries[-1] if steps.entries else None
-            logged.append((trainer.global_step, None if entry is None else entry[2]))
-
-    guard = RankGuard(hang_watchdog=False)
-    trainer = cpu_trainer(max_epochs=2, callbacks=[guard, Probe()])
-    trainer.fit(Module(), DataLoader(Points(16), batch_size=4))
-    assert len(logged) == 8
-    steps_taken = [global_step for global_step, _ in logged]
-    assert steps_taken == (list(range(1, 9)) if automatic else [1, 1, 2, 2, 3, 3, 4, 4])
-    assert [step for _, step in logged] == steps_taken  # each batch end's entry
+def test_lightning_loaders_are_named_and_counted_as_lightning_plans_them():
+    a, b = DataLoader(Points(4)), DataLoader(Points(4))
+    assert rg_lightning._flatten(None, "val") == []
+    assert rg_lightning._flatten(a, "train") == [("train", a)]
+    assert rg_lightning._flatten([a, b], "val") == [("val/0", a), ("val/1", b)]
+    assert rg_lightning._flatten({"x": a}, "val") == [("val/x", a)]
+    assert [rg_lightning._planned(n) for n in (None, float("inf"), 3, 3.0)] == [None, None, 3, 3]
 
 
 def test_composer_loss_rows_are_the_keys_composer_all_reduces_after_a_batch():

@@ -3,7 +3,8 @@
 Translation only: Lightning hooks become rankguard core events (the table:
 docs/design.md#events-the-training-loop-as-the-guards-see-it), and the facts the guards
 need (train loader, each val loader by name with Lightning's planned batch
-count) are read from the public ``Trainer`` properties.
+count) are read from the public ``Trainer`` properties; what only Lightning's
+private names say is read in :mod:`rankguard.integrations.private.lightning`.
 
 Every val loader gets its EVAL_START at ``on_validation_start`` and its
 EVAL_END at ``on_validation_end``, so each rank reports every loader even
@@ -35,26 +36,31 @@ from rankguard.callbacks.core.events import (
     ResumeFacts,
     SplitDecision,
 )
-from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations import _api
+from rankguard.integrations._adapter import Adapter
 
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies import ModelParallelStrategy
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "rankguard.integrations.lightning needs Lightning: pip install 'rankguard[lightning]'"
     ) from exc
 
+from rankguard.integrations.private import lightning as private
+
 
 def _planned(value: float | int | None) -> int | None:
+    """Lightning's planned batch count as a count (``None``: unknown, ``inf``)."""
     if value is None or (isinstance(value, float) and math.isinf(value)):
         return None
     return int(value)
 
 
 def _flatten(loaders: Any, prefix: str) -> list[tuple[str, Any]]:
+    """Lightning's loaders (one, a sequence or a mapping) by name: ``prefix``, ``prefix/key``."""
     if loaders is None:
         return []
     if isinstance(loaders, Mapping):
@@ -109,26 +115,14 @@ def checkpoint_format(strategy: Any) -> tuple[str, Callable[[], str] | None, str
         ``"full"`` or ``"sharded"``; a function that switches later saves to
         sharded (``None`` where the strategy cannot save sharded, e.g. DDP);
         the constructor setting that does the same.
-
-    The two strategies that save sharded keep the choice in a private attribute
-    their ``save_checkpoint`` reads at every save; this is the one place
-    rankguard touches them (a test fails if Lightning renames them).
     """
-    sharded: str | bool
-    if isinstance(strategy, FSDPStrategy):
-        attribute, sharded, setting = "_state_dict_type", "sharded", FSDP_SHARDED_SETTING
-    elif isinstance(strategy, ModelParallelStrategy):
-        attribute, sharded = "_save_distributed_checkpoint", True
-        setting = MODEL_PARALLEL_SHARDED_SETTING
-    else:
+    sharded = private.saves_sharded(strategy)
+    if sharded is None:
         return "full", None, FSDP_SHARDED_SETTING
-    now = "sharded" if getattr(strategy, attribute) == sharded else "full"
-
-    def switch() -> str:
-        setattr(strategy, attribute, sharded)
-        return f"set {type(strategy).__name__}.{attribute} to {sharded!r}"
-
-    return now, switch, setting
+    parallel = isinstance(strategy, ModelParallelStrategy)
+    setting = MODEL_PARALLEL_SHARDED_SETTING if parallel else FSDP_SHARDED_SETTING
+    switch = functools.partial(private.switch_to_sharded, strategy)
+    return "sharded" if sharded else "full", switch, setting
 
 
 def save_directories(trainer: pl.Trainer) -> list[str]:
@@ -159,6 +153,16 @@ DATA_FIX = (
 )
 
 
+def resume_folder(checkpoint: str | None, folders: list[str]) -> str | None:
+    """The ``ModelCheckpoint`` folder a resume was looked up in (``ckpt_path="last"``), if any.
+
+    The first folder, where the checkpoint is in it or none was found there.
+    """
+    if folders and (checkpoint is None or os.path.dirname(checkpoint) == folders[0]):
+        return folders[0]
+    return None
+
+
 def resume_facts(trainer: pl.Trainer, train: LoaderFacts | None) -> ResumeFacts:
     """What this rank resumed from, once Lightning restored it (at ``on_train_start``).
 
@@ -166,100 +170,21 @@ def resume_facts(trainer: pl.Trainer, train: LoaderFacts | None) -> ResumeFacts:
     found none, e.g. no ``last`` in its ``ModelCheckpoint`` folder, and started fresh).
     Lightning does not save or restore random states.
     """
-    ckpt = trainer.ckpt_path
-    folders = save_directories(trainer)  # where ckpt_path="last" is looked up
-    folder = (
-        folders[0]
-        if folders and (ckpt is None or os.path.dirname(str(ckpt)) == folders[0])
-        else None
-    )
-    batch = trainer.fit_loop.epoch_loop.batch_progress.current.ready  # the next batch to run
+    ckpt = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
     counters = {
         "global_step": trainer.global_step,
         "epoch": trainer.current_epoch,
-        "batch_idx": batch,
+        "batch_idx": private.next_batch_index(trainer),
     }
     return ResumeFacts(
         asked="trainer.fit(ckpt_path=...)",
-        checkpoint=None if ckpt is None else str(ckpt),
+        checkpoint=ckpt,
         counters=counters,
         loader=train.loader if train else None,
-        folder=folder,
+        folder=resume_folder(ckpt, save_directories(trainer)),
         fix=RESUME_FIX,
         data_fix=DATA_FIX,
     )
-
-
-def hook_checkpoint_io(
-    trainer: pl.Trainer,
-    before_save: Callable[[str], None],
-    after_save: Callable[[], None],
-    before_load: Callable[[str], None],
-) -> Callable[[], None]:
-    """Calls ``before_save``/``after_save`` around every save, ``before_load`` before loads.
-
-    All three run on every rank, with the checkpoint's path where there is one.
-    ``on_save_checkpoint`` runs after the state is gathered, and never for
-    ``ModelCheckpoint(save_weights_only=True)``. Every save (``ModelCheckpoint``,
-    ``OnExceptionCheckpoint``, the user's own) goes through the public
-    ``Trainer.save_checkpoint`` on every rank, before the state is gathered;
-    every resume (``trainer.fit(ckpt_path=...)``) through
-    ``Strategy.load_checkpoint`` on every rank, before the file is read. Both
-    are wrapped on these two instances only; this is the one place rankguard
-    wraps Lightning methods, and ``tests/integrations/test_adapters.py`` fails if Lightning
-    stops calling them.
-
-    Returns:
-        A function that removes the wrappers (safe to call twice).
-    """
-    save, strategy = trainer.save_checkpoint, trainer.strategy
-    load = strategy.load_checkpoint
-
-    @functools.wraps(save)
-    def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> Any:
-        before_save(str(filepath))
-        result = save(filepath, *args, **kwargs)
-        after_save()
-        return result
-
-    @functools.wraps(load)
-    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
-        before_load(str(checkpoint_path))
-        return load(checkpoint_path, *args, **kwargs)
-
-    trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
-    strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
-
-    def unhook() -> None:
-        if vars(trainer).get("save_checkpoint") is save_checkpoint:
-            del trainer.save_checkpoint
-        if vars(strategy).get("load_checkpoint") is load_checkpoint:
-            del strategy.load_checkpoint
-
-    return unhook
-
-
-def step_tracker(trainer: pl.Trainer) -> Any:
-    """Lightning's own tracker whose ``completed`` is ``trainer.global_step``, or ``None``.
-
-    ``trainer.global_step`` is a chain of five properties, a cold-cache call each
-    at every batch's start and end; the tracker it ends at is one attribute away.
-    The tracker is the one the property reads now (automatic or manual
-    optimization), kept only where it reads the same value; ``None`` (read
-    ``global_step`` itself) where Lightning's loops are built otherwise.
-    """
-    try:
-        loop = trainer.fit_loop.epoch_loop
-        module = trainer.lightning_module
-        if module is None or module.automatic_optimization:
-            tracker = loop.automatic_optimization.optim_progress.optimizer.step.total
-        else:
-            tracker = loop.manual_optimization.optim_step_progress.total
-        if tracker.completed == trainer.global_step:
-            return tracker
-    except Exception:  # another Lightning: its own property it is
-        pass
-    return None
 
 
 #: How the hang verdict tells Lightning's decisions where they split the ranks.
@@ -280,27 +205,20 @@ SPLIT_DECISIONS = {
 def split_decisions(trainer: pl.Trainer) -> dict[str, Any]:
     """Decisions that can split the ranks, as this rank's trainer holds them now.
 
-    ``should_stop`` is public; the metric names logged with ``sync_dist=True``
-    are read from ``trainer._results`` (the running loop's logged values), a
-    private attribute: this is the one place (``tests/integrations/test_adapters.py`` fails
-    when Lightning changes it). Called from the hang watchdog's thread, so it
-    copies what it reads and lets the caller catch a change under its feet.
+    Called from the hang watchdog's thread; the caller catches a change under its feet.
     """
-    results = getattr(trainer, "_results", None)
-    metrics = list(results.values()) if results else []
-    keys = sorted({m.meta.name for m in metrics if m.meta.sync.should})
     stage = trainer.state.stage
     return {
         "should_stop": bool(trainer.should_stop),
-        "sync_dist_keys": tuple(keys),
+        "sync_dist_keys": tuple(private.synced_metric_names(trainer)),
         # The loop those keys were logged in: a rank in validation and one in training log
         # different keys without any split between them.
         "sync_dist_loop": stage.value if stage is not None else None,
     }
 
 
-class _LightningAdapter(Callback):
-    """Drives a :class:`GuardRunner` from Lightning hooks."""
+class _LightningAdapter(Adapter, Callback):
+    """Drives the guards from Lightning hooks, at the trainer's step and epoch."""
 
     #: Lightning's own guard settings, under the user's (``rankguard.integrations._api``).
     framework_defaults = LIGHTNING_DEFAULTS
@@ -309,22 +227,22 @@ class _LightningAdapter(Callback):
         for guard in guards:
             if guard.name == "drop_last_guard" and getattr(guard, "mode", None) == "enforce":
                 raise ValueError(ENFORCE_UNSUPPORTED)
-        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
+        super().__init__(guards, exchange_timeout_s)
+        # Lightning's loggers take metrics at any point: they go there at once, at its step.
+        self.driver.log_metrics = self._log_metrics
         self._trainer: pl.Trainer | None = None
         self._val: list[LoaderFacts] = []
-        self._unhook: Callable[[], None] | None = None
         #: ``should_stop`` as last recorded in the step log this fit (``None``: not yet).
         self._should_stop: Any = None
-        #: Where ``trainer.global_step`` is read from (:func:`step_tracker`), each epoch.
+        #: Where ``trainer.global_step`` is read from (:func:`private.step_tracker`), each epoch.
         self._steps_taken: Any = None
 
     def _fire(self, trainer: pl.Trainer, event: Event, **facts: Any) -> None:
-        """Fires ``event`` at the trainer's step and epoch."""
-        if not self.runner.handles(event):
-            return
-        self._trainer = trainer
-        event_facts = EventFacts(step=trainer.global_step, epoch=trainer.current_epoch, **facts)
-        self.runner.fire(event, event_facts, self._log_metrics)
+        """Fires ``event`` at the trainer's step and epoch (FIT_END closes the fit)."""
+        if self.runner.handles(event) or event is Event.FIT_END:
+            self._trainer = trainer
+            step, epoch = trainer.global_step, trainer.current_epoch
+            self.driver.dispatch(event, EventFacts(step=step, epoch=epoch, **facts))
 
     def _log_metrics(self, metrics: Mapping[str, float]) -> None:
         trainer = self._trainer
@@ -333,28 +251,44 @@ class _LightningAdapter(Callback):
                 logger.log_metrics(dict(metrics), step=trainer.global_step)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Hooks every checkpoint save and load (see :func:`hook_checkpoint_io`)."""
-        if self._unhook is not None:
+        """Fires the checkpoint events around every save and before every load, on every rank.
+
+        Every save (``ModelCheckpoint``, ``OnExceptionCheckpoint``, the user's own) goes
+        through the public ``Trainer.save_checkpoint`` on every rank, before the state is
+        gathered (``on_save_checkpoint`` runs after, and never for ``save_weights_only``);
+        every resume (``trainer.fit(ckpt_path=...)``) through ``Strategy.load_checkpoint``,
+        before the file is read. Both are wrapped on these two instances until
+        ``teardown``; ``tests/integrations/test_adapters.py`` fails if Lightning stops
+        calling them.
+        """
+        if self.wrapped:
             return
+        fire = functools.partial(self._fire, trainer)
 
-        def before_save(filepath: str) -> None:
-            self._fire(
-                trainer,
-                Event.CHECKPOINT_SAVE_START,
-                model=trainer.lightning_module,
-                directories=[os.path.dirname(filepath)],
-            )
+        def saving(save: Callable[..., Any]) -> Callable[..., Any]:
+            def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> Any:
+                directories = [os.path.dirname(str(filepath))]
+                model = trainer.lightning_module
+                fire(Event.CHECKPOINT_SAVE_START, model=model, directories=directories)
+                result = save(filepath, *args, **kwargs)
+                fire(Event.CHECKPOINT_SAVE_END)
+                return result
 
-        def before_load(path: str) -> None:
-            self._fire(
-                trainer, Event.CHECKPOINT_LOAD_START, load_path=path, upload_setting=UPLOAD_SETTING
-            )
+            return save_checkpoint
 
-        after_save = functools.partial(self._fire, trainer, Event.CHECKPOINT_SAVE_END)
-        self._unhook = hook_checkpoint_io(trainer, before_save, after_save, before_load)
+        def loading(load: Callable[..., Any]) -> Callable[..., Any]:
+            def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+                path = str(checkpoint_path)
+                fire(Event.CHECKPOINT_LOAD_START, load_path=path, upload_setting=UPLOAD_SETTING)
+                return load(checkpoint_path, *args, **kwargs)
+
+            return load_checkpoint
+
+        self.wrap(trainer, "save_checkpoint", saving)
+        self.wrap(trainer.strategy, "load_checkpoint", loading)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """FIT_START with the train loader and every val loader known now."""
+        """FIT_START with the train loader and every val loader known now, then RESUMED."""
         self._should_stop = self._steps_taken = None
         train = train_loader(trainer)
         loaders = [train] if train else []
@@ -385,7 +319,7 @@ class _LightningAdapter(Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EPOCH_START with the train loader."""
-        self._steps_taken = step_tracker(trainer)
+        self._steps_taken = private.step_tracker(trainer)
         self._fire(trainer, Event.EPOCH_START, loader=train_loader(trainer))
 
     def on_train_batch_start(
@@ -472,25 +406,16 @@ class _LightningAdapter(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         """Lets guards explain the error (e.g. a dead data worker), then stops them."""
+        # Explained wherever the trainer raised it: in the sanity check (before FIT_START) and
+        # after FIT_END too, where the base explains only inside the fit.
+        self.driver.fitting = True
         # Never raise from an exception hook, whatever state the trainer is in.
         step, epoch = getattr(trainer, "global_step", 0), getattr(trainer, "current_epoch", 0)
-        self.runner.error(exception, EventFacts(step=step, epoch=epoch))
-        self.runner.close()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The guards' state (the hang watchdog's calibration), saved in Lightning checkpoints."""
-        return self.runner.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores the guards' state when Lightning resumes (``fit(ckpt_path=...)``)."""
-        self.runner.load_state_dict(state_dict)
+        self.fail(exception, step, epoch)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Stops every guard and unhooks checkpointing; safe to call twice."""
-        if self._unhook is not None:
-            self._unhook()
-            self._unhook = None
-        self.runner.close()
+        """Stops every guard and unwraps checkpointing; safe to call twice."""
+        self.stop()
 
 
 class RankGuard(_api.RankGuardSettings, _LightningAdapter):
