@@ -358,3 +358,31 @@ def test_composer_loss_rows_are_the_keys_composer_all_reduces_after_a_batch():
     assert rg_composer.loss_keys(vectors) == rg_composer.loss_keys((torch.ones(3), loss)) == 2
     assert rg_composer.loss_keys({"total": loss, "aux": loss}) == ("total", "aux")
     assert rg_composer.loss_keys(loss) is None
+
+
+def test_composer_counts_the_passes_of_a_loader_without_a_distributed_sampler():
+    if rg_composer is None:
+        pytest.skip("needs rankguard[composer]")
+    from torch.utils.data import DistributedSampler
+
+    from rankguard.callbacks.batches.loader_passes import PassCounter
+
+    plain = DataLoader(Points(8), batch_size=4)
+    assert rg_composer.countable(plain)
+    assert not rg_composer.countable(None)
+    assert not rg_composer.countable(PassCounter(plain))  # counted already
+    sampler = DistributedSampler(Points(8), num_replicas=2, rank=0)
+    assert not rg_composer.countable(DataLoader(Points(8), sampler=sampler))
+
+
+def test_composer_resume_names_rank_0s_checkpoint_and_its_folder(tmp_path):
+    if rg_composer is None:
+        pytest.skip("needs rankguard[composer]")
+    (tmp_path / "ep0-ba2-rank0.pt").touch()
+    loaded = str(tmp_path / "ep0-ba2-rank{rank}.pt")
+    rank0 = str(tmp_path.resolve() / "ep0-ba2-rank0.pt")
+    assert rg_composer.resumed_from(loaded, "save", "r") == (rank0, str(tmp_path))
+    assert rg_composer.resumed_from(loaded, None, "r") == (rank0, None)  # load_path: no folder
+    # an autoresume that found nothing to load names its own folder, formatted
+    assert rg_composer.resumed_from(None, "ckpt/{run_name}", "r") == (None, "ckpt/r")
+    assert rg_composer.resumed_from(None, None, "r") == (None, None)

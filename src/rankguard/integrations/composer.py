@@ -17,7 +17,6 @@ Requires ``pip install 'rankguard[composer]'``.
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -27,18 +26,13 @@ from rankguard.callbacks.batches.loader_passes import PassCounter
 from rankguard.callbacks.checkpoint.plan import register_sharded_setting
 from rankguard.callbacks.core.events import Event as CoreEvent
 from rankguard.callbacks.core.events import EventFacts, LoaderFacts, ResumeFacts
-from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck, Rows, reduction_rows
 from rankguard.integrations import _api
-from rankguard.integrations._common import (
-    Unhook,
-    metric_reduction_check,
-    on_raise,
-    resolved_checkpoint,
-)
+from rankguard.integrations._adapter import Adapter
+from rankguard.integrations._common import metric_reduction_check, resolved_checkpoint
 
 try:
-    from composer import Trainer
     from composer.callbacks import CheckpointSaver
     from composer.core import Callback, Event, State
     from composer.loggers import Logger, RemoteUploaderDownloader
@@ -48,6 +42,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError(
         "rankguard.integrations.composer needs Composer: pip install 'rankguard[composer]'"
     ) from exc
+from rankguard.integrations.private.composer import (
+    constructing_trainer,
+    event_values,
+    resume_request,
+    trainer_load_path,
+)
 
 _EVENTS: dict[Event, CoreEvent] = {
     Event.BEFORE_LOAD: CoreEvent.CHECKPOINT_LOAD_START,
@@ -79,13 +79,10 @@ _BATCH_CHECKPOINT = Event.BATCH_CHECKPOINT
 _INIT = Event.INIT
 _BEFORE_LOAD = Event.BEFORE_LOAD
 #: The value of each event of a train batch rankguard has nothing to do at (BATCH_START: it
-#: is recorded with AFTER_DATALOADER). Composer calls every callback at each event, often
-#: on a cold cache (after the forward, the backward, the optimizer step): a test of the
-#: member's value string, which Composer has just read and whose hash it holds, that
-#: allocates nothing, costs a third of one by ``id`` (a new int) in a cold call.
-_QUIET = frozenset(
-    event.value
-    for event in (
+#: is recorded with AFTER_DATALOADER), tested inline (``private.composer.event_values``): a
+#: test that allocates nothing costs a third of one by ``id`` (a new int) in a cold call.
+_QUIET = event_values(
+    (
         Event.BATCH_START,
         Event.BEFORE_TRAIN_BATCH,
         Event.BEFORE_FORWARD,
@@ -183,46 +180,6 @@ UPLOAD_SETTING = (
 )
 
 
-def _trainer_init_frame() -> Any:
-    """The frame of the ``Trainer.__init__`` on the call stack, or ``None``."""
-    frame = inspect.currentframe()
-    init = Trainer.__init__.__code__
-    while frame is not None and frame.f_code is not init:
-        frame = frame.f_back
-    return frame
-
-
-def constructing_trainer() -> Trainer | None:
-    """The ``Trainer`` under construction, read at ``INIT`` (its ``__init__``'s ``self``).
-
-    Composer's callbacks never receive the Trainer, and it has no exception event:
-    its ``fit`` is wrapped on this instance (``_common.on_raise``). The same frame as
-    :func:`trainer_load_path`'s; ``tests/integrations/test_adapters.py`` fails if
-    Composer stops firing ``INIT`` from ``Trainer.__init__``.
-    """
-    frame = _trainer_init_frame()
-    trainer = frame.f_locals.get("self") if frame is not None else None
-    return trainer if isinstance(trainer, Trainer) else None
-
-
-def trainer_load_path() -> str | None:
-    """The ``load_path`` the ``Trainer`` being constructed will load, read at ``BEFORE_LOAD``.
-
-    Composer loads the checkpoint inside ``Trainer.__init__`` and records the
-    path (``State.load_path``) only after loading, so before loading it is a
-    local variable of ``Trainer.__init__`` on the call stack. This is the one
-    place rankguard reads a framework's local variable;
-    ``tests/integrations/test_adapters.py`` fails if Composer renames it or moves the load.
-
-    Returns:
-        The path, or ``None`` (no checkpoint to load, or not called from a
-        ``Trainer`` under construction).
-    """
-    frame = _trainer_init_frame()
-    load_path = frame.f_locals.get("load_path") if frame is not None else None
-    return str(load_path) if load_path else None
-
-
 #: How to resume every rank from one checkpoint, and keep each rank's data position, in Composer.
 RESUME_FIX = (
     "give every node the same newest checkpoint: autoresume loads rank 0's "
@@ -234,15 +191,6 @@ DATA_FIX = (
     "that writes the checkpoint and loads it into every rank's dataset: return a state that "
     "holds for every rank (a global sample count, as StreamingDataset does)"
 )
-
-
-def resume_request() -> tuple[str, str | None] | None:
-    """How the ``Trainer`` asks for a resume, and its ``save_folder`` (read at BEFORE_LOAD)."""
-    frame = _trainer_init_frame()
-    local = frame.f_locals if frame is not None else {}
-    if local.get("autoresume"):
-        return "autoresume=True", local.get("save_folder")
-    return (f"load_path={local['load_path']!r}", None) if local.get("load_path") else None
 
 
 def dataset_positions(state: State) -> dict[str, Any]:
@@ -293,15 +241,33 @@ def observe_pass(state: State) -> PassCounter | None:
         The counter now in ``state.dataloader``, or ``None``.
     """
     loader = state.dataloader
-    if loader is None or isinstance(loader, PassCounter):
-        return None
-    samplers = (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None))
-    if any(isinstance(s, DistributedSampler) for s in samplers):
+    if not countable(loader):
         return None
     counter = PassCounter(loader)
     length = state.dataloader_len
     state.set_dataloader(counter, state.dataloader_label, -1 if length is None else int(length))
     return counter
+
+
+def countable(loader: Any) -> bool:
+    """Whether a :class:`PassCounter` may stand in for ``loader`` (see :func:`observe_pass`)."""
+    if loader is None or isinstance(loader, PassCounter):
+        return False
+    samplers = (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None))
+    return not any(isinstance(s, DistributedSampler) for s in samplers)
+
+
+def resumed_from(loaded: str | None, folder: str | None, run_name: str) -> tuple[Any, Any]:
+    """The checkpoint a resume loaded and the folder it resumed from, as every rank sees them.
+
+    ``loaded``: ``State.load_path``; ``folder``: the ``save_folder`` of an autoresume.
+    Every node loads rank 0's path (see composer.utils.checkpoint); an autoresume that
+    loaded nothing names its own (formatted) folder.
+    """
+    if loaded:
+        folder = os.path.dirname(loaded) if folder else None
+        return resolved_checkpoint(loaded.format(rank=0, local_rank=0, node_rank=0)), folder
+    return loaded, format_name_with_dist(folder, run_name) if folder else folder
 
 
 def _as_int(value: Any) -> int | None:
@@ -399,12 +365,11 @@ def loss_rows(loss: Any, batch: int) -> Rows:
     return reduction_rows({batch: reduced}, dict.fromkeys(reduced, "sum"))
 
 
-class _ComposerAdapter(Callback):
-    """Drives a :class:`GuardRunner` from Composer events."""
+class _ComposerAdapter(Adapter, Callback):
+    """Drives the guards from Composer events (:class:`Adapter`: runner, driver, wrapped fit)."""
 
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
-        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
-        self._fitting = False
+        super().__init__(guards, exchange_timeout_s)
         self._passes: dict[str, tuple[PassCounter, Any]] = {}
         #: The step, with the timestamp it was read from (Composer replaces it as time advances).
         self._timestamp: Any = None
@@ -417,7 +382,6 @@ class _ComposerAdapter(Callback):
         self._loss_check: ReductionCheck | None = None
         self._loss_keys: object = _UNSEEN
         self._state: State | None = None  # the state of the Trainer whose fit is wrapped
-        self._unhook: Unhook | None = None
         #: How the Trainer asked for a resume (BEFORE_LOAD); its data position at FIT_START.
         self._resume: tuple[str, str | None] | None = None
         self._resume_due: dict[str, Any] | None = None
@@ -514,7 +478,7 @@ class _ComposerAdapter(Callback):
             return  # a save only when a guard handles it and a saver says so (asked above
             # for BATCH_CHECKPOINT, not twice)
         if core_event in _FIT_BOUNDS:
-            self._fitting = core_event is CoreEvent.FIT_START
+            self.driver.fitting = core_event is CoreEvent.FIT_START
             self._passes.clear()
             self._timestamp, self._train, self._savers = None, (None, None, None), (None, 0, [])
         if not self.runner.handles(core_event):
@@ -524,7 +488,7 @@ class _ComposerAdapter(Callback):
             return
         if core_event in _PASS_ENDS:
             facts.loader_pass = self._pass_end(state, core_event)
-        self.runner.fire(core_event, facts, logger.log_metrics)
+        self.driver.dispatch(core_event, facts, logger.log_metrics)
         if core_event in _FIT_BOUNDS:
             self._loss_check, self._loss_keys = None, _UNSEEN
             self._resume_due = None
@@ -551,18 +515,14 @@ class _ComposerAdapter(Callback):
         """
         (asked, folder), positions = self._resume or ("", None), self._resume_due or {}
         self._resume = self._resume_due = None  # once: a later fit() of this Trainer goes on
-        loaded, time = state.load_path, state.timestamp
-        if loaded:  # every node loads rank 0's path (see composer.utils.checkpoint)
-            folder = os.path.dirname(loaded) if folder else None
-            loaded = resolved_checkpoint(loaded.format(rank=0, local_rank=0, node_rank=0))
-        elif folder:
-            folder = format_name_with_dist(folder, state.run_name)
+        time = state.timestamp
+        loaded, folder = resumed_from(state.load_path, folder, state.run_name)
         counters = {
             c: int(getattr(time, c)) for c in ("epoch", "batch", "batch_in_epoch", "sample")
         }
         facts = ResumeFacts(asked, loaded, counters, state.train_dataloader, positions, folder)
         facts.restores_rng, facts.fix, facts.data_fix = True, RESUME_FIX, DATA_FIX
-        self.runner.fire(RESUMED, EventFacts(step=int(time.batch), resume=facts))
+        self.driver.dispatch(RESUMED, EventFacts(step=int(time.batch), resume=facts))
 
     def _hook_fit(self, state: State) -> None:
         """At ``INIT``: an error that leaves the Trainer's ``fit`` reaches the guards there.
@@ -572,19 +532,9 @@ class _ComposerAdapter(Callback):
         trainer = constructing_trainer()
         if trainer is None:
             return
-        if self._unhook is not None:
-            self._unhook()
+        self.unwrap()
         self._state = state
-        self._unhook = on_raise(trainer, "fit", self._error)
-
-    def _error(self, exc: BaseException) -> None:
-        """An error left ``fit`` (see :meth:`_hook_fit`): the guards explain it, then stop."""
-        if self._fitting and self._state is not None:
-            self._fitting = False
-            timestamp = self._state.timestamp
-            facts = EventFacts(step=int(timestamp.batch), epoch=int(timestamp.epoch))
-            self.runner.error(exc, facts)
-            self.runner.close()
+        self.watch_raise(trainer, "fit")
 
     def _pass_end(self, state: State, event: CoreEvent) -> Any:
         """What the pass that ends now did; puts the train loader back at its epoch end."""
@@ -597,13 +547,18 @@ class _ComposerAdapter(Callback):
             state.set_dataloader(original, label, -1 if length is None else int(length))
         return counter.result()
 
-    def state_dict(self) -> dict[str, Any]:
-        """The guards' state (the hang watchdog's calibration), saved in Composer checkpoints."""
-        return self.runner.state_dict()
+    def fail(self, exc: BaseException, step: int | None = None, epoch: int | None = None) -> None:
+        """An error left ``fit`` (wrapped at ``INIT``): the guards explain it, then stop.
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores the guards' state when Composer loads a checkpoint (load_path, autoresume)."""
-        self.runner.load_state_dict(state)
+        The step and epoch are the Trainer's; an error outside a fit leaves the guards
+        as they are (:meth:`close` stops them).
+        """
+        if not self.driver.fitting:
+            return
+        if step is None and self._state is not None:
+            time = self._state.timestamp
+            step, epoch = int(time.batch), int(time.epoch)
+        super().fail(exc, step, epoch)
 
     def close(self, state: State, logger: Logger) -> None:
         """Lets guards explain an error that ended fit (a dead data worker), then stops them.
@@ -611,14 +566,13 @@ class _ComposerAdapter(Callback):
         Safe to call twice and after an exception.
         """
         del logger
-        if self._fitting:  # fit started and did not end: an exception is ending the run
-            self._fitting = False
-            exc = escaping_exception()
-            if exc is not None:
-                timestamp = state.timestamp
-                facts = EventFacts(step=int(timestamp.batch), epoch=int(timestamp.epoch))
-                self.runner.error(exc, facts)
-        self.runner.close()
+        exc = escaping_exception() if self.driver.fitting else None
+        if exc is None:
+            self.stop()
+        else:  # fit started and did not end: an exception is ending the run
+            self.unwrap()
+            time = state.timestamp
+            self.fail(exc, int(time.batch), int(time.epoch))
 
 
 class RankGuard(_api.RankGuardSettings, _ComposerAdapter):
