@@ -25,6 +25,20 @@ from rankguard.callbacks.resume.resume_guard import ResumeGuard
 from rankguard.callbacks.straggler.straggler_monitor import StragglerMonitor
 from rankguard.integrations._common import Defaults, bundle_guards, single_guard
 
+#: The public classes every integration module exports, under the same names.
+CLASS_NAMES = (
+    "BatchParityGuard",
+    "CheckpointPlanner",
+    "DataConsistencyGuard",
+    "DataStallMonitor",
+    "DropLastGuard",
+    "HangWatchdog",
+    "RankGuard",
+    "ResumeGuard",
+    "SharedDirBarrier",
+    "StragglerMonitor",
+)
+
 _P = ParamSpec("_P")
 _F = TypeVar("_F", bound=Callable[..., None])
 

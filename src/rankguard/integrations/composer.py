@@ -615,15 +615,4 @@ class StragglerMonitor(_api.StragglerMonitorSettings, _ComposerAdapter):
     """The straggler monitor, as a Composer callback."""
 
 
-__all__ = [
-    "BatchParityGuard",
-    "CheckpointPlanner",
-    "DataConsistencyGuard",
-    "DataStallMonitor",
-    "DropLastGuard",
-    "HangWatchdog",
-    "RankGuard",
-    "ResumeGuard",
-    "SharedDirBarrier",
-    "StragglerMonitor",
-]
+__all__ = [*_api.CLASS_NAMES]

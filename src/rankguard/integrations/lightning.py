@@ -458,15 +458,4 @@ class StragglerMonitor(_api.StragglerMonitorSettings, _LightningAdapter):
     """The straggler monitor, as a Lightning callback."""
 
 
-__all__ = [
-    "BatchParityGuard",
-    "CheckpointPlanner",
-    "DataConsistencyGuard",
-    "DataStallMonitor",
-    "DropLastGuard",
-    "HangWatchdog",
-    "RankGuard",
-    "ResumeGuard",
-    "SharedDirBarrier",
-    "StragglerMonitor",
-]
+__all__ = [*_api.CLASS_NAMES]

@@ -504,19 +504,10 @@ class StragglerMonitor(_api.StragglerMonitorSettings, _OlmoCoreAdapter):
     """The straggler monitor, as an OLMo-core ``Callback``."""
 
 
-__all__ = [  # noqa: RUF022
+__all__ = [
     "checkpoint_to_load",
     "hook_metric_flush",
     "hook_trainer",
     "save_options",
-    "BatchParityGuard",
-    "CheckpointPlanner",
-    "DataConsistencyGuard",
-    "DataStallMonitor",
-    "DropLastGuard",
-    "HangWatchdog",
-    "RankGuard",
-    "ResumeGuard",
-    "SharedDirBarrier",
-    "StragglerMonitor",
+    *_api.CLASS_NAMES,
 ]

@@ -426,18 +426,4 @@ class StragglerMonitor(_api.StragglerMonitorSettings, _LoopGuard):
     """The straggler monitor, as a hand-written loop's guard (``guard.fit``)."""
 
 
-__all__ = [  # noqa: RUF022
-    "EvalLoader",
-    "Run",
-    "TrainLoader",
-    "BatchParityGuard",
-    "CheckpointPlanner",
-    "DataConsistencyGuard",
-    "DataStallMonitor",
-    "DropLastGuard",
-    "HangWatchdog",
-    "RankGuard",
-    "ResumeGuard",
-    "SharedDirBarrier",
-    "StragglerMonitor",
-]
+__all__ = ["EvalLoader", "Run", "TrainLoader", *_api.CLASS_NAMES]

@@ -533,16 +533,4 @@ class StragglerMonitor(_api.StragglerMonitorSettings, _TrainerAdapter):
     """The straggler monitor, as a Hugging Face ``TrainerCallback``."""
 
 
-__all__ = [  # noqa: RUF022
-    "calling_trainer",
-    "BatchParityGuard",
-    "CheckpointPlanner",
-    "DataConsistencyGuard",
-    "DataStallMonitor",
-    "DropLastGuard",
-    "HangWatchdog",
-    "RankGuard",
-    "ResumeGuard",
-    "SharedDirBarrier",
-    "StragglerMonitor",
-]
+__all__ = ["calling_trainer", *_api.CLASS_NAMES]
