@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from rankguard.callbacks.core import background_exchange
+from rankguard.callbacks.core import background_exchange, step_log
 from rankguard.callbacks.core.errors import DataStallError
 from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.side_channel import SideChannel
@@ -356,24 +356,33 @@ class _Profiled(Dataset):
         return i
 
 
-def _composer_like_steps(monitor, dataset, collective_s, steps):
+def _composer_like_steps(monitor, dataset, collective_s, steps, clock=None):
     """Fetch windows as Composer's: next(), then an all_reduce waiting ``collective_s``.
 
     The step log is read after each batch start, as the hang watchdog's thread reads it
-    (every 0.5 s) in a fit.
+    (every 0.5 s) in a fit. ``clock``: the step log's clock (a one-item list), advanced
+    by the test instead of sleeping (0.1 ms a ``next()``), where a test's outcome must not
+    depend on how the machine schedules it.
     """
     loader = DataLoader(dataset, batch_size=1)
     facts = EventFacts(loader=LoaderFacts("train", loader, is_train=True))
     monitor.handle(Event.FIT_START, EventFacts.for_loaders([facts.loader]))
     iterator = iter(loader)
+
+    def wait(seconds: float) -> None:
+        if clock is None:
+            time.sleep(seconds)
+        else:
+            clock[0] += seconds
+
     for _ in range(steps):
         monitor.handle(Event.DATA_FETCH_START, facts)
         next(iterator)
-        time.sleep(collective_s)
+        wait(collective_s if clock is None else collective_s + 0.0001)
         monitor.handle(Event.DATA_FETCH_END, facts)
         monitor.handle(Event.TRAIN_BATCH_START, facts)
         monitor.steps.drain()
-        time.sleep(0.005)  # compute
+        wait(0.005)  # compute
     monitor.on_fit_end(facts)  # acts on the last exchange
 
 
@@ -401,10 +410,14 @@ def test_a_slow_loader_is_timed_to_its_return_and_reported():
     assert data.hooked == [False, False, True, True, True]
 
 
-def test_a_healthy_fetch_window_never_arms_the_profile_hook():
+def test_a_healthy_fetch_window_never_arms_the_profile_hook(monkeypatch):
+    # On the step log's clock, 0.1 ms fetches and 5 ms steps: a fetch the machine happened
+    # to deschedule would look slow and rightly be watched next time, which is not this test.
+    clock = [0.0]
+    monkeypatch.setattr(step_log, "perf_counter", lambda: clock[0])
     monitor = DataStallMonitor(window=1, interval=50)
     data = _Profiled(delay_s=0.0)
-    _composer_like_steps(monitor, data, collective_s=0.0, steps=20)
+    _composer_like_steps(monitor, data, collective_s=0.0, steps=20, clock=clock)
     assert not any(data.hooked)
 
 
