@@ -96,7 +96,9 @@ def run_framework(
             cmd = [str(bin_dir / "torchrun"), "--standalone", "--nproc-per-node", "2", *job]
         else:
             cmd = [sys.executable, *job]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "RANKGUARD_BENCH_CONFIG": config}
+        # This tree's own package first: an editable install may point at another checkout.
+        path = os.pathsep.join((str(ROOT / "src"), str(ROOT)))
+        env = {**os.environ, "PYTHONPATH": path, "RANKGUARD_BENCH_CONFIG": config}
         if profile:
             Path(profile).mkdir(parents=True, exist_ok=True)
             env["RANKGUARD_BENCH_PROFILE"] = str(Path(profile).resolve())
