@@ -85,8 +85,8 @@ class ResumeGuard(Guard):
         """Records each rank's data positions and random states, to keep with the save."""
         if not self.channel.is_distributed:
             return
-        digests = _position_digests(self._train_loader, facts.positions)[0]
-        mine = {f"data/{k}": v for k, v in digests.items()}
+        states = _position_states(self._train_loader, facts.positions)
+        mine = {f"data/{k}": digest(v) for k, v in states.items()}
         mine.update({f"rng/{g}": d for g, d in rng_digests().items()})
         self._saved = self.channel.exchange(
             f"{self.name}/save", mine, _columns, timeout_s=self.timeout_s
@@ -96,7 +96,10 @@ class ResumeGuard(Guard):
         """Compares every rank's resume; raises (or warns) before the first resumed step."""
         if facts.resume is None or not self.channel.is_distributed:
             return
-        mine = rank_resume(facts.resume, self._rng_start, self._loaded)
+        # Every rank's digests at the save, for every rank: the deciding rank's copy is the
+        # one the decision reads, so the others send none (O(world) bytes each, not O(world²)).
+        saved = self._loaded if self.channel.is_leader else {}
+        mine = rank_resume(facts.resume, self._rng_start, saved)
         self._loaded = {}
         self.verdict = verdict = self.channel.exchange(
             f"{self.name}/resumed", mine, judge, timeout_s=self.timeout_s
@@ -129,23 +132,21 @@ def _columns(per_rank: Mapping[int, Mapping[str, str]]) -> dict[str, list[str]]:
     return {k: [per_rank[r][k] for r in ranks] for k in sorted(keys)}
 
 
-def _position_digests(
-    loader: Any, extra: Mapping[str, Any]
-) -> tuple[dict[str, str], dict[str, str]]:
-    """Per data position, its digest and its value in a message."""
+def _position_states(loader: Any, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Every data position by name: the train loader's, then the framework's own."""
     states = {f"train {where}": state for where, state in loader_positions(loader).items()}
     states.update(extra)
-    return {k: digest(v) for k, v in states.items()}, {k: brief(v) for k, v in states.items()}
+    return states
 
 
 def rank_resume(
     resume: ResumeFacts, rng_start: Mapping[str, str], saved: Mapping[str, list[str]]
 ) -> RankResume:
-    """What this rank sends to the resume check."""
+    """What this rank sends to the resume check (``saved``: only the deciding rank's is read)."""
     checkpoint = os.fspath(resume.checkpoint) if resume.checkpoint is not None else None
     local = checkpoint is not None and "://" not in checkpoint
     folder = resume.folder or (os.path.dirname(checkpoint.rstrip("/")) if checkpoint else None)
-    positions, texts = _position_digests(resume.loader, resume.positions)
+    states = _position_states(resume.loader, resume.positions)
     return RankResume(
         node=node_identity().key,
         asked=resume.asked,
@@ -154,8 +155,8 @@ def rank_resume(
         folder=folder,
         seen=sibling_checkpoints(folder, checkpoint if local else None),
         counters={k: int(v) for k, v in resume.counters.items()},
-        positions=positions,
-        position_text=texts,
+        positions={k: digest(v) for k, v in states.items()},
+        position_text={k: brief(v) for k, v in states.items()},
         rng=rng_digests(),
         rng_start=dict(rng_start),
         saved=dict(saved),

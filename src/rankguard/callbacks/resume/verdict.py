@@ -50,7 +50,8 @@ class RankResume:
         rng_start: Per generator, its digest at this fit's start.
         saved: Per data position (``"data/<name>"``) and generator (``"rng/<name>"``),
             each rank's digest at the save, as the checkpoint's guard state holds it;
-            empty where the checkpoint holds none.
+            empty where the checkpoint holds none, and from every rank but the deciding
+            one (the decision reads the lowest rank's).
         restores_rng: Whether the framework restores each rank's random state.
         fix: How to resume every rank from one checkpoint in this framework.
         data_fix: How to keep each rank's own data position in this framework.
@@ -118,11 +119,12 @@ def _counters_text(counters: Mapping[str, int]) -> str:
 def _checkpoints(per_rank: Mapping[int, RankResume]) -> str | None:
     first = per_rank[min(per_rank)]
     loaded = {r: (p.name, p.identity) for r, p in per_rank.items()}
+    folders = _folders(per_rank)
     if len(set(loaded.values())) == 1:
         # One name and size (checkpoints of the same shapes), other counters, nodes that see
         # different checkpoints beside it: copies of one name from different saves.
         counters = {tuple(sorted(p.counters.items())) for p in per_rank.values()}
-        if first.name is None or len(counters) == 1 or not _folders(per_rank):
+        if first.name is None or len(counters) == 1 or not folders:
             return None
     names = {r: p.name for r, p in per_rank.items()}
 
@@ -147,7 +149,7 @@ def _checkpoints(per_rank: Mapping[int, RankResume]) -> str | None:
             {r: f"{p.name} ({_counters_text(p.counters)})" for r, p in per_rank.items()}, str
         )
     lines = [lead, f"Loaded ({first.asked}): {loads}."]
-    lines += _folders(per_rank)
+    lines += folders
     lines.append(
         "Training on, the ranks would update different weights from different steps, "
         "silently, until they wait for each other at the end of the run or the next save."
@@ -174,10 +176,11 @@ def _folders(per_rank: Mapping[int, RankResume]) -> list[str]:
     if len({seen for _, seen, _ in by_node.values()}) < 2:
         return []
     every = set.intersection(*(set(seen) for _, seen, _ in by_node.values()))
+    anywhere = set().union(*(seen for _, seen, _ in by_node.values()))
     lines = []
     for node, (folder, seen, ranks) in by_node.items():
         only = [n for n in seen if n not in every]
-        missing = sorted(set().union(*(s for _, s, _ in by_node.values())) - set(seen))
+        missing = sorted(anywhere - set(seen))
         parts = []
         if only:
             parts.append(f"{', '.join(only)} that not every node has")
