@@ -130,7 +130,8 @@ def measure_guard(name: str, facts: EventFacts, folder: str, repeats: int) -> di
                 meter.time(event, lambda: guard.handle(Event.EPOCH_END, train_facts))
             elif event == "checkpoint_save_start":
                 meter.time(event, lambda: guard.handle(Event.CHECKPOINT_SAVE_START, save_facts))
-            elif event == "resumed":
+            elif event == "resumed":  # from a checkpoint holding the last save's digests
+                guard.load_state_dict(guard.state_dict())
                 resume = ResumeFacts("bench", folder, {"step": 8}, train.loader, folder=folder)
                 resumed = EventFacts(step=8, resume=resume)
                 meter.time(event, lambda r=resumed: guard.handle(Event.RESUMED, r))
