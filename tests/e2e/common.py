@@ -348,3 +348,20 @@ class ClaimedStream(Stream):
 
     def __len__(self) -> int:
         return self.claimed
+
+
+def cpu_trainer(**settings):
+    """A one-process Lightning trainer on the CPU that logs and prints nothing of its own.
+
+    One epoch and no checkpoints unless ``settings`` say otherwise.
+    """
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **{"max_epochs": 1, "enable_checkpointing": False, **settings},
+    )

@@ -15,7 +15,7 @@ from rankguard.integrations import lightning as rg_lightning
 from rankguard.integrations import torch as rg_torch
 from rankguard.integrations import transformers as rg_transformers
 from rankguard.integrations._common import class_name
-from tests.e2e.common import Points
+from tests.e2e.common import Points, cpu_trainer
 
 try:  # Composer's world only (tests/conftest.py marks its tests)
     from rankguard.integrations import composer as rg_composer
@@ -29,23 +29,6 @@ except ImportError:
 ADAPTERS = [
     m for m in (rg_composer, rg_lightning, rg_torch, rg_transformers, rg_olmo_core) if m is not None
 ]
-
-
-def cpu_trainer(**settings):
-    """A one-process Lightning trainer on the CPU that logs and prints nothing of its own.
-
-    One epoch and no checkpoints unless ``settings`` say otherwise.
-    """
-    import lightning as L
-
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **{"max_epochs": 1, "enable_checkpointing": False, **settings},
-    )
 
 
 def callback_classes(module):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from tests.e2e.common import Points
+from tests.e2e.common import Points, cpu_trainer
 
 L = pytest.importorskip("lightning")
 
@@ -25,18 +25,6 @@ from lightning.pytorch.strategies import (  # noqa: E402
 
 from rankguard.integrations.lightning import RankGuard, checkpoint_format, split_decisions  # noqa: E402
 from rankguard.integrations.private import lightning as private  # noqa: E402
-
-
-def cpu_trainer(**settings):
-    """A one-process Lightning trainer on the CPU that logs and prints nothing of its own."""
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **{"max_epochs": 1, "enable_checkpointing": False, **settings},
-    )
 
 
 class Module(L.LightningModule):
