@@ -25,7 +25,12 @@ TARGETS = [
     "tests/typecheck/quickstart.py",
     "tests/typecheck/mistakes.py",
     "src/rankguard/integrations/_api.py",
-    *[f"src/rankguard/integrations/{name}.py" for name in INTEGRATIONS],
+    # an integration is a module or a package of its own
+    *[
+        f"src/rankguard/integrations/{name}"
+        + ("" if (ROOT / "src/rankguard/integrations" / name).is_dir() else ".py")
+        for name in INTEGRATIONS
+    ],
 ]
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rankguard.callbacks.core.events import EventFacts
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.integrations._common import Unhook, on_raise, wrap_method
 from rankguard.integrations._driver import EventDriver
@@ -78,23 +77,28 @@ class Adapter:
 
     # -- errors and the end -------------------------------------------------------------
 
-    def fail(self, exc: BaseException, step: int | None = None, epoch: int | None = None) -> None:
+    def fail(
+        self,
+        exc: BaseException,
+        step: int | None = None,
+        epoch: int | None = None,
+        *,
+        fitting: bool | None = None,
+    ) -> None:
         """An error left the fit: the guards explain it (``on_error``), then every guard stops.
 
-        The guards explain it only while a fit runs; ``step`` and ``epoch`` default to
-        the driver's. Never raises.
+        Args:
+            exc: The error.
+            step: The framework's step (default: the driver's).
+            epoch: The framework's epoch (default: the driver's).
+            fitting: Whether the error is the fit's, for a framework that raises it outside
+                FIT_START..FIT_END too (Lightning's sanity check); default: while a fit runs.
+                Outside a fit the guards only stop.
+
+        Never raises.
         """
-        driver = self.driver
-        try:
-            if driver.fitting:
-                driver.fitting = False
-                facts = EventFacts(
-                    step=driver.step if step is None else int(step),
-                    epoch=max(driver.epoch, 0) if epoch is None else int(epoch),
-                )
-                self.runner.error(exc, facts)
-        finally:
-            self.runner.close()
+        explain = self.driver.fitting if fitting is None else fitting
+        self.driver.abandon(exc if explain else None, step, epoch)
 
     def stop(self) -> None:
         """Stops every guard and removes every wrapper; safe to call twice and after an error."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from time import perf_counter
 from typing import Any
 
 from rankguard.callbacks.core.events import (
@@ -35,7 +34,6 @@ from rankguard.callbacks.core.events import (
     ResumeFacts,
 )
 from rankguard.callbacks.core.guard import GuardRunner, MetricSink
-from rankguard.callbacks.core.step_log import BATCH_END_FETCH_START, FETCH_END_BATCH_START
 
 __all__ = ["EventDriver", "inspection_limits"]
 
@@ -78,9 +76,8 @@ class EventDriver:
         eval_batches: Eval batches started of ``evals[0]``.
         batch_open: Whether a train batch started and has not ended.
         fetching: Whether a fetch window is open. The usual step goes from a fetch
-            (``fetching``, no ``batch_open``) to a batch and back; an adapter may make
-            those two moves itself, as :meth:`fetch_end_batch_start`'s and
-            :meth:`fetch_start`'s first branches do (the Hugging Face Trainer's does).
+            (``fetching``, no ``batch_open``) to a batch and back, one step-log entry
+            each (:meth:`fetch_end_batch_start`'s and :meth:`fetch_start`'s first branches).
     """
 
     def __init__(self, runner: GuardRunner, log_metrics: MetricSink | None = None) -> None:
@@ -153,15 +150,22 @@ class EventDriver:
         self.fitting = False
         self.fire(Event.FIT_END)
 
-    def abandon(self, exc: BaseException | None = None) -> None:
+    def abandon(
+        self, exc: BaseException | None = None, step: int | None = None, epoch: int | None = None
+    ) -> None:
         """Ends the fit without FIT_END (an error, or a framework restarting its loop).
 
-        Guards that explain errors see ``exc`` first; then every guard stops.
+        Guards that explain errors see ``exc`` first, at ``step`` and ``epoch`` (default:
+        the driver's); then every guard stops. The one place of that sequence.
         """
         self.fitting = False
         try:
             if exc is not None:
-                self.runner.error(exc, EventFacts(step=self.step, epoch=max(self.epoch, 0)))
+                facts = EventFacts(
+                    step=self.step if step is None else int(step),
+                    epoch=max(self.epoch, 0) if epoch is None else int(epoch),
+                )
+                self.runner.error(exc, facts)
         finally:
             self.runner.close()
 
@@ -186,10 +190,7 @@ class EventDriver:
             if not self.fetching:  # the usual step: its end and the next fetch in one entry
                 self.batch_open, self.fetching = False, True
                 self.step = step = self.step + 1
-                # StepLog.batch_end_fetch_start, inline (see :meth:`fetch_end_batch_start`)
-                self._steps.entries.append(
-                    (perf_counter(), BATCH_END_FETCH_START, step - 1, step, None, None)
-                )
+                self._steps.batch_end_fetch_start(step - 1, fetch_step=step)
                 return
             self.end_train_batch()
         if not self.fetching:
@@ -203,33 +204,31 @@ class EventDriver:
         self.fetching = False
         self._steps.fetch_end(self.step)
 
-    def fetch_end_batch_start(self) -> None:
-        """DATA_FETCH_END (as :meth:`fetch_end`), then TRAIN_BATCH_START."""
+    def fetch_end_batch_start(self, batch: Any = None) -> None:
+        """DATA_FETCH_END (as :meth:`fetch_end`), then TRAIN_BATCH_START.
+
+        ``batch``: the batch, where the adapter has it (the guards that read the first
+        train batches get it through the step log's ``batch_probe``).
+        """
         if self.fetching and not self.batch_open:  # the usual step (train_batch_start's too)
             self.fetching, self.batch_open = False, True
-            # StepLog.fetch_end_batch_start, inline (the driver never arms a fetch clock):
-            # a loop calls this right after the optimizer step, on a cold cache, where a
-            # frame costs about 2 us (docs/design.md#overhead-what-a-step-costs).
-            steps = self._steps
-            steps.entries.append(
-                (perf_counter(), FETCH_END_BATCH_START, self.step, None, None, None)
-            )
-            steps.batches = batches = steps.batches + 1
-            if batches >= steps.act_at:
-                steps.act(batches)
+            self._steps.fetch_end_batch_start(self.step, batch)
             return
         self.fetch_end()  # no fetch open: it opens here, empty
-        self.train_batch_start()
+        self.train_batch_start(batch)
 
-    def train_batch_start(self) -> None:
-        """TRAIN_BATCH_START of batch :attr:`step` (ends an open fetch first)."""
+    def train_batch_start(self, batch: Any = None) -> None:
+        """TRAIN_BATCH_START of batch :attr:`step`; an open fetch ends first.
+
+        ``batch``: as :meth:`fetch_end_batch_start`'s.
+        """
         if self.fetching and not self.batch_open:  # the usual step: both in one entry
-            self.fetch_end_batch_start()
+            self.fetch_end_batch_start(batch)
             return
         if self.fetching:
             self.fetch_end()
         self.batch_open = True
-        self._steps.batch_start(self.step)
+        self._steps.batch_start(self.step, batch)
 
     def end_train_batch(self) -> None:
         """TRAIN_BATCH_END of the open train batch, if one is open."""

@@ -439,11 +439,9 @@ class _ComposerAdapter(Adapter, Callback):
             elif event is _AFTER_DATALOADER:
                 # The fetch ends and the batch starts: Composer fires BATCH_START next,
                 # with nothing between them, so one entry holds both (see step_log.PAIRS).
-                steps.fetch_end_batch_start(self._step)
+                steps.fetch_end_batch_start(self._step, state.batch)
                 if self._resume_due is not None:  # the fit's first BATCH_START: see _resumed
                     self._resumed(state)
-                if steps.batch_probe is not None:  # the first train batches, for guards
-                    steps.batch_probe(state.batch)
             else:
                 # The window also holds an all_reduce: the loader goes with it (see
                 # callbacks/data/data_fetch.py), read again only when it may be watched.
@@ -547,18 +545,25 @@ class _ComposerAdapter(Adapter, Callback):
             state.set_dataloader(original, label, -1 if length is None else int(length))
         return counter.result()
 
-    def fail(self, exc: BaseException, step: int | None = None, epoch: int | None = None) -> None:
+    def fail(
+        self,
+        exc: BaseException,
+        step: int | None = None,
+        epoch: int | None = None,
+        *,
+        fitting: bool | None = None,
+    ) -> None:
         """An error left ``fit`` (wrapped at ``INIT``): the guards explain it, then stop.
 
         The step and epoch are the Trainer's; an error outside a fit leaves the guards
         as they are (:meth:`close` stops them).
         """
-        if not self.driver.fitting:
+        if not (self.driver.fitting if fitting is None else fitting):
             return
         if step is None and self._state is not None:
             time = self._state.timestamp
             step, epoch = int(time.batch), int(time.epoch)
-        super().fail(exc, step, epoch)
+        super().fail(exc, step, epoch, fitting=True)
 
     def close(self, state: State, logger: Logger) -> None:
         """Lets guards explain an error that ended fit (a dead data worker), then stops them.

@@ -328,9 +328,9 @@ class _LightningAdapter(Adapter, Callback):
         """DATA_FETCH_END then TRAIN_BATCH_START, in the step log (the step read once)."""
         tracker = self._steps_taken
         steps = self.runner.steps
-        steps.fetch_end_batch_start(trainer.global_step if tracker is None else tracker.completed)
-        if steps.batch_probe is not None:  # the first train batches, for the guards that read them
-            steps.batch_probe(batch)
+        steps.fetch_end_batch_start(
+            trainer.global_step if tracker is None else tracker.completed, batch
+        )
 
     def on_train_batch_end(
         self,
@@ -406,12 +406,10 @@ class _LightningAdapter(Adapter, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         """Lets guards explain the error (e.g. a dead data worker), then stops them."""
-        # Explained wherever the trainer raised it: in the sanity check (before FIT_START) and
-        # after FIT_END too, where the base explains only inside the fit.
-        self.driver.fitting = True
-        # Never raise from an exception hook, whatever state the trainer is in.
+        # Never raise from an exception hook, whatever state the trainer is in. Explained
+        # wherever the trainer raised it: in the sanity check (before FIT_START) too.
         step, epoch = getattr(trainer, "global_step", 0), getattr(trainer, "current_epoch", 0)
-        self.fail(exception, step, epoch)
+        self.fail(exception, step, epoch, fitting=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Stops every guard and unwraps checkpointing; safe to call twice."""

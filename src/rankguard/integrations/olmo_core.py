@@ -429,10 +429,7 @@ class _OlmoCoreAdapter(Adapter, Callback):
     def pre_step(self, batch: dict[str, Any]) -> None:
         """DATA_FETCH_END, TRAIN_BATCH_START; records the guards' metrics."""
         if self.driver.fitting:
-            self.driver.train_batch_start()
-            probe = self.runner.steps.batch_probe
-            if probe is not None:  # the first train batches, for the guards that read them
-                probe(batch)
+            self.driver.train_batch_start(batch)
             if self._metrics:  # the guards' metrics (Adapter.buffer_metrics), rarely any
                 self._flush_metrics()
 

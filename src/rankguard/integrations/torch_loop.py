@@ -163,10 +163,7 @@ class TrainPass:
             self.exhausted = True
             raise
         self.yielded += 1
-        driver.fetch_end_batch_start()
-        probe = driver._steps.batch_probe
-        if probe is not None:  # the first train batches, for the guards that read them
-            probe(batch)
+        driver.fetch_end_batch_start(batch)
         return batch
 
 

@@ -14,12 +14,10 @@ import inspect
 import logging
 import os
 from collections.abc import Callable, Mapping
-from time import perf_counter
 from typing import Any
 
 from rankguard.callbacks.core.events import LoaderFacts, ResumeFacts, SplitDecision
 from rankguard.callbacks.core.guard import Guard
-from rankguard.callbacks.core.step_log import BATCH_END_FETCH_START, FETCH_END_BATCH_START
 from rankguard.integrations import _api
 from rankguard.integrations._adapter import Adapter
 from rankguard.integrations._common import load_guard_state, save_guard_state
@@ -176,7 +174,6 @@ class _TrainerAdapter(Adapter, TrainerCallback):
 
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
         super().__init__(guards, exchange_timeout_s)
-        self._steps = self.runner.steps  # the usual step's entries go here, inline
         self._trainer: Trainer | None = None
         self._train: LoaderFacts | None = None
         self._evals: list[LoaderFacts] = []
@@ -320,18 +317,6 @@ class _TrainerAdapter(Adapter, TrainerCallback):
                 driver.fetch_end()
                 self._resumed(args, state)
                 driver.train_batch_start()
-            elif driver.fetching and not driver.batch_open:
-                # The usual step, as EventDriver.fetch_end_batch_start makes it, inline:
-                # here, on the cache the backward and the optimizer left cold, each frame
-                # costs about 2 us, and this hook runs every step.
-                driver.fetching, driver.batch_open = False, True
-                steps = self._steps
-                steps.entries.append(
-                    (perf_counter(), FETCH_END_BATCH_START, driver.step, None, None, None)
-                )
-                steps.batches = batches = steps.batches + 1
-                if batches >= steps.act_at:
-                    steps.act(batches)
             else:
                 driver.fetch_end_batch_start()
             if self._metrics:  # at most once an interval (Adapter.buffer_metrics's)
@@ -373,16 +358,7 @@ class _TrainerAdapter(Adapter, TrainerCallback):
         driver = self.driver
         if driver.fitting:
             if not (control.should_evaluate or control.should_save or control.should_log):
-                if driver.batch_open and not driver.fetching:
-                    # The usual step: the batch ends, the next fetch starts, as
-                    # EventDriver.fetch_start makes it, inline (see on_step_begin).
-                    driver.batch_open, driver.fetching = False, True
-                    driver.step = step = driver.step + 1
-                    self._steps.entries.append(
-                        (perf_counter(), BATCH_END_FETCH_START, step - 1, step, None, None)
-                    )
-                else:
-                    driver.fetch_start()
+                driver.fetch_start()
                 return
             driver.end_train_batch()
             self._next(args, state, control, kwargs.get("eval_dataloader"), after_step=True)

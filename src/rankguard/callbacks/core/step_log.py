@@ -95,8 +95,9 @@ class StepLog:
         self._armed: Any = None  # the fetch clock armed for the open fetch window
         self._lock = threading.Lock()
         self._readers: list[StepReader] = []
-        #: Called by adapters with each train batch while set (a guard that reads the first
-        #: batches sets it and clears it once it has them): one attribute check a step.
+        #: Called with each train batch an adapter hands :meth:`fetch_end_batch_start` or
+        #: :meth:`batch_start` while set (a guard that reads the first batches sets it and
+        #: clears it once it has them): one attribute check a step.
         self.batch_probe: Callable[[Any], None] | None = None
         self._on_due: Callable[[int], float] | None = None
 
@@ -161,12 +162,17 @@ class StepLog:
             return
         self.entries.append((perf_counter(), FETCH_END, step, None, None, None))
 
-    def batch_start(self, step: int) -> None:
-        """A train batch starts; at the due batch, the guards act (see :attr:`due`)."""
+    def batch_start(self, step: int, batch: Any = None) -> None:
+        """A train batch starts; at the due batch, the guards act (see :attr:`due`).
+
+        ``batch``: the batch, where the adapter has it, for :attr:`batch_probe`.
+        """
         self.entries.append((perf_counter(), BATCH_START, step, None, None, None))
         self.batches = batches = self.batches + 1
         if batches >= self.act_at:
             self.act(batches)
+        if self.batch_probe is not None and batch is not None:
+            self.batch_probe(batch)
 
     def batch_end(self, step: int, decisions: dict[str, Any] | None = None) -> None:
         """The train batch ended, with the framework's split decisions if it has any."""
@@ -174,17 +180,23 @@ class StepLog:
 
     # -- two events at once, where a loop has them back to back: one call, one entry ------
 
-    def fetch_end_batch_start(self, step: int) -> None:
-        """:meth:`fetch_end` then :meth:`batch_start` (a fetch whose batch starts at once)."""
+    def fetch_end_batch_start(self, step: int, batch: Any = None) -> None:
+        """:meth:`fetch_end` then :meth:`batch_start` (a fetch whose batch starts at once).
+
+        ``batch``: the batch, where the adapter has it, for :attr:`batch_probe` (the one
+        place it is called: a guard that reads the first train batches sets it).
+        """
         if self._armed is not None:  # a watched window ends at the loader's return
             self.fetch_end(step)
-            self.batch_start(step)
+            self.batch_start(step, batch)
             return
         self.entries.append((perf_counter(), FETCH_END_BATCH_START, step, None, None, None))
         # batch_start's count and threshold, inline: a call costs more than they do here
         self.batches = batches = self.batches + 1
         if batches >= self.act_at:
             self.act(batches)
+        if self.batch_probe is not None and batch is not None:
+            self.batch_probe(batch)
 
     def act(self, batches: int) -> None:
         """At train batch ``batches`` (``>= act_at``): the due handler, then ``switch``, if due."""
