@@ -151,7 +151,7 @@ def test_a_normal_install_holds_one_rankguard_package_with_every_subpackage(tmp_
     names = zipfile.ZipFile(wheel).namelist()
     packages = {name.split("/")[0] for name in names if not name.startswith("rankguard-")}
     assert packages == {"rankguard"}
-    for module in ("__init__.py", "py.typed", "cli.py", "integrations/composer.py"):
+    for module in ("__init__.py", "py.typed", "cli.py", "integrations/_adapter.py"):
         assert f"rankguard/{module}" in names
     in_tree = sorted(
         ".".join(init.parent.relative_to(ROOT / "src").parts)
