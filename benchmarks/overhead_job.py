@@ -239,7 +239,7 @@ CONFIG = json.loads(os.environ.get("RANKGUARD_BENCH_CONFIG") or "{}")
 #: Where the framework enters each adapter during the steps: (module, class, methods
 #: timed). Fit start and end (checks, the guards' close) are left out.
 ENTRY_POINTS = {
-    "composer": ("rankguard.integrations.composer", "_ComposerAdapter", ("run_event",)),
+    "composer": ("rankguard.integrations.composer.adapter", "_ComposerAdapter", ("run_event",)),
     "lightning": (
         "rankguard.integrations.lightning",
         "_LightningAdapter",

@@ -19,8 +19,11 @@ from tests.e2e.common import Points, cpu_trainer
 
 try:  # Composer's world only (tests/conftest.py marks its tests)
     from rankguard.integrations import composer as rg_composer
+    from rankguard.integrations.composer import adapter as composer_adapter
+    from rankguard.integrations.composer import decisions as composer_decisions
+    from rankguard.integrations.composer import facts as composer_facts
 except ImportError:
-    rg_composer = None
+    rg_composer = composer_adapter = composer_decisions = composer_facts = None
 try:  # the olmo-core extra
     from rankguard.integrations import olmo_core as rg_olmo_core
 except ImportError:
@@ -219,7 +222,7 @@ def test_composer_load_path_is_read_before_composer_loads_it(tmp_path):
             weights.append(model.module.weight.detach().clone())
 
     recorder = AtLoad()
-    resumed = trainer(model, [rg_composer._ComposerAdapter([recorder])], load_path=path)
+    resumed = trainer(model, [composer_adapter._ComposerAdapter([recorder])], load_path=path)
     [(kind, facts)] = recorder.seen
     assert kind == "load" and facts.load_path == path
     assert "remote `load_path`" in facts.upload_setting
@@ -242,7 +245,7 @@ def test_composer_names_where_a_remote_save_folder_uploads_its_checkpoints():
         model=model, rank_zero_seed=0, run_name="r", device=DeviceCPU(), callbacks=[remote, local]
     )
     try:
-        uploads = rg_composer.checkpoint_uploads(state, Logger(state, []))
+        uploads = composer_facts.checkpoint_uploads(state, Logger(state, []))
     finally:
         remote.remote_uploader.upload_executor.shutdown()
     [(folder, target)] = uploads.items()
@@ -326,7 +329,7 @@ def test_composer_loss_rows_are_the_keys_composer_all_reduces_after_a_batch():
     loss = torch.ones(())
 
     def names(value):
-        (row,) = rg_composer.loss_rows(value, batch=3)
+        (row,) = composer_decisions.loss_rows(value, batch=3)
         assert row.label == 3
         return [name for name, kind in row.names if kind == "sum"]
 
@@ -338,9 +341,10 @@ def test_composer_loss_rows_are_the_keys_composer_all_reduces_after_a_batch():
     # Compared after every batch: names and lengths, never the tensors (a tuple of
     # vectors compared as tuples would raise "Boolean value of Tensor ... is ambiguous").
     vectors = (torch.ones(3), torch.zeros(3))
-    assert rg_composer.loss_keys(vectors) == rg_composer.loss_keys((torch.ones(3), loss)) == 2
-    assert rg_composer.loss_keys({"total": loss, "aux": loss}) == ("total", "aux")
-    assert rg_composer.loss_keys(loss) is None
+    loss_keys = composer_decisions.loss_keys
+    assert loss_keys(vectors) == loss_keys((torch.ones(3), loss)) == 2
+    assert loss_keys({"total": loss, "aux": loss}) == ("total", "aux")
+    assert loss_keys(loss) is None
 
 
 def test_composer_counts_the_passes_of_a_loader_without_a_distributed_sampler():
@@ -351,11 +355,11 @@ def test_composer_counts_the_passes_of_a_loader_without_a_distributed_sampler():
     from rankguard.callbacks.batches.loader_passes import PassCounter
 
     plain = DataLoader(Points(8), batch_size=4)
-    assert rg_composer.countable(plain)
-    assert not rg_composer.countable(None)
-    assert not rg_composer.countable(PassCounter(plain))  # counted already
+    assert composer_decisions.countable(plain)
+    assert not composer_decisions.countable(None)
+    assert not composer_decisions.countable(PassCounter(plain))  # counted already
     sampler = DistributedSampler(Points(8), num_replicas=2, rank=0)
-    assert not rg_composer.countable(DataLoader(Points(8), sampler=sampler))
+    assert not composer_decisions.countable(DataLoader(Points(8), sampler=sampler))
 
 
 def test_composer_resume_names_rank_0s_checkpoint_and_its_folder(tmp_path):
@@ -364,8 +368,9 @@ def test_composer_resume_names_rank_0s_checkpoint_and_its_folder(tmp_path):
     (tmp_path / "ep0-ba2-rank0.pt").touch()
     loaded = str(tmp_path / "ep0-ba2-rank{rank}.pt")
     rank0 = str(tmp_path.resolve() / "ep0-ba2-rank0.pt")
-    assert rg_composer.resumed_from(loaded, "save", "r") == (rank0, str(tmp_path))
-    assert rg_composer.resumed_from(loaded, None, "r") == (rank0, None)  # load_path: no folder
+    resumed_from = composer_decisions.resumed_from
+    assert resumed_from(loaded, "save", "r") == (rank0, str(tmp_path))
+    assert resumed_from(loaded, None, "r") == (rank0, None)  # load_path: no folder
     # an autoresume that found nothing to load names its own folder, formatted
-    assert rg_composer.resumed_from(None, "ckpt/{run_name}", "r") == (None, "ckpt/r")
-    assert rg_composer.resumed_from(None, None, "r") == (None, None)
+    assert resumed_from(None, "ckpt/{run_name}", "r") == (None, "ckpt/r")
+    assert resumed_from(None, None, "r") == (None, None)

@@ -1,0 +1,325 @@
+"""The Composer adapter: Composer's events, as rankguard core events, drive the guards.
+
+Its event map (``_EVENTS``, and the events of every train batch tested by
+identity: Composer calls ``run_event`` some 13 times a batch) and its hooks.
+The facts each event needs are read in :mod:`.facts`; what they mean is
+decided in :mod:`.decisions`. Every other module of the package is imported
+after this one's Composer imports (the package's ``__init__`` imports it first),
+so a missing Composer is named here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rankguard.callbacks.batches.loader_passes import PassCounter
+from rankguard.callbacks.core.events import Event as CoreEvent
+from rankguard.callbacks.core.events import EventFacts, LoaderFacts, ResumeFacts
+from rankguard.callbacks.core.guard import Guard
+from rankguard.callbacks.hang.metric_reductions import ReductionCheck
+from rankguard.integrations._adapter import Adapter
+from rankguard.integrations._common import metric_reduction_check
+
+try:
+    from composer.callbacks import CheckpointSaver
+    from composer.core import Callback, Event, State
+    from composer.loggers import Logger
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "rankguard.integrations.composer needs Composer: pip install 'rankguard[composer]'"
+    ) from exc
+from rankguard.integrations.composer.decisions import (
+    escaping_exception,
+    loss_keys,
+    loss_rows,
+    resumed_from,
+)
+from rankguard.integrations.composer.facts import (
+    as_int,
+    checkpoint_savers,
+    dataset_positions,
+    event_facts,
+    observe_pass,
+)
+from rankguard.integrations.composer.messages import (
+    DATA_FIX,
+    LOSS_FIX,
+    LOSS_REDUCTION,
+    RESUME_FIX,
+)
+from rankguard.integrations.private.composer import (
+    constructing_trainer,
+    event_values,
+    resume_request,
+)
+
+_EVENTS: dict[Event, CoreEvent] = {
+    Event.BEFORE_LOAD: CoreEvent.CHECKPOINT_LOAD_START,
+    Event.FIT_START: CoreEvent.FIT_START,
+    Event.EPOCH_START: CoreEvent.EPOCH_START,
+    Event.BEFORE_DATALOADER: CoreEvent.DATA_FETCH_START,
+    Event.AFTER_DATALOADER: CoreEvent.DATA_FETCH_END,
+    Event.BATCH_START: CoreEvent.TRAIN_BATCH_START,
+    Event.BATCH_END: CoreEvent.TRAIN_BATCH_END,
+    Event.EVAL_START: CoreEvent.EVAL_START,
+    Event.EVAL_BATCH_START: CoreEvent.EVAL_BATCH_START,
+    Event.EVAL_BATCH_END: CoreEvent.EVAL_BATCH_END,
+    Event.EVAL_END: CoreEvent.EVAL_END,
+    Event.BATCH_CHECKPOINT: CoreEvent.CHECKPOINT_SAVE_START,
+    Event.EPOCH_CHECKPOINT: CoreEvent.CHECKPOINT_SAVE_START,
+    Event.EPOCH_END: CoreEvent.EPOCH_END,
+    Event.FIT_END: CoreEvent.FIT_END,
+}
+
+#: ``_EVENTS`` keyed by each member's ``id``: Composer calls ``run_event`` some 13 times a
+#: batch, and its ``StringEnum`` hashes in Python (about 1 us a lookup, 0.2 us by ``id``).
+_EVENTS_BY_ID: dict[int, CoreEvent] = {id(event): core for event, core in _EVENTS.items()}
+#: The events of every train batch, tested by identity (``is``): Composer calls ``run_event``
+#: some 13 times a batch, and an identity test against a module constant costs the least.
+_BEFORE_DATALOADER = Event.BEFORE_DATALOADER
+_AFTER_DATALOADER = Event.AFTER_DATALOADER
+_BATCH_END = Event.BATCH_END
+_BATCH_CHECKPOINT = Event.BATCH_CHECKPOINT
+_INIT = Event.INIT
+_BEFORE_LOAD = Event.BEFORE_LOAD
+#: The value of each event of a train batch rankguard has nothing to do at (BATCH_START: it
+#: is recorded with AFTER_DATALOADER), tested inline (``private.composer.event_values``): a
+#: test that allocates nothing costs a third of one by ``id`` (a new int) in a cold call.
+_QUIET = event_values(
+    (
+        Event.BATCH_START,
+        Event.BEFORE_TRAIN_BATCH,
+        Event.BEFORE_FORWARD,
+        Event.AFTER_FORWARD,
+        Event.BEFORE_LOSS,
+        Event.AFTER_LOSS,
+        Event.BEFORE_BACKWARD,
+        Event.AFTER_BACKWARD,
+    )
+)
+#: The event after a train batch's microbatches, before Composer reduces the loss per key.
+_AFTER_TRAIN_BATCH = Event.AFTER_TRAIN_BATCH
+#: The loss keys before a fit's first batch (no :func:`loss_keys` result equals it).
+_UNSEEN = object()
+#: Composer events that start or end a fit.
+_FIT_BOUNDS = (CoreEvent.FIT_START, CoreEvent.FIT_END)
+RESUMED = CoreEvent.RESUMED
+
+#: The event that starts a pass over a loader, by the event that ends it.
+_PASS_ENDS = {CoreEvent.EVAL_END: CoreEvent.EVAL_START, CoreEvent.EPOCH_END: CoreEvent.EPOCH_START}
+_PASS_END = {start: end for end, start in _PASS_ENDS.items()}
+
+
+class _ComposerAdapter(Adapter, Callback):
+    """Drives the guards from Composer events (:class:`Adapter`: runner, driver, wrapped fit)."""
+
+    def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
+        super().__init__(guards, exchange_timeout_s)
+        self._passes: dict[str, tuple[PassCounter, Any]] = {}
+        #: The step, with the timestamp it was read from (Composer replaces it as time advances).
+        self._timestamp: Any = None
+        self._step = 0
+        #: The train loader's facts, with the loader and batch count they were read from.
+        self._train: tuple[Any, Any, LoaderFacts | None] = (None, None, None)
+        #: Composer's checkpoint savers, with the callback list and length they were read from.
+        self._savers: tuple[Any, int, list[CheckpointSaver]] = (None, 0, [])
+        #: The loss keys' check while fitting (see :func:`loss_rows`), and the last keys seen.
+        self._loss_check: ReductionCheck | None = None
+        self._loss_keys: object = _UNSEEN
+        self._state: State | None = None  # the state of the Trainer whose fit is wrapped
+        #: How the Trainer asked for a resume (BEFORE_LOAD); its data position at FIT_START.
+        self._resume: tuple[str, str | None] | None = None
+        self._resume_due: dict[str, Any] | None = None
+
+    def _train_facts(self, state: State) -> LoaderFacts | None:
+        """The train loader's facts, built again only when Composer's loader or length changes."""
+        loader, length = state.train_dataloader, state.dataloader_len
+        cached_loader, cached_length, facts = self._train
+        if loader is not cached_loader or length is not cached_length:
+            facts = None
+            if loader is not None:
+                facts = LoaderFacts("train", loader, is_train=True, num_batches=as_int(length))
+            self._train = (loader, length, facts)
+        return facts
+
+    def _save_due(self, state: State, event: Event) -> bool:
+        """Whether a checkpoint saver will save at this ``*_CHECKPOINT`` event.
+
+        Composer fires BATCH_CHECKPOINT after every batch; a save happens only when
+        a saver's ``save_interval`` says so. That scheduler only records the last
+        batch it answered ``True`` for, so asking it first (rankguard runs before
+        the savers, which Composer appends after user callbacks) does not change
+        the saver's answer. The savers are read again only when the callback list
+        changes.
+        """
+        callbacks = state.callbacks
+        cached, count, savers = self._savers
+        if callbacks is not cached or len(callbacks) != count:
+            savers = checkpoint_savers(state)
+            self._savers = (callbacks, len(callbacks), savers)
+        if not savers:  # most runs' BATCH_CHECKPOINT, every batch
+            return False
+        return any(saver.save_interval(state, event) for saver in savers)
+
+    def run_event(
+        self, event: Event, state: State, logger: Logger, _quiet: frozenset[str] = _QUIET
+    ) -> None:
+        """Translates a Composer event and dispatches it to the guards.
+
+        ``_quiet`` is :data:`_QUIET`, a local here (a module global is one more cold
+        cache line in each of Composer's some 13 calls a batch).
+        """
+        if event._value_ in _quiet:
+            return
+        if (
+            event is _BATCH_END or event is _BEFORE_DATALOADER or event is _AFTER_DATALOADER
+        ):  # the hot path, three times a step: the step log's clock read and append
+            timestamp = state.timestamp
+            if timestamp is not self._timestamp:  # Composer replaces it as time advances
+                self._timestamp = timestamp
+                self._step = timestamp.batch.value
+            steps = self.runner.steps
+            if event is _BATCH_END:
+                steps.batch_end(self._step)
+            elif event is _AFTER_DATALOADER:
+                # The fetch ends and the batch starts: Composer fires BATCH_START next,
+                # with nothing between them, so one entry holds both (see step_log.PAIRS).
+                steps.fetch_end_batch_start(self._step, state.batch)
+                if self._resume_due is not None:  # the fit's first BATCH_START: see _resumed
+                    self._resumed(state)
+            else:
+                # The window also holds an all_reduce: the loader goes with it (see
+                # callbacks/data/data_fetch.py), read again only when it may be watched.
+                train = self._train[2]
+                if train is None or steps.fetch_clock is not None:
+                    train = self._train_facts(state)
+                steps.fetch_start(self._step, train)
+            return
+        if event is _AFTER_TRAIN_BATCH:  # before Composer reduces the loss, key by key
+            check = self._loss_check
+            if check is not None:
+                loss = state.loss
+                keys = loss_keys(loss)
+                if keys != self._loss_keys:
+                    self._loss_keys = keys
+                    check.check_changed(loss_rows(loss, self._step + 1))
+            return
+        if event is _BATCH_CHECKPOINT and not self._save_due(state, event):
+            return  # every batch: a save only when a saver says so
+        if event is _BEFORE_LOAD:
+            self._resume = resume_request()
+        core_event = _EVENTS_BY_ID.get(id(event))
+        if core_event is None:  # Composer's other events: rankguard has no use for them
+            if event is _INIT:
+                self._hook_fit(state)
+            return
+        runner = self.runner
+        if core_event is CoreEvent.CHECKPOINT_SAVE_START and not (
+            runner.handlers[core_event]
+            and (event is _BATCH_CHECKPOINT or self._save_due(state, event))
+        ):
+            return  # a save only when a guard handles it and a saver says so (asked above
+            # for BATCH_CHECKPOINT, not twice)
+        if core_event in _FIT_BOUNDS:
+            self.driver.fitting = core_event is CoreEvent.FIT_START
+            self._passes.clear()
+            self._timestamp, self._train, self._savers = None, (None, None, None), (None, 0, [])
+        if not self.runner.handles(core_event):
+            return
+        facts = event_facts(core_event, state, logger)
+        if core_event is CoreEvent.CHECKPOINT_LOAD_START and facts.load_path is None:
+            return
+        if core_event in _PASS_ENDS:
+            facts.loader_pass = self._pass_end(state, core_event)
+        self.driver.dispatch(core_event, facts, logger.log_metrics)
+        if core_event in _FIT_BOUNDS:
+            self._loss_check, self._loss_keys = None, _UNSEEN
+            self._resume_due = None
+            if core_event is CoreEvent.FIT_START and self._resume and runner.handles(RESUMED):
+                self._resume_due = dataset_positions(state)  # as loaded, before any batch
+            if core_event is CoreEvent.FIT_START:
+                self._loss_check = metric_reduction_check(
+                    self.runner.guards, "composer_loss", where=LOSS_REDUCTION, fix=LOSS_FIX
+                )
+        if core_event in _PASS_ENDS.values() and self.runner.handles(_PASS_END[core_event]):
+            original = state.dataloader
+            counter = observe_pass(state)
+            if counter is not None:
+                self._passes[str(state.dataloader_label)] = (counter, original)
+
+    def _resumed(self, state: State) -> None:
+        """RESUMED, once per fit that resumes, on every rank, at its first BATCH_START.
+
+        ``Trainer.__init__`` loaded the checkpoint (``state.load_path``); ``_train_loop``
+        restores the random state after FIT_START, at once where ``batch_in_epoch == 0``,
+        else while spinning the loader to the resumed batch, before that batch is fetched
+        (composer/trainer/trainer.py, 0.32: ``_train_loop``). Composer fires BATCH_START
+        right after this AFTER_DATALOADER: the first point where all of it is in place.
+        """
+        (asked, folder), positions = self._resume or ("", None), self._resume_due or {}
+        self._resume = self._resume_due = None  # once: a later fit() of this Trainer goes on
+        time = state.timestamp
+        loaded, folder = resumed_from(state.load_path, folder, state.run_name)
+        counters = {
+            c: int(getattr(time, c)) for c in ("epoch", "batch", "batch_in_epoch", "sample")
+        }
+        facts = ResumeFacts(asked, loaded, counters, state.train_dataloader, positions, folder)
+        facts.restores_rng, facts.fix, facts.data_fix = True, RESUME_FIX, DATA_FIX
+        self.driver.dispatch(RESUMED, EventFacts(step=int(time.batch), resume=facts))
+
+    def _hook_fit(self, state: State) -> None:
+        """At ``INIT``: an error that leaves the Trainer's ``fit`` reaches the guards there.
+
+        That is before the caller's ``finally`` (``trainer.close()``, a teardown that may wait).
+        """
+        trainer = constructing_trainer()
+        if trainer is None:
+            return
+        self.unwrap()
+        self._state = state
+        self.watch_raise(trainer, "fit")
+
+    def _pass_end(self, state: State, event: CoreEvent) -> Any:
+        """What the pass that ends now did; puts the train loader back at its epoch end."""
+        counter, original = self._passes.pop(str(state.dataloader_label), (None, None))
+        if counter is None:
+            return None
+        if event is CoreEvent.EPOCH_END and state.dataloader is counter:
+            length = state.dataloader_len
+            label = state.dataloader_label
+            state.set_dataloader(original, label, -1 if length is None else int(length))
+        return counter.result()
+
+    def fail(
+        self,
+        exc: BaseException,
+        step: int | None = None,
+        epoch: int | None = None,
+        *,
+        fitting: bool | None = None,
+    ) -> None:
+        """An error left ``fit`` (wrapped at ``INIT``): the guards explain it, then stop.
+
+        The step and epoch are the Trainer's; an error outside a fit leaves the guards
+        as they are (:meth:`close` stops them).
+        """
+        if not (self.driver.fitting if fitting is None else fitting):
+            return
+        if step is None and self._state is not None:
+            time = self._state.timestamp
+            step, epoch = int(time.batch), int(time.epoch)
+        super().fail(exc, step, epoch, fitting=True)
+
+    def close(self, state: State, logger: Logger) -> None:
+        """Lets guards explain an error that ended fit (a dead data worker), then stops them.
+
+        Safe to call twice and after an exception.
+        """
+        del logger
+        exc = escaping_exception() if self.driver.fitting else None
+        if exc is None:
+            self.stop()
+        else:  # fit started and did not end: an exception is ending the run
+            self.unwrap()
+            time = state.timestamp
+            self.fail(exc, int(time.batch), int(time.epoch))
