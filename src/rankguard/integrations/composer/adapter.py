@@ -33,6 +33,7 @@ from rankguard.integrations.composer.decisions import (
     loss_keys,
     loss_rows,
     resumed_from,
+    saves_at,
 )
 from rankguard.integrations.composer.facts import (
     as_int,
@@ -143,14 +144,10 @@ class _ComposerAdapter(Adapter, Callback):
         return facts
 
     def _save_due(self, state: State, event: Event) -> bool:
-        """Whether a checkpoint saver will save at this ``*_CHECKPOINT`` event.
+        """Whether a checkpoint saver will save at this ``*_CHECKPOINT`` event (:func:`saves_at`).
 
-        Composer fires BATCH_CHECKPOINT after every batch; a save happens only when
-        a saver's ``save_interval`` says so. That scheduler only records the last
-        batch it answered ``True`` for, so asking it first (rankguard runs before
-        the savers, which Composer appends after user callbacks) does not change
-        the saver's answer. The savers are read again only when the callback list
-        changes.
+        Composer fires BATCH_CHECKPOINT after every batch. The savers are read again
+        only when the callback list changes.
         """
         callbacks = state.callbacks
         cached, count, savers = self._savers
@@ -159,7 +156,7 @@ class _ComposerAdapter(Adapter, Callback):
             self._savers = (callbacks, len(callbacks), savers)
         if not savers:  # most runs' BATCH_CHECKPOINT, every batch
             return False
-        return any(saver.save_interval(state, event) for saver in savers)
+        return saves_at(savers, state, event)
 
     def run_event(
         self, event: Event, state: State, logger: Logger, _quiet: frozenset[str] = _QUIET

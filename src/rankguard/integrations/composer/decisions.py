@@ -1,17 +1,20 @@
 """What the Composer adapter decides, as functions of what it read.
 
-What Composer's loss reduction all-reduces, whether a loader's passes may be
-counted, which checkpoint a resume loaded, which exception is ending the run.
-The adapter reads Composer's objects and keeps what it caches; these say what
-that means.
+Whether a checkpoint saver saves at an event, what Composer's loss reduction
+all-reduces, whether a loader's passes may be counted, which checkpoint a
+resume loaded, which exception is ending the run. The adapter reads Composer's
+objects and keeps what it caches; these say what that means.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterable
 from typing import Any
 
+from composer.callbacks import CheckpointSaver
+from composer.core import Event, State
 from composer.utils import format_name_with_dist
 from torch.utils.data import DistributedSampler
 
@@ -25,7 +28,23 @@ __all__ = [
     "loss_keys",
     "loss_rows",
     "resumed_from",
+    "saves_at",
 ]
+
+
+def saves_at(savers: Iterable[CheckpointSaver], state: State, event: Event) -> bool:
+    """Whether one of Composer's checkpoint ``savers`` will save at this ``*_CHECKPOINT`` event.
+
+    Composer fires BATCH_CHECKPOINT after every batch; a save happens only when
+    a saver's ``save_interval`` says so. That scheduler only records the last
+    batch it answered ``True`` for, so asking it first (rankguard runs before
+    the savers, which Composer appends after user callbacks) does not change
+    the saver's answer. Asks in order and stops at the first ``True``.
+    """
+    for saver in savers:
+        if saver.save_interval(state, event):
+            return True
+    return False
 
 
 def loss_keys(loss: Any) -> tuple[str, ...] | int | None:
