@@ -1,11 +1,13 @@
 """What the Composer adapter decides (``rankguard.integrations.composer.decisions``).
 
 ``loss_keys``, ``loss_rows``, ``countable`` and ``resumed_from`` are tested in
-``tests/integrations/test_adapters.py``; here, whether a save is due (Composer's
-world only).
+``tests/integrations/test_adapters.py``; here, whether a save is due and which
+exception is ending the run (Composer's world only).
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from composer.core import Event, State  # noqa: E402
 from composer.devices import DeviceCPU  # noqa: E402
 from composer.models import ComposerClassifier  # noqa: E402
 
-from rankguard.integrations.composer.decisions import saves_at  # noqa: E402
+from rankguard.integrations.composer.decisions import escaping_exception, saves_at  # noqa: E402
 
 
 class Saver:
@@ -59,3 +61,20 @@ def test_asking_composers_saver_first_leaves_its_own_answer_as_it_was(tmp_path):
         assert saver.save_interval(state, Event.BATCH_CHECKPOINT) is due  # then the saver
         seen.append((int(state.timestamp.batch), due))
     assert seen == [(1, False), (2, True), (3, False), (4, True)]
+
+
+def test_the_exception_ending_the_run_is_the_one_being_handled_else_the_last_one(monkeypatch):
+    for name in ("last_exc", "last_value"):  # pytest keeps a failed test's error there
+        monkeypatch.delattr(sys, name, raising=False)
+    assert escaping_exception() is None  # close() after a fit that ended well
+    handled = RuntimeError("in fit")
+    try:
+        raise handled
+    except RuntimeError:  # the caller's `finally: trainer.close()`
+        assert escaping_exception() is handled
+    printed = ValueError("printed at exit")  # atexit: Python kept the traceback's error
+    monkeypatch.setattr(sys, "last_value", printed, raising=False)
+    assert escaping_exception() is printed
+    newer = KeyError("3.12's sys.last_exc")
+    monkeypatch.setattr(sys, "last_exc", newer, raising=False)
+    assert escaping_exception() is newer

@@ -1,4 +1,4 @@
-"""What the Composer adapter decides, as functions of what it read.
+"""What the Composer adapter decides, as functions of what it read (each with a unit test).
 
 Whether a checkpoint saver saves at an event, what Composer's loss reduction
 all-reduces, whether a loader's passes may be counted, which checkpoint a
