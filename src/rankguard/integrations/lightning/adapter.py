@@ -1,220 +1,47 @@
-"""rankguard callbacks for PyTorch Lightning.
+"""The Lightning adapter: Lightning's hooks as rankguard core events.
 
-Translation only: Lightning hooks become rankguard core events (the table:
-docs/design.md#events-the-training-loop-as-the-guards-see-it), and the facts the guards
-need (train loader, each val loader by name with Lightning's planned batch
-count) are read from the public ``Trainer`` properties; what only Lightning's
-private names say is read in :mod:`rankguard.integrations.private.lightning`.
-
-Every val loader gets its EVAL_START at ``on_validation_start`` and its
-EVAL_END at ``on_validation_end``, so each rank reports every loader even
-when it has no batch of it. The sanity check counts as an eval.
-
-Example::
-
-    import lightning as L
-    from rankguard.integrations.lightning import RankGuard
-
-    trainer = L.Trainer(strategy="ddp", callbacks=[RankGuard()])
-
-Requires ``pip install 'rankguard[lightning]'``.
+:class:`_LightningAdapter` is the event map (the table:
+docs/design.md#events-the-training-loop-as-the-guards-see-it): each hook fires
+its core events with the facts :mod:`rankguard.integrations.lightning.facts`
+reads, and every save and load passes through the checkpoint events. The
+public classes (:mod:`rankguard.integrations.lightning`) join it to their
+settings.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from rankguard.callbacks.checkpoint.plan import register_sharded_setting
-from rankguard.callbacks.core.events import (
-    Event,
-    EventFacts,
-    LoaderFacts,
-    ResumeFacts,
-    SplitDecision,
-)
+from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard
-from rankguard.integrations import _api
 from rankguard.integrations._adapter import Adapter
 
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.strategies import ModelParallelStrategy
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "rankguard.integrations.lightning needs Lightning: pip install 'rankguard[lightning]'"
     ) from exc
 
+from rankguard.integrations.lightning.facts import (
+    checkpoint_format,
+    resume_facts,
+    save_directories,
+    split_decisions,
+    train_loader,
+    val_loaders,
+)
+from rankguard.integrations.lightning.words import (
+    ENFORCE_UNSUPPORTED,
+    LIGHTNING_DEFAULTS,
+    SPLIT_DECISIONS,
+    UPLOAD_SETTING,
+)
 from rankguard.integrations.private import lightning as private
-
-
-def _planned(value: float | int | None) -> int | None:
-    """Lightning's planned batch count as a count (``None``: unknown, ``inf``)."""
-    if value is None or (isinstance(value, float) and math.isinf(value)):
-        return None
-    return int(value)
-
-
-def _flatten(loaders: Any, prefix: str) -> list[tuple[str, Any]]:
-    """Lightning's loaders (one, a sequence or a mapping) by name: ``prefix``, ``prefix/key``."""
-    if loaders is None:
-        return []
-    if isinstance(loaders, Mapping):
-        return [(f"{prefix}/{key}", loader) for key, loader in loaders.items()]
-    if isinstance(loaders, Sequence):
-        return [(f"{prefix}/{i}", loader) for i, loader in enumerate(loaders)]
-    return [(prefix, loaders)]
-
-
-def val_loaders(trainer: pl.Trainer) -> list[LoaderFacts]:
-    """The val loaders with Lightning's planned batch count for the current run."""
-    planned = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
-    flat = _flatten(trainer.val_dataloaders, "val")
-    return [
-        LoaderFacts(name, loader, is_train=False, num_batches=_planned(n))
-        for (name, loader), n in zip(flat, planned, strict=False)
-    ]
-
-
-def train_loader(trainer: pl.Trainer) -> LoaderFacts | None:
-    """The train loader with Lightning's planned batch count."""
-    flat = _flatten(trainer.train_dataloader, "train")
-    if len(flat) != 1:
-        return None
-    return LoaderFacts(
-        "train", flat[0][1], is_train=True, num_batches=_planned(trainer.num_training_batches)
-    )
-
-
-ENFORCE_UNSUPPORTED = (
-    "`drop_last_guard` `mode='enforce'` is not available under Lightning: Lightning counts "
-    "the train batches of an epoch before any callback hook runs, so a loader shortened "
-    "from a callback ends the epoch early and skips its end-of-epoch validation. Fix: build "
-    "the train loader with DataLoader(..., drop_last=True) (Lightning's DistributedSampler "
-    "follows it), and keep `mode='check'`."
-)
-
-#: Lightning writes checkpoints through an in-memory buffer (``_atomic_save``).
-LIGHTNING_DEFAULTS = {"checkpoint_planner": {"writer": "buffer"}}
-
-
-#: Lightning's settings for sharded checkpoints, named in rankguard's messages.
-FSDP_SHARDED_SETTING = "FSDPStrategy(state_dict_type='sharded')"
-MODEL_PARALLEL_SHARDED_SETTING = "ModelParallelStrategy(save_distributed_checkpoint=True)"
-register_sharded_setting("Lightning", FSDP_SHARDED_SETTING)
-
-
-def checkpoint_format(strategy: Any) -> tuple[str, Callable[[], str] | None, str]:
-    """What the strategy saves, how to make it save sharded, and the user's setting for that.
-
-    Returns:
-        ``"full"`` or ``"sharded"``; a function that switches later saves to
-        sharded (``None`` where the strategy cannot save sharded, e.g. DDP);
-        the constructor setting that does the same.
-    """
-    sharded = private.saves_sharded(strategy)
-    if sharded is None:
-        return "full", None, FSDP_SHARDED_SETTING
-    parallel = isinstance(strategy, ModelParallelStrategy)
-    setting = MODEL_PARALLEL_SHARDED_SETTING if parallel else FSDP_SHARDED_SETTING
-    switch = functools.partial(private.switch_to_sharded, strategy)
-    return "sharded" if sharded else "full", switch, setting
-
-
-def save_directories(trainer: pl.Trainer) -> list[str]:
-    """The local directories of the trainer's ``ModelCheckpoint`` callbacks."""
-    return [str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
-
-
-#: Lightning's remote checkpoint storage, named in rankguard's messages as the fix for
-#: node-local checkpoint folders.
-UPLOAD_SETTING = (
-    "save to and resume from remote storage through fsspec "
-    "(`ModelCheckpoint(dirpath='s3://bucket/run/checkpoints')`, "
-    "`trainer.fit(..., ckpt_path='s3://bucket/run/checkpoints/last.ckpt')`)"
-)
-
-
-#: How to resume every rank from one checkpoint, and keep each rank's data position, in
-#: Lightning's words (the resume check's messages).
-RESUME_FIX = (
-    "resolve the checkpoint once for every node: `ModelCheckpoint(dirpath=...)` on storage every "
-    "node mounts or on remote storage (fsspec, 's3://...') with `ckpt_path='last'`, or pass every "
-    "rank the same path, `trainer.fit(..., ckpt_path=...)`"
-)
-DATA_FIX = (
-    "Lightning saves a stateful train loader's `state_dict()` from rank 0 only and loads it on "
-    "every rank: return every rank's position from it (e.g. gathered with "
-    "`torch.distributed.all_gather_object`, by rank) and take this rank's in `load_state_dict()`"
-)
-
-
-def resume_folder(checkpoint: str | None, folders: list[str]) -> str | None:
-    """The ``ModelCheckpoint`` folder a resume was looked up in (``ckpt_path="last"``), if any.
-
-    The first folder, where the checkpoint is in it or none was found there.
-    """
-    if folders and (checkpoint is None or os.path.dirname(checkpoint) == folders[0]):
-        return folders[0]
-    return None
-
-
-def resume_facts(trainer: pl.Trainer, train: LoaderFacts | None) -> ResumeFacts:
-    """What this rank resumed from, once Lightning restored it (at ``on_train_start``).
-
-    ``trainer.ckpt_path`` is the checkpoint as this rank resolved it (``None``: it
-    found none, e.g. no ``last`` in its ``ModelCheckpoint`` folder, and started fresh).
-    Lightning does not save or restore random states.
-    """
-    ckpt = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
-    counters = {
-        "global_step": trainer.global_step,
-        "epoch": trainer.current_epoch,
-        "batch_idx": private.next_batch_index(trainer),
-    }
-    return ResumeFacts(
-        asked="trainer.fit(ckpt_path=...)",
-        checkpoint=ckpt,
-        counters=counters,
-        loader=train.loader if train else None,
-        folder=resume_folder(ckpt, save_directories(trainer)),
-        fix=RESUME_FIX,
-        data_fix=DATA_FIX,
-    )
-
-
-#: How the hang verdict tells Lightning's decisions where they split the ranks.
-SPLIT_DECISIONS = {
-    "should_stop": SplitDecision(
-        fix=(
-            "reduce the decision across ranks, e.g. Lightning's "
-            "`trainer.strategy.reduce_boolean_decision`, or base it on a metric synced across "
-            "ranks"
-        )
-    ),
-    "sync_dist_keys": SplitDecision(
-        told="logged with sync_dist=True{at}: {value}", now=True, context="sync_dist_loop"
-    ),
-}
-
-
-def split_decisions(trainer: pl.Trainer) -> dict[str, Any]:
-    """Decisions that can split the ranks, as this rank's trainer holds them now.
-
-    Called from the hang watchdog's thread; the caller catches a change under its feet.
-    """
-    stage = trainer.state.stage
-    return {
-        "should_stop": bool(trainer.should_stop),
-        "sync_dist_keys": tuple(private.synced_metric_names(trainer)),
-        # The loop those keys were logged in: a rank in validation and one in training log
-        # different keys without any split between them.
-        "sync_dist_loop": stage.value if stage is not None else None,
-    }
 
 
 class _LightningAdapter(Adapter, Callback):
@@ -414,46 +241,3 @@ class _LightningAdapter(Adapter, Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Stops every guard and unwraps checkpointing; safe to call twice."""
         self.stop()
-
-
-class RankGuard(_api.RankGuardSettings, _LightningAdapter):
-    """Every rankguard guard with sound defaults, as a Lightning callback."""
-
-
-class HangWatchdog(_api.HangWatchdogSettings, _LightningAdapter):
-    """The hang watchdog, as a Lightning callback."""
-
-
-class DataConsistencyGuard(_api.DataConsistencyGuardSettings, _LightningAdapter):
-    """The data consistency guard, as a Lightning callback."""
-
-
-class DropLastGuard(_api.DropLastGuardSettings, _LightningAdapter):
-    """The drop-last guard, as a Lightning callback."""
-
-
-class BatchParityGuard(_api.BatchParityGuardSettings, _LightningAdapter):
-    """The batch parity guard, as a Lightning callback."""
-
-
-class SharedDirBarrier(_api.SharedDirBarrierSettings, _LightningAdapter):
-    """The shared-directory barrier, as a Lightning callback."""
-
-
-class ResumeGuard(_api.ResumeGuardSettings, _LightningAdapter):
-    """The resume check, as a Lightning callback."""
-
-
-class CheckpointPlanner(_api.CheckpointPlannerSettings, _LightningAdapter):
-    """The checkpoint planner, as a Lightning callback."""
-
-
-class DataStallMonitor(_api.DataStallMonitorSettings, _LightningAdapter):
-    """The data stall monitor, as a Lightning callback."""
-
-
-class StragglerMonitor(_api.StragglerMonitorSettings, _LightningAdapter):
-    """The straggler monitor, as a Lightning callback."""
-
-
-__all__ = [*_api.CLASS_NAMES]
