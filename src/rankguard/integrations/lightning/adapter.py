@@ -29,10 +29,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from rankguard.integrations.lightning.facts import (
     checkpoint_format,
+    first_optimizer,
+    fit_loaders,
+    position,
     resume_facts,
     save_directories,
     split_decisions,
     train_loader,
+    val_batch,
     val_loaders,
 )
 from rankguard.integrations.lightning.words import (
@@ -44,6 +48,14 @@ from rankguard.integrations.lightning.words import (
 from rankguard.integrations.private import lightning as private
 
 
+def unsupported(guards: list[Guard]) -> str | None:
+    """Why Lightning cannot run ``guards`` as they are set (``None``: it can)."""
+    for guard in guards:
+        if guard.name == "drop_last_guard" and getattr(guard, "mode", None) == "enforce":
+            return ENFORCE_UNSUPPORTED
+    return None
+
+
 class _LightningAdapter(Adapter, Callback):
     """Drives the guards from Lightning hooks, at the trainer's step and epoch."""
 
@@ -51,9 +63,9 @@ class _LightningAdapter(Adapter, Callback):
     framework_defaults = LIGHTNING_DEFAULTS
 
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
-        for guard in guards:
-            if guard.name == "drop_last_guard" and getattr(guard, "mode", None) == "enforce":
-                raise ValueError(ENFORCE_UNSUPPORTED)
+        refused = unsupported(guards)
+        if refused is not None:
+            raise ValueError(refused)
         super().__init__(guards, exchange_timeout_s)
         # Lightning's loggers take metrics at any point: they go there at once, at its step.
         self.driver.log_metrics = self._log_metrics
@@ -118,18 +130,13 @@ class _LightningAdapter(Adapter, Callback):
         """FIT_START with the train loader and every val loader known now, then RESUMED."""
         self._should_stop = self._steps_taken = None
         train = train_loader(trainer)
-        loaders = [train] if train else []
-        # Lightning loads the val loaders before on_train_start when val is due in the
-        # first epoch (or the sanity check ran); else EVAL_START checks them later.
-        if trainer.val_dataloaders is not None:
-            loaders += val_loaders(trainer)
         state_dict_type, switch, setting = checkpoint_format(trainer.strategy)
         self._fire(
             trainer,
             Event.FIT_START,
-            loaders=loaders,
+            loaders=fit_loaders(trainer, train),
             model=pl_module,
-            optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+            optimizer=first_optimizer(trainer),
             directories=save_directories(trainer),
             state_dict_type=state_dict_type,
             switch_to_sharded=switch,
@@ -197,7 +204,8 @@ class _LightningAdapter(Adapter, Callback):
         dataloader_idx: int = 0,
     ) -> None:
         """EVAL_BATCH_START for the loader at ``dataloader_idx``."""
-        self._fire(trainer, Event.EVAL_BATCH_START, **self._val_batch(dataloader_idx, batch_idx))
+        facts = val_batch(self._val, dataloader_idx, batch_idx)
+        self._fire(trainer, Event.EVAL_BATCH_START, **facts)
 
     def on_validation_batch_end(
         self,
@@ -209,11 +217,8 @@ class _LightningAdapter(Adapter, Callback):
         dataloader_idx: int = 0,
     ) -> None:
         """EVAL_BATCH_END for the loader at ``dataloader_idx``."""
-        self._fire(trainer, Event.EVAL_BATCH_END, **self._val_batch(dataloader_idx, batch_idx))
-
-    def _val_batch(self, dataloader_idx: int, batch_idx: int) -> dict[str, Any]:
-        loader = self._val[dataloader_idx] if dataloader_idx < len(self._val) else None
-        return {"loader": loader, "batch_index": batch_idx}
+        facts = val_batch(self._val, dataloader_idx, batch_idx)
+        self._fire(trainer, Event.EVAL_BATCH_END, **facts)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EVAL_END for every val loader (with ``should_stop``: early stopping decides here)."""
@@ -235,7 +240,7 @@ class _LightningAdapter(Adapter, Callback):
         """Lets guards explain the error (e.g. a dead data worker), then stops them."""
         # Never raise from an exception hook, whatever state the trainer is in. Explained
         # wherever the trainer raised it: in the sanity check (before FIT_START) too.
-        step, epoch = getattr(trainer, "global_step", 0), getattr(trainer, "current_epoch", 0)
+        step, epoch = position(trainer)
         self.fail(exception, step, epoch, fitting=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

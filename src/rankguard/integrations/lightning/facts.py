@@ -66,6 +66,34 @@ def train_loader(trainer: pl.Trainer) -> LoaderFacts | None:
     )
 
 
+def fit_loaders(trainer: pl.Trainer, train: LoaderFacts | None) -> list[LoaderFacts]:
+    """The loaders known at ``on_train_start``: ``train``, then each val loader loaded by then.
+
+    Lightning loads the val loaders before ``on_train_start`` when val is due in the
+    first epoch (or the sanity check ran); else EVAL_START checks them later.
+    """
+    loaders = [train] if train else []
+    if trainer.val_dataloaders is not None:
+        loaders += val_loaders(trainer)
+    return loaders
+
+
+def val_batch(val: list[LoaderFacts], dataloader_idx: int, batch_idx: int) -> dict[str, Any]:
+    """A val batch's facts: the loader at ``dataloader_idx`` of ``val`` (``None`` past it)."""
+    loader = val[dataloader_idx] if dataloader_idx < len(val) else None
+    return {"loader": loader, "batch_index": batch_idx}
+
+
+def first_optimizer(trainer: pl.Trainer) -> Any:
+    """The trainer's first optimizer, the one the guards read (``None``: it has none)."""
+    return trainer.optimizers[0] if trainer.optimizers else None
+
+
+def position(trainer: pl.Trainer | None) -> tuple[int, int]:
+    """The trainer's step and epoch, ``0`` for what it does not have (e.g. ``None``)."""
+    return getattr(trainer, "global_step", 0), getattr(trainer, "current_epoch", 0)
+
+
 def checkpoint_format(strategy: Any) -> tuple[str, Callable[[], str] | None, str]:
     """What the strategy saves, how to make it save sharded, and the user's setting for that.
 
