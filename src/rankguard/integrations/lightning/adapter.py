@@ -83,6 +83,12 @@ class _LightningAdapter(Adapter, Callback):
             step, epoch = trainer.global_step, trainer.current_epoch
             self.driver.dispatch(event, EventFacts(step=step, epoch=epoch, **facts))
 
+    def _fire_val_batch(
+        self, trainer: pl.Trainer, event: Event, dataloader_idx: int, batch_idx: int
+    ) -> None:
+        """``event`` for the batch ``batch_idx`` of the val loader at ``dataloader_idx``."""
+        self._fire(trainer, event, **val_batch(self._val, dataloader_idx, batch_idx))
+
     def _log_metrics(self, metrics: Mapping[str, float]) -> None:
         trainer = self._trainer
         if trainer is not None:
@@ -204,8 +210,7 @@ class _LightningAdapter(Adapter, Callback):
         dataloader_idx: int = 0,
     ) -> None:
         """EVAL_BATCH_START for the loader at ``dataloader_idx``."""
-        facts = val_batch(self._val, dataloader_idx, batch_idx)
-        self._fire(trainer, Event.EVAL_BATCH_START, **facts)
+        self._fire_val_batch(trainer, Event.EVAL_BATCH_START, dataloader_idx, batch_idx)
 
     def on_validation_batch_end(
         self,
@@ -217,8 +222,7 @@ class _LightningAdapter(Adapter, Callback):
         dataloader_idx: int = 0,
     ) -> None:
         """EVAL_BATCH_END for the loader at ``dataloader_idx``."""
-        facts = val_batch(self._val, dataloader_idx, batch_idx)
-        self._fire(trainer, Event.EVAL_BATCH_END, **facts)
+        self._fire_val_batch(trainer, Event.EVAL_BATCH_END, dataloader_idx, batch_idx)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EVAL_END for every val loader (with ``should_stop``: early stopping decides here)."""
