@@ -241,7 +241,7 @@ CONFIG = json.loads(os.environ.get("RANKGUARD_BENCH_CONFIG") or "{}")
 ENTRY_POINTS = {
     "composer": ("rankguard.integrations.composer.adapter", "_ComposerAdapter", ("run_event",)),
     "lightning": (
-        "rankguard.integrations.lightning",
+        "rankguard.integrations.lightning.adapter",
         "_LightningAdapter",
         ("on_train_epoch_start", "on_train_batch_start", "on_train_batch_end"),
     ),

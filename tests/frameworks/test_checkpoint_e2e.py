@@ -222,7 +222,7 @@ def test_planner_estimate_matches_the_hand_count(job):
 def test_lightning_strategies_still_read_the_attributes_the_switch_sets():
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
-    from rankguard.integrations.lightning import checkpoint_format
+    from rankguard.integrations.lightning.facts import checkpoint_format
 
     fsdp = FSDPStrategy(state_dict_type="full")
     assert checkpoint_format(fsdp)[0] == "full"

@@ -15,6 +15,7 @@ from rankguard.integrations import lightning as rg_lightning
 from rankguard.integrations import torch as rg_torch
 from rankguard.integrations import transformers as rg_transformers
 from rankguard.integrations._common import class_name
+from rankguard.integrations.lightning import facts as lightning_facts
 from tests.e2e.common import Points, cpu_trainer
 
 try:  # Composer's world only (tests/conftest.py marks its tests)
@@ -307,7 +308,7 @@ def test_lightning_every_save_and_resume_pass_through_rankguard(tmp_path):
 
 
 def test_lightning_resume_folder_is_the_checkpoint_folder_a_resume_looked_in():
-    resume_folder = rg_lightning.resume_folder
+    resume_folder = lightning_facts.resume_folder
     assert resume_folder(None, ["/ckpt"]) == "/ckpt"  # found no `last` there: started fresh
     assert resume_folder("/ckpt/last.ckpt", ["/ckpt", "/other"]) == "/ckpt"
     assert resume_folder("/elsewhere/x.ckpt", ["/ckpt"]) is None  # a path the user passed
@@ -316,11 +317,11 @@ def test_lightning_resume_folder_is_the_checkpoint_folder_a_resume_looked_in():
 
 def test_lightning_loaders_are_named_and_counted_as_lightning_plans_them():
     a, b = DataLoader(Points(4)), DataLoader(Points(4))
-    assert rg_lightning._flatten(None, "val") == []
-    assert rg_lightning._flatten(a, "train") == [("train", a)]
-    assert rg_lightning._flatten([a, b], "val") == [("val/0", a), ("val/1", b)]
-    assert rg_lightning._flatten({"x": a}, "val") == [("val/x", a)]
-    assert [rg_lightning._planned(n) for n in (None, float("inf"), 3, 3.0)] == [None, None, 3, 3]
+    assert lightning_facts._flatten(None, "val") == []
+    assert lightning_facts._flatten(a, "train") == [("train", a)]
+    assert lightning_facts._flatten([a, b], "val") == [("val/0", a), ("val/1", b)]
+    assert lightning_facts._flatten({"x": a}, "val") == [("val/x", a)]
+    assert [lightning_facts._planned(n) for n in (None, float("inf"), 3, 3.0)] == [None, None, 3, 3]
 
 
 def test_composer_loss_rows_are_the_keys_composer_all_reduces_after_a_batch():

@@ -23,7 +23,8 @@ from lightning.pytorch.strategies import (  # noqa: E402
     ModelParallelStrategy,
 )
 
-from rankguard.integrations.lightning import RankGuard, checkpoint_format, split_decisions  # noqa: E402
+from rankguard.integrations.lightning import RankGuard  # noqa: E402
+from rankguard.integrations.lightning.facts import checkpoint_format, split_decisions  # noqa: E402
 from rankguard.integrations.private import lightning as private  # noqa: E402
 
 
