@@ -16,9 +16,12 @@ pytest.importorskip("transformers", reason="needs rankguard[transformers]")
 
 from transformers import Trainer, TrainerControl, TrainingArguments
 
+from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations import transformers as rg_hf
 from rankguard.integrations.transformers import RankGuard
+from rankguard.integrations.transformers.decisions import next_event, resume_loader, save_after_eval
+from rankguard.integrations.transformers.facts import DISPATCHER, stop_decision
 from tests.e2e.common import EventLog, tiny_bert, token_dataset
 
 
@@ -149,8 +152,6 @@ def test_accelerate_sharded_loaders_are_distributed_for_the_content_check():
 
 
 def test_stop_decision_reads_should_training_stop_for_the_deadlock_report():
-    from rankguard.integrations.transformers import stop_decision
-
     control = TrainerControl()
     assert stop_decision(control) == {"should_training_stop": False}
     control.should_training_stop = True  # what EarlyStoppingCallback sets, on one rank
@@ -167,7 +168,7 @@ def test_a_dispatching_loader_is_not_read_for_data_positions():
         def __iter__(self):
             return iter(range(8))
 
-    assert type(DataLoaderDispatcher(Stream(), batch_size=2)).__name__ == rg_hf.DISPATCHER
+    assert type(DataLoaderDispatcher(Stream(), batch_size=2)).__name__ == DISPATCHER
 
 
 def control(**flags: bool) -> TrainerControl:
@@ -192,10 +193,10 @@ def test_next_event_after_a_step_or_an_epoch(after_step, evaluate, save, log):
         if after_step
         else None
     )
-    assert rg_hf.next_event(flags, after_step) == expected
+    assert next_event(flags, after_step) == expected
     # on_step_end's inline usual step is exactly the "fetch" case
     usual = not (evaluate or save or log)
-    assert (rg_hf.next_event(flags, after_step=True) == "fetch") == usual
+    assert (next_event(flags, after_step=True) == "fetch") == usual
 
 
 def test_save_after_eval_step_then_best_then_none(tmp_path):
@@ -210,20 +211,18 @@ def test_save_after_eval_step_then_best_then_none(tmp_path):
             report_to=[],
         )
 
-    assert rg_hf.save_after_eval(control(should_save=True), args("steps")) == "step"
-    assert rg_hf.save_after_eval(control(should_save=True), args("best")) == "step"
-    assert rg_hf.save_after_eval(control(), args("best")) == "best"
-    assert rg_hf.save_after_eval(control(), args("steps")) is None
-    assert rg_hf.save_after_eval(control(), args("no")) is None
+    assert save_after_eval(control(should_save=True), args("steps")) == "step"
+    assert save_after_eval(control(should_save=True), args("best")) == "step"
+    assert save_after_eval(control(), args("best")) == "best"
+    assert save_after_eval(control(), args("steps")) is None
+    assert save_after_eval(control(), args("no")) is None
 
 
 def test_resume_loader_reads_the_epochs_loader_of_a_loader_each_rank_reads():
-    from rankguard.callbacks.core.events import LoaderFacts
-
     train, skipping = object(), object()
     own = LoaderFacts("train", train, True)
-    assert rg_hf.resume_loader(own, skipping) is skipping
-    assert rg_hf.resume_loader(own, None) is train
-    assert rg_hf.resume_loader(None, skipping) is None
+    assert resume_loader(own, skipping) is skipping
+    assert resume_loader(own, None) is train
+    assert resume_loader(None, skipping) is None
     dispatched = LoaderFacts("train", train, True, read_by_each_rank=False)
-    assert rg_hf.resume_loader(dispatched, skipping) is None
+    assert resume_loader(dispatched, skipping) is None
