@@ -17,29 +17,23 @@ from collections.abc import Callable
 from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer import TRAINER_STATE_NAME
 
-from rankguard.callbacks.core.events import LoaderFacts, ResumeFacts
+from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations._adapter import Adapter
 from rankguard.integrations._common import load_guard_state, save_guard_state
 from rankguard.integrations.private.transformers import calling_trainer, loop_position
-from rankguard.integrations.transformers.decisions import (
-    next_event,
-    resume_loader,
-    save_after_eval,
-)
+from rankguard.integrations.transformers.decisions import next_event, save_after_eval
 from rankguard.integrations.transformers.facts import (
-    DATA_FIX,
-    DISPATCHER,
-    RESUME_FIX,
     SHARDED_SETTING,
     SPLIT_DECISIONS,
     checkpoint_folder,
     eval_loader_names,
     resume_checkpoint,
+    resume_facts,
     state_dict_type,
     stop_decision,
+    train_loader,
 )
 
 #: The package's name: the logger's as it was when the adapter was one module.
@@ -149,10 +143,7 @@ class _TrainerAdapter(Adapter, TrainerCallback):
                 "rankguard: no Trainer found calling the callback; eval loaders are checked "
                 "from the second evaluation on"
             )
-        self._train = None
-        if train_dataloader is not None:
-            own = type(train_dataloader).__name__ != DISPATCHER  # each rank reads its own
-            self._train = LoaderFacts("train", train_dataloader, True, read_by_each_rank=own)
+        self._train = train_loader(train_dataloader)
         evals = self._eval_loaders() if args.eval_strategy != "no" or args.eval_on_start else []
         dirs = [str(args.output_dir)] if args.save_strategy != "no" else []
         if self._resume:  # the guards' state saved with the checkpoint (see on_save)
@@ -207,26 +198,9 @@ class _TrainerAdapter(Adapter, TrainerCallback):
         and each rank's random state (``_load_rng_state``: after ``on_epoch_begin``, or
         after the first batch is fetched where it skips batches, ``rng_to_sync``).
         """
-        folder, resume = self._resume or ("", False)
+        asked = self._resume or ("", False)
         self._resume = None
-        position = loop_position()
-        counters = {"global_step": state.global_step, "epoch": position.epoch}
-        if position.skipped is not None:
-            counters["batches skipped"] = 0 if args.ignore_data_skip else position.skipped
-        self.driver.resumed(
-            ResumeFacts(
-                asked=f"resume_from_checkpoint={resume!r}",
-                checkpoint=folder
-                if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME))
-                else None,
-                counters=counters,
-                loader=resume_loader(self._train, position.loader),
-                folder=str(args.output_dir) if resume is True else None,
-                restores_rng=True,
-                fix=RESUME_FIX,
-                data_fix=DATA_FIX,
-            )
-        )
+        self.driver.resumed(resume_facts(args, state, asked, loop_position(), self._train))
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

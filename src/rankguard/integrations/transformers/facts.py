@@ -1,8 +1,8 @@
 """The Hugging Face Trainer's objects read into rankguard's facts, and its words for each fix.
 
 What the adapter (:mod:`rankguard.integrations.transformers.adapter`) hands the
-guards: the eval loaders' names, checkpoint folders, state dict type, a resume's
-checkpoint, the stop decision the hang watchdog reads; and the
+guards: the loaders, checkpoint folders, state dict type, a resume's checkpoint
+and what it restored, the stop decision the hang watchdog reads; and the
 Trainer's own settings named in rankguard's messages (:data:`SHARDED_SETTING`,
 :data:`SPLIT_DECISIONS`, :data:`RESUME_FIX`, :data:`DATA_FIX`). Everything here
 reads public names; the private ones are read in
@@ -15,7 +15,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from rankguard.callbacks.core.events import SplitDecision
+from rankguard.callbacks.core.events import LoaderFacts, ResumeFacts, SplitDecision
+from rankguard.integrations.private.transformers import LoopPosition
+from rankguard.integrations.transformers.decisions import resume_loader
 
 try:
     from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
@@ -35,6 +37,17 @@ SHARDED_SETTING = (
 #: accelerate's loader where rank 0 reads every batch and sends each rank its own (the
 #: default for an iterable dataset, ``dispatch_batches``): other ranks' positions mean nothing.
 DISPATCHER = "DataLoaderDispatcher"
+
+
+def train_loader(train_dataloader: Any) -> LoaderFacts | None:
+    """The train loader the Trainer hands ``on_train_begin``, as facts (``None`` without one).
+
+    Read by each rank unless it is accelerate's :data:`DISPATCHER`.
+    """
+    if train_dataloader is None:
+        return None
+    own = type(train_dataloader).__name__ != DISPATCHER  # each rank reads its own
+    return LoaderFacts("train", train_dataloader, True, read_by_each_rank=own)
 
 
 def eval_loader_names(eval_dataset: Any) -> list[tuple[str, str | None]]:
@@ -116,3 +129,33 @@ DATA_FIX = (
     "own; or leave the position to the Trainer, which skips the trained batches "
     "(`ignore_data_skip=False`)"
 )
+
+
+def resume_facts(
+    args: TrainingArguments,
+    state: TrainerState,
+    asked: tuple[str, str | bool],
+    position: LoopPosition,
+    train: LoaderFacts | None,
+) -> ResumeFacts:
+    """What a resumed ``train`` restored, at its first ``on_step_begin`` (RESUMED).
+
+    ``asked``: the checkpoint folder as :func:`resume_checkpoint` resolved it, and
+    ``resume_from_checkpoint`` as passed; ``position``: the Trainer's loop counters
+    (``loop_position``). The checkpoint counts as loaded where its
+    ``trainer_state.json`` is; the batches skipped are 0 with ``ignore_data_skip``.
+    """
+    folder, resume = asked
+    counters = {"global_step": state.global_step, "epoch": position.epoch}
+    if position.skipped is not None:
+        counters["batches skipped"] = 0 if args.ignore_data_skip else position.skipped
+    return ResumeFacts(
+        asked=f"resume_from_checkpoint={resume!r}",
+        checkpoint=folder if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)) else None,
+        counters=counters,
+        loader=resume_loader(train, position.loader),
+        folder=str(args.output_dir) if resume is True else None,
+        restores_rng=True,
+        fix=RESUME_FIX,
+        data_fix=DATA_FIX,
+    )
