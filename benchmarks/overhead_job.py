@@ -258,7 +258,7 @@ ENTRY_POINTS = {
         ),
     ),
     "transformers": (
-        "rankguard.integrations.transformers",
+        "rankguard.integrations.transformers.adapter",
         "_TrainerAdapter",
         ("on_epoch_begin", "on_step_begin", "on_step_end", "on_log", "on_epoch_end"),
     ),

@@ -221,7 +221,7 @@ def test_metric_keys_read_in_different_loops_are_no_split():
 
 def test_the_stop_advice_is_the_adapters_own_for_the_decision_that_split_the_ranks():
     from rankguard.integrations.lightning.words import SPLIT_DECISIONS as LIGHTNING
-    from rankguard.integrations.transformers import SPLIT_DECISIONS as HF
+    from rankguard.integrations.transformers.facts import SPLIT_DECISIONS as HF
 
     def advice(name, words):
         stop = _status("rankguard exchange", decisions=((name, True, 3),))

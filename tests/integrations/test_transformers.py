@@ -14,11 +14,22 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub
 pytest.importorskip("transformers", reason="needs rankguard[transformers]")
 
-from transformers import Trainer, TrainerControl, TrainingArguments
+from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
+from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations import transformers as rg_hf
+from rankguard.integrations.private.transformers import LoopPosition
 from rankguard.integrations.transformers import RankGuard
+from rankguard.integrations.transformers.decisions import next_event, resume_loader, save_after_eval
+from rankguard.integrations.transformers.facts import (
+    DATA_FIX,
+    DISPATCHER,
+    RESUME_FIX,
+    resume_facts,
+    stop_decision,
+    train_loader,
+)
 from tests.e2e.common import EventLog, tiny_bert, token_dataset
 
 
@@ -149,8 +160,6 @@ def test_accelerate_sharded_loaders_are_distributed_for_the_content_check():
 
 
 def test_stop_decision_reads_should_training_stop_for_the_deadlock_report():
-    from rankguard.integrations.transformers import stop_decision
-
     control = TrainerControl()
     assert stop_decision(control) == {"should_training_stop": False}
     control.should_training_stop = True  # what EarlyStoppingCallback sets, on one rank
@@ -167,7 +176,12 @@ def test_a_dispatching_loader_is_not_read_for_data_positions():
         def __iter__(self):
             return iter(range(8))
 
-    assert type(DataLoaderDispatcher(Stream(), batch_size=2)).__name__ == rg_hf.DISPATCHER
+    dispatcher = DataLoaderDispatcher(Stream(), batch_size=2)
+    assert type(dispatcher).__name__ == DISPATCHER
+    assert not train_loader(dispatcher).read_by_each_rank
+    own = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    assert train_loader(own) == LoaderFacts("train", own, True, read_by_each_rank=True)
+    assert train_loader(None) is None
 
 
 def control(**flags: bool) -> TrainerControl:
@@ -192,10 +206,10 @@ def test_next_event_after_a_step_or_an_epoch(after_step, evaluate, save, log):
         if after_step
         else None
     )
-    assert rg_hf.next_event(flags, after_step) == expected
+    assert next_event(flags, after_step) == expected
     # on_step_end's inline usual step is exactly the "fetch" case
     usual = not (evaluate or save or log)
-    assert (rg_hf.next_event(flags, after_step=True) == "fetch") == usual
+    assert (next_event(flags, after_step=True) == "fetch") == usual
 
 
 def test_save_after_eval_step_then_best_then_none(tmp_path):
@@ -210,20 +224,52 @@ def test_save_after_eval_step_then_best_then_none(tmp_path):
             report_to=[],
         )
 
-    assert rg_hf.save_after_eval(control(should_save=True), args("steps")) == "step"
-    assert rg_hf.save_after_eval(control(should_save=True), args("best")) == "step"
-    assert rg_hf.save_after_eval(control(), args("best")) == "best"
-    assert rg_hf.save_after_eval(control(), args("steps")) is None
-    assert rg_hf.save_after_eval(control(), args("no")) is None
+    assert save_after_eval(control(should_save=True), args("steps")) == "step"
+    assert save_after_eval(control(should_save=True), args("best")) == "step"
+    assert save_after_eval(control(), args("best")) == "best"
+    assert save_after_eval(control(), args("steps")) is None
+    assert save_after_eval(control(), args("no")) is None
 
 
 def test_resume_loader_reads_the_epochs_loader_of_a_loader_each_rank_reads():
-    from rankguard.callbacks.core.events import LoaderFacts
-
     train, skipping = object(), object()
     own = LoaderFacts("train", train, True)
-    assert rg_hf.resume_loader(own, skipping) is skipping
-    assert rg_hf.resume_loader(own, None) is train
-    assert rg_hf.resume_loader(None, skipping) is None
+    assert resume_loader(own, skipping) is skipping
+    assert resume_loader(own, None) is train
+    assert resume_loader(None, skipping) is None
     dispatched = LoaderFacts("train", train, True, read_by_each_rank=False)
-    assert rg_hf.resume_loader(dispatched, skipping) is None
+    assert resume_loader(dispatched, skipping) is None
+
+
+def test_resume_facts_name_what_the_resumed_train_restored(tmp_path):
+    def args(ignore_data_skip=False):
+        out = str(tmp_path / "out")
+        return TrainingArguments(
+            output_dir=out, ignore_data_skip=ignore_data_skip, use_cpu=True, report_to=[]
+        )
+
+    state = TrainerState(global_step=8)
+    train, skipping = object(), object()
+    own = LoaderFacts("train", train, True)
+    saved = tmp_path / "out" / "checkpoint-8"
+    saved.mkdir(parents=True)
+    (saved / "trainer_state.json").write_text("{}")
+    position = LoopPosition(epoch=1, skipped=3, loader=skipping)
+
+    facts = resume_facts(args(), state, (str(saved), True), position, own)
+    assert facts.asked == "resume_from_checkpoint=True"
+    assert facts.checkpoint == str(saved)
+    assert facts.counters == {"global_step": 8, "epoch": 1, "batches skipped": 3}
+    assert facts.loader is skipping
+    assert facts.folder == str(tmp_path / "out")  # True: the latest in output_dir
+    assert facts.restores_rng and (facts.fix, facts.data_fix) == (RESUME_FIX, DATA_FIX)
+
+    # A path asked for, with no trainer_state.json in it: nothing was loaded.
+    missing = str(tmp_path / "elsewhere")
+    facts = resume_facts(args(True), state, (missing, missing), position, None)
+    assert facts.asked == f"resume_from_checkpoint={missing!r}"
+    assert facts.checkpoint is None and facts.folder is None and facts.loader is None
+    assert facts.counters["batches skipped"] == 0  # ignore_data_skip: none skipped
+    unknown = LoopPosition(epoch=-1, skipped=None, loader=None)
+    facts = resume_facts(args(), state, (str(saved), str(saved)), unknown, own)
+    assert facts.counters == {"global_step": 8, "epoch": -1} and facts.loader is train

@@ -1,10 +1,10 @@
-"""rankguard callbacks for the Hugging Face ``Trainer``.
+"""The Hugging Face Trainer adapter: ``TrainerCallback`` hooks as rankguard's core events.
 
-Holds ``RankGuard`` and one callback per guard (settings declared in
-``rankguard.integrations._api``), and :func:`calling_trainer` (from
-``rankguard.integrations.private.transformers``).
-Requires ``pip install 'rankguard[transformers]'``.
-See docs/integrations.md#hugging-face-trainer-where-each-event-comes-from.
+Its event map: each hook of :class:`_TrainerAdapter` fires the core events the
+Trainer's point brings, through the adapter's driver; the facts come from
+:mod:`rankguard.integrations.transformers.facts` and what comes next from
+:mod:`rankguard.integrations.transformers.decisions`. The public classes join it to
+their settings in ``rankguard.integrations.transformers``.
 """
 
 from __future__ import annotations
@@ -13,160 +13,31 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from rankguard.callbacks.core.events import LoaderFacts, ResumeFacts, SplitDecision
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard
-from rankguard.integrations import _api
 from rankguard.integrations._adapter import Adapter
 from rankguard.integrations._common import load_guard_state, save_guard_state
 from rankguard.integrations.private.transformers import calling_trainer, loop_position
-
-try:
-    from transformers import (
-        Trainer,
-        TrainerCallback,
-        TrainerControl,
-        TrainerState,
-        TrainingArguments,
-    )
-    from transformers.trainer import TRAINER_STATE_NAME
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "rankguard.integrations.transformers needs transformers and accelerate: "
-        "pip install 'rankguard[transformers]'"
-    ) from exc
-
-logger = logging.getLogger(__name__)
-
-#: What makes the Trainer's FSDP saves sharded, named in rankguard's messages.
-SHARDED_SETTING = (
-    "FSDP with sharded state dicts: FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT "
-    "(Accelerate config `fsdp_state_dict_type: SHARDED_STATE_DICT`)"
-)
-#: accelerate's loader where rank 0 reads every batch and sends each rank its own (the
-#: default for an iterable dataset, ``dispatch_batches``): other ranks' positions mean nothing.
-DISPATCHER = "DataLoaderDispatcher"
-
-
-def eval_loader_names(eval_dataset: Any) -> list[tuple[str, str | None]]:
-    """The Trainer's eval datasets as (rankguard loader name, ``get_eval_dataloader`` key).
-
-    One dataset is ``"eval"``; a dict of them ``"eval_<name>"``, as the Trainer
-    prefixes their metrics, in the order it evaluates them.
-    """
-    if eval_dataset is None:
-        return []
-    if isinstance(eval_dataset, Mapping):
-        return [(f"eval_{name}", str(name)) for name in eval_dataset]
-    return [("eval", None)]
-
-
-def checkpoint_folder(args: TrainingArguments, state: TrainerState) -> str:
-    """The folder the Trainer's next save writes into (``output_dir/checkpoint-<step>``)."""
-    return os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-
-
-def state_dict_type(trainer: Trainer | None) -> str:
-    """``"sharded"`` when the Trainer's FSDP saves sharded state dicts, else ``"full"``."""
-    if trainer is None or not getattr(trainer, "is_fsdp_enabled", False):
-        return "full"
-    plugin = trainer.accelerator.state.fsdp_plugin
-    return "sharded" if "SHARDED" in str(plugin.state_dict_type).upper() else "full"
-
-
-def resume_checkpoint(args: TrainingArguments, resume: str | bool) -> str:
-    """What ``Trainer.train(resume_from_checkpoint=resume)`` reads first on this rank.
-
-    The checkpoint's ``trainer_state.json``, which ``train`` reads right after
-    the model, so a folder that holds only this rank's RNG state (what a rank
-    saves on a node other than rank 0's, without ``save_on_each_node``) counts
-    as missing. ``True`` means the latest ``checkpoint-<step>`` in ``output_dir``
-    on this node, as the Trainer finds it; where there is none, a
-    ``checkpoint-*`` that does not exist.
-    """
-    if resume is True:
-        output_dir = str(args.output_dir)
-        found = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-        folder = found or os.path.join(output_dir, f"{PREFIX_CHECKPOINT_DIR}-*")
-    else:
-        folder = str(resume)
-    return os.path.join(folder, TRAINER_STATE_NAME)
-
-
-#: How the hang verdict tells the Trainer's stop decision where it split the ranks.
-SPLIT_DECISIONS = {
-    "should_training_stop": SplitDecision(
-        fix=(
-            "reduce the metric across ranks before deciding, e.g. `EarlyStoppingCallback` on "
-            "the metrics `trainer.evaluate()` returns, already gathered from every rank, or set "
-            "`control.should_training_stop` on every rank alike"
-        )
-    )
-}
-
-
-def stop_decision(control: TrainerControl) -> dict[str, Any]:
-    """``control.should_training_stop`` as a decision that can split the ranks.
-
-    Read by the hang watchdog's thread while a rank is blocked: early stopping
-    decided from one rank's un-gathered metric stops that rank alone
-    (transformers #17478). The Trainer keeps one ``TrainerControl`` per run.
-    """
-    return {"should_training_stop": bool(control.should_training_stop)}
-
-
-RESUME_FIX = (
-    "resume every rank from the same checkpoint: `trainer.train(resume_from_checkpoint=<path>)` "
-    "with a checkpoint-<step> folder every node mounts, or copy the newest checkpoint folder "
-    "into every node's `output_dir` before the restart (`resume_from_checkpoint=True` takes "
-    "the newest one each node sees in its own `output_dir`)"
-)
-DATA_FIX = (
-    "save each rank's own data position (a file per rank, e.g. named by `args.process_index`, "
-    "written on every rank, not only where `state.is_world_process_zero`) and load each rank's "
-    "own; or leave the position to the Trainer, which skips the trained batches "
-    "(`ignore_data_skip=False`)"
+from rankguard.integrations.transformers.decisions import next_event, save_after_eval
+from rankguard.integrations.transformers.facts import (
+    SHARDED_SETTING,
+    SPLIT_DECISIONS,
+    checkpoint_folder,
+    eval_loader_names,
+    resume_checkpoint,
+    resume_facts,
+    state_dict_type,
+    stop_decision,
+    train_loader,
 )
 
-
-def next_event(control: TrainerControl, after_step: bool) -> str | None:
-    """What the Trainer does after a train step (``after_step``) or an epoch's end.
-
-    ``"eval"`` (a save due as well waits for the eval's ``on_evaluate``), ``"save"``,
-    ``"log"`` after a step (the Trainer gathers the loss, then fetches), ``"fetch"``
-    after a step, else ``None``.
-    """
-    if control.should_evaluate:
-        return "eval"
-    if control.should_save:
-        return "save"
-    if after_step:
-        return "log" if control.should_log else "fetch"
-    return None
-
-
-def save_after_eval(control: TrainerControl, args: TrainingArguments) -> str | None:
-    """Which save may follow the Trainer's last eval: ``"step"``, ``"best"`` or ``None``.
-
-    The Trainer decides a "best" save only after ``on_evaluate``: with
-    ``save_strategy="best"`` a save may follow any eval (into ``output_dir``).
-    """
-    if control.should_save:
-        return "step"
-    return "best" if args.save_strategy == "best" else None
-
-
-def resume_loader(train: LoaderFacts | None, epoch_loader: Any) -> Any:
-    """The loader a resume's data position is read from: the epoch's, else the train loader's.
-
-    ``None`` without a train loader or where one rank reads for all (:data:`DISPATCHER`).
-    """
-    if train is None or not train.read_by_each_rank:
-        return None
-    return epoch_loader if epoch_loader is not None else train.loader
+#: The package's name: the logger's as it was when the adapter was one module.
+logger = logging.getLogger("rankguard.integrations.transformers")
 
 
 class _TrainerAdapter(Adapter, TrainerCallback):
@@ -272,10 +143,7 @@ class _TrainerAdapter(Adapter, TrainerCallback):
                 "rankguard: no Trainer found calling the callback; eval loaders are checked "
                 "from the second evaluation on"
             )
-        self._train = None
-        if train_dataloader is not None:
-            own = type(train_dataloader).__name__ != DISPATCHER  # each rank reads its own
-            self._train = LoaderFacts("train", train_dataloader, True, read_by_each_rank=own)
+        self._train = train_loader(train_dataloader)
         evals = self._eval_loaders() if args.eval_strategy != "no" or args.eval_on_start else []
         dirs = [str(args.output_dir)] if args.save_strategy != "no" else []
         if self._resume:  # the guards' state saved with the checkpoint (see on_save)
@@ -330,26 +198,9 @@ class _TrainerAdapter(Adapter, TrainerCallback):
         and each rank's random state (``_load_rng_state``: after ``on_epoch_begin``, or
         after the first batch is fetched where it skips batches, ``rng_to_sync``).
         """
-        folder, resume = self._resume or ("", False)
+        asked = self._resume or ("", False)
         self._resume = None
-        position = loop_position()
-        counters = {"global_step": state.global_step, "epoch": position.epoch}
-        if position.skipped is not None:
-            counters["batches skipped"] = 0 if args.ignore_data_skip else position.skipped
-        self.driver.resumed(
-            ResumeFacts(
-                asked=f"resume_from_checkpoint={resume!r}",
-                checkpoint=folder
-                if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME))
-                else None,
-                counters=counters,
-                loader=resume_loader(self._train, position.loader),
-                folder=str(args.output_dir) if resume is True else None,
-                restores_rng=True,
-                fix=RESUME_FIX,
-                data_fix=DATA_FIX,
-            )
-        )
+        self.driver.resumed(resume_facts(args, state, asked, loop_position(), self._train))
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -467,46 +318,3 @@ class _TrainerAdapter(Adapter, TrainerCallback):
         self._evals = []
         self._eval_source = None
         self.runner.close()
-
-
-class RankGuard(_api.RankGuardSettings, _TrainerAdapter):
-    """Every rankguard guard with sound defaults, as a Hugging Face ``TrainerCallback``."""
-
-
-class HangWatchdog(_api.HangWatchdogSettings, _TrainerAdapter):
-    """The hang watchdog, as a Hugging Face ``TrainerCallback``."""
-
-
-class DataConsistencyGuard(_api.DataConsistencyGuardSettings, _TrainerAdapter):
-    """The data consistency guard, as a Hugging Face ``TrainerCallback``."""
-
-
-class DropLastGuard(_api.DropLastGuardSettings, _TrainerAdapter):
-    """The drop-last guard, as a Hugging Face ``TrainerCallback``."""
-
-
-class BatchParityGuard(_api.BatchParityGuardSettings, _TrainerAdapter):
-    """The batch parity guard, as a Hugging Face ``TrainerCallback``."""
-
-
-class SharedDirBarrier(_api.SharedDirBarrierSettings, _TrainerAdapter):
-    """The shared-directory barrier, as a Hugging Face ``TrainerCallback``."""
-
-
-class ResumeGuard(_api.ResumeGuardSettings, _TrainerAdapter):
-    """The resume check, as a Hugging Face ``TrainerCallback``."""
-
-
-class CheckpointPlanner(_api.CheckpointPlannerSettings, _TrainerAdapter):
-    """The checkpoint planner, as a Hugging Face ``TrainerCallback``."""
-
-
-class DataStallMonitor(_api.DataStallMonitorSettings, _TrainerAdapter):
-    """The data stall monitor, as a Hugging Face ``TrainerCallback``."""
-
-
-class StragglerMonitor(_api.StragglerMonitorSettings, _TrainerAdapter):
-    """The straggler monitor, as a Hugging Face ``TrainerCallback``."""
-
-
-__all__ = ["calling_trainer", *_api.CLASS_NAMES]
