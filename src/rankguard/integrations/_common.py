@@ -10,6 +10,7 @@ framework reduces (OLMo-core's flush, Composer's loss).
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ __all__ = [
     "load_guard_state",
     "metric_reduction_check",
     "on_raise",
+    "require",
     "resolved_checkpoint",
     "save_guard_state",
     "single_guard",
@@ -41,6 +43,22 @@ logger = logging.getLogger(__name__)
 Defaults = Mapping[str, Mapping[str, Any]]
 #: Removes a wrapper it was returned for (safe to call twice).
 Unhook = Callable[[], None]
+
+
+def require(integration: str, modules: tuple[str, ...], needs: str, extra: str) -> None:
+    """Raises the ``ImportError`` that names the pip extra where a framework is missing.
+
+    The first line of each integration package (its modules import the framework
+    plainly after it), e.g. ``require("composer", ("composer",), "Composer", "composer")``.
+    """
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ImportError(
+                f"rankguard.integrations.{integration} needs {needs}: "
+                f"pip install 'rankguard[{extra}]'"
+            ) from exc
 
 
 def _with_defaults(name: str, settings: Any, defaults: Defaults | None) -> Any:

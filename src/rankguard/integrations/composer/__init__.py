@@ -17,8 +17,13 @@ Requires ``pip install 'rankguard[composer]'``.
 
 from __future__ import annotations
 
-from rankguard.integrations import _api
-from rankguard.integrations.composer.adapter import _ComposerAdapter
+from rankguard.integrations._common import require
+
+# The framework first, named with its pip extra where it is missing.
+require("composer", ("composer",), "Composer", "composer")
+
+from rankguard.integrations import _api  # noqa: E402
+from rankguard.integrations.composer.adapter import _ComposerAdapter  # noqa: E402
 
 
 class RankGuard(_api.RankGuardSettings, _ComposerAdapter):

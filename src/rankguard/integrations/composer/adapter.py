@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from composer.callbacks import CheckpointSaver
+from composer.core import Callback, Event, State
+from composer.loggers import Logger
+
 from rankguard.callbacks.batches.loader_passes import PassCounter
 from rankguard.callbacks.core.events import Event as CoreEvent
 from rankguard.callbacks.core.events import EventFacts, LoaderFacts, ResumeFacts
@@ -19,15 +23,6 @@ from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck
 from rankguard.integrations._adapter import Adapter
 from rankguard.integrations._common import metric_reduction_check
-
-try:
-    from composer.callbacks import CheckpointSaver
-    from composer.core import Callback, Event, State
-    from composer.loggers import Logger
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "rankguard.integrations.composer needs Composer: pip install 'rankguard[composer]'"
-    ) from exc
 from rankguard.integrations.composer.decisions import (
     escaping_exception,
     loss_keys,

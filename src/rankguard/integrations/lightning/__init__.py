@@ -22,8 +22,13 @@ Requires ``pip install 'rankguard[lightning]'``.
 
 from __future__ import annotations
 
-from rankguard.integrations import _api
-from rankguard.integrations.lightning.adapter import _LightningAdapter
+from rankguard.integrations._common import require
+
+# The framework first, named with its pip extra where it is missing.
+require("lightning", ("lightning",), "Lightning", "lightning")
+
+from rankguard.integrations import _api  # noqa: E402
+from rankguard.integrations.lightning.adapter import _LightningAdapter  # noqa: E402
 
 
 class RankGuard(_api.RankGuardSettings, _LightningAdapter):

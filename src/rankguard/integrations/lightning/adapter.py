@@ -15,18 +15,12 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
 from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations._adapter import Adapter
-
-try:
-    import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "rankguard.integrations.lightning needs Lightning: pip install 'rankguard[lightning]'"
-    ) from exc
-
 from rankguard.integrations.lightning.facts import (
     checkpoint_format,
     first_optimizer,

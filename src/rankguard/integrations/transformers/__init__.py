@@ -11,9 +11,16 @@ See docs/integrations.md#hugging-face-trainer-where-each-event-comes-from.
 
 from __future__ import annotations
 
-from rankguard.integrations import _api
-from rankguard.integrations.private.transformers import calling_trainer
-from rankguard.integrations.transformers.adapter import _TrainerAdapter
+from rankguard.integrations._common import require
+
+# The framework first, named with its pip extra where it is missing.
+require(
+    "transformers", ("transformers", "accelerate"), "transformers and accelerate", "transformers"
+)
+
+from rankguard.integrations import _api  # noqa: E402
+from rankguard.integrations.private.transformers import calling_trainer  # noqa: E402
+from rankguard.integrations.transformers.adapter import _TrainerAdapter  # noqa: E402
 
 
 class RankGuard(_api.RankGuardSettings, _TrainerAdapter):

@@ -15,19 +15,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
 from rankguard.callbacks.core.events import LoaderFacts, ResumeFacts, SplitDecision
 from rankguard.integrations.private.transformers import LoopPosition
 from rankguard.integrations.transformers.decisions import resume_loader
-
-try:
-    from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
-    from transformers.trainer import TRAINER_STATE_NAME
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "rankguard.integrations.transformers needs transformers and accelerate: "
-        "pip install 'rankguard[transformers]'"
-    ) from exc
 
 #: What makes the Trainer's FSDP saves sharded, named in rankguard's messages.
 SHARDED_SETTING = (
