@@ -18,6 +18,7 @@ import inspect
 import logging
 import re
 import socket
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -165,6 +166,50 @@ def test_save_kind_comes_from_the_train_modules_public_save_options(tmp_path):
     assert switch is not None and "full_state_dict to False" in switch()
     assert facts.save_options(module) == ("sharded", True)
     assert module.state_dict_to_save(optim=False)["model"]  # still what OLMo-core saves
+
+
+def test_the_checkpoint_a_load_reads_is_the_folders_latest_as_this_rank_sees_it(
+    one_process, tmp_path
+):
+    work, [(trainer, _, _), _] = one_process
+    ckpt = work / "ckpt"
+    assert facts.checkpoint_to_load(trainer, str(ckpt)) == str(ckpt / "step12")  # the resume's
+    assert facts.checkpoint_to_load(trainer, str(ckpt / "step4")) == str(ckpt / "step4")
+    assert facts.checkpoint_to_load(trainer, str(tmp_path)) == str(tmp_path / "step*")  # none
+    assert facts.checkpoint_to_load(trainer, "s3://bucket/run") == "s3://bucket/run"  # a URL
+
+
+def test_an_evaluators_planned_batches_are_its_length_cut_by_the_eval_duration():
+    from olmo_core.train.common import Duration
+
+    def planned(total: int | None, duration: Duration) -> int | None:
+        evaluator = SimpleNamespace(total_batches=total)
+        return facts.planned_eval_batches(evaluator, SimpleNamespace(eval_duration=duration))
+
+    assert planned(8, Duration.steps(3)) == 3
+    assert planned(2, Duration.steps(3)) == 2  # never more than it holds
+    assert planned(None, Duration.steps(3)) == 3  # a length it does not know
+    assert planned(8, Duration.epochs(1)) == 8
+    assert planned(None, Duration.epochs(1)) is None
+    assert planned(8, Duration.epochs(2)) is None  # more than one pass: not planned
+    assert planned(8, Duration.tokens(100)) is None  # a token budget: known only as it runs
+
+
+def test_the_save_folder_is_none_where_no_checkpointer_saves():
+    from olmo_core.train.callbacks import CheckpointerCallback
+
+    def folder(no_checkpoints: bool, *enabled: bool) -> str | None:
+        callbacks = {f"ckpt{i}": CheckpointerCallback(enabled=e) for i, e in enumerate(enabled)}
+        trainer = SimpleNamespace(
+            callbacks=callbacks, no_checkpoints=no_checkpoints, save_folder="/ckpt"
+        )
+        return facts.save_folder(trainer)
+
+    assert folder(False, True) == "/ckpt"
+    assert folder(False, False, True) == "/ckpt"  # one enabled checkpointer saves
+    assert folder(False, False) is None
+    assert folder(False) is None  # no checkpointer
+    assert folder(True, True) is None  # Trainer(no_checkpoints=True)
 
 
 def test_a_fit_announces_a_resume_where_olmo_core_may_load_one():
