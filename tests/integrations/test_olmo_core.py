@@ -18,6 +18,7 @@ import inspect
 import logging
 import re
 import socket
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,9 +31,10 @@ import olmo_core.train.checkpoint as olmo_checkpoint
 import olmo_core.utils
 
 from rankguard.callbacks.checkpoint.plan import RankMemory, plan_save
+from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.integrations import olmo_core as rg_olmo
-from rankguard.integrations.olmo_core import RankGuard
+from rankguard.integrations.olmo_core import RankGuard, decisions, facts
 from tests.e2e.common import EventLog
 from tests.e2e.olmo_core_job import LATE_S, NEG_CACHE_LAG_S, NEVER_TIMEOUT_S, build_trainer
 from tests.frameworks.test_torchrun_e2e import assert_rank_1_named_with_its_stack, launch
@@ -154,29 +156,73 @@ def test_single_process_fit_logs_no_rankguard_warning(tmp_path, caplog):
 def test_save_kind_comes_from_the_train_modules_public_save_options(tmp_path):
     # The one reach into OLMo-core's checkpointing: fails if it renames or drops the option.
     sharded = build_trainer(tmp_path / "a", {}, eval_sequences=None).train_module
-    assert rg_olmo.save_options(sharded) == ("sharded", True)  # OLMo-core's default
+    assert facts.save_options(sharded) == ("sharded", True)  # OLMo-core's default
     full = {"full_state_dict": True, "cpu_offload": True}
     module = build_trainer(
         tmp_path / "b", {}, eval_sequences=None, state_dict_save_opts=full
     ).train_module
-    assert rg_olmo.save_options(module) == ("full", True)
-    switch = rg_olmo.sharded_switch(module)
+    assert facts.save_options(module) == ("full", True)
+    switch = facts.sharded_switch(module)
     assert switch is not None and "full_state_dict to False" in switch()
-    assert rg_olmo.save_options(module) == ("sharded", True)
+    assert facts.save_options(module) == ("sharded", True)
     assert module.state_dict_to_save(optim=False)["model"]  # still what OLMo-core saves
+
+
+def test_the_checkpoint_a_load_reads_is_the_folders_latest_as_this_rank_sees_it(
+    one_process, tmp_path
+):
+    work, [(trainer, _, _), _] = one_process
+    ckpt = work / "ckpt"
+    assert facts.checkpoint_to_load(trainer, str(ckpt)) == str(ckpt / "step12")  # the resume's
+    assert facts.checkpoint_to_load(trainer, str(ckpt / "step4")) == str(ckpt / "step4")
+    assert facts.checkpoint_to_load(trainer, str(tmp_path)) == str(tmp_path / "step*")  # none
+    assert facts.checkpoint_to_load(trainer, "s3://bucket/run") == "s3://bucket/run"  # a URL
+
+
+def test_an_evaluators_planned_batches_are_its_length_cut_by_the_eval_duration():
+    from olmo_core.train.common import Duration
+
+    def planned(total: int | None, duration: Duration) -> int | None:
+        evaluator = SimpleNamespace(total_batches=total)
+        return facts.planned_eval_batches(evaluator, SimpleNamespace(eval_duration=duration))
+
+    assert planned(8, Duration.steps(3)) == 3
+    assert planned(2, Duration.steps(3)) == 2  # never more than it holds
+    assert planned(None, Duration.steps(3)) == 3  # a length it does not know
+    assert planned(8, Duration.epochs(1)) == 8
+    assert planned(None, Duration.epochs(1)) is None
+    assert planned(8, Duration.epochs(2)) is None  # more than one pass: not planned
+    assert planned(8, Duration.tokens(100)) is None  # a token budget: known only as it runs
+
+
+def test_the_save_folder_is_none_where_no_checkpointer_saves():
+    from olmo_core.train.callbacks import CheckpointerCallback
+
+    def folder(no_checkpoints: bool, *enabled: bool) -> str | None:
+        callbacks = {f"ckpt{i}": CheckpointerCallback(enabled=e) for i, e in enumerate(enabled)}
+        trainer = SimpleNamespace(
+            callbacks=callbacks, no_checkpoints=no_checkpoints, save_folder="/ckpt"
+        )
+        return facts.save_folder(trainer)
+
+    assert folder(False, True) == "/ckpt"
+    assert folder(False, False, True) == "/ckpt"  # one enabled checkpointer saves
+    assert folder(False, False) is None
+    assert folder(False) is None  # no checkpointer
+    assert folder(True, True) is None  # Trainer(no_checkpoints=True)
 
 
 def test_a_fit_announces_a_resume_where_olmo_core_may_load_one():
     from olmo_core.train import LoadStrategy
 
-    assert rg_olmo.announces_resume(False, LoadStrategy.if_available)
-    assert rg_olmo.announces_resume(False, LoadStrategy.always)
-    assert not rg_olmo.announces_resume(False, LoadStrategy.never)
-    assert not rg_olmo.announces_resume(True, LoadStrategy.always)
+    assert decisions.announces_resume(False, LoadStrategy.if_available)
+    assert decisions.announces_resume(False, LoadStrategy.always)
+    assert not decisions.announces_resume(False, LoadStrategy.never)
+    assert not decisions.announces_resume(True, LoadStrategy.always)
 
 
 def test_a_checkpoint_outside_the_save_folder_came_from_the_load_path():
-    from_load_path = rg_olmo.resumed_from_load_path
+    from_load_path = decisions.resumed_from_load_path
     assert not from_load_path(None, "/elsewhere", "/ckpt")  # a fresh start
     assert not from_load_path("/elsewhere/step8", None, "/ckpt")  # no load path given
     assert not from_load_path("/ckpt/step8", "/elsewhere", "/ckpt")  # the save folder's
@@ -185,10 +231,10 @@ def test_a_checkpoint_outside_the_save_folder_came_from_the_load_path():
 
 
 def test_rank_0s_wait_for_its_last_checkpoint_takes_the_barriers_timeout_while_fitting():
-    assert rg_olmo.rank0_timeout(10.0, 300.0, fitting=True) == 300.0
-    assert rg_olmo.rank0_timeout(120.0, 60.0, fitting=True) == 120.0  # never shortened
-    assert rg_olmo.rank0_timeout(10.0, 300.0, fitting=False) == 10.0
-    assert rg_olmo.rank0_timeout(10.0, None, fitting=True) == 10.0  # no barrier
+    assert decisions.rank0_timeout(10.0, 300.0, fitting=True) == 300.0
+    assert decisions.rank0_timeout(120.0, 60.0, fitting=True) == 120.0  # never shortened
+    assert decisions.rank0_timeout(10.0, 300.0, fitting=False) == 10.0
+    assert decisions.rank0_timeout(10.0, None, fitting=True) == 10.0  # no barrier
 
 
 def test_a_save_that_copies_each_replica_to_the_host_is_sized_per_rank():
@@ -478,7 +524,7 @@ def test_olmo_core_loaders_dataset_is_found_through_its_public_attribute(tmp_pat
         "seed": 0,
         "dp_world_size": 1,
     }
-    assert inspection_limits(rg_olmo.LoaderFacts("train", loader, is_train=True)) is None
+    assert inspection_limits(LoaderFacts("train", loader, is_train=True)) is None
 
 
 def test_olmo_core_token_files_with_equal_names_and_sizes_differ_in_their_fingerprint(tmp_path):

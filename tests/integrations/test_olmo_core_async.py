@@ -28,7 +28,7 @@ import torch
 from olmo_core.train.common import ReduceType
 
 from rankguard.callbacks.hang.metric_reductions import Row, reduction_rows
-from rankguard.integrations import olmo_core_flush as rg_olmo
+from rankguard.integrations.olmo_core import flush as rg_olmo
 from tests.mp import run_job
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,17 +11,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from olmo_core.train import Trainer
 
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck, Rows, reduction_rows
 from rankguard.integrations._common import Unhook, wrap_method
 from rankguard.integrations.private.olmo_core import pending_flush, wrap_metric_flush
-
-try:
-    from olmo_core.train import Trainer
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "rankguard.integrations.olmo_core needs OLMo-core: pip install 'rankguard[olmo-core]'"
-    ) from exc
 
 __all__ = [
     "COLLECTIVE_OF",
