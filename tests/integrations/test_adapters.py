@@ -44,6 +44,7 @@ GUARD_CLASSES = [class_name(name) for name in GUARDS]
 EXTRAS = {
     rg_torch: {"EvalLoader", "Run", "TrainLoader"},
     rg_transformers: {"calling_trainer"},
+    rg_olmo_core: {"checkpoint_to_load", "hook_metric_flush", "hook_trainer", "save_options"},
 }
 
 

@@ -14,15 +14,18 @@ See docs/integrations.md#olmo-core-where-each-event-comes-from.
 
 from __future__ import annotations
 
-try:  # every module of this package reads OLMo-core: checked once, here, before any loads
-    import olmo_core  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "rankguard.integrations.olmo_core needs OLMo-core: pip install 'rankguard[olmo-core]'"
-    ) from exc
+from rankguard.integrations._common import require
 
-from rankguard.integrations import _api
-from rankguard.integrations.olmo_core.adapter import _OlmoCoreAdapter
+# The framework first, named with its pip extra where it is missing.
+require("olmo_core", ("olmo_core",), "OLMo-core", "olmo-core")
+
+from rankguard.integrations import _api  # noqa: E402
+from rankguard.integrations.olmo_core.adapter import _OlmoCoreAdapter  # noqa: E402
+
+# What this module exported before it was a package: kept for the code that imports it.
+from rankguard.integrations.olmo_core.facts import checkpoint_to_load, save_options  # noqa: E402
+from rankguard.integrations.olmo_core.flush import hook_metric_flush  # noqa: E402
+from rankguard.integrations.olmo_core.hooks import hook_trainer  # noqa: E402
 
 
 class RankGuard(_api.RankGuardSettings, _OlmoCoreAdapter):
@@ -65,4 +68,10 @@ class StragglerMonitor(_api.StragglerMonitorSettings, _OlmoCoreAdapter):
     """The straggler monitor, as an OLMo-core ``Callback``."""
 
 
-__all__ = [*_api.CLASS_NAMES]
+__all__ = [
+    "checkpoint_to_load",
+    "hook_metric_flush",
+    "hook_trainer",
+    "save_options",
+    *_api.CLASS_NAMES,
+]
