@@ -50,9 +50,14 @@ class Adapter:
         """Runs ``undo`` at :meth:`unwrap`, as a wrapper's (for wrappers made elsewhere)."""
         self._unhooks.append(undo)
 
-    def watch_raise(self, obj: Any, name: str) -> None:
-        """Lets the guards see an error where it leaves ``obj.name`` (:meth:`fail`)."""
-        self._unhooks.append(on_raise(obj, name, self.fail))
+    def watch_raise(
+        self, obj: Any, name: str, on_error: Callable[[BaseException], None] | None = None
+    ) -> None:
+        """Lets the guards see an error where it leaves ``obj.name``.
+
+        ``on_error`` gets it (default: :meth:`fail`); the error then propagates unchanged.
+        """
+        self._unhooks.append(on_raise(obj, name, on_error or self.fail))
 
     @property
     def wrapped(self) -> bool:

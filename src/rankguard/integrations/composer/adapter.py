@@ -269,7 +269,7 @@ class _ComposerAdapter(Adapter, Callback):
             return
         self.unwrap()
         self._state = state
-        self.watch_raise(trainer, "fit")
+        self.watch_raise(trainer, "fit", self._fit_raised)
 
     def _pass_end(self, state: State, event: CoreEvent) -> Any:
         """What the pass that ends now did; puts the train loader back at its epoch end."""
@@ -282,25 +282,15 @@ class _ComposerAdapter(Adapter, Callback):
             state.set_dataloader(original, label, -1 if length is None else int(length))
         return counter.result()
 
-    def fail(
-        self,
-        exc: BaseException,
-        step: int | None = None,
-        epoch: int | None = None,
-        *,
-        fitting: bool | None = None,
-    ) -> None:
+    def _fit_raised(self, exc: BaseException) -> None:
         """An error left ``fit`` (wrapped at ``INIT``): the guards explain it, then stop.
 
         The step and epoch are the Trainer's; an error outside a fit leaves the guards
         as they are (:meth:`close` stops them).
         """
-        if not (self.driver.fitting if fitting is None else fitting):
-            return
-        if step is None and self._state is not None:
+        if self.driver.fitting and self._state is not None:
             time = self._state.timestamp
-            step, epoch = int(time.batch), int(time.epoch)
-        super().fail(exc, step, epoch, fitting=True)
+            self.fail(exc, int(time.batch), int(time.epoch))
 
     def close(self, state: State, logger: Logger) -> None:
         """Lets guards explain an error that ended fit (a dead data worker), then stops them.
