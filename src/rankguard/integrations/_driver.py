@@ -263,13 +263,20 @@ class EventDriver:
         self.fire(Event.EVAL_BATCH_END, loader=self.evals[0], batch_index=self.eval_batches)
         self.eval_batches += 1
 
-    def eval_end(self, loader_pass: LoaderPass | None = None) -> LoaderFacts:
-        """EVAL_END of the current eval loader, with what its pass did if seen; returns it."""
+    def eval_end(
+        self, loader_pass: LoaderPass | None = None, planned: int | None = None
+    ) -> LoaderFacts:
+        """EVAL_END of the current eval loader, with what its pass did if seen; returns it.
+
+        ``planned``: the batches that stand for its plan where the loop left it early.
+        """
         if not self.evals:
             raise RuntimeError("rankguard: EVAL_END without EVAL_START")
         if self._eval_batch_open:
             self.eval_batch_end()
         facts = self.evals.pop(0)
+        if planned is not None:
+            facts = LoaderFacts(facts.name, facts.loader, facts.is_train, planned)
         self.eval_batches = 0
         self.fire(Event.EVAL_END, loader=facts, loader_pass=loader_pass)
         return facts
@@ -301,14 +308,19 @@ class EventDriver:
         self.end_train_batch()
         self.fetching = False
         self.saving = True
-        self.fire(
-            Event.CHECKPOINT_SAVE_START,
-            directories=list(directories),
-            model=model,
-            positions=positions or {},
-        )
+        try:
+            self.fire(
+                Event.CHECKPOINT_SAVE_START,
+                directories=list(directories),
+                model=model,
+                positions=positions or {},
+            )
+        except BaseException:  # a guard stopped the save before it started
+            self.saving = False
+            raise
 
-    def save_end(self) -> None:
-        """CHECKPOINT_SAVE_END."""
+    def save_end(self, saved: bool = True) -> None:
+        """CHECKPOINT_SAVE_END; ``saved=False``: the save failed, and ends without it."""
         self.saving = False
-        self.fire(Event.CHECKPOINT_SAVE_END)
+        if saved:
+            self.fire(Event.CHECKPOINT_SAVE_END)

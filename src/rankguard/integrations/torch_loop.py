@@ -252,8 +252,9 @@ class EvalPass:
                     facts.name,
                     self.started,
                 )
-            run._driver.evals[0] = LoaderFacts(facts.name, facts.loader, False, self.started)
-        run._driver.eval_end(LoaderPass(self.started, self._ran_out))
+        run._driver.eval_end(
+            LoaderPass(self.started, self._ran_out), planned=self.started if early else None
+        )
 
 
 class Save:
@@ -274,12 +275,7 @@ class Save:
         run._require("run.checkpoint(...)")
         self._entered = True
         run._close_eval()
-        driver = run._driver
-        try:
-            driver.save_start(self.directories, model=run._model)
-        except BaseException:
-            driver.saving = False
-            raise
+        run._driver.save_start(self.directories, model=run._model)
         run._save = self
         return self
 
@@ -291,10 +287,7 @@ class Save:
     ) -> None:
         run = self._run
         run._save = None
-        if exc is None and run._state == "active":
-            run._driver.save_end()
-        else:
-            run._driver.saving = False
+        run._driver.save_end(saved=exc is None and run._state == "active")
 
 
 class Load:
