@@ -77,7 +77,9 @@ class EventDriver:
         batch_open: Whether a train batch started and has not ended.
         fetching: Whether a fetch window is open. The usual step goes from a fetch
             (``fetching``, no ``batch_open``) to a batch and back, one step-log entry
-            each (:meth:`fetch_end_batch_start`'s and :meth:`fetch_start`'s first branches).
+            each (:meth:`fetch_end_batch_start`'s and :meth:`fetch_start`'s first branches);
+            an adapter whose hook runs on a cold cache may make those moves itself, the
+            two flags and then the step log's paired entry (the HF Trainer's does).
     """
 
     def __init__(self, runner: GuardRunner, log_metrics: MetricSink | None = None) -> None:
