@@ -162,8 +162,22 @@ def test_a_normal_install_holds_one_rankguard_package_with_every_subpackage(tmp_
     assert in_wheel == in_tree
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    imports = "; ".join(f"import {package}" for package in in_wheel)
-    check = f"import sys; sys.path.insert(0, {str(site)!r}); {imports}; print(rankguard.__file__)"
+    # Every package imports from the wheel; an integration whose framework this environment
+    # lacks (Composer in today's) says which extra installs it, and nothing else goes wrong.
+    check = "\n".join(
+        [
+            "import importlib, sys",
+            f"sys.path.insert(0, {str(site)!r})",
+            f"for package in {in_wheel!r}:",
+            "    try:",
+            "        importlib.import_module(package)",
+            "    except ImportError as exc:",
+            '        if "pip install \'rankguard[" not in str(exc):',
+            "            raise",
+            "import rankguard",
+            "print(rankguard.__file__)",
+        ]
+    )
     proc = subprocess.run(
         [sys.executable, "-I", "-c", check], capture_output=True, text=True, timeout=120
     )
