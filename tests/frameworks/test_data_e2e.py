@@ -88,11 +88,12 @@ def lightning_job(tmp_path_factory) -> dict[str, Any]:
         pytest.skip("needs rankguard[lightning]")
     out = tmp_path_factory.mktemp("lightning_data")
     job = _run([sys.executable, str(LIGHTNING_JOB), str(out), *LIGHTNING_SCENARIOS], out)
-    # Rank 0 does not wait for rank 1 (Lightning's launcher child); give it a moment.
+    # Rank 0 (the launcher, which _run waited for) does not wait for rank 1, Lightning's
+    # launcher child: give rank 1 a moment to write its last record.
     deadline = time.monotonic() + 30
+    rank1 = out / "rank1.json"
     while time.monotonic() < deadline:
-        reports = [out / f"rank{r}.json" for r in (0, 1)]
-        if all(p.exists() and json.loads(p.read_text())["finished"] for p in reports):
+        if rank1.exists() and json.loads(rank1.read_text())["finished"]:
             break
         time.sleep(0.2)
     for r in (0, 1):
@@ -318,7 +319,11 @@ def test_lightning_custom_iterable_that_ignores_the_rank_stops_every_rank_after_
 
 def test_lightning_dead_worker_is_logged_with_rank_and_step_before_fit_raises(lightning_job):
     assert lightning_job["returncode"] != 0
-    rank1 = lightning(lightning_job, "dead_worker")[1]
+    # Rank 1's record alone: once rank 1 exits non-zero, Lightning's launcher SIGKILLs rank 0
+    # (its child-process observer polls every 5 s), so rank 0's record of this last scenario
+    # races that kill, and is written only where rank 0 ended first.
+    rank1 = lightning_job[1].get("dead_worker")
+    assert rank1, f"'dead_worker' did not run on rank 1:\n{lightning_job['output'][-6000:]}"
     # torch's RuntimeError, or a ConnectionResetError when the worker died mid-batch
     assert rank1["error_type"] in ("RuntimeError", "ConnectionResetError"), rank1
     # Logged from on_exception, before the error left trainer.fit().
