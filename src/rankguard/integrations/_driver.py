@@ -274,11 +274,12 @@ class EventDriver:
         """
         if not self.evals:
             raise RuntimeError("rankguard: EVAL_END without EVAL_START")
+        if planned is not None:  # the open batch's end carries the plan too
+            facts = self.evals[0]
+            self.evals[0] = LoaderFacts(facts.name, facts.loader, facts.is_train, planned)
         if self._eval_batch_open:
             self.eval_batch_end()
         facts = self.evals.pop(0)
-        if planned is not None:
-            facts = LoaderFacts(facts.name, facts.loader, facts.is_train, planned)
         self.eval_batches = 0
         self.fire(Event.EVAL_END, loader=facts, loader_pass=loader_pass)
         return facts

@@ -31,11 +31,11 @@ from rankguard.integrations.composer.decisions import (
     saves_at,
 )
 from rankguard.integrations.composer.facts import (
-    as_int,
     checkpoint_savers,
     dataset_positions,
     event_facts,
     observe_pass,
+    train_loader_facts,
 )
 from rankguard.integrations.composer.messages import (
     DATA_FIX,
@@ -132,9 +132,7 @@ class _ComposerAdapter(Adapter, Callback):
         loader, length = state.train_dataloader, state.dataloader_len
         cached_loader, cached_length, facts = self._train
         if loader is not cached_loader or length is not cached_length:
-            facts = None
-            if loader is not None:
-                facts = LoaderFacts("train", loader, is_train=True, num_batches=as_int(length))
+            facts = train_loader_facts(loader, length)
             self._train = (loader, length, facts)
         return facts
 

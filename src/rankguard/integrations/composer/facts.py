@@ -32,6 +32,7 @@ __all__ = [
     "observe_pass",
     "save_directories",
     "sharded_switch",
+    "train_loader_facts",
 ]
 
 _EVAL_EVENTS = (
@@ -42,11 +43,15 @@ _EVAL_EVENTS = (
 )
 
 
-def _train_loader(state: State) -> LoaderFacts | None:
-    loader = state.train_dataloader
+def train_loader_facts(loader: Any, length: Any) -> LoaderFacts | None:
+    """The train loader's facts from Composer's loader and its ``dataloader_len``."""
     if loader is None:
         return None
-    return LoaderFacts("train", loader, is_train=True, num_batches=as_int(state.dataloader_len))
+    return LoaderFacts("train", loader, is_train=True, num_batches=as_int(length))
+
+
+def _train_loader(state: State) -> LoaderFacts | None:
+    return train_loader_facts(state.train_dataloader, state.dataloader_len)
 
 
 def _evaluator_loaders(state: State) -> list[LoaderFacts]:
