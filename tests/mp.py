@@ -38,6 +38,7 @@ class Outcome:
     error_attrs: dict | None = None
     elapsed_s: float | None = None
     setup_failed: bool = False  # the process group's set-up raised, before ``fn`` ran
+    killed: bool = False  # still running when its outcome was no longer awaited, then killed
 
 
 def _fresh_generators() -> None:
@@ -92,6 +93,9 @@ def _worker(fn, rank, world_size, init_file, args, queue, setup):
         os._exit(0)  # skip process-group teardown, which can block on a missing peer
 
 
+#: How long the other ranks have to report their own set-up errors once one rank's failed.
+SETUP_REPORT_S = 5.0
+
 #: Imported once by the fork server that starts every rank of :func:`run_ranks`, instead of
 #: once per rank: a rank then starts in a fraction of a second, with nothing else inherited
 #: (the server starts no thread and no process group).
@@ -117,17 +121,41 @@ def run_ranks(
     ``until``: the ranks whose outcomes the test reads; once they all reported,
     the others (e.g. a rank made to stay stuck) are killed instead of awaited.
     A process group whose set-up fails on any rank (a passing fault of the machine's
-    sockets) is set up again once, every rank anew; a second failure fails the test
-    with the set-up's own error. ``setup(rank, world_size, init_file)``: how each rank
-    joins its process group (:func:`gloo_setup`).
+    sockets) is set up again, every rank anew, after a pause, up to :data:`SETUP_TRIES`
+    tries in all; then the test fails with every rank's set-up error and exit code (a
+    rank's "Connection closed by peer" is its partner's failure: the partner's own error
+    says why). ``setup(rank, world_size, init_file)``: how each rank joins its process
+    group (:func:`gloo_setup`).
     """
-    outcomes = _run_ranks_once(fn, world_size, args, timeout_s, until, setup)
-    if any(o.setup_failed for o in outcomes):
+    tries: list[list[Outcome]] = []
+    for pause_s in SETUP_PAUSES_S:
+        time.sleep(pause_s)
         outcomes = _run_ranks_once(fn, world_size, args, timeout_s, until, setup)
-    failed = [o for o in outcomes if o.setup_failed]
-    if failed:
-        pytest.fail(f"the gloo process group's set-up failed twice:\n{failed[0].error}")
-    return outcomes
+        if not any(o.setup_failed for o in outcomes):
+            return outcomes
+        tries.append(outcomes)
+    pytest.fail(
+        f"the gloo process group's set-up failed in all {len(tries)} tries:\n"
+        + "\n".join(
+            f"try {i + 1}, {_setup_report(o)}" for i, outcomes in enumerate(tries) for o in outcomes
+        )
+    )
+
+
+#: The pause before each try of a process group's set-up (its length is the number of tries).
+SETUP_PAUSES_S = (0.0, 1.0, 3.0)
+SETUP_TRIES = len(SETUP_PAUSES_S)
+
+
+def _setup_report(o: Outcome) -> str:
+    """One rank's part in a failed set-up: its error, or how its process ended without one."""
+    if o.setup_failed:
+        return f"rank {o.rank}: {o.error}"
+    if o.error_type is not None or o.value is not None:
+        return f"rank {o.rank}: set up, then {o.error_type or 'returned'}: {o.error or o.value}"
+    if o.killed:
+        return f"rank {o.rank}: no report; still running {SETUP_REPORT_S:g} s later, killed"
+    return f"rank {o.rank}: no report; the process ended with exit code {o.exitcode}"
 
 
 def _run_ranks_once(
@@ -156,17 +184,24 @@ def _run_ranks_once(
             try:
                 o = queue.get(timeout=0.2)
                 outcomes[o.rank] = o
-                if o.setup_failed:
-                    deadline = time.monotonic()  # the other ranks cannot pair up now
+                if o.setup_failed and deadline > time.monotonic() + SETUP_REPORT_S:
+                    # The other ranks cannot pair up now; their own errors say why, if any.
+                    deadline = time.monotonic() + SETUP_REPORT_S
+                    wanted = set(range(world_size))
             except queue_mod.Empty:
                 if all(not p.is_alive() for p in procs) and queue.empty():
                     break
+        killed = set()
         for rank, p in enumerate(procs):
             p.join(timeout=max(0.0, deadline - time.monotonic()) if rank in wanted else 0)
             if p.is_alive():
                 p.kill()
                 p.join()
-    return [outcomes.get(r, Outcome(r, procs[r].exitcode)) for r in range(world_size)]
+                killed.add(rank)
+    return [
+        outcomes.get(r, Outcome(r, procs[r].exitcode, killed=r in killed))
+        for r in range(world_size)
+    ]
 
 
 @dataclass
