@@ -533,3 +533,10 @@ def test_early_verdicts_leave_a_rank_whose_first_steps_waited_milliseconds_alone
     # The same share of steps a hundred times longer is a starved loader.
     starved = IntervalStats(0.25, 0.6, 5, 3, None, 5, 3)
     assert list(stall_verdict({0: quick, 1: starved}, window=10, threshold=0.5).stalled) == [1]
+    # A healthy rank on a busy host: its loader's return held 30 ms in both of its first two
+    # steps of 48 ms (62%), by the scheduler; two steps do not tell that from a starved loader.
+    held = IntervalStats(0.06, 0.096, 2, 2, None, 2, 2)
+    assert stall_verdict({0: quick, 1: held}, window=10, threshold=0.5).stalled == {}
+    # Ten such steps in a row are a stall, whatever their wait.
+    held_long = IntervalStats(0.3, 0.48, 10, 10, None, 10, 10)
+    assert list(stall_verdict({0: quick, 1: held_long}, window=10, threshold=0.5).stalled) == [1]

@@ -31,11 +31,14 @@ FIX = (
 #: Measured steps below which the early verdicts name no rank (a step is measured
 #: from one train batch's start to the next: batch 3's start closes the second).
 EARLY_MIN_STEPS = 2
-#: Wait per batch under which an early verdict names no rank: over a fit's first steps a
+#: Wait per batch under which an early verdict names no rank. Over a fit's first steps a
 #: wait of a few milliseconds can be most of a short step (workers starting, the first
-#: batches' page faults) and starves nothing; the starved loaders the early verdicts are
-#: for wait tenths of a second per batch.
-EARLY_MIN_WAIT_S = 0.02
+#: batches' page faults) and starves nothing, and a busy host's scheduler alone can hold a
+#: loader's return for tens of milliseconds (seen: 30 ms in two steps in a row, of a
+#: healthy 2-rank job on a twice-loaded machine). An early verdict reads two steps, so it
+#: names only waits above that noise; the starved loaders it is for wait tenths of a second
+#: per batch. Later verdicts, after ``window`` slow steps in a row, have no floor.
+EARLY_MIN_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
