@@ -93,6 +93,9 @@ def _worker(fn, rank, world_size, init_file, args, queue, setup):
         os._exit(0)  # skip process-group teardown, which can block on a missing peer
 
 
+#: The pause before each try of a process group's set-up (its length is the number of tries).
+SETUP_PAUSES_S = (0.0, 1.0, 3.0)
+SETUP_TRIES = len(SETUP_PAUSES_S)
 #: How long the other ranks have to report their own set-up errors once one rank's failed.
 SETUP_REPORT_S = 5.0
 
@@ -140,11 +143,6 @@ def run_ranks(
             f"try {i + 1}, {_setup_report(o)}" for i, outcomes in enumerate(tries) for o in outcomes
         )
     )
-
-
-#: The pause before each try of a process group's set-up (its length is the number of tries).
-SETUP_PAUSES_S = (0.0, 1.0, 3.0)
-SETUP_TRIES = len(SETUP_PAUSES_S)
 
 
 def _setup_report(o: Outcome) -> str:

@@ -38,8 +38,8 @@ from rankguard.integrations.torch import RankGuard
 FAIL_AT = 6
 #: A step's time. Each rank tells the others at once that it left start-up (its exchange
 #: after its first batch); rank 1 dies four steps later, as a rank that fails in training
-#: does, once the others know it trains. At 50 ms a step a loaded machine ran that exchange
-#: after rank 1 died, and rank 1 stayed known in start-up, whose deadline is 30 min.
+#: does, once the others know it trains. At 50 ms a step a loaded machine could run that
+#: exchange after rank 1 died: rank 1 then stays in start-up, whose deadline is 30 min.
 STEP_S = 0.25
 #: Short deadlines: a rank gone on another node is named at its deadline (no pid to read).
 WATCHDOG = {"timeout_s": 6.0, "exchange_period_s": 1.0, "teardown_timeout_s": 3.0}
