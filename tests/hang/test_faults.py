@@ -150,6 +150,72 @@ def test_a_rank_that_raised_ends_every_rank_in_seconds_naming_it(tmp_path):
     assert "check_batch" not in (tmp_path / "rank0.txt").read_text().split("\n")[0]
 
 
+def _worker_died(signum, frame):
+    """What torch's DataLoader SIGCHLD handler raises in the main thread when a worker died."""
+    raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed.")
+
+
+def _publish_interrupted_between_number_and_fault(publish):
+    """The board's publication, with that signal arriving after its number is taken."""
+
+    def interrupted(board, fault):
+        board.channel.store.add(board._count, 0)  # the store answers: the number is next
+        os.kill(os.getpid(), signal.SIGUSR1)  # handled in the main thread, wherever it is
+        time.sleep(0.5)
+        publish(board, fault)
+
+    return interrupted
+
+
+def _rank1_raises_then_its_worker_dies(rank, world_size, report_dir):
+    import torch.distributed as dist
+
+    from rankguard.callbacks.hang.faults import FaultBoard
+
+    watchdog = _watchdog(report_dir)
+    if rank == 1:
+        signal.signal(signal.SIGUSR1, _worker_died)
+        FaultBoard.publish = _publish_interrupted_between_number_and_fault(FaultBoard.publish)
+        try:
+            check_batch({"tokens": []})
+        except ValueError as exc:
+            watchdog.on_error(exc, EventFacts(step=3))
+            watchdog.close()
+        destroy_process_group_waits()
+    dist.barrier()
+
+
+def test_a_signal_handlers_error_during_the_publication_still_tells_every_rank(tmp_path):
+    started = time.monotonic()
+    outcomes = run_ranks(_rank1_raises_then_its_worker_dies, 2, str(tmp_path), timeout_s=90)
+    took = time.monotonic() - started
+    assert [o.exitcode for o in outcomes] == [DEADLOCK_EXIT_CODE] * 2, outcomes
+    assert took < 40, took
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("Rank 1 raised ValueError: sample 4711 has no tokens after filt")
+
+
+def _board(store):
+    from types import SimpleNamespace
+
+    from rankguard.callbacks.hang.faults import FaultBoard
+
+    return FaultBoard(SimpleNamespace(prefix="rankguard/test", store=store, rank=0))
+
+
+def test_a_fault_numbered_but_never_written_does_not_hide_the_next():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    board = _board(store)
+    store.add(board._count, 1)  # a publisher that died between its number and its fault
+    assert board.poll() == []  # not yet written, nothing after it: it may still come
+    board.publish(_fault(1, "transient"))
+    assert [(f.rank, f.family) for f in board.poll()] == [(1, "transient")]
+    board.publish(_fault(2, "code"))
+    assert [f.rank for f in _board(store).poll()] == [1, 2]  # a new reader passes it too
+
+
 def wait_at_host_sync() -> None:
     """A rank under NCCL waits for the killed peer at its next host sync, not at the call."""
     time.sleep(120)

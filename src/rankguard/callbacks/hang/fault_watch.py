@@ -49,6 +49,8 @@ _now = time.perf_counter  # the step log's clock
 QUIET_S = 0.5
 #: How long rank 0, which may host the store, waits at exit for the others to read a fault.
 LEAVE_WAIT_S = 5.0
+#: How much longer than one exchange's timeout a raising rank waits for its fault's publication.
+PUBLISH_SLACK_S = 5.0
 #: The teardown bounds set in this process (one per fault it raised): a new fit lifts them all.
 _bounds: list[threading.Event] = []
 _bounds_lock = threading.Lock()
@@ -300,14 +302,12 @@ class FaultWatch:
             libraries=guard._libraries,
             record=owner._collectives(),
         )
-        try:
-            self._dead_peers()  # a peer of this node gone first is the cause, not this error
-            board.publish(fault)
-        except Exception as exc_store:
+        failed = self._publish_raised(board, fault, guard.exchange_timeout_s + PUBLISH_SLACK_S)
+        if failed is not None:
             logger.warning(
                 "rankguard %s: could not tell the other ranks this rank raised (%s).",
                 guard.name,
-                exc_store,
+                failed,
             )
             return
         self.published = fault
@@ -341,6 +341,44 @@ class FaultWatch:
             ).start()
         if board.channel.is_leader and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             atexit.register(self._wait_at_exit, self.cancel)  # its process hosts the store
+
+    def _publish_raised(self, board: FaultBoard, fault: Fault, limit_s: float) -> str | None:
+        """Publishes ``fault`` from a thread of its own; ``None`` once done, else why not.
+
+        The training thread only waits: an exception a signal handler raises in it
+        meanwhile (the DataLoader's SIGCHLD handler, when a worker died) cannot cut the
+        publication in half (a number taken, its fault never written), so the others are
+        told every time. Such an exception follows from the fault being published: it is
+        logged, not raised.
+        """
+        outcome: list[Exception | None] = []
+        done = threading.Event()
+
+        def publish() -> None:
+            try:
+                self._dead_peers()  # a peer of this node gone first is the cause, not this error
+                board.publish(fault)
+                outcome.append(None)
+            except Exception as exc:  # the store: reported by the waiting thread
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=publish, name="rankguard-publish-fault", daemon=True).start()
+        deadline = _now() + limit_s
+        while not done.is_set() and _now() < deadline:
+            try:
+                done.wait(deadline - _now())
+            except BaseException as late:  # a signal handler's (see above): wait on
+                logger.info(
+                    "rankguard %s: %s raised while this rank told the others its fault; "
+                    "the fault is told first.",
+                    self.owner.guard.name,
+                    type(late).__name__,
+                )
+        if not outcome:
+            return f"the store did not answer within {limit_s:g} s"
+        return None if outcome[0] is None else str(outcome[0])
 
     def _bound(self, fault: Fault, bound: float, cancel: threading.Event, code: int) -> None:
         """Ends this process ``bound`` seconds after it raised, if still running (a teardown)."""

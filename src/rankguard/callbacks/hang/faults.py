@@ -342,11 +342,18 @@ class FaultBoard:
         with self._lock:
             while self._read < count:
                 key = f"{self._base}/{self._read + 1}"
-                if not store.check([key]):  # numbered, not yet written: the next poll reads it
-                    break
-                self.seen.append(pickle.loads(store.get(key)))
+                if store.check([key]):
+                    self.seen.append(pickle.loads(store.get(key)))
+                elif not self._written_after(self._read + 1, count):
+                    break  # numbered, not yet written: the next poll reads it
+                # else: its publisher died between its number and its fault: a hole, passed
                 self._read += 1
             return list(self.seen)
+
+    def _written_after(self, number: int, count: int) -> bool:
+        """Whether a fault numbered after ``number`` (up to ``count``) is written already."""
+        store = self.channel.store
+        return any(store.check([f"{self._base}/{n}"]) for n in range(number + 1, count + 1))
 
     def register(self, process: Process) -> None:
         """Says where this rank's process runs (once, before its first exchange)."""
