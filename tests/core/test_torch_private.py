@@ -48,3 +48,18 @@ def test_forward_hook_dicts_hold_registered_hooks_by_id():
     post = module.register_forward_hook(lambda m, args, out: None, always_call=True)
     pres, posts, always = torch_private.forward_hook_dicts(module)
     assert pre.id in pres and post.id in posts and always.get(post.id) is True
+
+
+def _abort(rank, world_size):
+    import torch.distributed as dist
+
+    store = torch_private.default_store()
+    aborted = torch_private.abort_process_groups()
+    store.set(f"after{rank}", b"x")  # the store outlives the groups: the ranks still meet
+    store.wait([f"after{1 - rank}"])
+    return aborted, dist.is_initialized(), torch_private.abort_process_groups()
+
+
+def test_aborting_the_process_groups_leaves_the_store_answering():
+    outcomes = run_ranks(_abort, 2, timeout_s=60)
+    assert [(o.error, o.value) for o in outcomes] == [(None, (True, False, False))] * 2

@@ -484,21 +484,6 @@ def test_rank_waiting_in_a_collective_is_told_apart_from_the_stuck_rank_in_the_s
     assert "in sleep_after_eval" in (tmp_path / "rank1.txt").read_text()
 
 
-def _leave(rank, world_size, delay_s):
-    watchdog = _bound(report_dir=".")
-    time.sleep(delay_s if rank else 0.0)
-    start = time.monotonic()
-    watchdog._watch.leave_store_last()
-    return time.monotonic() - start
-
-
-def test_on_abort_rank_0_which_may_host_the_store_leaves_after_every_other_rank():
-    outcomes = run_ranks(_leave, 2, 1.0, timeout_s=30)
-    assert [o.error for o in outcomes] == [None, None]
-    left = [o.value for o in outcomes]
-    assert left[0] >= 0.9 and left[1] < 0.5, left  # rank 0 waited for rank 1's last request
-
-
 def check_that_waits_for_rank_1(channel: SideChannel) -> None:
     try:
         channel.barrier("rank 1 never comes")

@@ -16,6 +16,7 @@ from typing import Any
 
 __all__ = [
     "FLIGHT_RECORDER_DUMPS",
+    "abort_process_groups",
     "default_store",
     "flight_recorder_dumps",
     "forward_hook_dicts",
@@ -38,6 +39,23 @@ def default_store() -> Any:
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
+
+
+def abort_process_groups() -> bool:
+    """Aborts every process group of this process (cancels NCCL's in-flight kernels).
+
+    No public API: ``destroy_process_group`` waits for pending work, which a hung
+    peer never completes; PyTorch's own NCCL watchdog calls this to end a hung
+    process safely. On gloo it returns at once (nothing to cancel) and the store
+    stays usable. ``False`` where no process group is initialised.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    distributed_c10d._abort_process_group()
+    return True
 
 
 def group_timeout_s(device_type: str) -> float | None:

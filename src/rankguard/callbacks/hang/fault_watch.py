@@ -12,9 +12,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rankguard.callbacks.core.errors import HangDetectedError, RankGuardError
 from rankguard.callbacks.core.nodes import node_identity
@@ -24,6 +25,7 @@ from rankguard.callbacks.hang.collective_files import (
     read_files,
     write_flight_recorder,
 )
+from rankguard.callbacks.hang.ending import LEAVE_WAIT_S, end_process
 from rankguard.callbacks.hang.faults import (
     Fault,
     FaultBoard,
@@ -47,8 +49,6 @@ _now = time.perf_counter  # the step log's clock
 #: A rank acts on a peer's fault once its own loop made no progress this long (seconds): a
 #: rank still stepping is not held yet (NCCL returns at the collective, waits at a host sync).
 QUIET_S = 0.5
-#: How long rank 0, which may host the store, waits at exit for the others to read a fault.
-LEAVE_WAIT_S = 5.0
 #: How much longer than one exchange's timeout a raising rank waits for its fault's publication.
 PUBLISH_SLACK_S = 5.0
 #: The teardown bounds set in this process (one per fault it raised): a new fit lifts them all.
@@ -61,12 +61,6 @@ def lift_bounds() -> None:
     with _bounds_lock:
         while _bounds:
             _bounds.pop().set()
-
-
-def flush_logs() -> None:
-    """Flushes every root handler: the process is about to end with ``os._exit``."""
-    for handler in logging.getLogger().handlers:
-        handler.flush()
 
 
 def _waited(rank: int, status: RankStatus) -> str:
@@ -263,19 +257,37 @@ class FaultWatch:
             return
         logger.error("rankguard %s: %s Now ending with exit code %d.", guard.name, text, code)
         owner.ended.set()
-        write_flight_recorder(folder, rank)
-        self.exit(code, faulty)
+        self.end(
+            code,
+            why=f"rank {first.rank}'s fault",
+            evidence=lambda: write_flight_recorder(folder, rank),
+            skip=faulty,
+        )
 
-    def exit(self, code: int, faulty: set[int]) -> None:
-        """Ends this process with ``code``; rank 0 (which may host the store) last."""
-        flush_logs()
-        board = self.board
-        if board is not None:
-            self.leave("ended")
-            if board.channel.is_leader:
-                others = set(range(1, board.channel.world_size)) - faulty
-                board.wait_left(sorted(others), LEAVE_WAIT_S)
-        os._exit(code)
+    def end(
+        self,
+        code: int,
+        *,
+        why: str,
+        evidence: Callable[[], None] | None = None,
+        skip: Iterable[int] = (),
+        window_s: float = LEAVE_WAIT_S,
+    ) -> NoReturn:
+        """Ends this process with ``code`` (:func:`~rankguard.callbacks.hang.ending.end_process`).
+
+        Before the ranks meet it says on the board that this rank leaves, so that a peer
+        on its node that sees its pid gone does not take it for a fault.
+        """
+        channel = self.board.channel if self.board is not None else self.owner.guard.channel
+        end_process(
+            code,
+            channel=channel,
+            why=why,
+            evidence=evidence,
+            skip=skip,
+            window_s=window_s,
+            leaving=lambda: self.leave("ended"),
+        )
 
     # -- the rank that raised (its training thread) -----------------------------------------
 
@@ -391,11 +403,6 @@ class FaultWatch:
             f"rank {rank}, host {fault.host}, pid {fault.pid}: still running {bound:g} s after "
             f"it raised {fault.error}"
         )
-        try:
-            write_stacks(folder, rank, header, self.owner.loop_thread)
-            write_flight_recorder(folder, rank)
-        except OSError as exc:
-            logger.error("rankguard %s: could not write the stacks: %s", guard.name, exc)
         logger.error(
             "rankguard %s: This rank is still running %g s after it raised %s (its teardown "
             "waits: see the stacks in %s/rank%d.txt). Ending it with exit code %d "
@@ -407,8 +414,12 @@ class FaultWatch:
             rank,
             code,
         )
-        flush_logs()
-        os._exit(code)
+
+        def evidence() -> None:
+            write_stacks(folder, rank, header, self.owner.loop_thread)
+            write_flight_recorder(folder, rank)
+
+        self.end(code, why="teardown_timeout_s", evidence=evidence)
 
     def _wait_at_exit(self, cancel: threading.Event) -> None:
         """Rank 0 raised and exits: the store goes with it, so let the others read first.

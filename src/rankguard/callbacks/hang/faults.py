@@ -22,7 +22,7 @@ from typing import Any
 from rankguard.callbacks.data.data_worker import worker_failure
 from rankguard.callbacks.hang.collective_compare import GroupRecord
 from rankguard.callbacks.hang.stacks import code_name, describe_frame, user_frame
-from rankguard.callbacks.hang.status import DEADLOCK_EXIT_CODE, HANG_EXIT_CODE
+from rankguard.callbacks.hang.status import DEADLOCK_EXIT_CODE, EXIT_CODES
 
 __all__ = [
     "FAMILIES",
@@ -36,18 +36,15 @@ __all__ = [
     "root",
 ]
 
-#: Each family of fault: the exit code every other rank ends with, and what it covers.
+#: Each family of fault and what it covers; its exit code is ``status.EXIT_CODES[family]``.
 #: A code fault is replayed by a restart (70, EX_SOFTWARE); the others may pass (75, EX_TEMPFAIL).
-FAMILIES: dict[str, tuple[int, str]] = {
-    "code": (DEADLOCK_EXIT_CODE, "a code fault (ValueError, AssertionError, KeyError, ...)"),
-    "transient": (
-        HANG_EXIT_CODE,
-        "a transient fault (out of memory, a CUDA or NCCL error, OSError from storage, "
-        "a data loader's worker or thread that died)",
-    ),
-    "communication": (HANG_EXIT_CODE, "a collective or store that failed (a peer's fault)"),
-    "interrupted": (HANG_EXIT_CODE, "an interrupt (KeyboardInterrupt, SystemExit on SIGTERM)"),
-    "gone": (HANG_EXIT_CODE, "a process gone without an exception (SIGKILL, a crash, a lost node)"),
+FAMILIES: dict[str, str] = {
+    "code": "a code fault (ValueError, AssertionError, KeyError, ...)",
+    "transient": "a transient fault (out of memory, a CUDA or NCCL error, OSError from storage, "
+    "a data loader's worker or thread that died)",
+    "communication": "a collective or store that failed (a peer's fault)",
+    "interrupted": "an interrupt (KeyboardInterrupt, SystemExit on SIGTERM)",
+    "gone": "a process gone without an exception (SIGKILL, a crash, a lost node)",
 }
 
 #: Words in a RuntimeError's message that say a device or a backend failed, not the code.
@@ -142,7 +139,9 @@ class Fault:
     @property
     def code(self) -> int:
         """The exit code every other rank ends with."""
-        return FAMILIES[self.family][0]
+        code = EXIT_CODES[self.family]
+        assert code is not None
+        return code
 
     @property
     def gone(self) -> bool:
@@ -189,7 +188,7 @@ def message(faults: Sequence[Fault], *, waited: str, where: str) -> str:
     meaning = "a restart replays it" if code == DEADLOCK_EXIT_CODE else "a restart may pass"
     lines.append(
         f"{waited[0].upper()}{waited[1:]}; it ends with exit code {code} "
-        f"({FAMILIES[first.family][1]}: {meaning})."
+        f"({FAMILIES[first.family]}: {meaning})."
     )
     lines.append("Next: " + _NEXT[first.family].format(rank=first.rank))
     lines.extend(f"Rank {first.rank}'s {line}" for line in first.record)

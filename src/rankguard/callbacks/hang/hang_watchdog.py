@@ -62,9 +62,6 @@ __all__ = [
 # (watchdog_thread.py logs through it too).
 logger = logging.getLogger("rankguard.callbacks.hang_watchdog")
 
-#: The exit codes an incident ends the job with (``incident.Report.code``).
-EXIT_CODES = (HANG_EXIT_CODE, DEADLOCK_EXIT_CODE)
-
 
 def _check_report_dir(report_dir: Any) -> str:
     if not isinstance(report_dir, str | os.PathLike) or not str(report_dir):

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from rankguard.callbacks.hang.status import (
     DEADLOCK_EXIT_CODE,
+    EXIT_CODES,
     HANG_EXIT_CODE,
     GaveUp,
     Runs,
@@ -99,7 +100,7 @@ def _report(
 ) -> Report:
     """A report, with the exit code that follows it: 70 for a deadlock, 75 on ``abort``."""
     aborts = final and (deadlock or policy.action == "abort")
-    code = (DEADLOCK_EXIT_CODE if deadlock else HANG_EXIT_CODE) if aborts else None
+    code = EXIT_CODES["deadlock" if deadlock else "stall"] if aborts else None
     return Report(summary, details, tuple(frozen), final, deadlock, code)
 
 

@@ -40,14 +40,19 @@ KINDS = ("startup", "train", "data", "eval", "post_eval", "checkpoint", "done")
 #: can never reach a rendezvous the others wait at in it.
 LEFT_LOOP = "left the training loop"
 
-#: The verdict's classes and the exit code each ends the job with (``None``: it goes on).
+#: Every end rankguard causes and its exit code (``None``: training goes on): the one
+#: table production reads (the verdict's classes, then the families of a rank's fault).
 EXIT_CODES: dict[str, int | None] = {
     "healthy": None,
     "slow": None,  # a rank past its calibrated deadline: reported, training goes on
     "stall": HANG_EXIT_CODE,  # at the ceiling, or a check gave up waiting: restart
-    "gone": HANG_EXIT_CODE,  # a rank stopped answering (frozen, dead): restart
+    "gone": HANG_EXIT_CODE,  # a rank stopped answering or its process ended: restart
     "deadlock": DEADLOCK_EXIT_CODE,  # proven from where every rank waits
     "desync": DEADLOCK_EXIT_CODE,  # proven from what every rank issued
+    "code": DEADLOCK_EXIT_CODE,  # a rank raised ValueError, AssertionError...: fix it
+    "transient": HANG_EXIT_CODE,  # out of memory, CUDA/NCCL, storage, a dead loader worker
+    "communication": HANG_EXIT_CODE,  # a collective or store failed: a peer's fault
+    "interrupted": HANG_EXIT_CODE,  # KeyboardInterrupt, SystemExit on a signal
 }
 
 Runs = tuple[tuple[int, int], ...]

@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections import deque
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,13 @@ from rankguard.callbacks.hang.calibration import calibrate, describe
 from rankguard.callbacks.hang.collective_files import write_flight_recorder
 from rankguard.callbacks.hang.collectives import CollectiveRecorder
 from rankguard.callbacks.hang.deadlines import Settle
-from rankguard.callbacks.hang.fault_watch import FaultWatch, flush_logs
+from rankguard.callbacks.hang.fault_watch import FaultWatch
 from rankguard.callbacks.hang.incident import Report
 from rankguard.callbacks.hang.job import attempt_dir, process_group_timeout
 from rankguard.callbacks.hang.rank_status import rank_status
 from rankguard.callbacks.hang.report import write_incident
 from rankguard.callbacks.hang.stacks import code_name
-from rankguard.callbacks.hang.status import HANG_EXIT_CODE, GaveUp, RankStatus, Runs, Verdict
+from rankguard.callbacks.hang.status import GaveUp, RankStatus, Runs, Verdict
 from rankguard.callbacks.hang.verdict import diagnose
 from rankguard.callbacks.hang.verdict_text import (
     flight_recorder_note,
@@ -46,7 +45,6 @@ logger = logging.getLogger("rankguard.callbacks.hang_watchdog")
 _now = time.perf_counter  # the step log's clock: heartbeats are compared with it
 
 STATUS_EXCHANGE = "hang_watchdog/status"
-ABORT_BARRIER = "hang_watchdog/abort"
 HISTORY = 256  # heartbeats kept per rank for rank{N}.jsonl
 MAX_FRAMES = 64  # frames of the training loop read at each exchange
 #: While this rank makes no progress, its own stack is sampled this often (seconds).
@@ -517,29 +515,6 @@ class WatchdogThread:
         except OSError as exc:
             logger.error("rankguard %s: could not write the report: %s", guard.name, exc)
 
-    def _abort(self, code: int = HANG_EXIT_CODE) -> None:
-        flush_logs()
-        self.faults.leave("ended")  # the others' fault watch must not take it for gone
-        try:  # every rank has read the verdict before any exits
-            self.guard.channel.barrier(ABORT_BARRIER, timeout_s=self.guard.exchange_timeout_s)
-            self.leave_store_last()
-        except Exception:
-            logger.debug("rankguard %s: abort barrier incomplete", self.guard.name)
-        os._exit(code)
-
-    def leave_store_last(self) -> None:
-        """Rank 0 exits last, once every other rank has made its last store request.
-
-        Rank 0's process hosts the store under Composer's launcher, Lightning
-        and ``env://`` init: a rank still reading the barrier's verdict when it
-        dies logs a connection-reset trace under the hang report.
-        """
-        channel = self.guard.channel
-        if not channel.is_distributed:
-            return
-        left = f"{channel.prefix}/{ABORT_BARRIER}/left"
-        if channel.is_leader:
-            others = [f"{left}/r{rank}" for rank in range(1, channel.world_size)]
-            channel.store.wait(others, timedelta(seconds=self.guard.exchange_timeout_s))
-        else:
-            channel.store.set(f"{left}/r{channel.rank}", b"1")
+    def _abort(self, code: int) -> None:
+        """Ends this rank after a final report: the one exit path (``ending.end_process``)."""
+        self.faults.end(code, why="the verdict", window_s=self.guard.exchange_timeout_s)
