@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -193,3 +195,53 @@ def test_a_run_without_a_signal_is_unaffected(tmp_path):
     for o in outcomes:
         stopped, _, _, reason, warnings = o.value
         assert (stopped, reason, warnings) == (None, None, []), o.value
+
+
+# -- the hand-written loop: run.train ends on every rank, run.stopped says why ----------------
+
+
+def _loop(rank, world_size, report_dir):
+    import torch
+    import torch.distributed as dist
+
+    from rankguard.integrations.torch import HangWatchdog as LoopWatchdog
+
+    guard = LoopWatchdog(report_dir=report_dir, exchange_period_s=2)
+    t = torch.ones(1)
+    with guard.fit() as run:
+        for epoch in range(3):
+            for _ in run.train(range(MAX_STEPS // 3)):
+                if rank == 1 and run.step == 10 and epoch == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)  # mid-step 10 (the 10th batch)
+                time.sleep(STEP_S)
+                dist.all_reduce(t)
+            if run.stopped:
+                break
+        after = sum(1 for _ in run.train(range(5)))  # a later pass yields nothing
+        dist.all_reduce(t)  # the user's collective after the loop (a save): every rank is here
+    return run.step, run.stopped, run.exit_code, after, epoch
+
+
+def test_the_loops_train_pass_ends_after_one_step_on_every_rank(tmp_path):
+    outcomes = run_ranks(_loop, 2, str(tmp_path), timeout_s=120)
+    assert [o.exitcode for o in outcomes] == [0, 0], outcomes
+    (result,) = {o.value for o in outcomes}  # the same on every rank
+    step, stopped, code, after, epoch = result
+    assert stopped == f"preempted by SIGTERM on rank 1 at step {step}" and step > 10
+    assert (code, after, epoch) == (75, 0, 0)
+
+
+def test_after_a_stop_the_process_exits_75_once_the_code_after_the_fit_ran(tmp_path):
+    script = tmp_path / "after.py"
+    script.write_text(
+        "import sys\n"
+        "from rankguard.callbacks.hang.stop import exit_at_interpreter_exit\n"
+        "exit_at_interpreter_exit(75)\n"
+        "print('saved after the block', flush=True)\n"
+        "sys.exit(0)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout) == (75, "saved after the block\n"), done.stderr
