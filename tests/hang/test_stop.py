@@ -129,6 +129,7 @@ def _train(rank, world_size, report_dir, signal_at, ahead, steps=MAX_STEPS):
     watchdog.bind(SideChannel.from_environment(timeout_s=10))
     watchdog.on_fit_start(EventFacts())
     agreement, store = watchdog.stop_agreement, watchdog.channel.store
+    agreement.install()  # as the adapter of a loop that stops on it does
     t = torch.ones(1)
     signalled_at = stopped = None
     for step in range(steps):

@@ -301,6 +301,8 @@ class Run:
                 sharded_setting=SHARDED_SETTING,
             )
             self._stop = _stop_agreement(self._guard.runner.guards)
+            if self._stop is not None:  # this loop ends its train pass on the agreed step
+                self._stop.install()
             resume, self._guard._resume = self._guard._resume, None
             if resume is not None:
                 resume.loader = self._train.loader if self._train else None

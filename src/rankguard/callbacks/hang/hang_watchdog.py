@@ -169,7 +169,9 @@ class HangWatchdog(Guard):
             start: a :class:`ClosestCall` ``(share of the deadline, kind, seconds,
             deadline)``, or ``None``.
         stop_agreement: The preemption agreed across ranks (its ``stopped`` says
-            where and why this rank stopped); an adapter's loop reads its ``requested``.
+            where and why this rank stopped). An adapter whose loop stops on it calls its
+            ``install()`` at fit start and reads its ``requested`` at each step boundary;
+            under the others the signals keep their own handlers.
 
     Metrics: none (the verdict comes from a background thread; framework
     loggers are not thread-safe). Exit code: :data:`HANG_EXIT_CODE`. Files:
@@ -356,8 +358,7 @@ class HangWatchdog(Guard):
         self._save_estimate = None if params is None else save_estimate_s(params, self.floor_s)
         self._decision_probe = facts.decision_probe
         self._words = dict(facts.split_decisions)
-        self.stop_agreement.reset(self.channel)
-        self.stop_agreement.install()
+        self.stop_agreement.reset(self.channel)  # an adapter that ends its loop on it installs it
         self._heartbeat("fit_start", facts)
 
     def _next_boundary(self) -> int | None:

@@ -1,8 +1,9 @@
 """A preemption signal, agreed: every rank stops after one train step, then exits with 75.
 
-The signal handler only sets a flag; the watchdog thread publishes the request on the
-store and reads the others'; the training thread parks at its next step boundary; rank 0
-decides the step. The protocol and its words: docs/hang.md#preemption-every-rank-stops-at-one-step.
+The handler notes the signal; the watchdog thread publishes and reads requests; the loop
+parks at its next step boundary; rank 0 decides the step. The adapter ends its loop there
+and the process exits with 75 when Python exits, after the user's code that follows the
+fit (:func:`exit_at_interpreter_exit`). docs/hang.md#preemption-every-rank-stops-at-one-step.
 """
 
 from __future__ import annotations
