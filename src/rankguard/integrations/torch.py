@@ -7,6 +7,7 @@ See docs/integrations.md#what-the-wrappers-infer.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
@@ -14,6 +15,8 @@ from typing import Any
 
 from rankguard.callbacks.core.events import LoaderFacts, LoaderPass, ResumeFacts
 from rankguard.callbacks.core.guard import Guard
+from rankguard.callbacks.hang.hang_watchdog import HangWatchdog as _Watchdog
+from rankguard.callbacks.hang.stop import STOP_EXIT_CODE, StopAgreement, exit_at_interpreter_exit
 from rankguard.integrations import _api
 from rankguard.integrations._adapter import Adapter
 from rankguard.integrations.torch_loop import (
@@ -40,6 +43,13 @@ SHARDED_SETTING = (
 )
 
 MetricsFn = Callable[[dict[str, float]], Any]
+
+logger = logging.getLogger("rankguard.integrations.torch")
+
+
+def _stop_agreement(guards: Iterable[Guard]) -> StopAgreement | None:
+    """The hang watchdog's preemption agreement, where the guards hold a watchdog."""
+    return next((g.stop_agreement for g in guards if isinstance(g, _Watchdog)), None)
 
 
 class _LoopGuard(Adapter):
@@ -185,6 +195,20 @@ class _LoopGuard(Adapter):
 class Run:
     """One fit of a hand-written loop; made by ``guard.fit(...)``, used inside ``with``.
 
+    A preemption signal (``HangWatchdog``'s ``stop_signals``, SIGTERM by default) on
+    any rank ends every rank's ``run.train(...)`` pass after one agreed step:
+    :attr:`stopped` says why; the loop's code after it (a save) runs on every rank;
+    the process then exits with :attr:`exit_code` (75) when Python exits, after the
+    code that follows the ``with`` block (docs/hang.md#preemption-every-rank-stops-at-one-step)::
+
+        with guard.fit(model, optimizer, loader) as run:
+            for epoch in range(epochs):
+                for batch in run.train(loader):
+                    ...
+                if run.stopped:  # preempted: every rank is here, after the same step
+                    break
+            save(model, optimizer, run.step)
+
     Attributes:
         metrics: The latest value of each metric the guards logged.
     """
@@ -216,6 +240,22 @@ class Run:
         self._pass: TrainPass | None = None
         self._save: Save | None = None
         self._left_early: set[str] = set()
+        self._stop: StopAgreement | None = None
+
+    @property
+    def stopped(self) -> str | None:
+        """Why every rank's training stopped early, or ``None``.
+
+        E.g. ``"preempted by SIGTERM on rank 1 at step 812"``: every rank's
+        ``run.train(...)`` ended after train step 812, and any later pass yields no batch.
+        """
+        stopped = self._stop.stopped if self._stop is not None else None
+        return stopped.reason if stopped is not None else None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The code the process exits with when Python exits: 75 after a preemption, else None."""
+        return STOP_EXIT_CODE if self.stopped is not None else None
 
     @property
     def step(self) -> int:
@@ -260,6 +300,9 @@ class Run:
                 switch_to_sharded=None,
                 sharded_setting=SHARDED_SETTING,
             )
+            self._stop = _stop_agreement(self._guard.runner.guards)
+            if self._stop is not None:  # this loop ends its train pass on the agreed step
+                self._stop.install()
             resume, self._guard._resume = self._guard._resume, None
             if resume is not None:
                 resume.loader = self._train.loader if self._train else None
@@ -292,10 +335,25 @@ class Run:
         self._guard._running = None
         self._save = None
         self._pass = None
-        if exc is None:
-            self._guard.runner.close()
-        else:
-            self._guard.fail(exc)
+        try:
+            if exc is None:
+                self._guard.runner.close()
+            else:
+                self._guard.fail(exc)
+        finally:
+            self._exit_if_stopped()
+
+    def _exit_if_stopped(self) -> None:
+        """After a preemption: exit with 75 once the code after the block ran (at Python exit)."""
+        if self.exit_code is None:
+            return
+        exit_at_interpreter_exit(self.exit_code)
+        logger.info(
+            "rankguard: %s; this process exits with code %d when Python exits (after your code "
+            "that follows the `with guard.fit(...)` block)",
+            self.stopped,
+            self.exit_code,
+        )
 
     def _require(self, call: str) -> None:
         if self._state != "active":

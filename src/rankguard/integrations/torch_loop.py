@@ -157,6 +157,9 @@ class TrainPass:
         if run._eval is not None:
             run._close_eval()
         driver.fetch_start()
+        stop = run._stop  # a preemption: every rank's pass ends after the agreed step
+        if stop is not None and stop.requested and stop.at_boundary(driver.step):
+            raise StopIteration
         try:
             batch = next(self._iterator)
         except StopIteration:  # the epoch ends at the next epoch start or the fit's end

@@ -42,6 +42,7 @@ from rankguard.callbacks.hang.metric_reductions import ReductionCheck
 from rankguard.callbacks.hang.phases import Beat, ClosestCall, Decision, PhaseTracker
 from rankguard.callbacks.hang.stacks import library_paths
 from rankguard.callbacks.hang.status import DEADLOCK_EXIT_CODE, HANG_EXIT_CODE
+from rankguard.callbacks.hang.stop import StopAgreement, check_signals
 from rankguard.callbacks.hang.verdict_text import NAMES_DECISION
 from rankguard.callbacks.hang.waits import WaitTracker
 from rankguard.callbacks.hang.watchdog_thread import CONFIRM_AFTER_S as CONFIRM_AFTER_S
@@ -138,6 +139,12 @@ class HangWatchdog(Guard):
             (they end within seconds); if its own process is still running this long
             after (a teardown that waits for a peer), it is ended with the fault's exit
             code (docs/hang.md#a-rank-that-raises-or-dies). ``0`` turns the bound off.
+        stop_signals: Signal names that preempt the job (``[]``: none): every rank
+            stops after one agreed train step, then exits with :data:`HANG_EXIT_CODE`
+            (docs/hang.md#preemption-every-rank-stops-at-one-step).
+        stop_grace_s: How long a rank waits for the agreed step once it knows of the
+            preemption; past it, it stops where it is (default 20, under torchelastic's
+            30 s from SIGTERM to SIGKILL).
 
     Raises:
         ValueError: A setting out of range, or a ``report_dir`` that is not writable.
@@ -158,6 +165,10 @@ class HangWatchdog(Guard):
         closest_call: The healthy interval closest to its deadline since fit
             start: a :class:`ClosestCall` ``(share of the deadline, kind, seconds,
             deadline)``, or ``None``.
+        stop_agreement: The preemption agreed across ranks (its ``stopped`` says
+            where and why this rank stopped). An adapter whose loop stops on it calls its
+            ``install()`` at fit start and reads its ``requested`` at each step boundary;
+            under the others the signals keep their own handlers.
 
     Metrics: none (the verdict comes from a background thread; framework
     loggers are not thread-safe). Exit code: :data:`HANG_EXIT_CODE`. Files:
@@ -199,6 +210,8 @@ class HangWatchdog(Guard):
         collective_mismatch: str = "warn",
         check_metric_reductions: bool = True,
         teardown_timeout_s: float = 30.0,
+        stop_signals: list[str] | tuple[str, ...] = ("SIGTERM",),
+        stop_grace_s: float = 20.0,
     ) -> None:
         super().__init__()
         given = {
@@ -232,6 +245,11 @@ class HangWatchdog(Guard):
             check_choice("check_metric_reductions", check_metric_reductions, (True, False))
         )
         self.teardown_timeout_s = check_seconds("teardown_timeout_s", teardown_timeout_s)
+        self.stop_signals = check_signals(stop_signals)
+        self.stop_grace_s = check_positive("stop_grace_s", stop_grace_s)
+        self.stop_agreement = StopAgreement(
+            self.stop_signals, self.stop_grace_s, self._next_boundary
+        )
         self._libraries = library_paths()
         self.history = IntervalHistory()
         # What the heartbeats say: the step log's entries (the per-step events, and the
@@ -337,7 +355,21 @@ class HangWatchdog(Guard):
         self._save_estimate = None if params is None else save_estimate_s(params, self.floor_s)
         self._decision_probe = facts.decision_probe
         self._words = dict(facts.split_decisions)
+        self.stop_agreement.reset(self.channel)  # an adapter that ends its loop on it installs it
         self._heartbeat("fit_start", facts)
+
+    def _next_boundary(self) -> int | None:
+        """The first step boundary the loop can still reach: one past the steps it ended.
+
+        Read from the heartbeats on the watchdog thread (``None`` once its fit ended). A
+        loop inside batch ``n`` (``n`` steps ended) reaches ``n + 1`` next; one between
+        batches may reach ``n`` first, and runs on to ``n + 1`` (a step more, never less).
+        """
+        self._derive()
+        beat = self._beat
+        if beat is None or beat.kind == "done":
+            return None
+        return self._phases.steps_done + 1
 
     # Most events only record a heartbeat: one handler each, documented once.
     on_epoch_start = _heartbeat_handler("epoch_start")
@@ -425,6 +457,7 @@ class HangWatchdog(Guard):
 
     def close(self) -> None:
         """Stops and joins the watchdog thread; safe to call twice and after an error."""
+        self.stop_agreement.restore()
         self._release_owner()
         self._derive()
         self._watch.close(fit_ended=self._beat is not None and self._beat.kind == "done")

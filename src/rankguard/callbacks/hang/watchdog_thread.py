@@ -323,6 +323,7 @@ class WatchdogThread:
         self.faults.start()
         while not self.stop.is_set():
             self.faults.check()  # a rank that raised or died: this rank ends here
+            g.stop_agreement.poll()  # a preemption: every rank stops at one step
             self.recalibrate()
             suspect = self.last.suspect if self.last is not None else None
             decide = functools.partial(
@@ -376,6 +377,7 @@ class WatchdogThread:
             if left <= 0 or self.wake.wait(min(left, self._probe_period())):
                 break
             self.faults.check()
+            self.guard.stop_agreement.poll()
             if self._settled_at_rendezvous():
                 break
         self.wake.clear()
