@@ -347,7 +347,9 @@ class Run:
         """After a preemption: exit with 75 once the code after the block ran (at Python exit)."""
         if self.exit_code is None:
             return
-        exit_at_interpreter_exit(self.exit_code)
+        stop = self._stop
+        assert stop is not None
+        exit_at_interpreter_exit(self.exit_code, stop.channel, stop.grace_s)
         logger.info(
             "rankguard: %s; this process exits with code %d when Python exits (after your code "
             "that follows the `with guard.fit(...)` block)",

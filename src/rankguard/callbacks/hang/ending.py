@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -29,9 +30,14 @@ _KEYS = "ending"
 
 
 def flush_logs() -> None:
-    """Flushes every root handler: the process is about to end with ``os._exit``."""
+    """Flushes every root handler and the standard streams: the process ends with ``os._exit``."""
     for handler in logging.getLogger().handlers:
         handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # closed, or replaced by None
+            pass
 
 
 def abort_process_groups(wait_s: float = ABORT_WAIT_S) -> str:

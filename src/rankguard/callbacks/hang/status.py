@@ -53,6 +53,7 @@ EXIT_CODES: dict[str, int | None] = {
     "transient": HANG_EXIT_CODE,  # out of memory, CUDA/NCCL, storage, a dead loader worker
     "communication": HANG_EXIT_CODE,  # a collective or store failed: a peer's fault
     "interrupted": HANG_EXIT_CODE,  # KeyboardInterrupt, SystemExit on a signal
+    "preempted": HANG_EXIT_CODE,  # a stop signal every rank stopped on, at one step: restart
 }
 
 Runs = tuple[tuple[int, int], ...]

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -20,7 +18,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from rankguard.callbacks.hang.status import HANG_EXIT_CODE
+from rankguard.callbacks.hang.ending import end_process
+from rankguard.callbacks.hang.status import EXIT_CODES
 
 __all__ = [
     "SIGNAL_CHOICES",
@@ -36,7 +35,7 @@ __all__ = [
 logger = logging.getLogger("rankguard.callbacks.hang_watchdog")
 
 #: The exit code of a rank that stopped on an agreed preemption: restart the job.
-STOP_EXIT_CODE = HANG_EXIT_CODE
+STOP_EXIT_CODE = EXIT_CODES["preempted"]
 #: A rank that saw the request and has not parked this long is inside a batch (waiting in
 #: its collective for a parked peer, most often): its watchdog thread names its next boundary.
 UNPARKED_S = 1.0
@@ -355,30 +354,27 @@ class StopAgreement:
 
 # -- the exit after a stop (an adapter's choice) ---------------------------------------
 
-_exit_code: list[int] = []
+_exit_after: list[tuple[int, Any, float]] = []
 
 
-def exit_at_interpreter_exit(code: int) -> None:
+def exit_at_interpreter_exit(code: int, channel: Any = None, window_s: float = 20.0) -> None:
     """Makes this process end with ``code`` when the interpreter exits (after the user's code).
 
     The loop's code after the fit (its save, its clean-up) runs first; then every
-    ``atexit`` handler registered after this module was imported, then the process ends
-    with ``code`` whatever status it would have had. Log handlers and standard streams
-    are flushed first.
+    ``atexit`` handler registered after this module was imported; then the one exit
+    path (:func:`~rankguard.callbacks.hang.ending.end_process`): the logs flushed, the
+    process groups aborted, every rank met on ``channel`` within ``window_s`` (a
+    launcher that sees one rank exit stops the others: none must be cut off in its
+    save), and the process ends with ``code`` whatever status it would have had.
     """
-    _exit_code[:] = [code]
+    _exit_after[:] = [(code, channel, window_s)]
 
 
 def _exit_with_agreed_code() -> None:
-    if not _exit_code:
+    if not _exit_after:
         return
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (AttributeError, OSError, ValueError):
-            pass
-    os._exit(_exit_code[0])
+    code, channel, window_s = _exit_after[0]
+    end_process(code, channel=channel, why="preempted", window_s=window_s)
 
 
 atexit.register(_exit_with_agreed_code)  # at import: it runs after handlers registered later
