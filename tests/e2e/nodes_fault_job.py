@@ -13,6 +13,13 @@ No launcher stops the other node's ranks: node 0's torchrun watches node 0 only.
 - ``kill``: rank 1 is SIGKILLed (the OOM killer); rank 0 waits at its next host
   sync, as under NCCL, where the all-reduce returns at once and the thread waits at
   the next ``.item()`` (on gloo the dead peer's closed socket would raise at once).
+- ``freeze_first_step`` / ``kill_first_step``: rank 1 is stopped (SIGSTOP: a frozen
+  process, a lost node's open sockets) or SIGKILLed inside its first ``optimizer.step()``
+  (where Adam allocates its state and the OOM killer strikes), still in start-up,
+  whose deadline is 30 min; rank 0 waits in its next all-reduce (SIGSTOP: gloo blocks
+  as NCCL does) or at its next host sync (SIGKILL, as above).
+- ``slow_first_step``: rank 1's first ``optimizer.step()`` takes 10 s of Python (its
+  watchdog thread answers): nothing is named, the job ends with 0.
 
 Rank 1 writes ``OUT/rank1.json`` the moment it fails; log lines carry their Unix time
 (``benchmarks/faults.py`` reads both). ``RANKGUARD=off``: the same loop without rankguard.
@@ -75,6 +82,20 @@ class Bare:
             yield batch
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, scenario: str, step: int, out: Path) -> None:
+    """``optimizer.step()``; rank 1's first is where the ``*_first_step`` scenarios strike."""
+    if dist.get_rank() == 1 and step == 1 and scenario.endswith("_first_step"):
+        mark(out, "failed")
+        if scenario == "freeze_first_step":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif scenario == "kill_first_step":
+            os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            time.sleep(10.0)  # slow Python: the watchdog thread still answers
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def mark(out: Path, what: str) -> None:
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({what: time.time()}))
 
@@ -86,6 +107,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.Adam(model.parameters())
     data = [torch.randn(2, 4) for _ in range(40)]
     guard: RankGuard | Bare = RankGuard(
         hang_watchdog={**WATCHDOG, "report_dir": str(out / "reports")}
@@ -101,13 +123,17 @@ def main() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if scenario == "kill" and rank == 0 and step == FAIL_AT:
                     wait_at_host_sync()  # its all-reduce was enqueued: NCCL returned
+                if scenario == "kill_first_step" and rank == 0 and step == 2:
+                    wait_at_host_sync()
                 if scenario == "raise" and rank == 1 and step == FAIL_AT:
                     mark(out, "failed")
-                check_batch(batch, step)
+                if scenario == "raise":
+                    check_batch(batch, step)
                 loss = model(batch).sum()
                 loss.backward()
                 for p in model.parameters():
                     dist.all_reduce(p.grad)
+                optimizer_step(optimizer, scenario, step, out)
                 time.sleep(STEP_S)
     finally:
         if scenario == "raise" and rank == 1:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.launch import launch_nodes
+from benchmarks.launch import kill_tree, launch_nodes, start_nodes
 from rankguard.callbacks.hang.status import DEADLOCK_EXIT_CODE, HANG_EXIT_CODE
 
 JOB = Path(__file__).resolve().parents[1] / "e2e" / "nodes_fault_job.py"
@@ -60,3 +60,49 @@ def test_a_rank_killed_on_another_node_is_named_gone_at_its_deadline(tmp_path):
     reported = next((tmp_path / "reports").rglob("rank0.txt")).stat().st_mtime
     # no pid to read across nodes: named once silent past its deadline (timeout_s 6 s)
     assert reported - _failed_at(tmp_path) < 30, summary
+
+
+def _node0_then_node1_killed(scenario: str, out: Path, timeout: float) -> tuple[str, str]:
+    """Runs the job; once node 0 ended, node 1 is killed (a stopped rank never ends).
+
+    Returns both nodes' stderr (torchrun's failure summaries and the ranks' logs).
+    """
+    procs = start_nodes(JOB, [str(out), scenario], nodes=2, per_node=1)
+    try:
+        _, err0 = procs[0].communicate(timeout=timeout)
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+    _, err1 = procs[1].communicate(timeout=30)
+    return err0, err1
+
+
+_NAMED = "rank 1 frozen or dead (no answer on the side channel"
+
+
+@pytest.mark.parametrize("scenario", ["freeze_first_step", "kill_first_step"])
+def test_a_rank_silent_from_inside_its_first_step_on_another_node_is_named_in_seconds(
+    tmp_path, scenario
+):
+    # Still in start-up (deadline 30 min): its silent watchdog thread names it, not a deadline.
+    err0, _ = _node0_then_node1_killed(scenario, tmp_path, timeout=100)
+    assert _codes(err0) == {0: HANG_EXIT_CODE}, err0[-3000:]
+    failed = _failed_at(tmp_path)
+    summary = next((tmp_path / "reports").rglob("summary.txt")).read_text()
+    assert summary.startswith("rank 1 frozen or dead (no answer on the side channel for"), summary
+    logged = {
+        ln.split()[3]: float(ln.split()[0])
+        for ln in err0.splitlines()
+        if _NAMED in ln and " [rank 0] " in ln  # a log line, not a message's later line
+    }
+    # exchange_period_s 1 s (timeout 2 s): named at 5 s of silence (WARNING), ended at 13 s
+    assert logged["WARNING"] - failed < 30 and logged["ERROR"] - failed < 60, logged
+    assert "Now aborting with exit code 75" in err0
+
+
+def test_a_rank_slow_in_python_in_its_first_step_is_never_named(tmp_path):
+    node0, node1 = launch_nodes(
+        JOB, [str(tmp_path), "slow_first_step"], nodes=2, per_node=1, timeout=100
+    )
+    assert (node0.returncode, node1.returncode) == (0, 0), node0.stderr[-3000:]
+    assert "frozen or dead" not in node0.stderr + node1.stderr

@@ -14,6 +14,7 @@ import pytest
 
 from rankguard.callbacks.core.events import SplitDecision
 from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued
+from rankguard.callbacks.hang.deadlines import liveness
 from rankguard.callbacks.hang.status import LEFT_LOOP, RankStatus, Verdict
 from rankguard.callbacks.hang.verdict import diagnose, gone
 
@@ -539,6 +540,28 @@ def test_a_silent_rank_is_gone_after_the_slack_and_at_once_where_a_check_gave_up
     dead = gone([1], rank=0, waited_s=5, last=last, default_s=1800, given_up=[1])
     assert (dead.kind, dead.end) == ("gone", True)
     assert gone([1], rank=0, waited_s=700, last=last, default_s=1800).end  # past every ceiling
+
+
+def test_a_rank_heard_before_is_named_when_its_thread_goes_silent_whatever_its_phase():
+    # Heard in start-up, whose deadline is 30 min: rank 1 froze inside its first step.
+    startup = diagnose(
+        {r: rank("start-up", idle=1.0, deadline=1800.0, ceiling=1800.0) for r in (0, 1)}
+    )
+    assert startup.slack_s > 1000
+    silent = liveness(exchange_period_s=10.0, exchange_timeout_s=10.0)
+    assert silent == (30.0, 70.0)
+    kw = {"rank": 0, "last": startup, "default_s": 1800, "silent": silent}
+    assert gone([1], waited_s=20, **kw) is None  # one missed exchange: a busy Python
+    named = gone([1], waited_s=30, **kw)
+    assert (named.kind, named.stuck, named.end, named.exit_code) == ("gone", ((1, 1),), False, 75)
+    assert named.summary.startswith("rank 1 frozen or dead (no answer on the side channel for 30")
+    assert "one call that holds the interpreter" in named.details[0]
+    assert gone([1], waited_s=70, **kw).end  # six missed exchanges: the job ends
+    assert gone([1], waited_s=69, **{**kw, "last": None}, heard=()) is None  # never heard
+    early = gone([1], waited_s=30, **{**kw, "last": None}, heard=[1])  # its thread registered
+    assert early.stuck == ((1, 1),) and "last seen: starting up" in early.summary
+    done = diagnose({0: rank(), 1: rank(deadline=None, ceiling=None, at=LEFT_LOOP)})
+    assert gone([1], waited_s=300, **{**kw, "last": done}) is None  # its fit ended: it closes
 
 
 def test_the_table_covers_every_verdict_class():

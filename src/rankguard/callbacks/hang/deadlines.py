@@ -23,11 +23,13 @@ __all__ = [
     "DEFAULT_DEADLINES",
     "RECORD_SETTLE_S",
     "Calibration",
+    "Liveness",
     "Settings",
     "Settle",
     "ceiling_arguments",
     "ceilings",
     "fit_defaults_under",
+    "liveness",
     "plan",
     "recalibrate",
     "settle_times",
@@ -43,6 +45,34 @@ DEFAULT_DEADLINES = {
 }
 #: The least quiet time of a rank's record once calibrated (seconds; see :func:`settle_times`).
 RECORD_SETTLE_S = 1.0
+#: Missed status exchanges after which a rank heard before is named, then ended (see
+#: :func:`liveness`).
+SILENT_EXCHANGES, SILENT_END_EXCHANGES = 2, 6
+
+
+class Liveness(NamedTuple):
+    """How long a rank heard before may be silent on the side channel (seconds).
+
+    Its watchdog thread answers whatever its training thread does (a slow step, a
+    long save): one that stops answering is frozen, dead, or held out of the
+    interpreter by one long call, whatever phase it was last seen in.
+    """
+
+    name_s: float  # named (stage 1: a report, its stacks; training goes on)
+    end_s: float  # the incident ends (stage 2: exit 75 with action="abort")
+
+
+def liveness(exchange_period_s: float, exchange_timeout_s: float) -> Liveness:
+    """The silences after which a rank is named, then ended: two, then six missed exchanges.
+
+    At the defaults (10 s, 10 s) 30 and 70 s of silence: a rank frozen at any point is
+    named within 30 s and the job ends within 90 s, while a rank whose Python is busy
+    for a few seconds (a collection, a fork) misses at most one exchange.
+    """
+    return Liveness(
+        exchange_period_s + SILENT_EXCHANGES * exchange_timeout_s,
+        exchange_period_s + SILENT_END_EXCHANGES * exchange_timeout_s,
+    )
 
 
 def ceilings(

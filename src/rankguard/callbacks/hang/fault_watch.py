@@ -138,6 +138,17 @@ class FaultWatch:
             if rank != me and p.node == mine.node and p.namespace == mine.namespace is not None
         }
 
+    def heard(self, ranks: Iterable[int]) -> list[int]:
+        """Those of ``ranks`` whose watchdog thread ran (registered); ``[]`` if unreadable."""
+        board = self.board
+        if board is None:
+            return []
+        try:
+            return board.registered(ranks)
+        except Exception as exc:
+            logger.debug("rankguard: could not read which ranks registered: %s", exc)
+            return []
+
     def leave(self, why: str) -> None:
         """Says this rank's process may end without a fault (never raises)."""
         if self.board is not None:

@@ -359,6 +359,11 @@ class FaultBoard:
         blob = pickle.dumps(process, protocol=pickle.HIGHEST_PROTOCOL)
         self.channel.store.set(self._key("process", self.channel.rank), blob)
 
+    def registered(self, ranks: Iterable[int]) -> list[int]:
+        """Those of ``ranks`` whose watchdog thread registered its process (it ran)."""
+        store = self.channel.store
+        return [rank for rank in ranks if store.check([self._key("process", rank)])]
+
     def processes(self) -> dict[int, Process]:
         """Where every rank's process runs (after every rank registered)."""
         channel = self.channel

@@ -5,6 +5,7 @@ Pure: :func:`after_verdict` and :func:`after_missing` return steps; the watchdog
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Sequence
 from typing import NamedTuple
 
@@ -190,13 +191,16 @@ def after_missing(
     gave_up: GaveUp | None,
     state: State,
     policy: Policy,
+    silent: tuple[float, float] = (math.inf, math.inf),
+    heard: Collection[int] | None = None,
 ) -> Report | None:
     """What this rank reports when ranks did not answer the status exchange.
 
     Ranks silent longer than any running rank may go without progress are
-    frozen or dead; so are ranks another check gave up waiting for that are
-    silent here too. The incident ends once a check gave up on them or the
-    ceilings' slack has passed.
+    frozen or dead; so are ranks heard before and silent ``silent[0]`` seconds,
+    whatever their phase, and ranks another check gave up waiting for that are
+    silent here too. The incident ends once a check gave up on them, the
+    ceilings' slack has passed, or ``silent[1]``.
 
     Args:
         missing: The ranks that did not answer.
@@ -207,6 +211,8 @@ def after_missing(
         gave_up: The exchange this rank gave up waiting in, or ``None``.
         state: The open incident.
         policy: The watchdog's settings.
+        silent: The silences after which a rank heard before is named, then ended.
+        heard: The ranks heard from before (``None``: every rank once there was a verdict).
 
     Returns:
         The report to make, or ``None``.
@@ -218,6 +224,8 @@ def after_missing(
         last=last,
         default_s=first_step_s,
         given_up=gave_up[1] if gave_up else (),
+        silent=silent,
+        heard=heard,
     )
     if verdict is None:
         return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -301,6 +301,10 @@ def record_proof(
 # -- ranks that stopped answering ------------------------------------------------------------
 
 
+#: How a rank heard before the first verdict was last seen (its watchdog thread started).
+STARTING = "starting up (its watchdog thread started; no status exchanged yet)"
+
+
 def gone(
     missing: Iterable[int],
     *,
@@ -309,15 +313,19 @@ def gone(
     last: Verdict | None,
     default_s: float,
     given_up: Iterable[int] = (),
+    silent: tuple[float, float] = (math.inf, math.inf),
+    heard: Collection[int] | None = None,
 ) -> Verdict | None:
     """The verdict on ranks that stopped answering on the side channel, or ``None`` (too early).
 
     A rank is named once it has been silent longer than any running rank
     could go without progress at the last verdict (``last.slack_s``), so a rank
-    whose Python is only briefly busy is never named; or at once where a check
-    gave up waiting for it too. Ranks whose fit had ended (they close at their
-    own pace) and this rank itself are never named. It ends the incident
-    (stage 2) where a check gave up on it or the silence passed every ceiling.
+    whose Python is only briefly busy is never named; once a rank heard at the
+    last verdict (or in ``heard``) is silent ``silent[0]`` seconds, whatever phase it was in (its
+    watchdog thread answers while its training is only slow); or at once where a
+    check gave up waiting for it too. Ranks whose fit had ended (they close at their
+    own pace) and this rank itself are never named. It ends the incident (stage 2)
+    where a check gave up on it, the silence passed every ceiling, or ``silent[1]``.
 
     Args:
         missing: Ranks the side channel named as missing.
@@ -327,19 +335,30 @@ def gone(
         last: The last successful verdict, or ``None`` if there was none.
         default_s: Slack before any verdict (the first-step deadline).
         given_up: Ranks a rankguard check on this rank gave up waiting for.
+        silent: The silences (seconds) after which a rank heard before is named and
+            the incident ends (``deadlines.liveness``).
+        heard: The ranks heard from before (their watchdog thread ran); ``None``: every
+            rank once there was a verdict, none before.
     """
     missing = set(missing) - {rank}
     slack = default_s if last is None else last.slack_s
     done = () if last is None else last.done
+    if heard is None:
+        heard = missing if last is not None else ()
+    silent_long = waited_s >= silent[0]
     frozen: list[int] = []
-    if not in_runs(rank, done) and waited_s > slack:
-        frozen = sorted(r for r in missing if not in_runs(r, done))
+    if not in_runs(rank, done):
+        frozen = sorted(
+            r
+            for r in missing
+            if not in_runs(r, done) and (waited_s > slack or (silent_long and r in heard))
+        )
     given = set(given_up) & missing
     frozen = frozen or sorted(given)
     if not frozen:
         return None
     ceiling_slack = default_s if last is None else last.ceiling_slack_s
-    phases = last.phases if last is not None else None
+    phases = last.phases if last is not None else (STARTING if silent_long else None)
     return Verdict(
         stuck=to_runs(frozen),
         summary=describe_frozen(frozen, waited_s, phases),
@@ -348,6 +367,6 @@ def gone(
         done=done,
         slack_s=slack,
         first=frozen[0],
-        end=bool(given & set(frozen)) or waited_s > ceiling_slack,
+        end=bool(given & set(frozen)) or waited_s > ceiling_slack or waited_s >= silent[1],
         kind="gone",
     )

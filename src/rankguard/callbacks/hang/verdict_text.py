@@ -322,8 +322,9 @@ def next_step(first: int | None, frozen: Sequence[int]) -> str:
     if frozen:
         return (
             f"Next: on the host of {rank_label(frozen)}, look for an OOM kill (dmesg, the "
-            "launcher's log) or a stopped process; `py-spy dump --pid PID` shows the stack "
-            "of a live one."
+            "launcher's log), a stopped process, or one call that holds the interpreter (a "
+            "C extension that keeps the GIL); `py-spy dump --pid PID` shows the stack of a "
+            "live one."
         )
     return (
         f"Next: read rank{first}.txt (the rank that stopped first): the frame its training "

@@ -444,6 +444,8 @@ class WatchdogThread:
             gave_up=self.gave_up,
             state=self._state(),
             policy=self._policy(),
+            silent=policy.liveness(g.exchange_period_s, g.exchange_timeout_s),
+            heard=None if self.last is not None else self.faults.heard(missing),
         )
         if report is not None:
             self._report(report)
