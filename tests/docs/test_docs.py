@@ -105,6 +105,15 @@ def test_catalogue_and_readme_table_are_rendered_from_the_recordings_and_prose()
     assert readme == generate.render_readme_table(readme), RUN_AGAIN
 
 
+def test_readme_exit_code_table_is_the_one_the_code_reads():
+    from rankguard.callbacks.hang.status import EXIT_CODES, EXIT_MEANINGS
+
+    assert set(EXIT_MEANINGS) == set(EXIT_CODES)
+    readme = (ROOT / "README.md").read_text()
+    assert readme == generate.render_exit_codes(readme), RUN_AGAIN
+    assert "| **70** | a proven deadlock" in readme and "| **75** | a rank stalled" in readme
+
+
 def test_every_fault_has_prose_and_every_run_with_rankguard_says_what_the_tables_say():
     for fault in generate.faults():
         prose = generate.read_prose(fault)

@@ -15,6 +15,7 @@ from rankguard.callbacks.hang.collective_compare import GroupRecord
 __all__ = [
     "DEADLOCK_EXIT_CODE",
     "EXIT_CODES",
+    "EXIT_MEANINGS",
     "HANG_EXIT_CODE",
     "KINDS",
     "LEFT_LOOP",
@@ -54,6 +55,21 @@ EXIT_CODES: dict[str, int | None] = {
     "communication": HANG_EXIT_CODE,  # a collective or store failed: a peer's fault
     "interrupted": HANG_EXIT_CODE,  # KeyboardInterrupt, SystemExit on a signal
     "preempted": HANG_EXIT_CODE,  # a stop signal every rank stopped on, at one step: restart
+}
+#: What each end of :data:`EXIT_CODES` is, in the README's exit-code table (same keys).
+EXIT_MEANINGS: dict[str, str] = {
+    "healthy": "",
+    "slow": "",
+    "stall": "a rank stalled past its phase's ceiling, or a rankguard check gave up on it",
+    "gone": "a rank stopped answering: frozen, killed, a lost node",
+    "deadlock": "a proven deadlock: every rank waits at a rendezvous the others never reach",
+    "desync": "a proven desync: a rank waits for a collective its peers never issued",
+    "code": "a rank raised a code fault (`ValueError`, `AssertionError`, ...)",
+    "transient": "a rank raised a transient fault (out of memory, CUDA or NCCL, storage, a "
+    "loader worker that died)",
+    "communication": "a rank's collective or store failed (a peer's fault first)",
+    "interrupted": "a rank was interrupted (`KeyboardInterrupt`, `SystemExit`)",
+    "preempted": "a preemption signal every rank stopped on, after one agreed step",
 }
 
 Runs = tuple[tuple[int, int], ...]
