@@ -18,11 +18,13 @@ No launcher stops the other node's ranks: node 0's torchrun watches node 0 only.
   (where Adam allocates its state and the OOM killer strikes), still in start-up,
   whose deadline is 30 min; rank 0 waits in its next all-reduce (SIGSTOP: gloo blocks
   as NCCL does) or at its next host sync (SIGKILL, as above).
+- ``freeze``: rank 1 is stopped (SIGSTOP) at step 6, mid-training.
 - ``slow_first_step``: rank 1's first ``optimizer.step()`` takes 10 s of Python (its
   watchdog thread answers): nothing is named, the job ends with 0.
 
 Rank 1 writes ``OUT/rank1.json`` the moment it fails; log lines carry their Unix time
-(``benchmarks/faults.py`` reads both). ``RANKGUARD=off``: the same loop without rankguard.
+(``benchmarks/faults.py`` reads both). ``RANKGUARD=off``: the same loop without rankguard;
+``RANKGUARD=defaults``: ``RankGuard()`` with only a report folder (``benchmarks/silent_rank.py``).
 """
 
 from __future__ import annotations
@@ -109,8 +111,9 @@ def main() -> None:
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.Adam(model.parameters())
     data = [torch.randn(2, 4) for _ in range(40)]
+    settings = {} if os.environ.get("RANKGUARD") == "defaults" else WATCHDOG
     guard: RankGuard | Bare = RankGuard(
-        hang_watchdog={**WATCHDOG, "report_dir": str(out / "reports")}
+        hang_watchdog={**settings, "report_dir": str(out / "reports")}
     )
     if os.environ.get("RANKGUARD") == "off":
         guard = Bare()
@@ -118,9 +121,9 @@ def main() -> None:
         with guard.fit(model) as run:
             for batch in run.train(data):
                 step = run.step  # the batch in the body counts: 6 is the sixth
-                if scenario == "kill" and rank == 1 and step == FAIL_AT:
+                if scenario in ("kill", "freeze") and rank == 1 and step == FAIL_AT:
                     mark(out, "failed")
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL if scenario == "kill" else signal.SIGSTOP)
                 if scenario == "kill" and rank == 0 and step == FAIL_AT:
                     wait_at_host_sync()  # its all-reduce was enqueued: NCCL returned
                 if scenario == "kill_first_step" and rank == 0 and step == 2:

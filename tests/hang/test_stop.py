@@ -139,7 +139,7 @@ def _train(rank, world_size, report_dir, signal_at, ahead, steps=MAX_STEPS):
         watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=step))
         if rank == 1 and step == signal_at + 1 and ahead:
             store.set("test/rank1_in_next_batch", b"1")
-        if rank == 1 and step == signal_at and not ahead:
+        if (rank == 1 or ahead is None) and step == signal_at and not ahead:
             signalled_at = time.time()
             os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(STEP_S)
@@ -188,6 +188,15 @@ def test_a_rank_stuck_inside_the_next_batch_stops_with_the_others_one_step_later
     # rank 0 parked after step 21 while rank 1 waited inside batch 21 for it: its watchdog
     # named step 22, and both stop there
     assert step == 22, step
+
+
+def test_a_signal_every_rank_gets_at_once_stops_them_at_one_step_with_one_warning(tmp_path):
+    outcomes = run_ranks(_train, 2, str(tmp_path), 20, None, timeout_s=120)
+    assert [o.exitcode for o in outcomes] == [0, 0], outcomes
+    assert len({o.value[0] for o in outcomes}) == 1 and outcomes[0].value[0] > 20, outcomes
+    for o in outcomes:
+        (warning,) = o.value[4]
+        assert warning.startswith("rankguard hang_watchdog: Preempted: SIGTERM on rank "), warning
 
 
 def test_a_run_without_a_signal_is_unaffected(tmp_path):
