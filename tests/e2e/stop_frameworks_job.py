@@ -3,7 +3,14 @@
 Run one process per rank (the test sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``: each framework joins them as launched by a launcher)::
 
-    python stop_frameworks_job.py lightning|hf OUT
+    python stop_frameworks_job.py lightning|lightning_epoch|hf|hf_jit OUT
+
+The variants differ in who saves at the agreed step: ``lightning``'s ``ModelCheckpoint``
+saves every 1000 steps (nothing of its own there: rankguard saves under its name),
+``lightning_epoch``'s at each epoch's end (Lightning's own save, which ``should_stop``
+reaches); ``hf`` saves every 1000 steps (``save_strategy="steps"``: the agreed step's
+save), ``hf_jit`` never (``save_strategy="no"``) but has transformers 5's JIT checkpoint
+on SIGTERM on, whose save rankguard's stop makes at the agreed step.
 
 Rank 1 sends itself SIGTERM at the end of train step ``SIGNAL_AT`` and writes the time
 to ``OUT/signal.json``. With ``RankGuard()`` at its defaults every rank's fit ends after
@@ -48,7 +55,7 @@ def _data() -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def lightning(rank: int, out: Path) -> dict[str, Any]:
+def lightning(rank: int, out: Path, variant: str) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
@@ -74,9 +81,10 @@ def lightning(rank: int, out: Path) -> dict[str, Any]:
         def on_train_end(self, trainer, pl_module) -> None:
             RECORD["ended_at"] = time.time()
 
-    # Saves every 1000 steps only: nothing of Lightning's own saves at the agreed step, so
-    # the file there is rankguard's save through the ModelCheckpoint's name.
-    checkpoint = ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=1000)
+    if variant == "lightning_epoch":  # the defaults: a save at each epoch's end
+        checkpoint = ModelCheckpoint(dirpath=str(out / "ckpt"))
+    else:  # nothing of Lightning's own at the agreed step: rankguard saves under its name
+        checkpoint = ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=1000)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -91,7 +99,7 @@ def lightning(rank: int, out: Path) -> dict[str, Any]:
     return {"step": trainer.global_step}
 
 
-def hf(rank: int, out: Path) -> dict[str, Any]:
+def hf(rank: int, out: Path, variant: str) -> dict[str, Any]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from rankguard.integrations.transformers import RankGuard
@@ -112,12 +120,14 @@ def hf(rank: int, out: Path) -> dict[str, Any]:
         def on_train_end(self, args, state, control, **kwargs) -> None:
             RECORD["ended_at"] = time.time()
 
+    saving: dict[str, Any] = {"save_strategy": "steps", "save_steps": 1000}  # none before
+    if variant == "hf_jit":
+        saving = {"save_strategy": "no", "enable_jit_checkpoint": True}
     args = TrainingArguments(
         output_dir=str(out / "ckpt"),
         max_steps=STEPS,
         per_device_train_batch_size=2,
-        save_strategy="steps",
-        save_steps=1000,  # nothing saves on its own before the end: the agreed step's save
+        **saving,
         logging_steps=1000,
         report_to=[],
         use_cpu=True,
@@ -141,7 +151,8 @@ def main() -> None:
     )
     logging.getLogger("rankguard").setLevel(logging.INFO)
     torch.set_num_threads(1)
-    result = {"lightning": lightning, "hf": hf}[framework](rank, out)
+    run = lightning if framework.startswith("lightning") else hf
+    result = run(rank, out, framework)
     result.update(RECORD, done_at=time.time())
     result["files"] = sorted(
         str(p.relative_to(out / "ckpt")) for p in (out / "ckpt").rglob("*") if p.is_file()
