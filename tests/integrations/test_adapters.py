@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from rankguard.callbacks.core import events as events_module
 from rankguard.integrations import lightning as rg_lightning
 from rankguard.integrations import torch as rg_torch
 from rankguard.integrations import transformers as rg_transformers
+from rankguard.integrations._adapter import stop_agreement
 from rankguard.integrations._common import class_name
 from rankguard.integrations.lightning import facts as lightning_facts
 from tests.e2e.common import Points, cpu_trainer
@@ -375,3 +377,61 @@ def test_composer_resume_names_rank_0s_checkpoint_and_its_folder(tmp_path):
     # an autoresume that found nothing to load names its own folder, formatted
     assert resumed_from(None, "ckpt/{run_name}", "r") == (None, "ckpt/r")
     assert resumed_from(None, None, "r") == (None, None)
+
+
+def test_lightning_catches_the_stop_signals_in_place_of_its_own_handler_during_the_fit(caplog):
+    """Lightning registers its SIGTERM handler before ``on_train_start``: rankguard's replaces it.
+
+    Lightning 2.6's handler broadcasts from the signalled rank only (docs/hang.md, "Lightning
+    and the HF Trainer"); this fails if Lightning moves its registration after the hook.
+    """
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Seen(L.Callback):
+        handler = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            Seen.handler = signal.getsignal(signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    guard = rg_lightning.RankGuard()
+    caplog.set_level(logging.INFO, logger="rankguard")
+    cpu_trainer(callbacks=[guard, Seen()]).fit(Module(), DataLoader(Points(16), batch_size=4))
+    assert Seen.handler == stop_agreement(guard.runner.guards)._handle
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert "SIGTERM already had a handler (<lightning.pytorch.trainer.connectors" in caplog.text
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_transformers_catches_the_stop_signals_during_the_fit_and_restores_them(tmp_path):
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from tests.e2e.common import tiny_bert, token_dataset
+
+    class Seen(TrainerCallback):
+        handler = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            Seen.handler = signal.getsignal(signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    guard = rg_transformers.RankGuard()
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=2, save_strategy="no", report_to=[]
+    )
+    Trainer(
+        model=tiny_bert(), args=args, train_dataset=token_dataset(8), callbacks=[guard, Seen()]
+    ).train()
+    assert Seen.handler == stop_agreement(guard.runner.guards)._handle
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -11,14 +11,42 @@ checkpoint state. See docs/integrations.md#adding-an-integration.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.callbacks.hang.stop import STOP_EXIT_CODE, StopAgreement, exit_at_interpreter_exit
 from rankguard.integrations._common import Unhook, on_raise, wrap_method
 from rankguard.integrations._driver import EventDriver
 
-__all__ = ["Adapter"]
+__all__ = ["Adapter", "exit_after_stop", "stop_agreement"]
+
+logger = logging.getLogger("rankguard.integrations")
+
+
+def stop_agreement(guards: Iterable[Guard]) -> StopAgreement | None:
+    """The hang watchdog's preemption agreement, where the guards hold a watchdog."""
+    found = (getattr(g, "stop_agreement", None) for g in guards)
+    return next((s for s in found if isinstance(s, StopAgreement)), None)
+
+
+def exit_after_stop(stop: StopAgreement | None, after: str) -> bool:
+    """After an agreed stop: this process exits with 75 when Python exits (``after`` first).
+
+    Returns whether it will (``stop`` stopped this fit). The one exit of every adapter
+    that ends its loop on the agreement (docs/hang.md#preemption-every-rank-stops-at-one-step).
+    """
+    if stop is None or stop.stopped is None:
+        return False
+    exit_at_interpreter_exit(STOP_EXIT_CODE, stop.channel, stop.grace_s)
+    logger.info(
+        "rankguard: %s; this process exits with code %d when Python exits (after %s)",
+        stop.stopped.reason,
+        STOP_EXIT_CODE,
+        after,
+    )
+    return True
 
 
 class Adapter:
@@ -104,6 +132,19 @@ class Adapter:
         """
         explain = self.driver.fitting if fitting is None else fitting
         self.driver.abandon(exc if explain else None, step, epoch)
+
+    # -- a preemption agreed across ranks -----------------------------------------------
+
+    def install_stop(self) -> StopAgreement | None:
+        """Catches the watchdog's ``stop_signals`` for this fit; returns its agreement, or ``None``.
+
+        Called at fit start by an adapter that ends its loop on the agreement, once the
+        framework's own handlers are in place (they are kept and restored at close).
+        """
+        stop = stop_agreement(self.runner.guards)
+        if stop is not None:
+            stop.install()
+        return stop
 
     def stop(self) -> None:
         """Stops every guard and removes every wrapper; safe to call twice and after an error."""

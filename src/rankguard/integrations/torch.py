@@ -15,10 +15,9 @@ from typing import Any
 
 from rankguard.callbacks.core.events import LoaderFacts, LoaderPass, ResumeFacts
 from rankguard.callbacks.core.guard import Guard
-from rankguard.callbacks.hang.hang_watchdog import HangWatchdog as _Watchdog
-from rankguard.callbacks.hang.stop import STOP_EXIT_CODE, StopAgreement, exit_at_interpreter_exit
+from rankguard.callbacks.hang.stop import STOP_EXIT_CODE, StopAgreement
 from rankguard.integrations import _api
-from rankguard.integrations._adapter import Adapter
+from rankguard.integrations._adapter import Adapter, exit_after_stop
 from rankguard.integrations.torch_loop import (
     ORDER,
     EvalLoader,
@@ -45,11 +44,6 @@ SHARDED_SETTING = (
 MetricsFn = Callable[[dict[str, float]], Any]
 
 logger = logging.getLogger("rankguard.integrations.torch")
-
-
-def _stop_agreement(guards: Iterable[Guard]) -> StopAgreement | None:
-    """The hang watchdog's preemption agreement, where the guards hold a watchdog."""
-    return next((g.stop_agreement for g in guards if isinstance(g, _Watchdog)), None)
 
 
 class _LoopGuard(Adapter):
@@ -300,9 +294,7 @@ class Run:
                 switch_to_sharded=None,
                 sharded_setting=SHARDED_SETTING,
             )
-            self._stop = _stop_agreement(self._guard.runner.guards)
-            if self._stop is not None:  # this loop ends its train pass on the agreed step
-                self._stop.install()
+            self._stop = self._guard.install_stop()  # its train pass ends on the agreed step
             resume, self._guard._resume = self._guard._resume, None
             if resume is not None:
                 resume.loader = self._train.loader if self._train else None
@@ -345,17 +337,7 @@ class Run:
 
     def _exit_if_stopped(self) -> None:
         """After a preemption: exit with 75 once the code after the block ran (at Python exit)."""
-        if self.exit_code is None:
-            return
-        stop = self._stop
-        assert stop is not None
-        exit_at_interpreter_exit(self.exit_code, stop.channel, stop.grace_s)
-        logger.info(
-            "rankguard: %s; this process exits with code %d when Python exits (after your code "
-            "that follows the `with guard.fit(...)` block)",
-            self.stopped,
-            self.exit_code,
-        )
+        exit_after_stop(self._stop, "your code that follows the `with guard.fit(...)` block")
 
     def _require(self, call: str) -> None:
         if self._state != "active":

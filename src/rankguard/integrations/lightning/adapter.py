@@ -20,12 +20,14 @@ from lightning.pytorch.callbacks import Callback
 
 from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard
-from rankguard.integrations._adapter import Adapter
+from rankguard.callbacks.hang.stop import StopAgreement
+from rankguard.integrations._adapter import Adapter, exit_after_stop
 from rankguard.integrations.lightning.facts import (
     checkpoint_format,
     first_optimizer,
     fit_loaders,
     position,
+    preemption_checkpoint,
     resume_facts,
     save_directories,
     split_decisions,
@@ -69,6 +71,12 @@ class _LightningAdapter(Adapter, Callback):
         self._should_stop: Any = None
         #: Where ``trainer.global_step`` is read from (:func:`private.step_tracker`), each epoch.
         self._steps_taken: Any = None
+        #: The watchdog's preemption agreement, caught from ``on_train_start`` to close.
+        self._stop: StopAgreement | None = None
+        #: ``trainer.global_step`` at the last save this fit (``None``: none yet).
+        self._saved_step: int | None = None
+        #: The epoch of the agreed step (the fit's end counts it done).
+        self._stopped_epoch = 0
 
     def _fire(self, trainer: pl.Trainer, event: Event, **facts: Any) -> None:
         """Fires ``event`` at the trainer's step and epoch (FIT_END closes the fit)."""
@@ -107,6 +115,7 @@ class _LightningAdapter(Adapter, Callback):
         def saving(save: Callable[..., Any]) -> Callable[..., Any]:
             def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> Any:
                 directories = [os.path.dirname(str(filepath))]
+                self._saved_step = trainer.global_step
                 model = trainer.lightning_module
                 fire(Event.CHECKPOINT_SAVE_START, model=model, directories=directories)
                 result = save(filepath, *args, **kwargs)
@@ -127,8 +136,13 @@ class _LightningAdapter(Adapter, Callback):
         self.wrap(trainer.strategy, "load_checkpoint", loading)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """FIT_START with the train loader and every val loader known now, then RESUMED."""
-        self._should_stop = self._steps_taken = None
+        """FIT_START with the train loader and every val loader known now, then RESUMED.
+
+        Then rankguard catches the preemption signals, in place of the handlers Lightning
+        registered in ``Trainer._run`` (its SIGTERM handler broadcasts from the signalled
+        rank only: docs/hang.md#lightning-and-the-hf-trainer); they are back at close.
+        """
+        self._should_stop = self._steps_taken = self._saved_step = None
         train = train_loader(trainer)
         state_dict_type, switch, setting = checkpoint_format(trainer.strategy)
         self._fire(
@@ -150,6 +164,7 @@ class _LightningAdapter(Adapter, Callback):
         # last hook before the first batch. On every fit: a rank that found no `last` (or SLURM's
         # `hpc`) starts fresh without knowing a resume was asked, so every rank checks.
         self._fire(trainer, Event.RESUMED, resume=resume_facts(trainer, train))
+        self._stop = self.install_stop()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EPOCH_START with the train loader."""
@@ -174,7 +189,7 @@ class _LightningAdapter(Adapter, Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """TRAIN_BATCH_END, then DATA_FETCH_START for the next batch.
+        """TRAIN_BATCH_END, then DATA_FETCH_START for the next batch; a preemption's stop.
 
         ``should_stop`` goes with the entry when it changed (the first batch's, then
         rarely): the hang watchdog keeps each decision with the step it last changed,
@@ -185,9 +200,13 @@ class _LightningAdapter(Adapter, Callback):
         should_stop = trainer.should_stop
         if should_stop is self._should_stop:
             self.runner.steps.batch_end_fetch_start(step)
-            return
-        self._should_stop = should_stop
-        self.runner.steps.batch_end_fetch_start(step, {"should_stop": should_stop})
+        else:
+            self._should_stop = should_stop
+            self.runner.steps.batch_end_fetch_start(step, {"should_stop": should_stop})
+        stop = self._stop  # a preemption: every rank's fit ends after the agreed batch
+        if stop is not None and stop.requested and stop.at_boundary(self.runner.steps.batches):
+            trainer.should_stop = True
+            self._stopped_epoch = trainer.current_epoch
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EVAL_START for every val loader, in Lightning's order."""
@@ -228,6 +247,22 @@ class _LightningAdapter(Adapter, Callback):
         """EPOCH_END with the train loader."""
         self._fire(trainer, Event.EPOCH_END, loader=train_loader(trainer))
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a preemption: the ``ModelCheckpoint``'s save at the agreed step, if it made none.
+
+        Lightning ends the fit on ``should_stop`` through the epoch's end, where the
+        ``ModelCheckpoint`` saves on its own schedule (every epoch by default); one set to
+        save every N steps, or only after validation, saved nothing at the agreed step:
+        its file for that step is written here, on every rank (``save_checkpoint`` is
+        collective). ``save_last`` still writes ``last`` after this hook.
+        """
+        stop = self._stop
+        if stop is None or stop.stopped is None or self._saved_step == trainer.global_step:
+            return
+        path = preemption_checkpoint(trainer, self._stopped_epoch)
+        if path is not None:
+            trainer.save_checkpoint(path)
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """FIT_END."""
         self._fire(trainer, Event.FIT_END)
@@ -242,5 +277,10 @@ class _LightningAdapter(Adapter, Callback):
         self.fail(exception, step, epoch, fitting=True)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Stops every guard and unwraps checkpointing; safe to call twice."""
+        """Stops every guard and unwraps checkpointing; safe to call twice.
+
+        After a preemption the process exits with 75 when Python exits.
+        """
         self.stop()
+        stop, self._stop = self._stop, None
+        exit_after_stop(stop, "your code that follows `trainer.fit(...)`")

@@ -116,6 +116,19 @@ def save_directories(trainer: pl.Trainer) -> list[str]:
     return [str(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
 
 
+def preemption_checkpoint(trainer: pl.Trainer, epoch: int) -> str | None:
+    """The file the trainer's ``ModelCheckpoint`` names for this step, or ``None`` (none set).
+
+    Its own name for the step of ``epoch`` (``filename``, default ``{epoch}-{step}``, in
+    its ``dirpath``), so a restart finds it where the callback's saves go.
+    """
+    callback = trainer.checkpoint_callback
+    if callback is None or not getattr(callback, "dirpath", None):
+        return None
+    step = {"epoch": epoch, "step": trainer.global_step}
+    return str(callback.format_checkpoint_name({**trainer.callback_metrics, **step}))
+
+
 def resume_folder(checkpoint: str | None, folders: list[str]) -> str | None:
     """The ``ModelCheckpoint`` folder a resume was looked up in (``ckpt_path="last"``), if any.
 

@@ -20,7 +20,8 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard
-from rankguard.integrations._adapter import Adapter
+from rankguard.callbacks.hang.stop import StopAgreement
+from rankguard.integrations._adapter import Adapter, exit_after_stop
 from rankguard.integrations._common import load_guard_state, save_guard_state
 from rankguard.integrations.private.transformers import calling_trainer, loop_position
 from rankguard.integrations.transformers.decisions import next_event, save_after_eval
@@ -52,6 +53,8 @@ class _TrainerAdapter(Adapter, TrainerCallback):
         self._eval_source: Any = None
         self._fetch_after_log = False
         self._resume: tuple[str, str | bool] | None = None  # a resume's checkpoint, asked
+        #: The watchdog's preemption agreement, caught from ``on_train_begin`` to close.
+        self._stop: StopAgreement | None = None
 
     # -- facts -----------------------------------------------------------------------
 
@@ -162,6 +165,9 @@ class _TrainerAdapter(Adapter, TrainerCallback):
         )
         if args.eval_on_start and evals:
             self.driver.eval_start(evals)
+        # rankguard catches the preemption signals during the fit: in place of the JIT
+        # checkpoint's SIGTERM handler, when it is on (docs/hang.md#lightning-and-the-hf-trainer).
+        self._stop = self.install_stop()
 
     def on_epoch_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -212,7 +218,10 @@ class _TrainerAdapter(Adapter, TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """TRAIN_BATCH_END, then what the Trainer does next: eval, save, log or fetch."""
+        """TRAIN_BATCH_END, then what the Trainer does next: eval, save, log or fetch.
+
+        After a preemption's agreed step: the save (where the user saves) and the end.
+        """
         driver = self.driver
         if driver.fitting:
             if not (control.should_evaluate or control.should_save or control.should_log):
@@ -224,9 +233,30 @@ class _TrainerAdapter(Adapter, TrainerCallback):
                     self._steps.batch_end_fetch_start(step - 1, fetch_step=step)
                 else:
                     driver.fetch_start()
+                stop = self._stop  # a preemption: every rank ends after the agreed step
+                if stop is not None and stop.requested and self._stop_here(stop, args, control):
+                    driver.save_start([checkpoint_folder(args, state)], model=None)
                 return
             driver.end_train_batch()
+            stop = self._stop
+            if stop is not None and stop.requested:
+                self._stop_here(stop, args, control)
             self._next(args, state, control, kwargs.get("eval_dataloader"), after_step=True)
+
+    def _stop_here(
+        self, stop: StopAgreement, args: TrainingArguments, control: TrainerControl
+    ) -> bool:
+        """Ends training if this is the agreed step; returns whether a save comes first.
+
+        The Trainer saves (``checkpoint-N``) where the user saves (``save_strategy``) or
+        turned on the JIT checkpoint on SIGTERM (transformers 5), whose save this is.
+        """
+        if not stop.at_boundary(self.driver.step):
+            return False
+        control.should_training_stop = True
+        saves = args.save_strategy != "no" or bool(getattr(args, "enable_jit_checkpoint", False))
+        control.should_save = control.should_save or saves
+        return saves
 
     def on_epoch_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -234,6 +264,9 @@ class _TrainerAdapter(Adapter, TrainerCallback):
         """EPOCH_END; then EVAL_START or CHECKPOINT_SAVE_START when the epoch's end brings one."""
         if self.driver.fitting:
             self.driver.epoch_end(self._train)
+            if self._stop is not None and self._stop.stopped is not None:
+                # preempted: the save came with the agreed step; no eval or second save now
+                control.should_evaluate = control.should_save = False
             self._next(args, state, control, kwargs.get("eval_dataloader"), after_step=False)
 
     def _next(
@@ -332,3 +365,5 @@ class _TrainerAdapter(Adapter, TrainerCallback):
         self._evals = []
         self._eval_source = None
         self.runner.close()
+        stop, self._stop = self._stop, None  # after a preemption: exit 75 when Python exits
+        exit_after_stop(stop, "your code that follows `trainer.train(...)`")
