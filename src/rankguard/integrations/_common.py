@@ -4,7 +4,9 @@ Every adapter module exports the same names: ``RankGuard`` (every guard) and
 one class per registered guard (``BatchParityGuard``, ...), declared once in
 ``rankguard.integrations._api``; their ``__init__`` builds the guards here.
 :func:`metric_reduction_check` finds the hang watchdog's check of the names a
-framework reduces (OLMo-core's flush, Composer's loss).
+framework reduces (OLMo-core's flush, Composer's loss). :func:`stop_on_agreement`
+and :func:`exit_after_stop` serve the adapters that end their loop on an agreed
+preemption (docs/hang.md#preemption-every-rank-stops-at-one-step).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import importlib
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from rankguard.callbacks.core.guard import Guard, GuardRunner
 from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck
+from rankguard.callbacks.hang.stop import STOP_EXIT_CODE, StopAgreement, exit_at_interpreter_exit
 from rankguard.callbacks.registry import GUARDS, build_guard, build_guards, unknown_name_error
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "Unhook",
     "bundle_guards",
     "class_name",
+    "exit_after_stop",
     "load_guard_state",
     "metric_reduction_check",
     "on_raise",
@@ -35,6 +39,8 @@ __all__ = [
     "resolved_checkpoint",
     "save_guard_state",
     "single_guard",
+    "stop_agreement",
+    "stop_on_agreement",
     "wrap_method",
 ]
 
@@ -113,6 +119,35 @@ def metric_reduction_check(
     if watchdog is None or not watchdog.channel.is_distributed:
         return None
     return watchdog.metric_reduction_check(name, where=where, fix=fix, notes=notes)
+
+
+def stop_agreement(guards: Iterable[Guard]) -> StopAgreement | None:
+    """The hang watchdog's preemption agreement, where the guards hold a watchdog."""
+    return next((g.stop_agreement for g in guards if isinstance(g, HangWatchdog)), None)
+
+
+def stop_on_agreement(guards: Iterable[Guard]) -> StopAgreement | None:
+    """At fit start (main thread): catches the stop signals, for an adapter that ends its loop.
+
+    The adapter's loop reads the returned agreement's ``requested`` once a step and, once
+    set, asks ``at_boundary``; ``None`` without a hang watchdog (no agreement, the
+    signals keep the framework's handling).
+    """
+    stop = stop_agreement(guards)
+    if stop is not None:
+        stop.install()
+    return stop
+
+
+def exit_after_stop(stop: StopAgreement, after: str) -> None:
+    """After the agreed stop: the process exits with 75 when Python exits, ``after`` that."""
+    exit_at_interpreter_exit(STOP_EXIT_CODE, stop.channel, stop.grace_s)
+    logger.info(
+        "rankguard: %s; this process exits with code %d when Python exits (after %s)",
+        stop.stopped.reason if stop.stopped is not None else "preempted",
+        STOP_EXIT_CODE,
+        after,
+    )
 
 
 def wrap_method(

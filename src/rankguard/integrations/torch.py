@@ -15,10 +15,10 @@ from typing import Any
 
 from rankguard.callbacks.core.events import LoaderFacts, LoaderPass, ResumeFacts
 from rankguard.callbacks.core.guard import Guard
-from rankguard.callbacks.hang.hang_watchdog import HangWatchdog as _Watchdog
 from rankguard.callbacks.hang.stop import STOP_EXIT_CODE, StopAgreement, exit_at_interpreter_exit
 from rankguard.integrations import _api
 from rankguard.integrations._adapter import Adapter
+from rankguard.integrations._common import stop_agreement
 from rankguard.integrations.torch_loop import (
     ORDER,
     EvalLoader,
@@ -45,11 +45,6 @@ SHARDED_SETTING = (
 MetricsFn = Callable[[dict[str, float]], Any]
 
 logger = logging.getLogger("rankguard.integrations.torch")
-
-
-def _stop_agreement(guards: Iterable[Guard]) -> StopAgreement | None:
-    """The hang watchdog's preemption agreement, where the guards hold a watchdog."""
-    return next((g.stop_agreement for g in guards if isinstance(g, _Watchdog)), None)
 
 
 class _LoopGuard(Adapter):
@@ -300,7 +295,7 @@ class Run:
                 switch_to_sharded=None,
                 sharded_setting=SHARDED_SETTING,
             )
-            self._stop = _stop_agreement(self._guard.runner.guards)
+            self._stop = stop_agreement(self._guard.runner.guards)
             if self._stop is not None:  # this loop ends its train pass on the agreed step
                 self._stop.install()
             resume, self._guard._resume = self._guard._resume, None
