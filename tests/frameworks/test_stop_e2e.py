@@ -77,7 +77,9 @@ def _rankguard_lines(output: str, rank: int, level: str) -> list[str]:
     [
         pytest.param("composer", marks=pytest.mark.framework),
         pytest.param("olmo_core", marks=pytest.mark.framework),
-        pytest.param("olmo_core", marks=[pytest.mark.framework, pytest.mark.older], id="older"),
+        pytest.param(
+            "olmo_core", marks=[pytest.mark.framework, pytest.mark.older], id="olmo_core_older"
+        ),
     ],
 )
 def test_sigterm_on_rank_1_only_stops_every_rank_after_one_step_saved_exit_75(
