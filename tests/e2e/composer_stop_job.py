@@ -1,6 +1,6 @@
 """A preemption reaching rank 1 only, in a real 2-rank Composer job (CPU, gloo).
 
-Run: ``composer -n 2 composer_stop_job.py OUT``. Rank 1 sends itself SIGTERM at the end
+Run: ``composer -n 2 composer_stop_job.py OUT [sharded]``. Rank 1 sends itself SIGTERM at the end
 of train batch ``SIGNAL_AT`` (writing the moment to ``OUT/signalled.json``); ``RankGuard``
 at its defaults agrees the stop: every rank's fit ends after the same batch, where the
 ``CheckpointSaver`` (``save_folder=OUT/ckpt``, an interval far past the stop) saves as at
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from composer import Callback, Trainer
 from composer.models import ComposerClassifier
-from composer.utils import dist
+from composer.utils import FSDP2Config, dist
 from torch.utils.data import DataLoader
 
 from rankguard.integrations.composer import RankGuard
@@ -60,6 +60,8 @@ def main() -> None:
     data = Points(BATCHES * BATCH * 2)
     train = DataLoader(data, batch_size=BATCH, sampler=dist.get_sampler(data))
     guard = RankGuard(hang_watchdog={"report_dir": str(out / "reports")})
+    sharded = sys.argv[2:] == ["sharded"]
+    fsdp = {"fsdp": FSDP2Config(state_dict_type="sharded")} if sharded else None
     job = Trainer(
         model=ComposerClassifier(torch.nn.Linear(4, 2), num_classes=2),
         train_dataloader=train,
@@ -67,6 +69,7 @@ def main() -> None:
         max_duration=f"{BATCHES}ba",
         save_folder=str(out / "ckpt"),
         save_interval=f"{BATCHES * 10}ba",
+        parallelism_config=fsdp,
         loggers=[],
         device="cpu",
         progress_bar=False,

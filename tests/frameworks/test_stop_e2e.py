@@ -9,8 +9,10 @@ SIGTERM after train step 6:
 - every rank's fit ends after the same step, past 6 (``OUT/rank{N}.json``, written by
   the job after its fit), within the stop's grace of the signal;
 - the framework's own save ran there: Composer's ``CheckpointSaver`` saved that batch
-  (``ep0-ba{N}-rank0.pt``), OLMo-core's checkpointer that step, every rank's part
-  (``step{N}``: the model's ``.metadata`` and each rank's ``train/rank{r}.pt``);
+  (``ep0-ba{N}-rank0.pt``; under FSDP2's sharded checkpoints ``ep0-ba{N}/`` with every
+  rank's part, the launcher's kill of the others after the first exit cutting none
+  short), OLMo-core's checkpointer that step, every rank's part (``step{N}``: the
+  model's ``.metadata`` and each rank's ``train/rank{r}.pt``);
 - each process exits with 75 (the launcher names both);
 - each rank logs one rankguard WARNING, the "Preempted" one, and no rankguard ERROR.
 
@@ -41,16 +43,19 @@ SIGNAL_AT = 6
 #: The stop's grace (``stop_grace_s``'s default): every rank stopped within it of the signal.
 GRACE_S = 20.0
 
-#: Each launch: its job, its launcher, the module it needs.
+COMPOSER = [str(BIN / "composer"), "-n", "2"]
+#: Each launch: its job and its arguments after the output folder, its launcher, the
+#: module it needs.
 JOBS = {
-    "composer": ("composer_stop_job.py", [str(BIN / "composer"), "-n", "2"], "composer"),
-    "olmo_core": ("olmo_core_stop_job.py", TORCHRUN, "olmo_core"),
+    "composer": ("composer_stop_job.py", [], COMPOSER, "composer"),
+    "composer_sharded": ("composer_stop_job.py", ["sharded"], COMPOSER, "composer"),
+    "olmo_core": ("olmo_core_stop_job.py", [], TORCHRUN, "olmo_core"),
 }
 
 
 def _exit_codes(name: str, output: str) -> dict[int, int]:
     """Each rank's exit code as its launcher names it."""
-    if name == "composer":
+    if name.startswith("composer"):
         found = re.findall(r"Global rank (\d) \(PID \d+\) exited with code (-?\d+)", output)
     else:  # torchrun's summary of the ranks that ended non-zero
         found = re.findall(r"rank\s*: (\d) \(local_rank: \d\)\s*\n\s*exitcode\s*: (-?\d+)", output)
@@ -61,6 +66,9 @@ def _checkpoint_parts(name: str, folder: Path, step: int) -> list[Path]:
     """The files the framework's save of ``step`` writes, every rank's part."""
     if name == "composer":  # a full (unsharded) checkpoint: rank 0 writes it
         return [folder / f"ep0-ba{step}-rank0.pt"]
+    if name == "composer_sharded":  # FSDP2's sharded checkpoint: each rank writes its part
+        saved = folder / f"ep0-ba{step}"
+        return [saved / ".metadata", *(saved / f"__{r}_0.distcp" for r in (0, 1))]
     saved = folder / f"step{step}"
     return [
         saved / "model_and_optim" / ".metadata",
@@ -76,6 +84,7 @@ def _rankguard_lines(output: str, rank: int, level: str) -> list[str]:
     "name",
     [
         pytest.param("composer", marks=pytest.mark.framework),
+        pytest.param("composer_sharded", marks=pytest.mark.framework),
         pytest.param("olmo_core", marks=pytest.mark.framework),
         pytest.param(
             "olmo_core", marks=[pytest.mark.framework, pytest.mark.older], id="olmo_core_older"
@@ -85,11 +94,11 @@ def _rankguard_lines(output: str, rank: int, level: str) -> list[str]:
 def test_sigterm_on_rank_1_only_stops_every_rank_after_one_step_saved_exit_75(
     name, tmp_path_factory
 ):
-    script, launcher, needs = JOBS[name]
+    script, args, launcher, needs = JOBS[name]
     if find_spec(needs) is None:
         pytest.skip(f"needs {needs}")
     out = tmp_path_factory.mktemp(f"stop_{name}")
-    cmd = [*launcher, str(ROOT / "tests" / "e2e" / script), str(out)]
+    cmd = [*launcher, str(ROOT / "tests" / "e2e" / script), str(out), *args]
     done = run_job(cmd, timeout_s=LAUNCH_TIMEOUT_S, cwd=out)
     output = done.output
     signalled = json.loads((out / "signalled.json").read_text())["at"]
