@@ -19,7 +19,11 @@ from composer.core import Event, State  # noqa: E402
 from composer.devices import DeviceCPU  # noqa: E402
 from composer.models import ComposerClassifier  # noqa: E402
 
-from rankguard.integrations.composer.decisions import escaping_exception, saves_at  # noqa: E402
+from rankguard.integrations.composer.decisions import (  # noqa: E402
+    escaping_exception,
+    saves_at,
+    unsaved_at_stop,
+)
 
 
 class Saver:
@@ -61,6 +65,30 @@ def test_asking_composers_saver_first_leaves_its_own_answer_as_it_was(tmp_path):
         assert saver.save_interval(state, Event.BATCH_CHECKPOINT) is due  # then the saver
         seen.append((int(state.timestamp.batch), due))
     assert seen == [(1, False), (2, True), (3, False), (4, True)]
+
+
+def test_an_agreed_stop_makes_its_batch_the_end_of_training_where_a_time_string_saver_saves(
+    tmp_path,
+):
+    interval = CheckpointSaver(folder=str(tmp_path / "a"), save_interval="100ba")
+    custom = CheckpointSaver(folder=str(tmp_path / "b"), save_interval=lambda state, event: False)
+    state = State(
+        model=ComposerClassifier(torch.nn.Linear(4, 2), num_classes=2),
+        rank_zero_seed=0,
+        run_name="r",
+        device=DeviceCPU(),
+        callbacks=[interval, custom],
+        max_duration="8ba",
+    )
+    for _ in range(3):
+        state.previous_timestamp = state.timestamp
+        state.timestamp = state.timestamp.to_next_batch(samples=4, tokens=0)
+    assert not interval.save_interval(state, Event.BATCH_CHECKPOINT)  # 3 of 8: no save
+    state.stop_training()  # the adapter's call at the agreed BATCH_END
+    assert interval.save_interval(state, Event.BATCH_CHECKPOINT)  # the end of training
+    interval.last_checkpoint_batch = state.timestamp.batch  # as its save records it
+    assert unsaved_at_stop([interval, custom], 3) == [custom]
+    assert unsaved_at_stop([interval], 4) == [interval]
 
 
 def test_the_exception_ending_the_run_is_the_one_being_handled_else_the_last_one(monkeypatch):

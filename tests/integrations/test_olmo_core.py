@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import re
+import signal
 import socket
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,6 +36,7 @@ import olmo_core.utils
 from rankguard.callbacks.checkpoint.plan import RankMemory, plan_save
 from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard
+from rankguard.integrations import _common as rg_common
 from rankguard.integrations import olmo_core as rg_olmo
 from rankguard.integrations.olmo_core import RankGuard, decisions, facts
 from tests.e2e.common import EventLog
@@ -151,6 +155,45 @@ def test_single_process_fit_logs_no_rankguard_warning(tmp_path, caplog):
     [barrier] = [g for g in guard.runner.guards if g.name == "shared_dir_barrier"]
     assert barrier.last_report.paths == [str(tmp_path / "ckpt" / "step4")]
     assert olmo_checkpoint.wait_for is olmo_core.utils.wait_for  # restored at close
+
+
+class SignalAt(olmo_callbacks.Callback):
+    """Sends this process SIGTERM after step ``at``; each step takes at least ``step_s``."""
+
+    def __init__(self, at: int, step_s: float) -> None:
+        self.at, self.step_s = at, step_s
+
+    def post_step(self) -> None:
+        time.sleep(self.step_s)
+        if self.trainer.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_during_the_fit_is_rankguards_and_cancels_the_run_after_a_saved_step(
+    tmp_path, caplog, monkeypatch
+):
+    exits = []
+    monkeypatch.setattr(rg_common, "exit_at_interpreter_exit", lambda *args: exits.append(args[0]))
+    caplog.set_level(logging.INFO)
+    before = signal.getsignal(signal.SIGTERM)
+    callbacks = {"rankguard": RankGuard(), "signal": SignalAt(2, 0.1)}
+    trainer = build_trainer(tmp_path, callbacks, eval_sequences=None, steps=60, sequences=480)
+    trainer.fit()
+    step = trainer.global_step
+    assert 2 < step < 60 and trainer.is_canceled
+    assert (tmp_path / "ckpt" / f"step{step}" / "model_and_optim" / ".metadata").exists()
+    assert exits == [75]
+    assert signal.getsignal(signal.SIGTERM) == before  # OLMo-core put back what it found
+    olmo_said = [r.getMessage() for r in caplog.records if r.name.startswith("olmo_core")]
+    assert "SIGTERM received" not in olmo_said  # OLMo-core's handler did not see it
+    reason = f"rankguard: preempted by SIGTERM on rank 0 at step {step}"
+    assert f"Run canceled from all ranks. Reason: {reason}" in olmo_said
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith("rankguard") and r.levelno >= logging.WARNING
+    ]
+    assert len(warnings) == 1 and "Preempted: SIGTERM on rank 0" in warnings[0], warnings
 
 
 def test_save_kind_comes_from_the_train_modules_public_save_options(tmp_path):

@@ -10,6 +10,7 @@ so a missing Composer is named here.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from composer.callbacks import CheckpointSaver
@@ -21,14 +22,18 @@ from rankguard.callbacks.core.events import Event as CoreEvent
 from rankguard.callbacks.core.events import EventFacts, LoaderFacts, ResumeFacts
 from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck
-from rankguard.integrations._adapter import Adapter
-from rankguard.integrations._common import metric_reduction_check
+from rankguard.callbacks.hang.stop import StopAgreement
+from rankguard.integrations._adapter import Adapter, exit_after_stop
+from rankguard.integrations._common import (
+    metric_reduction_check,
+)
 from rankguard.integrations.composer.decisions import (
     escaping_exception,
     loss_keys,
     loss_rows,
     resumed_from,
     saves_at,
+    unsaved_at_stop,
 )
 from rankguard.integrations.composer.facts import (
     checkpoint_savers,
@@ -48,6 +53,8 @@ from rankguard.integrations.private.composer import (
     event_values,
     resume_request,
 )
+
+log = logging.getLogger(__name__)
 
 _EVENTS: dict[Event, CoreEvent] = {
     Event.BEFORE_LOAD: CoreEvent.CHECKPOINT_LOAD_START,
@@ -126,6 +133,10 @@ class _ComposerAdapter(Adapter, Callback):
         #: How the Trainer asked for a resume (BEFORE_LOAD); its data position at FIT_START.
         self._resume: tuple[str, str | None] | None = None
         self._resume_due: dict[str, Any] | None = None
+        #: The preemption agreement (from FIT_START, with a hang watchdog), and the batch
+        #: count at FIT_START (the agreement counts the steps of this fit).
+        self._stop: StopAgreement | None = None
+        self._first_batch = 0
 
     def _train_facts(self, state: State) -> LoaderFacts | None:
         """The train loader's facts, built again only when Composer's loader or length changes."""
@@ -171,6 +182,9 @@ class _ComposerAdapter(Adapter, Callback):
             steps = self.runner.steps
             if event is _BATCH_END:
                 steps.batch_end(self._step)
+                stop = self._stop  # a preemption: every rank stops after the agreed step
+                if stop is not None and stop.requested:
+                    self._stop_if_agreed(stop, state)
             elif event is _AFTER_DATALOADER:
                 # The fetch ends and the batch starts: Composer fires BATCH_START next,
                 # with nothing between them, so one entry holds both (see step_log.PAIRS).
@@ -231,11 +245,39 @@ class _ComposerAdapter(Adapter, Callback):
                 self._loss_check = metric_reduction_check(
                     self.runner.guards, "composer_loss", where=LOSS_REDUCTION, fix=LOSS_FIX
                 )
+                self._first_batch = int(state.timestamp.batch)
+                self._stop = self.install_stop()  # Composer sets its own at import
+            elif self._stop is not None and self._stop.stopped is not None:
+                self._warn_unsaved(state)
         if core_event in _PASS_ENDS.values() and self.runner.handles(_PASS_END[core_event]):
             original = state.dataloader
             counter = observe_pass(state)
             if counter is not None:
                 self._passes[str(state.dataloader_label)] = (counter, original)
+
+    def _stop_if_agreed(self, stop: StopAgreement, state: State) -> None:
+        """At BATCH_END once a stop was asked: at the agreed step, every rank stops training.
+
+        ``state.stop_training()`` ends the fit after this batch; its BATCH_CHECKPOINT then
+        counts as the end of training, where a ``CheckpointSaver`` saves (the default
+        ``save_interval`` includes it); the process exits with 75 when Python exits.
+        """
+        if stop.stopped is None and stop.at_boundary(self._step - self._first_batch):
+            state.stop_training()
+            exit_after_stop(stop, "the checkpoint savers' last save and the code after fit()")
+
+    def _warn_unsaved(self, state: State) -> None:
+        """At FIT_END after an agreed stop: names the savers that did not save its last batch."""
+        unsaved = unsaved_at_stop(checkpoint_savers(state), int(state.timestamp.batch))
+        if unsaved:
+            log.warning(
+                "rankguard hang_watchdog: preempted, and the CheckpointSaver(s) saving to %s did "
+                "not save the last batch (%d): their `save_interval` does not include the end of "
+                "training (a time string such as '100ba' does); the restart resumes from an "
+                "earlier checkpoint",
+                ", ".join(repr(str(saver.folder)) for saver in unsaved),
+                int(state.timestamp.batch),
+            )
 
     def _resumed(self, state: State) -> None:
         """RESUMED, once per fit that resumes, on every rank, at its first BATCH_START.

@@ -29,6 +29,7 @@ __all__ = [
     "loss_rows",
     "resumed_from",
     "saves_at",
+    "unsaved_at_stop",
 ]
 
 
@@ -45,6 +46,22 @@ def saves_at(savers: Iterable[CheckpointSaver], state: State, event: Event) -> b
         if saver.save_interval(state, event):
             return True
     return False
+
+
+def unsaved_at_stop(savers: Iterable[CheckpointSaver], batch: int) -> list[CheckpointSaver]:
+    """The ``savers`` that did not save ``batch``, the last of a fit an agreed preemption ended.
+
+    ``state.stop_training()`` makes that batch's BATCH_CHECKPOINT the end of training,
+    where a saver whose ``save_interval`` Composer built from a time string saves
+    (``create_interval_scheduler(include_end_of_training=True)``); a callable of the
+    user's may not. A saver records the batch it last saved (``last_checkpoint_batch``).
+    """
+    unsaved = []
+    for saver in savers:
+        last = saver.last_checkpoint_batch
+        if last is None or int(last) != batch:
+            unsaved.append(saver)
+    return unsaved
 
 
 def loss_keys(loss: Any) -> tuple[str, ...] | int | None:

@@ -18,8 +18,12 @@ from rankguard.callbacks.checkpoint.shared_dir_barrier import (
 )
 from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard
-from rankguard.integrations._adapter import Adapter
-from rankguard.integrations._common import Unhook, metric_reduction_check
+from rankguard.callbacks.hang.stop import StopAgreement
+from rankguard.integrations._adapter import Adapter, exit_after_stop
+from rankguard.integrations._common import (
+    Unhook,
+    metric_reduction_check,
+)
 from rankguard.integrations.olmo_core.decisions import announces_resume
 from rankguard.integrations.olmo_core.facts import (
     DEFAULTS,
@@ -56,6 +60,8 @@ class _OlmoCoreAdapter(Adapter, Callback):
         self._train: LoaderFacts | None = None
         self._unhook_load: Unhook | None = None  # for the callback's life, not one fit's
         self._loaded_from: str | None = None
+        #: The preemption agreement (from ``pre_train``, with a hang watchdog).
+        self._stop: StopAgreement | None = None
 
     def _flush_metrics(self) -> None:
         trainer = attached_trainer(self)
@@ -114,6 +120,10 @@ class _OlmoCoreAdapter(Adapter, Callback):
         loaded, self._loaded_from = self._loaded_from, None
         if announces_resume(trainer.no_checkpoints, trainer.load_strategy):
             self.driver.resumed(resume_facts(trainer, loaded))  # restored, before any batch
+        # After OLMo-core's own SIGTERM/SIGINT handler (installed in fit() just before
+        # pre_train; it cancels the run on the rank that got the signal only): the ranks agree
+        # first. fit() puts back the handlers it found when it ends.
+        self._stop = self.install_stop()
 
     def pre_epoch(self) -> None:
         """EPOCH_START."""
@@ -136,6 +146,23 @@ class _OlmoCoreAdapter(Adapter, Callback):
         """TRAIN_BATCH_END (before the checkpointer's save)."""
         if self.driver.fitting:
             self.driver.end_train_batch()
+
+    def post_step(self) -> None:
+        """An agreed preemption: at the agreed step every rank cancels the run.
+
+        ``cancel_run(reason, no_sync=True)``, on every rank at one step as OLMo-core asks
+        of it, ends the fit after this step; the checkpointer's ``post_train`` then saves
+        it; the process exits with 75 when Python exits.
+        """
+        stop = self._stop
+        if stop is not None and stop.requested:
+            self._stop_if_agreed(stop)
+
+    def _stop_if_agreed(self, stop: StopAgreement) -> None:
+        if stop.stopped is None and stop.at_boundary(self.driver.step):
+            assert stop.stopped is not None
+            self.trainer.cancel_run(f"rankguard: {stop.stopped.reason}", no_sync=True)
+            exit_after_stop(stop, "the checkpointer's save and the code after fit()")
 
     def post_epoch(self) -> None:
         """EPOCH_END."""
