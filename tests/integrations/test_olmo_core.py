@@ -36,7 +36,7 @@ import olmo_core.utils
 from rankguard.callbacks.checkpoint.plan import RankMemory, plan_save
 from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard
-from rankguard.integrations import _common as rg_common
+from rankguard.integrations import _adapter as rg_adapter
 from rankguard.integrations import olmo_core as rg_olmo
 from rankguard.integrations.olmo_core import RankGuard, decisions, facts
 from tests.e2e.common import EventLog
@@ -173,7 +173,7 @@ def test_sigterm_during_the_fit_is_rankguards_and_cancels_the_run_after_a_saved_
     tmp_path, caplog, monkeypatch
 ):
     exits = []
-    monkeypatch.setattr(rg_common, "exit_at_interpreter_exit", lambda *args: exits.append(args[0]))
+    monkeypatch.setattr(rg_adapter, "exit_at_interpreter_exit", lambda *args: exits.append(args[0]))
     caplog.set_level(logging.INFO)
     before = signal.getsignal(signal.SIGTERM)
     callbacks = {"rankguard": RankGuard(), "signal": SignalAt(2, 0.1)}
