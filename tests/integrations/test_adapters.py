@@ -126,6 +126,24 @@ def test_composer_single_process_fit_is_silent(caplog):
     assert [r for r in caplog.records if r.name.startswith("rankguard")] == []
 
 
+def _linear_module():
+    """A Lightning module of one linear layer, trained with SGD (no validation step)."""
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Module()
+
+
 def test_lightning_single_process_fit_is_silent(caplog):
     import lightning as L
 
@@ -262,23 +280,11 @@ def test_lightning_every_save_and_resume_pass_through_rankguard(tmp_path):
     # before a resume. Fails if Lightning stops calling either.
     import inspect
 
-    import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
     assert "trainer.save_checkpoint(" in inspect.getsource(ModelCheckpoint._save_checkpoint)
     assert "strategy.load_checkpoint(" in inspect.getsource(_CheckpointConnector.resume_start)
-
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Linear(4, 2)
-
-        def training_step(self, batch, batch_idx):
-            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def fit(recorder, **kwargs):
         trainer = cpu_trainer(
@@ -291,7 +297,7 @@ def test_lightning_every_save_and_resume_pass_through_rankguard(tmp_path):
                 ),
             ],
         )
-        trainer.fit(Module(), DataLoader(Points(16), batch_size=4), **kwargs)
+        trainer.fit(_linear_module(), DataLoader(Points(16), batch_size=4), **kwargs)
         return trainer
 
     recorder = Recorder()
@@ -387,17 +393,6 @@ def test_lightning_catches_the_stop_signals_in_place_of_its_own_handler_during_t
     """
     import lightning as L
 
-    class Module(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Linear(4, 2)
-
-        def training_step(self, batch, batch_idx):
-            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     class Seen(L.Callback):
         handler = None
 
@@ -407,7 +402,9 @@ def test_lightning_catches_the_stop_signals_in_place_of_its_own_handler_during_t
     before = signal.getsignal(signal.SIGTERM)
     guard = rg_lightning.RankGuard()
     caplog.set_level(logging.INFO, logger="rankguard")
-    cpu_trainer(callbacks=[guard, Seen()]).fit(Module(), DataLoader(Points(16), batch_size=4))
+    cpu_trainer(callbacks=[guard, Seen()]).fit(
+        _linear_module(), DataLoader(Points(16), batch_size=4)
+    )
     assert Seen.handler == stop_agreement(guard.runner.guards)._handle
     assert signal.getsignal(signal.SIGTERM) == before
     assert "SIGTERM already had a handler (<lightning.pytorch.trainer.connectors" in caplog.text
