@@ -16,7 +16,8 @@ runs, with ``RankGuard`` at its defaults and without any rankguard callback
   sends itself SIGTERM after step (batch) 6.
 
 Each cell: the step each rank's fit ended after (its ``OUT/rank{N}.json``; "-" where
-the rank wrote none), the checkpoint(s) in the job's checkpoint folder ("none"), each
+the rank wrote none), the checkpoint(s) of that step in the job's checkpoint folder
+("none"; any other entry there in brackets, e.g. OLMo-core's ``step0``), each
 rank's exit code (or its launcher's where the launcher names none), and the seconds
 from the signal to the last rank's (launcher's) end. A job still running ``--cap``
 seconds after its start is killed: "hangs (killed at 60 s)". Usage::
@@ -62,7 +63,8 @@ class Run:
     """One job's end, from rank 1's signal."""
 
     steps: list[str] = field(default_factory=lambda: ["-", "-"])
-    checkpoints: list[str] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)  # the save of the step stopped after
+    others: list[str] = field(default_factory=list)  # the checkpoint folder's other entries
     codes: list[str] = field(default_factory=lambda: ["?", "?"])
     took_s: float | None = None
     timed_out: bool = False
@@ -87,14 +89,29 @@ def _collect(out: Path, ended: list[Ended], signalled: float | None, run: Run) -
         if record.exists():
             run.steps[rank] = str(json.loads(record.read_text())["step"])
     ckpt = out / "ckpt"
-    if ckpt.is_dir():
-        run.checkpoints = sorted(p.name for p in ckpt.iterdir() if not p.is_symlink())
+    entries = sorted(p for p in ckpt.iterdir() if not p.is_symlink()) if ckpt.is_dir() else []
+    steps = set(run.steps) - {"-"}
+    run.checkpoints = [p.name for p in entries if steps and _of_step(p, steps)]
+    run.others = [p.name for p in entries if p.name not in run.checkpoints]
     run.timed_out = any(e.timed_out for e in ended)
     if signalled is None:
         run.error = "rank 1 was never signalled"
     else:
         run.took_s = max(e.ended_at for e in ended) - signalled
     return run
+
+
+def _of_step(entry: Path, steps: set[str]) -> bool:
+    """Whether a checkpoint folder's entry is the save of one of ``steps``.
+
+    By its name (``epoch=0-step=15.ckpt``, ``checkpoint-15``, ``step15``, ``ep0-ba15-rank0.pt``);
+    the loop's ``{rank}.pt`` by the step saved in it.
+    """
+    if re.fullmatch(r"\d+\.pt", entry.name):
+        import torch
+
+        return str(torch.load(entry, weights_only=True)["step"]) in steps
+    return any(re.search(rf"(?<!\d){step}(?!\d)", entry.name) for step in steps)
 
 
 def _launcher_codes(output: str, pattern: re.Pattern[str], returncode: int) -> list[str]:
@@ -202,6 +219,8 @@ def _cell(run: Run, cap_s: float) -> str:
     if run.error and run.took_s is None and run.steps == ["-", "-"]:
         return f"{run.error}; exit {' / '.join(run.codes)}"
     saved = ", ".join(run.checkpoints) or "none"
+    if run.others:
+        saved += f" (other: {', '.join(run.others)})"
     parts = [
         f"stopped after {' / '.join(run.steps)}",
         f"saved {saved}",
@@ -226,8 +245,9 @@ def main() -> None:
     print(
         f"torch {torch.__version__}; 2 gloo ranks; rank 1 gets SIGTERM (the loop: at step 10, "
         "through its node's torchrun; the frameworks: from itself after step 6). Per cell: "
-        "the step each rank's fit ended after (rank 0 / rank 1), the checkpoint folder's "
-        "entries, each rank's exit code, seconds from the signal to the last rank's end."
+        "the step each rank's fit ended after (rank 0 / rank 1), the checkpoint of that step "
+        "(the folder's other entries in brackets), each rank's exit code, seconds from the "
+        "signal to the last rank's end."
     )
     print("\n| integration | with rankguard | without |\n|---|---|---|")
     for name in args.integrations.split(","):
