@@ -6,6 +6,9 @@ at its defaults agrees the stop: every rank's fit ends after the same batch, whe
 ``CheckpointSaver`` (``save_folder=OUT/ckpt``, an interval far past the stop) saves as at
 the end of training. At ``FIT_END`` each rank writes ``OUT/rank{N}.json`` (its batch, the
 time); the process then exits with 75. Log lines carry their Unix time.
+
+``RANKGUARD=off`` runs the same job without the ``RankGuard`` callback
+(``benchmarks/preemption.py``): the same signal at the same batch, the same saver.
 """
 
 from __future__ import annotations
@@ -59,13 +62,17 @@ def main() -> None:
     torch.set_num_threads(1)
     data = Points(BATCHES * BATCH * 2)
     train = DataLoader(data, batch_size=BATCH, sampler=dist.get_sampler(data))
-    guard = RankGuard(hang_watchdog={"report_dir": str(out / "reports")})
+    guards = (
+        []
+        if os.environ.get("RANKGUARD") == "off"
+        else [RankGuard(hang_watchdog={"report_dir": str(out / "reports")})]
+    )
     sharded = sys.argv[2:] == ["sharded"]
     fsdp = {"fsdp": FSDP2Config(state_dict_type="sharded")} if sharded else None
     job = Trainer(
         model=ComposerClassifier(torch.nn.Linear(4, 2), num_classes=2),
         train_dataloader=train,
-        callbacks=[guard, Preempt(out)],
+        callbacks=[*guards, Preempt(out)],
         max_duration=f"{BATCHES}ba",
         save_folder=str(out / "ckpt"),
         save_interval=f"{BATCHES * 10}ba",

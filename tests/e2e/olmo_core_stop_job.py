@@ -7,6 +7,9 @@ stop). Rank 1 sends itself SIGTERM after train step ``SIGNAL_AT`` (writing the m
 cancels the run after the same step, where the checkpointer's ``post_train`` saves. Each
 rank then writes ``OUT/rank{N}.json`` (its step, the time); the process exits with 75. Log
 lines carry their Unix time.
+
+``RANKGUARD=off`` runs the same job without the ``RankGuard`` callback
+(``benchmarks/preemption.py``): the same signal after the same step, the same checkpointer.
 """
 
 from __future__ import annotations
@@ -51,10 +54,13 @@ def main() -> None:
     logging.getLogger("rankguard").setLevel(logging.INFO)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    guard = RankGuard(hang_watchdog={"report_dir": str(out / "reports")})
+    callbacks: dict[str, Callback] = {"preempt": Preempt(out)}
+    if os.environ.get("RANKGUARD") != "off":
+        guard = RankGuard(hang_watchdog={"report_dir": str(out / "reports")})
+        callbacks = {"rankguard": guard, **callbacks}
     trainer = build_trainer(
         out / "work",
-        {"rankguard": guard, "preempt": Preempt(out)},
+        callbacks,
         eval_sequences=None,
         save_folder=out / "ckpt",
         steps=STEPS,

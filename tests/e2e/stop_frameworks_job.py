@@ -18,6 +18,10 @@ the same agreed step and the framework's own checkpoint is written there; after 
 each rank writes ``OUT/rank{N}.json`` (the step it stopped after, the Unix time its
 training loop ended, the checkpoint files); the process then exits with 75. Log lines
 carry their Unix time, level and rank.
+
+``RANKGUARD=off`` runs the same job without the ``RankGuard`` callback
+(``benchmarks/preemption.py``): the same signal at the same step, the same
+``ModelCheckpoint`` or saving arguments.
 """
 
 from __future__ import annotations
@@ -37,6 +41,15 @@ SIGNAL_AT = 6
 STEP_S = 0.05
 STEPS = 600  # ~30 s of steps: the stop comes long before
 RECORD: dict[str, Any] = {}
+
+
+def _guard(module: str) -> list[Any]:
+    """``[RankGuard()]`` from ``rankguard.integrations.<module>``; none with ``RANKGUARD=off``."""
+    if os.environ.get("RANKGUARD") == "off":
+        return []
+    from importlib import import_module
+
+    return [import_module(f"rankguard.integrations.{module}").RankGuard()]
 
 
 def _signal_self(rank: int, step: int, out: Path) -> None:
@@ -59,8 +72,6 @@ def lightning(rank: int, out: Path, variant: str) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
-
-    from rankguard.integrations.lightning import RankGuard
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -90,7 +101,7 @@ def lightning(rank: int, out: Path, variant: str) -> dict[str, Any]:
         devices=2,
         strategy="ddp",
         max_steps=STEPS,
-        callbacks=[RankGuard(), Record(), checkpoint],
+        callbacks=[*_guard("lightning"), Record(), checkpoint],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -101,8 +112,6 @@ def lightning(rank: int, out: Path, variant: str) -> dict[str, Any]:
 
 def hf(rank: int, out: Path, variant: str) -> dict[str, Any]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from rankguard.integrations.transformers import RankGuard
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
@@ -137,7 +146,10 @@ def hf(rank: int, out: Path, variant: str) -> dict[str, Any]:
         dataloader_num_workers=0,
     )
     trainer = Trainer(
-        model=Model(), args=args, train_dataset=_data(), callbacks=[RankGuard(), Record()]
+        model=Model(),
+        args=args,
+        train_dataset=_data(),
+        callbacks=[*_guard("transformers"), Record()],
     )
     trainer.train()
     return {"step": trainer.state.global_step}
