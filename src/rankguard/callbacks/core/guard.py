@@ -284,8 +284,8 @@ class GuardRunner:
         for guard in self.guards:
             try:
                 guard.close()
-            except Exception:
-                logger.exception("rankguard: closing %s failed", guard.name)
+            except Exception as exc:  # the exception in the line itself: a recording shows it
+                logger.exception("rankguard: closing %s failed (%r)", guard.name, exc)
         self.intervals.close()
         self.channel = None
         self.steps.reset()  # a per-step event after this reaches nobody

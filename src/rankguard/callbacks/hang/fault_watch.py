@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from rankguard.callbacks.core.errors import HangDetectedError, RankGuardError
+from rankguard.callbacks.core.interrupts import wait_through_signals
 from rankguard.callbacks.core.nodes import node_identity
 from rankguard.callbacks.hang import incident
 from rankguard.callbacks.hang.collective_files import (
@@ -388,17 +389,13 @@ class FaultWatch:
                 done.set()
 
         threading.Thread(target=publish, name="rankguard-publish-fault", daemon=True).start()
-        deadline = _now() + limit_s
-        while not done.is_set() and _now() < deadline:
-            try:
-                done.wait(deadline - _now())
-            except BaseException as late:  # a signal handler's (see above): wait on
-                logger.info(
-                    "rankguard %s: %s raised while this rank told the others its fault; "
-                    "the fault is told first.",
-                    self.owner.guard.name,
-                    type(late).__name__,
-                )
+        wait_through_signals(
+            done.wait,
+            done.is_set,
+            limit_s,
+            "this rank told the others its fault",
+            through=BaseException,
+        )
         if not outcome:
             return f"the store did not answer within {limit_s:g} s"
         return None if outcome[0] is None else str(outcome[0])

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rankguard.callbacks.core.errors import HangDetectedError, RanksMissingError
+from rankguard.callbacks.core.interrupts import wait_through_signals
 from rankguard.callbacks.core.step_log import expand
 from rankguard.callbacks.hang import deadlines as policy
 from rankguard.callbacks.hang import incident
@@ -156,12 +157,23 @@ class WatchdogThread:
             # this rank's status says it left the loop: a rank that waits at a rendezvous
             # in it for its settle time proves a deadlock (the thread then ends the job).
             limit = 2 * guard.exchange_period_s + guard.exchange_timeout_s + self.settle.stack_s
-            thread.join(timeout=limit)
+            self._join(thread, limit)
         self.stop.set()
         self.wake.set()
         # An exchange in flight ends within its timeout (+ the followers' grace).
-        thread.join(timeout=1.25 * guard.exchange_timeout_s + 7.0)
+        self._join(thread, 1.25 * guard.exchange_timeout_s + 7.0)
         self.close_recorder()
+
+    @staticmethod
+    def _join(thread: threading.Thread, limit_s: float) -> None:
+        """Joins ``thread`` (at most ``limit_s``), through a signal handler's exception.
+
+        A launcher stops the other ranks with SIGTERM once one exits, often while they
+        close; a framework's handler may raise then (OLMo-core's, after a failed fit).
+        """
+        wait_through_signals(
+            thread.join, lambda: not thread.is_alive(), limit_s, "rankguard's watchdog closed"
+        )
 
     def close_recorder(self) -> None:
         """Restores torch.distributed; keeps the record files unless fit ended healthy."""
