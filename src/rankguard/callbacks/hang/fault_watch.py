@@ -388,9 +388,18 @@ class FaultWatch:
             finally:
                 done.set()
 
-        threading.Thread(target=publish, name="rankguard-publish-fault", daemon=True).start()
+        thread = threading.Thread(target=publish, name="rankguard-publish-fault", daemon=True)
+        launched: list[bool] = []
+
+        def launch_then_wait(seconds: float) -> None:
+            # The start waits for the thread to run, which may signal at once: it waits through.
+            if not launched:
+                launched.append(True)
+                thread.start()
+            done.wait(seconds)
+
         wait_through_signals(
-            done.wait,
+            launch_then_wait,
             done.is_set,
             limit_s,
             "this rank told the others its fault",
