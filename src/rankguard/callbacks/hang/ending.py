@@ -78,7 +78,8 @@ def _meet(
         except Exception as exc:
             logger.debug("rankguard: could not say this rank leaves: %s", exc)
     rank, world = channel.rank, channel.world_size
-    others = [r for r in range(world) if r != rank and r not in set(skip)]
+    skipped = {rank, *skip}
+    others = [r for r in range(world) if r not in skipped]
     base = f"{channel.prefix}/{_KEYS}"
     store = channel.store
     try:
