@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from rankguard.callbacks.core.errors import HangDetectedError, RankGuardError
 from rankguard.callbacks.core.interrupts import wait_through_signals
 from rankguard.callbacks.core.nodes import node_identity
+from rankguard.callbacks.core.ranks import rank_label
 from rankguard.callbacks.hang import incident
 from rankguard.callbacks.hang.collective_files import (
     FAULT_SUFFIX,
@@ -34,6 +35,7 @@ from rankguard.callbacks.hang.faults import (
     from_exception,
     gone_fault,
     is_alive,
+    left_fault,
     message,
     pid_namespace,
     record_heads,
@@ -71,6 +73,11 @@ def _waited(rank: int, status: RankStatus) -> str:
     if status.blocked_in:
         return f"rank {rank} was blocked in {status.blocked_in}"
     return f"rank {rank} was in its own code ({status.phase})"
+
+
+def _held(status: RankStatus) -> bool:
+    """Whether this rank's loop waits at a rendezvous (it needs its peers to go on)."""
+    return bool(status.blocked_in or (status.waits_at and status.settled))
 
 
 class FaultWatch:
@@ -157,6 +164,43 @@ class FaultWatch:
                 self.board.leave(why)
             except Exception as exc:
                 logger.debug("rankguard: could not say this rank leaves: %s", exc)
+
+    def left_early(self, training: list[int], phases: str) -> None:
+        """This rank's fit ended while ``training`` (ranks) had not; ``phases``: everyone's then.
+
+        It tells them (never raises): a peer that then waits at a rendezvous this rank
+        will never reach ends with the ``left`` family's code, in words that name this
+        rank, rather than waiting for a timeout. A peer that finishes its fit without
+        one (its own code after the loop, on one rank) is not told anything.
+        """
+        board, guard = self.board, self.owner.guard
+        if board is None or self.published is not None or self.handled:
+            return
+        beat = guard._beat
+        fault = left_fault(
+            board.channel.rank,
+            step=beat.step if beat is not None else 0,
+            training=rank_label(training),
+            phases=phases,
+            host=self.owner.host,
+            pid=os.getpid(),
+        )
+        try:
+            board.publish(fault)
+        except Exception as exc:
+            logger.debug("rankguard: could not say this rank left early: %s", exc)
+            return
+        self.published = fault
+        logger.info(  # not a warning: a peer in its own code may finish its fit without it
+            "rankguard %s: This rank's fit ended while %s still trains: told them (a rank that "
+            "then waits for this one ends with exit code %d). At the last status exchange: %s.",
+            guard.name,
+            rank_label(training),
+            fault.code,
+            phases,
+        )
+        if board.channel.is_leader and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            atexit.register(self._wait_at_exit, self.cancel)  # its process hosts the store
 
     def check(self) -> None:
         """Reads new faults and this node's dead peers; ends this rank on one (never raises)."""
@@ -249,8 +293,13 @@ class FaultWatch:
         beat = guard._beat
         if beat is not None and beat.kind != "done" and _now() - beat.at < QUIET_S:
             return  # still stepping: it will be held at its next host sync
-        self.handled = True
+        if first.family == "left" and (beat is None or beat.kind == "done"):
+            self.handled = True  # this rank's fit ended too: nobody waits for the one that left
+            return
         status = owner.status()
+        if first.family == "left" and not _held(status):
+            return  # in its own code: it may finish without the rank that left
+        self.handled = True
         header = incident.header(rank, status.host, status.pid, status.phase)
         folder = attempt_dir(guard.report_dir, os.environ)
         where = incident.where(header, str(folder), rank, owner.nccl_note)

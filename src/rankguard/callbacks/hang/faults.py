@@ -32,6 +32,7 @@ __all__ = [
     "from_exception",
     "gone_fault",
     "is_alive",
+    "left_fault",
     "pid_namespace",
     "root",
 ]
@@ -45,6 +46,7 @@ FAMILIES: dict[str, str] = {
     "communication": "a collective or store that failed (a peer's fault)",
     "interrupted": "an interrupt (KeyboardInterrupt, SystemExit on SIGTERM)",
     "gone": "a process gone without an exception (SIGKILL, a crash, a lost node)",
+    "left": "a rank whose fit ended early, without an error, while the others trained on",
 }
 
 #: Words in a RuntimeError's message that say a device or a backend failed, not the code.
@@ -152,6 +154,8 @@ class Fault:
         """The first sentence: ``"Rank 1 raised ValueError: sample 4711 has no tokens."``."""
         if self.gone:
             return f"Rank {self.rank} is gone: {self.error}."
+        if self.family == "left":
+            return f"Rank {self.rank} left the fit early: {self.error}."
         return f"Rank {self.rank} raised {self.error.rstrip('.')}."
 
     def detail(self) -> str:
@@ -159,6 +163,11 @@ class Fault:
         where = f"host {self.host}, pid {self.pid}"
         if self.gone:
             return f"Last seen: {self.phase}" + (f" ({where})." if self.pid > 0 else ".")
+        if self.family == "left":
+            return (
+                f"At the last status exchange: {self.phase}. Its fit returned without an error "
+                f"({where}): its process went on past the fit, or exited with 0."
+            )
         place = f"At {self.where}; " if self.where else ""
         return f"{place}{self.phase}, {where}."
 
@@ -171,6 +180,9 @@ _NEXT = {
     "was not meant.",
     "gone": "restart the job; look at rank {rank}'s node (dmesg: the OOM killer, a crash) and at "
     "its fault file if faulthandler wrote one.",
+    "left": "make every rank run the same number of steps: rank {rank}'s loop ended first (a "
+    "shorter shard of the data, a `break` or an early return on some ranks only): decide to "
+    "stop on every rank alike.",
 }
 
 
@@ -267,6 +279,15 @@ def gone_fault(rank: int, *, host: str, pid: int, by: int, phase: str, step: int
         "(killed: SIGKILL, the OOM killer, or a crash)"
     )
     return Fault(rank, "gone", error, None, step, phase, host, pid, (), by, time.time())
+
+
+def left_fault(rank: int, *, step: int, training: str, phases: str, host: str, pid: int) -> Fault:
+    """The fault of this rank, whose fit ended while ``training`` (e.g. ``"rank 1"``) had not.
+
+    ``phases``: every rank's phase at the last status exchange (its ``phase``).
+    """
+    error = f"its fit ended after train step {step} while {training} still trained"
+    return Fault(rank, "left", error, None, step, phases, host, pid, (), rank, time.time())
 
 
 def root(faults: Sequence[Fault]) -> Fault:

@@ -55,6 +55,7 @@ EXIT_CODES: dict[str, int | None] = {
     "communication": HANG_EXIT_CODE,  # a collective or store failed: a peer's fault
     "interrupted": HANG_EXIT_CODE,  # KeyboardInterrupt, SystemExit on a signal
     "preempted": HANG_EXIT_CODE,  # a stop signal every rank stopped on, at one step: restart
+    "left": DEADLOCK_EXIT_CODE,  # a rank's fit ended early while the others trained: fix it
 }
 #: What each end of :data:`EXIT_CODES` is, in the README's exit-code table (same keys).
 EXIT_MEANINGS: dict[str, str] = {
@@ -70,6 +71,7 @@ EXIT_MEANINGS: dict[str, str] = {
     "communication": "a rank's collective or store failed (a peer's fault first)",
     "interrupted": "a rank was interrupted (`KeyboardInterrupt`, `SystemExit`)",
     "preempted": "a preemption signal every rank stopped on, after one agreed step",
+    "left": "a rank's fit ended early, without an error, while the others still trained",
 }
 
 Runs = tuple[tuple[int, int], ...]

@@ -156,7 +156,7 @@ def _stalled(
     if stuck:
         summary = "; ".join(
             grouped(stuck, "{who} stuck {idle:.0f} s in {phase} ({limits}{and_where})")
-            + grouped(others, "{who} waiting {idle:.0f} s in {phase}{where}")
+            + grouped(others, "{who} waiting {idle:.0f} s {in_phase}{where}")
         )
         split = split_sentence(statuses, words)
         details += (*where_lines(statuses), *([f"What split them: {split}"] if split else []))
@@ -170,7 +170,7 @@ def _stalled(
         stuck=to_runs(stuck),
         summary=summary,
         details=details,
-        phases="; ".join(grouped(statuses, "{who} in {phase}{where}")),
+        phases="; ".join(grouped(statuses, "{who} {in_phase}{where}")),
         done=to_runs(r for r, s in statuses.items() if s.deadline_s is None),
         slack_s=max((s.deadline_s - s.idle_s for s in running), default=math.inf),  # type: ignore[operator]
         first=first,

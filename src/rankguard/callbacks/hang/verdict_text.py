@@ -75,7 +75,11 @@ def phase_label(event: str, step: int, batch_index: int | None, loader: str | No
 
 
 def grouped(statuses: Mapping[int, RankStatus], template: str) -> list[str]:
-    """One part per group of ranks in the same phase and call, the longest idle first."""
+    """One part per group of ranks in the same phase and call, the longest idle first.
+
+    ``template``'s fields: ``who``, ``idle``, ``phase``, ``in_phase`` (``"in train batch
+    5"``, or ``"left the training loop at step 5"``), ``limits``, ``where``, ``and_where``.
+    """
     parts = []
     groups = group_ranks({rank: (s.phase, s.blocked_in) for rank, s in statuses.items()})
     groups.sort(key=lambda g: -max(statuses[r].idle_s for r in g[0]))
@@ -86,6 +90,7 @@ def grouped(statuses: Mapping[int, RankStatus], template: str) -> list[str]:
                 who=rank_label(ranks),
                 idle=sample.idle_s,
                 phase=phase,
+                in_phase=phase if phase.startswith(LEFT_LOOP) else f"in {phase}",
                 limits=sample.limits(),
                 where=f" (blocked in {blocked})" if blocked else "",
                 and_where=f"; blocked in {blocked}" if blocked else "",

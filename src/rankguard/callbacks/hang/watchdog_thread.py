@@ -32,7 +32,7 @@ from rankguard.callbacks.hang.job import attempt_dir, process_group_timeout
 from rankguard.callbacks.hang.rank_status import rank_status
 from rankguard.callbacks.hang.report import write_incident
 from rankguard.callbacks.hang.stacks import code_name
-from rankguard.callbacks.hang.status import GaveUp, RankStatus, Runs, Verdict
+from rankguard.callbacks.hang.status import GaveUp, RankStatus, Runs, Verdict, in_runs
 from rankguard.callbacks.hang.verdict import diagnose
 from rankguard.callbacks.hang.verdict_text import (
     flight_recorder_note,
@@ -158,11 +158,21 @@ class WatchdogThread:
             # in it for its settle time proves a deadlock (the thread then ends the job).
             limit = 2 * guard.exchange_period_s + guard.exchange_timeout_s + self.settle.stack_s
             self._join(thread, limit)
+            training, phases = self._still_training()
+            if thread.is_alive() and training:
+                self.faults.left_early(training, phases)
         self.stop.set()
         self.wake.set()
         # An exchange in flight ends within its timeout (+ the followers' grace).
         self._join(thread, 1.25 * guard.exchange_timeout_s + 7.0)
         self.close_recorder()
+
+    def _still_training(self) -> tuple[list[int], str]:
+        """The ranks whose fit had not ended at the last verdict, and every rank's phase then."""
+        last, world = self.last, self.guard.channel.world_size
+        if last is None or self.ended.is_set():
+            return [], ""
+        return [r for r in range(world) if not in_runs(r, last.done)], last.phases
 
     @staticmethod
     def _join(thread: threading.Thread, limit_s: float) -> None:
