@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -14,7 +15,13 @@ import pytest
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.side_channel import SideChannel
 from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
-from rankguard.callbacks.hang.stop import StopAgreement, StopRequest, check_signals, decide
+from rankguard.callbacks.hang.stop import (
+    StopAgreement,
+    StopRequest,
+    check_signals,
+    decide,
+    own_handlers,
+)
 from tests.mp import run_ranks
 
 # -- the decision and the settings ----------------------------------------------------------
@@ -79,22 +86,47 @@ def test_one_process_stops_at_its_next_boundary_and_restores_the_handler(caplog)
     assert "every rank stops after train step 5" in caplog.text
 
 
-def test_a_callable_handler_before_it_is_kept_said_at_info_and_restored(caplog):
-    def framework_handler(signum, frame):  # a framework's: may issue a collective
-        raise AssertionError("called from inside rankguard's handler")
+def test_a_users_handler_is_called_once_at_the_agreed_step_not_in_the_signal(caplog):
+    calls = []
 
-    previous = signal.signal(signal.SIGUSR1, framework_handler)
+    def save_on_preemption(signum, frame):  # the user's own, set before the fit
+        calls.append((signum, frame, threading.current_thread().name))
+        sys.exit(0)  # as many do after their save: the stop's exit code stands
+
+    previous = signal.signal(signal.SIGUSR1, save_on_preemption)
     try:
         agreement = _agreement()
         with caplog.at_level(logging.INFO):
             agreement.install()
             os.kill(os.getpid(), signal.SIGUSR1)
+            agreement.poll()
+            assert calls == []  # not in the signal's context
+            assert agreement.at_boundary(5) and agreement.at_boundary(6)
             agreement.restore()
-        assert signal.getsignal(signal.SIGUSR1) is framework_handler
-        (record,) = [r for r in caplog.records if "already had a handler" in r.message]
-        assert record.levelno == logging.INFO and "framework_handler" in record.message
+        assert calls == [(signal.SIGUSR1, None, threading.current_thread().name)]
+        assert signal.getsignal(signal.SIGUSR1) is save_on_preemption
+        (said,) = [r for r in caplog.records if "already had a handler" in r.message]
+        assert said.levelno == logging.INFO
+        assert "calls test_a_users_handler_is_called_once" in said.message
+        assert "on every rank at the agreed stop step" in said.message
+        (exited,) = [r for r in caplog.records if "asked to exit (SystemExit)" in r.message]
+        assert exited.levelno == logging.INFO and "exits with 75 after the save" in exited.message
     finally:
         signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_frameworks_own_handler_is_not_called_and_a_users_inside_it_is_found():
+    lightning = pytest.importorskip("lightning.pytorch.trainer.connectors.signal_connector")
+
+    def users(signum, frame):
+        pass
+
+    connector = lightning._SignalConnector(trainer=None)
+    composed = lightning._HandlersCompose([connector._sigterm_notifier_fn, users])
+    assert own_handlers(composed) == [users]  # Lightning's own notifier (a collective) left out
+    assert own_handlers(connector._sigterm_notifier_fn) == []
+    assert own_handlers(signal.default_int_handler) == []
+    assert own_handlers(signal.SIG_DFL) == own_handlers(None) == []
 
 
 # -- real ranks: a HangWatchdog bound to a side channel, a real all_reduce each step ----------
@@ -129,6 +161,8 @@ def _train(rank, world_size, report_dir, signal_at, ahead, steps=MAX_STEPS):
     watchdog.bind(SideChannel.from_environment(timeout_s=10))
     watchdog.on_fit_start(EventFacts())
     agreement, store = watchdog.stop_agreement, watchdog.channel.store
+    called: list[int] = []  # the user's own SIGTERM handler: each rank's calls, by step
+    signal.signal(signal.SIGTERM, lambda signum, frame: called.append(step))
     agreement.install()  # as the adapter of a loop that stops on it does
     t = torch.ones(1)
     signalled_at = stopped = None
@@ -155,7 +189,7 @@ def _train(rank, world_size, report_dir, signal_at, ahead, steps=MAX_STEPS):
     watchdog.handle(Event.FIT_END, EventFacts(step=step))
     watchdog.close()
     reason = agreement.stopped.reason if agreement.stopped else None
-    return stopped, stopped_at, signalled_at, reason, warnings.lines
+    return stopped, stopped_at, signalled_at, reason, warnings.lines, called
 
 
 def _check_stopped_together(outcomes, signal_at, signalled):
@@ -173,6 +207,7 @@ def _check_stopped_together(outcomes, signal_at, signalled):
         (warning,) = o.value[4]  # the one WARNING: "Preempted: ..."
         assert warning.startswith(f"rankguard hang_watchdog: Preempted: {words}"), warning
         assert f"every rank stops after train step {step}" in warning
+        assert o.value[5] == [step], o.value  # the user's handler: once, at the agreed step
     print(f"stopped after step {step}, {took:.1f} s after the signal")
     return step, took
 
@@ -197,14 +232,15 @@ def test_a_signal_every_rank_gets_at_once_stops_them_at_one_step_with_one_warnin
     for o in outcomes:
         (warning,) = o.value[4]
         assert warning.startswith("rankguard hang_watchdog: Preempted: SIGTERM on rank "), warning
+        assert o.value[5] == [o.value[0]], o.value  # the user's handler once, not twice
 
 
 def test_a_run_without_a_signal_is_unaffected(tmp_path):
     outcomes = run_ranks(_train, 2, str(tmp_path), -1, False, 30, timeout_s=120)
     assert [o.exitcode for o in outcomes] == [0, 0], outcomes
     for o in outcomes:
-        stopped, _, _, reason, warnings = o.value
-        assert (stopped, reason, warnings) == (None, None, []), o.value
+        stopped, _, _, reason, warnings, called = o.value
+        assert (stopped, reason, warnings, called) == (None, None, [], []), o.value
 
 
 # -- the hand-written loop: run.train ends on every rank, run.stopped says why ----------------

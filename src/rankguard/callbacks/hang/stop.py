@@ -22,6 +22,7 @@ from rankguard.callbacks.hang.ending import end_process
 from rankguard.callbacks.hang.status import EXIT_CODES
 
 __all__ = [
+    "FRAMEWORKS",
     "SIGNAL_CHOICES",
     "STOP_EXIT_CODE",
     "StopAgreement",
@@ -30,6 +31,7 @@ __all__ = [
     "check_signals",
     "decide",
     "exit_at_interpreter_exit",
+    "own_handlers",
 ]
 
 logger = logging.getLogger("rankguard.callbacks.hang_watchdog")
@@ -46,6 +48,43 @@ SIGNAL_CHOICES = tuple(
     for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGXCPU", "SIGPWR")
     if hasattr(signal, n)
 )
+
+
+#: The packages whose own handlers act on the signalled rank alone (Lightning's issues a
+#: collective in it, OLMo-core's cancels that rank's run, the HF Trainer's saves on it):
+#: the agreed stop does their work on every rank, so they are not called during the fit.
+FRAMEWORKS = (
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "transformers",
+    "accelerate",
+    "composer",
+    "olmo_core",
+    "torch",
+    "rankguard",
+)
+
+
+def own_handlers(handler: Any) -> list[Callable[[int, Any], Any]]:
+    """The user's own handlers in ``handler``: a framework's, or Python's default, are not.
+
+    A framework that composes the handlers it found with its own (Lightning's
+    ``_HandlersCompose``, a ``signal_handlers`` list) is opened, so a handler the user
+    set before the fit is found inside it.
+    """
+    inner = getattr(handler, "signal_handlers", None)
+    if isinstance(inner, list | tuple):
+        return [own for each in inner for own in own_handlers(each)]
+    if not callable(handler) or handler is signal.default_int_handler:
+        return []
+    function = getattr(handler, "__func__", handler)
+    module = getattr(function, "__module__", None) or ""
+    return [] if module.split(".")[0] in FRAMEWORKS else [handler]
+
+
+def _name(handler: Any) -> str:
+    return getattr(handler, "__qualname__", None) or repr(handler)
 
 
 def check_signals(value: Any) -> tuple[str, ...]:
@@ -135,6 +174,7 @@ class StopAgreement:
         self.grace_s = grace_s
         self._next_boundary = next_boundary
         self._previous: dict[int, Any] = {}
+        self._chained: dict[int, list[Callable[[int, Any], Any]]] = {}
         self._fits = 0
         self.channel: Any = None
         self.reset(None)
@@ -177,14 +217,27 @@ class StopAgreement:
             signum = getattr(signal, name)
             previous = signal.signal(signum, self._handle)
             self._previous[signum] = previous
-            if callable(previous):
-                logger.info(
-                    "rankguard hang_watchdog: %s already had a handler (%s); rankguard catches it "
-                    "during the fit to stop every rank at one step first, and does not call it "
-                    "(it is restored when the fit ends)",
-                    name,
-                    getattr(previous, "__qualname__", repr(previous)),
-                )
+            self._chained[signum] = own_handlers(previous)
+            if callable(previous) and previous is not signal.default_int_handler:
+                self._say_chained(name, previous, self._chained[signum])
+
+    @staticmethod
+    def _say_chained(name: str, previous: Any, own: list[Callable[[int, Any], Any]]) -> None:
+        """The INFO line on a handler found at install: called at the agreed step, or not."""
+        if own:
+            then = (
+                f"and calls {', '.join(_name(h) for h in own)} on every rank at the agreed "
+                "stop step, before the save"
+            )
+        else:
+            then = "and does not call it: the agreed stop does its work on every rank"
+        logger.info(
+            "rankguard hang_watchdog: %s already had a handler (%s); rankguard catches it during "
+            "the fit to stop every rank at one step, %s (it is restored when the fit ends)",
+            name,
+            _name(previous),
+            then,
+        )
 
     def _handle(self, signum: int, frame: Any) -> None:
         """Notes the signal: no lock, no I/O, no collective (the watchdog thread acts)."""
@@ -195,7 +248,7 @@ class StopAgreement:
 
     def restore(self) -> None:
         """Puts back the handlers :meth:`install` replaced (those still rankguard's)."""
-        previous, self._previous = self._previous, {}
+        previous, self._previous, self._chained = self._previous, {}, {}
         for signum, handler in previous.items():
             try:
                 if signal.getsignal(signum) == self._handle:
@@ -349,7 +402,37 @@ class StopAgreement:
                 completed,
                 STOP_EXIT_CODE,
             )
+        self._call_chained()
         return True
+
+    def _call_chained(self) -> None:
+        """Calls the user's own handlers of the signal asked with (training thread, every rank).
+
+        Never in a signal's context, never on one rank alone: at the step every rank
+        stops at. A handler that exits (``sys.exit``) is told at INFO: the process exits
+        with :data:`STOP_EXIT_CODE` after the save; one that raises is logged, and the
+        stop goes on.
+        """
+        name = self.request.signal if self.request is not None else None
+        signum = getattr(signal, name) if name in SIGNAL_CHOICES else self._signum
+        for handler in self._chained.get(signum or -1, ()):
+            try:
+                handler(signum, None)
+            except (SystemExit, KeyboardInterrupt) as exc:
+                logger.info(
+                    "rankguard hang_watchdog: %s asked to exit (%s); every rank stops at this "
+                    "step instead, and the process exits with %d after the save",
+                    _name(handler),
+                    type(exc).__name__,
+                    STOP_EXIT_CODE,
+                )
+            except Exception:
+                logger.warning(
+                    "rankguard hang_watchdog: %s raised when called at the agreed stop; the "
+                    "stop goes on",
+                    _name(handler),
+                    exc_info=True,
+                )
 
 
 # -- the exit after a stop (an adapter's choice) ---------------------------------------
