@@ -84,7 +84,8 @@ def own_handlers(handler: Any) -> list[Callable[[int, Any], Any]]:
 
 
 def _name(handler: Any) -> str:
-    return getattr(handler, "__qualname__", None) or repr(handler)
+    """``"main.<locals>.save"``, or a callable object's class (``"_HandlersCompose"``)."""
+    return getattr(handler, "__qualname__", None) or type(handler).__qualname__
 
 
 def check_signals(value: Any) -> tuple[str, ...]:
