@@ -84,8 +84,9 @@ def own_handlers(handler: Any) -> list[Callable[[int, Any], Any]]:
 
 
 def _name(handler: Any) -> str:
-    """``"main.<locals>.save"``, or a callable object's class (``"_HandlersCompose"``)."""
-    return getattr(handler, "__qualname__", None) or type(handler).__qualname__
+    """``"main.<locals>.save"``, or a callable object's class with its module."""
+    kind = type(handler)
+    return getattr(handler, "__qualname__", None) or f"{kind.__module__}.{kind.__qualname__}"
 
 
 def check_signals(value: Any) -> tuple[str, ...]:
