@@ -199,8 +199,7 @@ class FaultWatch:
             fault.code,
             phases,
         )
-        if board.channel.is_leader and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            atexit.register(self._wait_at_exit, self.cancel)  # its process hosts the store
+        self._leave_store_last(board)
 
     def check(self) -> None:
         """Reads new faults and this node's dead peers; ends this rank on one (never raises)."""
@@ -412,8 +411,7 @@ class FaultWatch:
                 name="rankguard-teardown",
                 daemon=True,
             ).start()
-        if board.channel.is_leader and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            atexit.register(self._wait_at_exit, self.cancel)  # its process hosts the store
+        self._leave_store_last(board)
 
     def _publish_raised(self, board: FaultBoard, fault: Fault, limit_s: float) -> str | None:
         """Publishes ``fault`` from a thread of its own; ``None`` once done, else why not.
@@ -486,6 +484,11 @@ class FaultWatch:
             write_flight_recorder(folder, rank)
 
         self.end(code, why="teardown_timeout_s", evidence=evidence)
+
+    def _leave_store_last(self, board: FaultBoard) -> None:
+        """Where this rank's process hosts the store, its exit first lets the others read."""
+        if board.channel.is_leader and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            atexit.register(self._wait_at_exit, self.cancel)
 
     def _wait_at_exit(self, cancel: threading.Event) -> None:
         """Rank 0 raised and exits: the store goes with it, so let the others read first.
