@@ -118,11 +118,15 @@ PHASES = {
 
 @pytest.fixture(scope="module")
 def frozen_in_phase(tmp_path_factory) -> dict[str, tuple[str, Path]]:
-    """Both jobs of :data:`PHASES` at once (about 90 s each): rank 0's stderr, the folder."""
+    """Both jobs of :data:`PHASES` at once: rank 0's stderr, the folder.
+
+    About 90 s each (the fault 15-20 s after the start, the end 65 s later); 240 s is the
+    harness's kill.
+    """
     runs = {name: tmp_path_factory.mktemp(name) for name in PHASES}
     with ThreadPoolExecutor(len(runs)) as pool:
         errs = {
-            name: pool.submit(_node0_then_node1_killed, name, out, 150, {"RANKGUARD": "defaults"})
+            name: pool.submit(_node0_then_node1_killed, name, out, 240, {"RANKGUARD": "defaults"})
             for name, out in runs.items()
         }
         return {name: (errs[name].result()[0], runs[name]) for name in runs}
