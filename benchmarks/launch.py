@@ -3,8 +3,9 @@
 :func:`start` runs a command in a session of its own, :func:`finish` waits for
 one or more such commands under one deadline and then kills whatever is left
 of their trees (:func:`kill_tree`). The test harness (``tests/mp.py``), the
-docs generator (``docs/generate.py``) and :func:`launch_nodes` (one torchrun
-per simulated node, master on 127.0.0.1) all launch through them.
+docs generator (``docs/generate.py``) and :func:`launch_nodes` (one launcher
+per simulated node, torchrun or Composer's, master on 127.0.0.1) all launch
+through them; :func:`signal_node` stages a signal that reaches one node only.
 """
 
 from __future__ import annotations
@@ -187,6 +188,29 @@ def finish(
     return ended
 
 
+def node_launcher(launcher: str, node: int, nodes: int, per_node: int, port: int) -> list[str]:
+    """The command that starts one node's ranks: ``torchrun`` or Composer's ``composer``.
+
+    Each launcher starts and watches its own node's ranks only.
+    """
+    binary = str(Path(sys.executable).parent / launcher)
+    if launcher == "composer":
+        return [
+            *(binary, "--world_size", str(nodes * per_node), "--nproc", str(per_node)),
+            *("--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port)),
+        ]
+    if launcher != "torchrun":
+        raise ValueError(f"`launcher` must be 'torchrun' or 'composer'; got {launcher!r}.")
+    return [
+        binary,
+        f"--nnodes={nodes}",
+        f"--nproc-per-node={per_node}",
+        f"--node-rank={node}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+    ]
+
+
 def start_nodes(
     script: Path,
     args: list[str],
@@ -195,34 +219,65 @@ def start_nodes(
     prefix: Mapping[int, Sequence[str]] | None = None,
     env: Mapping[str, str] | None = None,
     merge_output: bool = False,
+    launcher: str = "torchrun",
+    cwd: Path | str | None = None,
 ) -> list[subprocess.Popen]:
-    """Starts ``script`` on ``nodes`` x ``per_node`` ranks, each node its own torchrun.
+    """Starts ``script`` on ``nodes`` x ``per_node`` ranks, each node its own launcher.
 
     ``prefix`` gives a node's launcher a command to run under (e.g. :func:`node_disk`);
-    ``env`` adds to this process's environment. :func:`finish` waits for them.
+    ``env`` adds to this process's environment; ``launcher``: see :func:`node_launcher`.
+    :func:`finish` waits for them.
     """
     port = free_port()
-    torchrun = str(Path(sys.executable).parent / "torchrun")
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     environment = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
     return [
         start(
             [
                 *(prefix or {}).get(node, ()),
-                torchrun,
-                f"--nnodes={nodes}",
-                f"--nproc-per-node={per_node}",
-                f"--node-rank={node}",
-                "--master-addr=127.0.0.1",
-                f"--master-port={port}",
+                *node_launcher(launcher, node, nodes, per_node, port),
                 str(script),
                 *args,
             ],
             env=environment,
+            cwd=cwd,
             merge_output=merge_output,
         )
         for node in range(nodes)
     ]
+
+
+def signal_node(
+    procs: Sequence[subprocess.Popen],
+    ready: Path,
+    node: int = 1,
+    timeout_s: float = 90.0,
+    signum: int = signal.SIGTERM,
+) -> float | None:
+    """Once ``ready`` exists, sends ``signum`` to node ``node``'s launcher alone.
+
+    A scheduler's preemption that reaches one node first: the launcher passes it on
+    to its own ranks (torchrun, Composer's); no other node's process gets it.
+
+    Args:
+        procs: The node launchers, from :func:`start_nodes`.
+        ready: The file a rank writes once the job is where the signal should find it.
+        node: The node whose launcher gets the signal.
+        timeout_s: How long to wait for ``ready``.
+        signum: The signal.
+
+    Returns:
+        The Unix time it was sent, or ``None`` (``ready`` never came, or a launcher
+        ended before it did).
+    """
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            return None
+        time.sleep(0.05)
+    sent = time.time()
+    os.kill(procs[node].pid, signum)
+    return sent
 
 
 def launch_nodes(

@@ -1,26 +1,27 @@
-"""A preemption signal on one rank only: where each rank stops, what is saved, how it ends.
+"""A preemption that reaches one node only: where each rank stops, what is saved, how it ends.
 
-Per integration installed in this environment, the 2-rank gloo job its e2e stop test
-runs, with ``RankGuard`` at its defaults and without any rankguard callback
-(``RANKGUARD=off``: the same signal at the same step, the same saver), side by side:
+Per integration installed in this environment, the job its e2e stop test runs on two
+simulated nodes (one launcher each, one rank each: ``torchrun --nnodes 2``, Composer's
+``composer --world_size 2 --nproc 1 --node_rank N``), with ``RankGuard`` at its defaults
+and without any rankguard callback (``RANKGUARD=off``: the same signal at the same step,
+the same saver), side by side. Once rank 1 is past its ready step (the loop's 10, the
+frameworks' 6) node 1's launcher alone gets SIGTERM, which it passes on to rank 1
+(``tests/hang/test_stop_nodes.py``, ``tests/frameworks/test_stop_nodes_e2e.py``):
 
-- ``loop``: the hand-written loop ``tests/e2e/stop_job.py`` on two simulated nodes (one
-  torchrun each); once rank 1 is past step 10 its node's torchrun gets SIGTERM, which
-  it passes on to rank 1 (``tests/hang/test_stop_nodes.py``'s launch);
+- ``loop``: the hand-written loop ``tests/e2e/stop_job.py``;
 - ``lightning`` / ``hf``: ``tests/e2e/stop_frameworks_job.py`` (Lightning ``ddp`` with a
   ``ModelCheckpoint`` every 1000 steps; the HF Trainer with ``save_strategy="steps"``,
-  every 1000), both ranks started directly (``tests/frameworks/test_stop_e2e.py``'s
-  launch); rank 1 sends itself SIGTERM after train step 6;
-- ``olmo_core`` (torchrun) and ``composer`` (``composer -n 2``):
-  ``tests/e2e/olmo_core_stop_job.py`` and ``tests/e2e/composer_stop_job.py``; rank 1
-  sends itself SIGTERM after step (batch) 6.
+  every 1000);
+- ``olmo_core`` and ``composer``: ``tests/e2e/olmo_core_stop_job.py`` and
+  ``tests/e2e/composer_stop_job.py``.
 
 Each cell: the step each rank's fit ended after (its ``OUT/rank{N}.json``; "-" where
 the rank wrote none), the checkpoint(s) of that step in the job's checkpoint folder
 ("none"; any other entry there in brackets, e.g. OLMo-core's ``step0``), each
-rank's exit code (or its launcher's where the launcher names none), and the seconds
-from the signal to the last rank's (launcher's) end. A job still running ``--cap``
-seconds after its start is killed: "hangs (killed at 60 s)". Usage::
+rank's exit code as its launcher names it (else the launcher's own: node 1's torchrun,
+itself signalled, names none), and the seconds from the signal to the last launcher's
+end. A job still running ``--cap`` seconds after its start is killed: "hangs (killed at
+60 s)". Usage::
 
     python benchmarks/preemption.py [--cap 60] [--integrations loop,lightning,hf,olmo_core,composer]
 
@@ -34,7 +35,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import sys
 import tempfile
 import time
@@ -48,11 +48,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.launch import Ended, finish, free_port, job_env, start, start_nodes  # noqa: E402
+from benchmarks.launch import Ended, finish, job_env, signal_node, start_nodes  # noqa: E402
 
 E2E = ROOT / "tests" / "e2e"
-BIN = Path(sys.executable).parent
-TORCHRUN = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
 #: torchrun's summary of a rank that ended non-zero; Composer's launcher's line per rank.
 _TORCHRUN_CODE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s+exitcode\s*:\s*(-?\d+)")
 _COMPOSER_CODE = re.compile(r"Global rank (\d+) \(PID \d+\) exited with code (-?\d+)")
@@ -114,82 +112,36 @@ def _of_step(entry: Path, steps: set[str]) -> bool:
     return any(re.search(rf"(?<!\d){step}(?!\d)", entry.name) for step in steps)
 
 
-def _launcher_codes(output: str, pattern: re.Pattern[str], returncode: int) -> list[str]:
-    """Each rank's exit code as the launcher names it; else the launcher's own."""
-    named = dict(pattern.findall(output))
-    if returncode == 0:  # every rank ended 0: torchrun names none
-        return [named.get(str(r), "0") for r in (0, 1)]
-    return [named.get(str(r), f"launcher {returncode}") for r in (0, 1)]
+def run_nodes(
+    script: str, args: list[str], launcher: str = "torchrun", ready: str = "signalled.json"
+) -> Callable:
+    """The job on two nodes; SIGTERM to node 1's launcher once rank 1 wrote ``ready``.
 
-
-def _signal_time(path: Path) -> float | None:
-    return json.loads(path.read_text())["at"] if path.exists() else None
-
-
-def run_loop(rankguard: bool, cap_s: float) -> Run:
-    """Two torchruns; SIGTERM to node 1's once rank 1 wrote ``ready`` (step 10)."""
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        env = {"RANKGUARD": "on" if rankguard else "off"}
-        procs = start_nodes(E2E / "stop_job.py", [tmp], nodes=2, per_node=1, env=env)
-        ready = out / "ready"
-        while not ready.exists() and time.monotonic() - started < cap_s:
-            if any(p.poll() is not None for p in procs):
-                break
-            time.sleep(0.05)
-        signalled = None
-        if ready.exists():
-            signalled = time.time()
-            os.kill(procs[1].pid, signal.SIGTERM)  # node 1's torchrun passes it on to rank 1
-        ended = finish(procs, max(0.0, cap_s - (time.monotonic() - started)))
-        run = _collect(out, ended, signalled, Run())
-        if signalled is None:
-            run.error = "rank 1 never reached step 10"
-        for rank, node in enumerate(ended):  # one rank per node
-            code = next((c for _, c in _TORCHRUN_CODE.findall(node.stderr)), None)
-            if code is None:
-                code = "0" if node.returncode == 0 else f"torchrun {node.returncode}"
-            run.codes[rank] = code
-        return run
-
-
-def run_framework(framework: str, rankguard: bool, cap_s: float) -> Run:
-    """``stop_frameworks_job.py`` on two ranks started directly, as a launcher starts them."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out, port = Path(tmp), str(free_port())
-        procs = [
-            start(
-                [sys.executable, str(E2E / "stop_frameworks_job.py"), framework, tmp],
-                env=_env(
-                    rankguard,
-                    RANK=str(rank),
-                    LOCAL_RANK=str(rank),
-                    WORLD_SIZE="2",
-                    LOCAL_WORLD_SIZE="2",
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=port,
-                ),
-                cwd=out,
-            )
-            for rank in (0, 1)
-        ]
-        ended = finish(procs, cap_s)
-        run = _collect(out, ended, _signal_time(out / "signal.json"), Run())
-        run.codes = [str(e.returncode) for e in ended]
-        return run
-
-
-def run_launched(script: str, launcher: list[str], pattern: re.Pattern[str]) -> Callable:
-    """A job under its framework's launcher (``torchrun``, ``composer -n 2``)."""
+    ``args``: the job's arguments, ``{out}`` its output folder.
+    """
+    pattern = _COMPOSER_CODE if launcher == "composer" else _TORCHRUN_CODE
 
     def run(rankguard: bool, cap_s: float) -> Run:
+        started = time.monotonic()
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
-            cmd = [*launcher, str(E2E / script), tmp]
-            [ended] = finish([start(cmd, env=_env(rankguard), cwd=out)], cap_s)
-            run = _collect(out, [ended], _signal_time(out / "signalled.json"), Run())
-            run.codes = _launcher_codes(ended.stdout, pattern, ended.returncode)
+            env = _env(rankguard, OLMO_SHARED_FS="1")  # the nodes share this machine's disk
+            job_args = [arg.format(out=tmp) for arg in args]
+            procs = start_nodes(
+                E2E / script, job_args, 2, 1, env=env, merge_output=True, launcher=launcher, cwd=out
+            )
+            signalled = signal_node(procs, out / ready, node=1, timeout_s=cap_s)
+            left = cap_s - (time.monotonic() - started) if signalled is not None else 5.0
+            ended = finish(procs, max(0.0, left))
+            run = _collect(out, ended, signalled, Run())
+            if signalled is None:
+                run.error = "rank 1 never reached its ready step"
+            for rank, node in enumerate(ended):  # one rank per node
+                named = dict(pattern.findall(node.stdout))
+                code = named.get(str(rank))
+                if code is None:
+                    code = "0" if node.returncode == 0 else f"{launcher} {node.returncode}"
+                run.codes[rank] = code
             return run
 
     return run
@@ -197,18 +149,26 @@ def run_launched(script: str, launcher: list[str], pattern: re.Pattern[str]) -> 
 
 #: Each integration: its label, the module it needs, how it runs.
 INTEGRATIONS: dict[str, tuple[str, str, Callable[[bool, float], Run]]] = {
-    "loop": ("hand-written loop (2 torchruns)", "torch", run_loop),
-    "lightning": ("Lightning", "lightning", lambda rg, cap: run_framework("lightning", rg, cap)),
-    "hf": ("HF Trainer", "transformers", lambda rg, cap: run_framework("hf", rg, cap)),
+    "loop": ("hand-written loop", "torch", run_nodes("stop_job.py", ["{out}"], ready="ready")),
+    "lightning": (
+        "Lightning",
+        "lightning",
+        run_nodes("stop_frameworks_job.py", ["lightning", "{out}", "launcher"]),
+    ),
+    "hf": (
+        "HF Trainer",
+        "transformers",
+        run_nodes("stop_frameworks_job.py", ["hf", "{out}", "launcher"]),
+    ),
     "olmo_core": (
-        "OLMo-core (torchrun)",
+        "OLMo-core",
         "olmo_core",
-        run_launched("olmo_core_stop_job.py", TORCHRUN, _TORCHRUN_CODE),
+        run_nodes("olmo_core_stop_job.py", ["{out}", "launcher"]),
     ),
     "composer": (
-        "Composer (composer -n 2)",
+        "Composer",
         "composer",
-        run_launched("composer_stop_job.py", [str(BIN / "composer"), "-n", "2"], _COMPOSER_CODE),
+        run_nodes("composer_stop_job.py", ["{out}", "launcher"], launcher="composer"),
     ),
 }
 #: The distribution a module's version is read from.
@@ -243,11 +203,11 @@ def main() -> None:
     import torch
 
     print(
-        f"torch {torch.__version__}; 2 gloo ranks; rank 1 gets SIGTERM (the loop: at step 10, "
-        "through its node's torchrun; the frameworks: from itself after step 6). Per cell: "
-        "the step each rank's fit ended after (rank 0 / rank 1), the checkpoint of that step "
-        "(the folder's other entries in brackets), each rank's exit code, seconds from the "
-        "signal to the last rank's end."
+        f"torch {torch.__version__}; 2 gloo ranks on two simulated nodes (a launcher each); "
+        "node 1's launcher alone gets SIGTERM (the loop: rank 1 past step 10; the frameworks: "
+        "past step 6). Per cell: the step each rank's fit ended after (rank 0 / rank 1), the "
+        "checkpoint of that step (the folder's other entries in brackets), each rank's exit "
+        "code as its launcher names it, seconds from the signal to the last launcher's end."
     )
     print("\n| integration | with rankguard | without |\n|---|---|---|")
     for name in args.integrations.split(","):

@@ -19,6 +19,11 @@ No launcher stops the other node's ranks: node 0's torchrun watches node 0 only.
   whose deadline is 30 min; rank 0 waits in its next all-reduce (SIGSTOP: gloo blocks
   as NCCL does) or at its next host sync (SIGKILL, as above).
 - ``freeze``: rank 1 is stopped (SIGSTOP) at step 6, mid-training.
+- ``freeze_eval`` / ``freeze_save``: after train step ``PHASE_AT`` the loop evaluates
+  (``run.eval``: a forward and an all-reduce of the eval loss per batch) or saves
+  (``run.checkpoint``: this rank's shard, written in chunks as to a slow filesystem);
+  rank 1 is stopped (SIGSTOP) before its last eval batch or chunk, ``PHASE_LEN`` in,
+  and rank 0 then waits in that batch's all-reduce or the next step's.
 - ``slow_first_step``: rank 1's first ``optimizer.step()`` takes 10 s of Python (its
   watchdog thread answers): nothing is named, the job ends with 0.
 
@@ -42,7 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rankguard.integrations.torch import RankGuard
+from rankguard.integrations.torch import RankGuard, Run
 
 FAIL_AT = 6
 #: A step's time. Each rank tells the others at once that it left start-up (its exchange
@@ -52,6 +57,10 @@ FAIL_AT = 6
 STEP_S = 0.25
 #: Short deadlines: a rank gone on another node is named at its deadline (no pid to read).
 WATCHDOG = {"timeout_s": 6.0, "exchange_period_s": 1.0, "teardown_timeout_s": 3.0}
+#: ``freeze_eval`` / ``freeze_save``: the train step after which the loop evaluates or saves,
+#: and the eval batches (save chunks) of a step's time each: 13 s at least, so that a status
+#: exchange (10 s apart at the defaults) saw rank 1 in that phase before it froze.
+PHASE_AT, PHASE_LEN = 4, 52
 
 
 def check_batch(batch: torch.Tensor, step: int) -> None:
@@ -83,6 +92,14 @@ class Bare:
         for self.step, batch in enumerate(data, start=1):
             yield batch
 
+    def eval(self, data: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
+        return data
+
+    @contextlib.contextmanager
+    def checkpoint(self, folder: Path) -> Iterator[None]:
+        folder.mkdir(parents=True, exist_ok=True)
+        yield
+
 
 def optimizer_step(optimizer: torch.optim.Optimizer, scenario: str, step: int, out: Path) -> None:
     """``optimizer.step()``; rank 1's first is where the ``*_first_step`` scenarios strike."""
@@ -100,6 +117,35 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scenario: str, step: int, o
 
 def mark(out: Path, what: str) -> None:
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps({what: time.time()}))
+
+
+def freeze_at_last(index: int, scenario: str, phase: str, out: Path) -> None:
+    """Rank 1, before its last eval batch or save chunk of the ``freeze_{phase}`` scenario."""
+    if scenario == f"freeze_{phase}" and dist.get_rank() == 1 and index == PHASE_LEN - 1:
+        mark(out, "failed")
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def evaluate(run: Run | Bare, model: torch.nn.Module, scenario: str, out: Path) -> None:
+    """The loop's eval: a forward per batch and the eval loss all-reduced across ranks."""
+    data = [torch.randn(2, 4) for _ in range(PHASE_LEN)]
+    with torch.no_grad():
+        for index, batch in enumerate(run.eval(data)):
+            freeze_at_last(index, scenario, "eval", out)
+            loss = model(batch).sum()
+            dist.all_reduce(loss)
+            time.sleep(STEP_S)
+
+
+def save(run: Run | Bare, model: torch.nn.Module, scenario: str, out: Path) -> None:
+    """The loop's save: this rank's shard, written in chunks (a slow filesystem)."""
+    folder = out / "ckpt"
+    with run.checkpoint(folder), open(folder / f"rank{dist.get_rank()}.pt", "wb") as file:
+        for index in range(PHASE_LEN):
+            freeze_at_last(index, scenario, "save", out)
+            torch.save(model.state_dict(), file)
+            file.flush()
+            time.sleep(STEP_S)
 
 
 def main() -> None:
@@ -138,6 +184,10 @@ def main() -> None:
                     dist.all_reduce(p.grad)
                 optimizer_step(optimizer, scenario, step, out)
                 time.sleep(STEP_S)
+                if scenario == "freeze_eval" and step == PHASE_AT:
+                    evaluate(run, model, scenario, out)
+                if scenario == "freeze_save" and step == PHASE_AT:
+                    save(run, model, scenario, out)
     finally:
         if scenario == "raise" and rank == 1:
             destroy_process_group_waits()

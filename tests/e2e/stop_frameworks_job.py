@@ -1,9 +1,10 @@
 """A preemption signal on rank 1 only, under Lightning ``ddp`` or the HF Trainer (CPU, gloo).
 
-Run one process per rank (the test sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``: each framework joins them as launched by a launcher)::
+Run one process per rank, by a launcher or as one starts them (``RANK``, ``LOCAL_RANK``,
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set; Lightning's
+``devices`` and ``num_nodes`` follow them)::
 
-    python stop_frameworks_job.py lightning|lightning_epoch|hf|hf_jit OUT
+    python stop_frameworks_job.py lightning|lightning_epoch|hf|hf_jit OUT self|launcher
 
 The variants differ in who saves at the agreed step: ``lightning``'s ``ModelCheckpoint``
 saves every 1000 steps (nothing of its own there: rankguard saves under its name),
@@ -12,8 +13,10 @@ reaches); ``hf`` saves every 1000 steps (``save_strategy="steps"``: the agreed s
 save), ``hf_jit`` never (``save_strategy="no"``) but has transformers 5's JIT checkpoint
 on SIGTERM on, whose save rankguard's stop makes at the agreed step.
 
-Rank 1 sends itself SIGTERM at the end of train step ``SIGNAL_AT`` and writes the time
-to ``OUT/signal.json``. With ``RankGuard()`` at its defaults every rank's fit ends after
+At the end of train step ``SIGNAL_AT`` rank 1 writes the time to ``OUT/signalled.json``
+and, with ``self``, sends itself SIGTERM; with ``launcher`` the test sends SIGTERM to its
+node's launcher once the file is there (one torchrun per node: node 0's is never
+signalled). With ``RankGuard()`` at its defaults every rank's fit ends after
 the same agreed step and the framework's own checkpoint is written there; after the fit
 each rank writes ``OUT/rank{N}.json`` (the step it stopped after, the Unix time its
 training loop ended, the checkpoint files); the process then exits with 75. Log lines
@@ -52,12 +55,16 @@ def _guard(module: str) -> list[Any]:
     return [import_module(f"rankguard.integrations.{module}").RankGuard()]
 
 
-def _signal_self(rank: int, step: int, out: Path) -> None:
-    """Rank 1, at ``SIGNAL_AT``: the scheduler's SIGTERM, on this rank only."""
+def _signal(rank: int, step: int, out: Path, sender: str) -> None:
+    """Rank 1, at ``SIGNAL_AT``: the scheduler's SIGTERM, on this rank only (or its node's).
+
+    ``sender`` ``self``: this process sends it; ``launcher``: the test, to this node's launcher.
+    """
     if rank == 1 and step == SIGNAL_AT and "signal_at" not in RECORD:
         RECORD["signal_at"] = time.time()
-        (out / "signal.json").write_text(json.dumps({"at": RECORD["signal_at"], "step": step}))
-        os.kill(os.getpid(), signal.SIGTERM)
+        (out / "signalled.json").write_text(json.dumps({"at": RECORD["signal_at"], "step": step}))
+        if sender == "self":
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _data() -> list[dict[str, torch.Tensor]]:
@@ -68,7 +75,7 @@ def _data() -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def lightning(rank: int, out: Path, variant: str) -> dict[str, Any]:
+def lightning(rank: int, out: Path, variant: str, sender: str) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
@@ -87,7 +94,7 @@ def lightning(rank: int, out: Path, variant: str) -> dict[str, Any]:
 
     class Record(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            _signal_self(rank, trainer.global_step, out)
+            _signal(rank, trainer.global_step, out, sender)
 
         def on_train_end(self, trainer, pl_module) -> None:
             RECORD["ended_at"] = time.time()
@@ -96,9 +103,11 @@ def lightning(rank: int, out: Path, variant: str) -> dict[str, Any]:
         checkpoint = ModelCheckpoint(dirpath=str(out / "ckpt"))
     else:  # nothing of Lightning's own at the agreed step: rankguard saves under its name
         checkpoint = ModelCheckpoint(dirpath=str(out / "ckpt"), every_n_train_steps=1000)
+    devices = int(os.environ["LOCAL_WORLD_SIZE"])  # the ranks of this node
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=devices,
+        num_nodes=int(os.environ["WORLD_SIZE"]) // devices,
         strategy="ddp",
         max_steps=STEPS,
         callbacks=[*_guard("lightning"), Record(), checkpoint],
@@ -110,7 +119,7 @@ def lightning(rank: int, out: Path, variant: str) -> dict[str, Any]:
     return {"step": trainer.global_step}
 
 
-def hf(rank: int, out: Path, variant: str) -> dict[str, Any]:
+def hf(rank: int, out: Path, variant: str, sender: str) -> dict[str, Any]:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     class Model(torch.nn.Module):
@@ -124,7 +133,7 @@ def hf(rank: int, out: Path, variant: str) -> dict[str, Any]:
 
     class Record(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs) -> None:
-            _signal_self(rank, state.global_step, out)
+            _signal(rank, state.global_step, out, sender)
 
         def on_train_end(self, args, state, control, **kwargs) -> None:
             RECORD["ended_at"] = time.time()
@@ -156,7 +165,7 @@ def hf(rank: int, out: Path, variant: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    framework, out = sys.argv[1], Path(sys.argv[2])
+    framework, out, sender = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     rank = int(os.environ["RANK"])
     logging.basicConfig(
         format=f"%(created).3f [rank {rank}] %(levelname)s %(name)s: %(message)s", force=True
@@ -164,7 +173,7 @@ def main() -> None:
     logging.getLogger("rankguard").setLevel(logging.INFO)
     torch.set_num_threads(1)
     run = lightning if framework.startswith("lightning") else hf
-    result = run(rank, out, framework)
+    result = run(rank, out, framework, sender)
     result.update(RECORD, done_at=time.time())
     result["files"] = sorted(
         str(p.relative_to(out / "ckpt")) for p in (out / "ckpt").rglob("*") if p.is_file()

@@ -1,4 +1,4 @@
-"""A rank on another node raises or is killed: two torchruns, no launcher sees the other node.
+"""A rank on another node raises, dies or freezes: two torchruns, no launcher sees the other node.
 
 The job is ``tests/e2e/nodes_fault_job.py``; each node is its own torchrun, so node 0's
 launcher never stops node 1's rank and the reverse: only rankguard ends the job.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -62,12 +63,14 @@ def test_a_rank_killed_on_another_node_is_named_gone_at_its_deadline(tmp_path):
     assert reported - _failed_at(tmp_path) < 30, summary
 
 
-def _node0_then_node1_killed(scenario: str, out: Path, timeout: float) -> tuple[str, str]:
+def _node0_then_node1_killed(
+    scenario: str, out: Path, timeout: float, env: dict[str, str] | None = None
+) -> tuple[str, str]:
     """Runs the job; once node 0 ended, node 1 is killed (a stopped rank never ends).
 
     Returns both nodes' stderr (torchrun's failure summaries and the ranks' logs).
     """
-    procs = start_nodes(JOB, [str(out), scenario], nodes=2, per_node=1)
+    procs = start_nodes(JOB, [str(out), scenario], nodes=2, per_node=1, env=env)
     try:
         _, err0 = procs[0].communicate(timeout=timeout)
     finally:
@@ -80,6 +83,15 @@ def _node0_then_node1_killed(scenario: str, out: Path, timeout: float) -> tuple[
 _NAMED = "rank 1 frozen or dead (no answer on the side channel"
 
 
+def _named_lines(err0: str) -> dict[str, str]:
+    """Rank 0's log lines naming rank 1 frozen or dead, by level (WARNING, then ERROR)."""
+    return {
+        ln.split()[3]: ln
+        for ln in err0.splitlines()
+        if _NAMED in ln and " [rank 0] " in ln  # a log line, not a message's later line
+    }
+
+
 @pytest.mark.parametrize("scenario", ["freeze_first_step", "kill_first_step"])
 def test_a_rank_silent_from_inside_its_first_step_on_another_node_is_named_in_seconds(
     tmp_path, scenario
@@ -90,14 +102,68 @@ def test_a_rank_silent_from_inside_its_first_step_on_another_node_is_named_in_se
     failed = _failed_at(tmp_path)
     summary = next((tmp_path / "reports").rglob("summary.txt")).read_text()
     assert summary.startswith("rank 1 frozen or dead (no answer on the side channel for"), summary
-    logged = {
-        ln.split()[3]: float(ln.split()[0])
-        for ln in err0.splitlines()
-        if _NAMED in ln and " [rank 0] " in ln  # a log line, not a message's later line
-    }
+    logged = {level: float(line.split()[0]) for level, line in _named_lines(err0).items()}
     # exchange_period_s 1 s (timeout 2 s): named at 5 s of silence (WARNING), ended at 13 s
     assert logged["WARNING"] - failed < 30 and logged["ERROR"] - failed < 60, logged
     assert "Now aborting with exit code 75" in err0
+
+
+#: Each scenario freezing rank 1 in a phase (``RankGuard()`` at its defaults): the phase the
+#: others last saw it in, as "last seen: ..." words it (the job evaluates or saves after step 4).
+PHASES = {
+    "freeze_eval": r"(after )?eval batch \d+ of 'eval'",
+    "freeze_save": r"checkpoint save at step 4",
+}
+
+
+@pytest.fixture(scope="module")
+def frozen_in_phase(tmp_path_factory) -> dict[str, tuple[str, Path]]:
+    """Both jobs of :data:`PHASES` at once: rank 0's stderr, the folder.
+
+    About 90 s each (the fault 15-20 s after the start, the end 65 s later); 240 s is the
+    harness's kill.
+    """
+    runs = {name: tmp_path_factory.mktemp(name) for name in PHASES}
+    with ThreadPoolExecutor(len(runs)) as pool:
+        errs = {
+            name: pool.submit(_node0_then_node1_killed, name, out, 240, {"RANKGUARD": "defaults"})
+            for name, out in runs.items()
+        }
+        return {name: (errs[name].result()[0], runs[name]) for name in runs}
+
+
+def _last_seen(line: str, rank: int) -> str:
+    """The phase ``rank`` was in by a log line's "last seen: ..." (``ranks 0,1 in X; ...``)."""
+    seen = line.split("last seen: ", 1)[1].rstrip(").")
+    for part in seen.split("; "):
+        who, phase = part.split(" in ", 1)
+        if rank in {int(r) for r in who.split()[1].split(",")}:
+            return phase.split(" (blocked in ", 1)[0]
+    raise AssertionError(f"rank {rank} not in {seen!r}")
+
+
+@pytest.mark.parametrize("scenario", list(PHASES))
+def test_a_rank_frozen_in_an_eval_or_a_save_on_another_node_is_named_then_ended_75(
+    frozen_in_phase, scenario
+):
+    # RankGuard() with only a report folder: named within 30 s, ended with 75 within 90 s
+    err0, out = frozen_in_phase[scenario]
+    assert _codes(err0) == {0: HANG_EXIT_CODE}, err0[-3000:]
+    assert "Now aborting with exit code 75" in err0
+    failed = _failed_at(out)
+    lines = _named_lines(err0)
+    assert set(lines) == {"WARNING", "ERROR"}, err0[-3000:]
+    named, ended = (float(lines[level].split()[0]) - failed for level in ("WARNING", "ERROR"))
+    # two missed status exchanges (30 s of silence), then six (70 s), counted from its last
+    assert 0 < named < 30 and named < ended < 90, (named, ended)
+    warned = "Hang suspected: rank 1 frozen or dead (no answer on the side channel for 30 s; "
+    assert warned in lines["WARNING"], lines
+    assert "Hang: rank 1 frozen or dead (no answer on the side channel for 70 s; " in lines["ERROR"]
+    for line in lines.values():
+        assert re.fullmatch(PHASES[scenario], _last_seen(line, 1)), line
+    summary = next((out / "reports").rglob("summary.txt")).read_text()
+    assert summary.startswith(f"{_NAMED} for 70 s; last seen: "), summary
+    print(f"{scenario}: named {named:.1f} s, ended {ended:.1f} s after the freeze")
 
 
 def test_a_rank_slow_in_python_in_its_first_step_is_never_named(tmp_path):

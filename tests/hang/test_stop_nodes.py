@@ -7,15 +7,12 @@ after the same train step, save, and exit with 75 (restart the job).
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import time
 from pathlib import Path
 
 import pytest
 
-from benchmarks.launch import finish, start_nodes
+from benchmarks.launch import finish, kill_tree, signal_node, start_nodes
 from rankguard.callbacks.hang.stop import STOP_EXIT_CODE
 
 JOB = Path(__file__).resolve().parents[1] / "e2e" / "stop_job.py"
@@ -30,14 +27,13 @@ def _codes(stderr: str) -> dict[int, int]:
 
 def test_sigterm_to_one_nodes_launcher_stops_every_rank_after_one_step_then_75(tmp_path):
     procs = start_nodes(JOB, [str(tmp_path)], nodes=2, per_node=1)
-    ready = tmp_path / "ready"
-    deadline = time.monotonic() + 90
-    while not ready.exists() and time.monotonic() < deadline and procs[1].poll() is None:
-        time.sleep(0.05)
-    assert ready.exists(), "rank 1 never reached its ready step"
-    signalled_at = time.time()
-    os.kill(procs[1].pid, signal.SIGTERM)  # node 1's torchrun: it passes SIGTERM on to rank 1
-    node0, node1 = finish(procs, 120)
+    try:  # node 1's torchrun alone: it passes SIGTERM on to rank 1
+        signalled_at = signal_node(procs, tmp_path / "ready", node=1, timeout_s=90)
+        node0, node1 = finish(procs, 120 if signalled_at is not None else 5)
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+    assert signalled_at is not None, f"rank 1 never reached its ready step:\n{node1.stderr[-3000:]}"
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     steps = {r["step"] for r in results}
     assert len(steps) == 1, results
