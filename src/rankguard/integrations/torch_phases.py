@@ -25,7 +25,9 @@ _LOGS: dict[int, StepLog] = {}
 #: checkpointing runs, is part of it).
 _INSIDE: set[int] = set()
 _LOCK = threading.Lock()
-_ORIGINAL: list[Callable[..., Any]] = []  # torch.autograd.backward while wrapped
+#: While wrapped: ``torch.autograd.backward`` as it was, and the wrapper put in its place.
+_ORIGINAL: list[Callable[..., Any]] = []
+_WRAPPER: list[Callable[..., Any]] = []
 
 
 def _announcing(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,7 +71,8 @@ def announce_phases(
     with _LOCK:
         if not _LOGS and not _ORIGINAL:
             _ORIGINAL.append(torch.autograd.backward)
-            torch.autograd.backward = _announcing(_ORIGINAL[0])
+            _WRAPPER.append(_announcing(_ORIGINAL[0]))
+            torch.autograd.backward = _WRAPPER[0]
         _LOGS[ident] = steps
     handle = None
     announced: tuple[str, ...] = (BACKWARD, BACKWARD_END)
@@ -87,12 +90,8 @@ def announce_phases(
         with _LOCK:
             if _LOGS.get(ident) is steps:
                 del _LOGS[ident]
-            if not _LOGS and _ORIGINAL and _is_ours(torch.autograd.backward):
-                torch.autograd.backward = _ORIGINAL.pop()
+            if not _LOGS and _WRAPPER and torch.autograd.backward is _WRAPPER[0]:
+                torch.autograd.backward = _ORIGINAL.pop()  # nothing was put over it since
+                _WRAPPER.pop()
 
     return announced, undo
-
-
-def _is_ours(backward: Any) -> bool:
-    """Whether ``backward`` is this module's wrapper (nothing was put over it since)."""
-    return getattr(backward, "__wrapped__", None) is (_ORIGINAL[0] if _ORIGINAL else None)
