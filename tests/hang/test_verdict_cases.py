@@ -532,6 +532,18 @@ CASES: list[tuple[str, Callable[[], dict[int, RankStatus]], dict]] = [
         ),
     ),
     (
+        "4 ranks, 1 and 3 skip the backward: their group is named, the others' wait after it",
+        lambda: {r: dataclasses.replace(_skipped_backward()[r % 2], pid=r) for r in range(4)},
+        dict(
+            kind="deadlock",
+            stuck=((0, 3),),
+            first=1,
+            exit=70,
+            summary="deadlock, ranks 1,3 ran no backward for train batch 5 (they wait in train "
+            "batch 6's forward; ranks 0,2 wait in train batch 5's backward)",
+        ),
+    ),
+    (
         "accumulation windows of 2 and 3 backward passes: rank 0's second all-reduces",
         _uneven_windows,
         dict(

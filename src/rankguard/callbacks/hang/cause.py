@@ -55,8 +55,8 @@ class Cause(NamedTuple):
     Attributes:
         kind: :data:`NO_BACKWARD`, :data:`WINDOW` or :data:`PASS`.
         first: The rank to read first (the one whose history differs, where one does).
-        sentence: What split them, e.g. ``"rank 1 ran no backward for train batch 5 (it is
-            in train batch 6's forward; rank 0 waits in train batch 5's backward)"``.
+        sentence: What split them, e.g. ``"rank 1 ran no backward for train batch 5 (it
+            waits in train batch 6's forward; rank 0 waits in train batch 5's backward)"``.
         fix: The "Next" line.
     """
 
@@ -183,11 +183,9 @@ def _ended_pass(
             return n, 1, None  # another difference first (an eval, a save on some ranks)
         last = batches[ended[0]][n]
         size = _pass_size(phases[ended[0]], last)
-        length = (
-            f"{size} batches (train batch {last.step} its last)"
-            if size
-            else (f"train batch {last.step}")
-        )
+        length = f"train batch {last.step}"
+        if size:
+            length = f"{size} batches ({length} its last)"
         nxt = min(m for m in batches[went_on[0]] if m > n)
         sentence = (
             f"{rank_label(ended)}'s pass over the train loader ended after {length}; "
@@ -322,12 +320,16 @@ def _doing(
     others: Sequence[int],
     phases: Mapping[int, Phases],
 ) -> str:
-    """``"it is in train batch 6's forward; rank 0 waits in train batch 5's backward"``."""
+    """``"it waits in train batch 6's forward; rank 0 waits in train batch 5's backward"``.
+
+    The odd ranks, just named, are "it" (or "they") where they are in one place.
+    """
     parts = []
-    for ranks, subject in ((odd, _it), (others, rank_label)):
+    for ranks, pronoun in ((odd, True), (others, False)):
         groups = group_ranks({r: _where(statuses[r], phases[r]) for r in ranks})
         for group, (verb, where) in groups:
-            parts.append(f"{subject(group)} {_verb(verb, len(group))} {where}")
+            subject = _it(group) if pronoun and len(groups) == 1 else rank_label(group)
+            parts.append(f"{subject} {_verb(verb, len(group))} {where}")
     return "; ".join(parts)
 
 
