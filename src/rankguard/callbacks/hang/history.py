@@ -45,8 +45,6 @@ FIT_END = "fit end"
 #: The sub-phases that make a rank's backward passes known, and its optimizer steps.
 _BACKWARDS = frozenset({BACKWARD, MICROBATCH, BACKWARD_OPTIMIZER_STEP})
 _STEPS = frozenset({OPTIMIZER_STEP, BACKWARD_OPTIMIZER_STEP})
-_STARTS = (FETCH_END_BATCH_START, BATCH_START)
-_ENDS = (BATCH_END_FETCH_START, BATCH_END)
 
 
 class BatchPhases(NamedTuple):
@@ -142,76 +140,83 @@ class History:
         self._window = 0
         self._epoch = -1
         self._now = ""
+        self._pending: list | None = None
 
     def phases(self) -> Phases:
         """This rank's history now (the watchdog thread, at each status)."""
         return Phases(
-            tuple(BatchPhases(*b[:5], tuple(b[5])) for b in self._batches),
+            tuple(BatchPhases(*b) for b in self._batches),
             tuple(Backward(*b) for b in self._backwards),
             self.announces,
             self._now,
         )
 
     def read(self, entries: list[Entry]) -> None:
-        """Reads step-log entries, oldest first (under the step log's lock)."""
+        """Reads step-log entries, oldest first (under the step log's lock).
+
+        The watchdog's thread reads some five entries a train batch: the usual ones are
+        told apart first, with the state in locals (a method call costs as much).
+        """
         steps = not _STEPS.isdisjoint(self.announces)
+        batches, backwards = self._batches, self._backwards
+        pending = self._pending  # the last backward whose window's end is not known yet
         for _, event, step, _, loader, _ in entries:
-            if event in _STARTS:
+            if event == FETCH_END_BATCH_START or event == BATCH_START:
                 self._n += 1
-                self._batches.append([self._n, step, max(self._epoch, 0), 0, False, []])
+                batches.append([self._n, step, max(self._epoch, 0), 0, False, ()])
                 self._now = "forward"
-            elif event in _ENDS:
-                self._settle(False, steps)
-                if self._batches:
-                    self._batches[-1][4] = True
+            elif event == BATCH_END_FETCH_START or event == BATCH_END:
+                if pending is not None and steps:  # the batch ended before any step
+                    pending[3], pending = False, None
+                if batches:
+                    batches[-1][4] = True
                 self._now = ""
-            elif event == BACKWARD:
-                self._settle(False, steps)
-                self._backward(None)
-                self._now = "backward"
-            elif event == BACKWARD_END:
-                self._now = "after backward"
+            elif event == BACKWARD or event == MICROBATCH or event == BACKWARD_OPTIMIZER_STEP:
+                if pending is not None and steps:  # another backward came before any step
+                    pending[3], pending = False, None
+                self._ordinal += 1
+                self._window += 1
+                ends = None if event == BACKWARD else event != MICROBATCH
+                last = [self._ordinal, self._n, self._window, ends if steps else None]
+                backwards.append(last)
+                pending = last if last[3] is None else None
+                if batches:
+                    batches[-1][3] += 1
+                if ends:
+                    self._window = 0
+                self._now = _NOW[event]
             elif event == OPTIMIZER_STEP:
-                self._settle(True, steps)
-                self._now = "optimizer step"
-            elif event == MICROBATCH:
-                self._backward(False if steps else None)
-                self._now = "forward"
-            elif event == BACKWARD_OPTIMIZER_STEP:
-                self._backward(True)
+                if pending is not None:
+                    pending[3], pending = True, None
                 self._window = 0
                 self._now = "optimizer step"
+            elif event == BACKWARD_END:
+                self._now = "after backward"
             else:
-                self._beat(event, loader)
+                pending = self._beat(event, loader, pending)
+                batches, backwards = self._batches, self._backwards  # new ones at a fit's start
+        self._pending = pending
 
-    def _backward(self, ends_window: bool | None) -> None:
-        """A backward pass in the open batch."""
-        self._ordinal += 1
-        self._window += 1
-        self._backwards.append([self._ordinal, self._n, self._window, ends_window])
-        if self._batches:
-            self._batches[-1][3] += 1
+    def _beat(self, event: str, loader: str | None, pending: list | None) -> list | None:
+        """Any other heartbeat: a new fit, a pass, or what runs after a batch.
 
-    def _settle(self, stepped: bool, steps: bool) -> None:
-        """The last backward's window: it ended (``stepped``) or went on (where steps are known)."""
-        if stepped:
-            self._window = 0
-        last = self._backwards[-1] if self._backwards else None
-        if last is not None and last[3] is None and (stepped or steps):
-            last[3] = stepped
-
-    def _beat(self, event: str, loader: str | None) -> None:
-        """Any other heartbeat: a new fit, a pass, or what runs after a batch."""
+        Returns the backward whose window's end is not known yet (none after a new fit).
+        """
         if event == "fit_start":
             self.reset()
-        elif event == "epoch_start":
+            return None
+        if event == "epoch_start":
             self._epoch += 1
         else:
             said = _AFTER.get(event)
             if said is not None and self._batches:
-                self._batches[-1][5].append(said.format(loader=loader))
+                last = self._batches[-1]
+                last[5] = (*last[5], said.format(loader=loader))
+        return pending
 
 
+#: The part of its batch a rank is in after each backward announcement.
+_NOW = {BACKWARD: "backward", MICROBATCH: "forward", BACKWARD_OPTIMIZER_STEP: "optimizer step"}
 #: What runs after a batch, by the heartbeat that starts it.
 _AFTER = {
     "eval_start": "eval of {loader!r}",
