@@ -134,6 +134,13 @@ def test_report_words():
     final = report._replace(final=True, code=HANG_EXIT_CODE)
     assert message(final, here).startswith("Hang: ")
     assert message(final._replace(deadlock=True), here).startswith("Deadlock: ")
+    # A proven report's summary names its class: the heading says it once, not "Deadlock: deadlock".
+    proven = final._replace(summary="deadlock, every rank waits at a rendezvous", deadlock=True)
+    assert message(proven, here).startswith("Deadlock: every rank waits at a rendezvous.\n")
+    desync = proven._replace(summary="desync, every rank waits for a collective")
+    assert message(desync, here).startswith("Desync: every rank waits for a collective.\n")
+    mismatch = proven._replace(summary="collective mismatch, ranks paired unlike calls")
+    assert message(mismatch, here).startswith("Collective mismatch: ranks paired unlike calls.")
     assert outcome(report, "report").startswith("Training goes on; it reports again if")
     assert outcome(final, "abort") == "Now aborting with exit code 75."
     assert outcome(final._replace(code=None), "report") == "Now waiting."

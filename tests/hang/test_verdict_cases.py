@@ -13,8 +13,18 @@ from collections.abc import Callable
 import pytest
 
 from rankguard.callbacks.core.events import SplitDecision
+from rankguard.callbacks.core.step_log import (
+    BACKWARD,
+    BACKWARD_END,
+    BACKWARD_OPTIMIZER_STEP,
+    BATCH_END_FETCH_START,
+    FETCH_END_BATCH_START,
+    MICROBATCH,
+    OPTIMIZER_STEP,
+)
 from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued
 from rankguard.callbacks.hang.deadlines import liveness
+from rankguard.callbacks.hang.history import History, Phases
 from rankguard.callbacks.hang.status import LEFT_LOOP, RankStatus, Verdict
 from rankguard.callbacks.hang.verdict import diagnose, gone
 
@@ -91,6 +101,101 @@ def judge(statuses: dict[int, RankStatus]) -> Verdict:
     """Two exchanges a second apart with the same statuses: what the watchdog acts on."""
     first = diagnose(statuses, words=WORDS)
     return diagnose(statuses, incident=first.stuck, suspect=first.suspect, words=WORDS)
+
+
+#: What each adapter announces of a batch: the loop (Lightning, Composer alike) and the HF Trainer.
+LOOP = (BACKWARD, BACKWARD_END, OPTIMIZER_STEP)
+TRAINER = (MICROBATCH, BACKWARD_OPTIMIZER_STEP)
+#: One train batch of a loop that steps its optimizer after each backward.
+STEP = ("batch", BACKWARD, BACKWARD_END, OPTIMIZER_STEP, "end")
+
+
+def ran(*events: str, announces: tuple[str, ...] = LOOP) -> Phases:
+    """A rank's history, read by the watchdog's reader from the step log's entries.
+
+    ``"batch"`` starts the next train batch (steps from 0), ``"end"`` ends it; other
+    names are step-log events (``"epoch_end"``, ``"fit_end"``, a batch's parts).
+    """
+    history, step, entries = History(), 0, []
+    history.announces = announces
+    for event in ("fit_start", "epoch_start", *events):
+        if event == "batch":
+            entries.append((0.0, FETCH_END_BATCH_START, step, None, None, None))
+        elif event == "end":
+            step += 1
+            entries.append((0.0, BATCH_END_FETCH_START, step - 1, step, None, None))
+        else:
+            entries.append((0.0, event, step, None, None, None))
+    history.read(entries)
+    return history.phases()
+
+
+BACKWARD_AT = "train.py:337 (main): loss.backward()"
+FORWARD_AT = "train.py:328 (main): loss = model(**batch).loss"
+
+
+def _skipped_backward():
+    """The issue: rank 1's loss is not finite in batch 5 and it does `continue`: rank 0 waits in
+    batch 5's backward (DDP's gradient all-reduce), rank 1 in batch 6's forward (the buffer
+    broadcast)."""
+    return {
+        0: rank("train batch 5", at="backward", frame=BACKWARD_AT, usual=True,
+                phases=ran(*STEP * 5, "batch", BACKWARD)),
+        1: rank("train batch 6", at="broadcast", frame=FORWARD_AT, usual=True,
+                phases=ran(*STEP * 5, "batch", "end", "batch")),
+    }  # fmt: skip
+
+
+def _uneven_windows():
+    """Windows of 2 backward passes on rank 0, 3 on rank 1 (a token budget per rank): rank 0's
+    second backward all-reduces, rank 1's runs under `no_sync()` and its third forward
+    broadcasts the buffers."""
+    no_step = ("batch", BACKWARD, BACKWARD_END, "end")
+    return {
+        0: rank("train batch 1", at="backward", frame=BACKWARD_AT,
+                phases=ran(*no_step, "batch", BACKWARD)),
+        1: rank("train batch 2", at="broadcast", frame=FORWARD_AT,
+                phases=ran(*no_step * 2, "batch")),
+    }  # fmt: skip
+
+
+def _uneven_last_window():
+    """The HF Trainer, 4 microbatches a step: rank 1's pass has 5, rank 0's 6. Rank 1's fifth
+    ends its last window (the all-reduce); rank 0's fifth does not, its sixth forward
+    broadcasts the buffers."""
+    window = (MICROBATCH, MICROBATCH, MICROBATCH, BACKWARD_OPTIMIZER_STEP)
+    return {
+        0: rank("train batch 1", at="broadcast", frame="trainer.py:9 (main): trainer.train()",
+                phases=ran("batch", *window, "end", "batch", MICROBATCH, announces=TRAINER)),
+        1: rank("train batch 1", at="backward", frame="trainer.py:9 (main): trainer.train()",
+                phases=ran("batch", *window, "end", "batch", announces=TRAINER)),
+    }  # fmt: skip
+
+
+def _uneven_pass(rank0: RankStatus):
+    """Rank 0's shard ends after 5 batches; rank 1 waits in its sixth batch's backward."""
+    return {
+        0: rank0,
+        1: rank("train batch 5", at="backward", frame=BACKWARD_AT, usual=True,
+                phases=ran(*STEP * 5, "batch", BACKWARD)),
+    }  # fmt: skip
+
+
+def _pass_ended() -> RankStatus:
+    """Rank 0 after its pass's 5 batches, in the batch-parity check at its end."""
+    return rank("epoch end", at="rankguard exchange", blocked=EXCHANGE, usual=True,
+                phases=ran(*STEP * 5, "epoch_end"))  # fmt: skip
+
+
+def _eval_on_rank0():
+    """Rank 0 alone evaluates after batch 8 (its all_reduce); rank 1 waits in batch 9's backward."""
+    return {
+        0: rank("eval batch 0 of 'eval'", at="all_reduce", direct=True,
+                frame="train.py:95 (main): dist.all_reduce(eval_loss)",
+                phases=ran(*STEP * 8, "eval_start")),
+        1: rank("train batch 8", at="backward", frame=BACKWARD_AT, usual=True,
+                phases=ran(*STEP * 8, "batch", BACKWARD)),
+    }  # fmt: skip
 
 
 # -- the cases ---------------------------------------------------------------------------------
@@ -410,6 +515,124 @@ CASES: list[tuple[str, Callable[[], dict[int, RankStatus]], dict]] = [
             summary="deadlock, every rank waits at a rendezvous the others never reach: ",
             details="What split them: rank 1 entered a checkpoint save at step 80; rank 0 did not.",
         ),
+    ),
+    # -- what split them, from each rank's history ------------------------------------------
+    (
+        "a backward skipped on rank 1 (`continue` on a non-finite loss): the skip, not the wait",
+        _skipped_backward,
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=1,
+            exit=70,
+            summary="deadlock, rank 1 ran no backward for train batch 5 (it waits in train batch "
+            "6's forward; rank 0 waits in train batch 5's backward)",
+            details="Next: decide a skip on every rank together: rank 1 left a batch without its "
+            "backward",
+        ),
+    ),
+    (
+        "4 ranks, 1 and 3 skip the backward: their group is named, the others' wait after it",
+        lambda: {r: dataclasses.replace(_skipped_backward()[r % 2], pid=r) for r in range(4)},
+        dict(
+            kind="deadlock",
+            stuck=((0, 3),),
+            first=1,
+            exit=70,
+            summary="deadlock, ranks 1,3 ran no backward for train batch 5 (they wait in train "
+            "batch 6's forward; ranks 0,2 wait in train batch 5's backward)",
+        ),
+    ),
+    (
+        "accumulation windows of 2 and 3 backward passes: rank 0's second all-reduces",
+        _uneven_windows,
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=0,
+            exit=70,
+            summary="deadlock, the ranks' accumulation windows differ: rank 0 ends one after 2 "
+            "backward passes, in train batch 1, and waits there in its gradient all-reduce; "
+            "rank 1 does not, its window goes on past 2 (it waits in train batch 2's forward)",
+            details="Next: keep the accumulation windows equal on every rank",
+        ),
+    ),
+    (
+        "the HF Trainer's uneven last window: rank 1's fifth microbatch ends it, rank 0's not",
+        _uneven_last_window,
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=1,
+            exit=70,
+            summary="deadlock, the ranks' accumulation windows differ: rank 1 ends one after 1 "
+            "backward pass, in train batch 1, and waits there in its gradient all-reduce; rank 0 "
+            "does not, its window goes on past 1 (it waits in train batch 1's forward)",
+        ),
+    ),
+    (
+        "an uneven pass: rank 0's ended after 5 batches, in the batch-parity check at its end",
+        lambda: _uneven_pass(_pass_ended()),
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=0,
+            exit=70,
+            summary="deadlock, rank 0's pass over the train loader ended after 5 batches (train "
+            "batch 4 its last); rank 1 went on to train batch 5 in its pass (it waits in train "
+            "batch 5's backward; rank 0 waits at the end of its pass)",
+            details="Next: give every rank the same number of batches per pass: rank 0's pass "
+            "ended first",
+        ),
+    ),
+    (
+        "an uneven pass where rank 0's fit then ended: its pass, not a stop decision",
+        lambda: _uneven_pass(
+            dataclasses.replace(left(5, None), phases=ran(*STEP * 5, "epoch_end", "fit_end"))
+        ),
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=0,
+            exit=70,
+            summary="deadlock, rank 0's pass over the train loader ended after 5 batches",
+            details="Where they wait: rank 0 left the training loop while the others wait",
+        ),
+    ),
+    (
+        "should_stop on rank 0 with both histories: the stop decision is the cause",
+        lambda: {
+            0: dataclasses.replace(left(5), phases=ran(*STEP * 5, "fit_end")),
+            1: rank(at="broadcast", frame="job.py:726 (main)", phases=ran(*STEP * 5, "batch")),
+        },
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=0,
+            exit=70,
+            summary="deadlock, rank 0 left the training loop while the others wait",
+            details="Next: fix the stop decision of rank 0",
+        ),
+    ),
+    (
+        "an eval on rank 0 only, first: no words of the history, the wait point's",
+        _eval_on_rank0,
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=0,
+            exit=70,
+            summary="deadlock, every rank waits at a rendezvous the others never reach: ",
+            details="Next: fix the code path at rank 0's wait point (all_reduce at train.py:95",
+        ),
+    ),
+    (
+        "healthy: rank 1 a batch behind, its backward still to come",
+        lambda: {
+            0: rank(idle=0.2, quiet=False, phases=ran(*STEP * 6)),
+            1: rank(idle=0.2, quiet=False, phases=ran(*STEP * 5, "batch")),
+        },
+        dict(kind="healthy", stuck=(), exit=None, summary=""),
     ),
     # -- desyncs proven from what every rank issued ------------------------------------------
     (

@@ -70,7 +70,28 @@ def test_copies_that_differ_in_size():
     assert error is not None and error.startswith(
         "Ranks resumed from different copies of checkpoint-8."
     )
-    assert "rank 0: trainer_state.json: 900 bytes; rank 1: trainer_state.json: 700 bytes" in error
+    assert (
+        f"Loaded ({HF}): rank 0: checkpoint-8 (trainer_state.json: 900 bytes); "
+        "rank 1: checkpoint-8 (trainer_state.json: 700 bytes)."
+    ) in error
+    # The same counters: nothing says the steps differ, only the copies.
+    assert "would update different weights (the copies differ), silently" in error
+
+
+def test_copies_that_differ_name_every_difference_read_the_steps_first():
+    # Lightning's node-local last.ckpt: rank 0's from the save at step 8, rank 1's at step 4.
+    a = replace(rank("n0", 8), checkpoint="/n0/out/last.ckpt", identity="13977 bytes")
+    b = replace(rank("n1", 4), checkpoint="/n1/out/last.ckpt", identity="13849 bytes")
+    a = replace(a, counters={"epoch": 1, "global_step": 8})
+    b = replace(b, counters={"epoch": 0, "global_step": 4})
+    error = judge({0: a, 1: b}).error
+    assert error is not None
+    assert error.splitlines()[:2] == [
+        "Ranks resumed from different copies of last.ckpt.",
+        f"Loaded ({HF}): rank 0: last.ckpt (global_step 8, epoch 1; 13977 bytes); "
+        "rank 1: last.ckpt (global_step 4, epoch 0; 13849 bytes).",
+    ]
+    assert "would update different weights from different steps, silently" in error
 
 
 def test_counters_that_differ_after_the_same_checkpoint():

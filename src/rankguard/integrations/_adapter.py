@@ -88,6 +88,15 @@ class Adapter:
         self._unhooks.append(on_raise(obj, name, on_error or self.fail))
 
     @property
+    def reads_phases(self) -> bool:
+        """Whether a guard reads a batch's parts (backward passes, optimizer steps).
+
+        The hang watchdog's history does; an adapter that must hook them itself (a loop's
+        backward) does so only then.
+        """
+        return any(getattr(g, "reads_phases", False) for g in self.runner.guards)
+
+    @property
     def wrapped(self) -> bool:
         """Whether any framework method is wrapped now."""
         return bool(self._unhooks)

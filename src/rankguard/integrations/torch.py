@@ -32,6 +32,7 @@ from rankguard.integrations.torch_loop import (
     check_iterable,
     eval_facts,
 )
+from rankguard.integrations.torch_phases import announce_phases
 
 #: What a hand-written loop changes to save sharded checkpoints, named in rankguard's messages.
 SHARDED_SETTING = (
@@ -235,6 +236,7 @@ class Run:
         self._save: Save | None = None
         self._left_early: set[str] = set()
         self._stop: StopAgreement | None = None
+        self._unannounce: Callable[[], None] = _nothing  # the backward passes' announcement
 
     @property
     def stopped(self) -> str | None:
@@ -285,6 +287,10 @@ class Run:
         self._driver.log_metrics = self._log_metrics
         loaders = ([self._train] if self._train else []) + list(self._evals.values())
         try:
+            phases: tuple[str, ...] = ()
+            if self._guard.reads_phases:  # the hang watchdog's history reads them
+                steps = self._guard.runner.steps
+                phases, self._unannounce = announce_phases(steps, self._optimizer)
             self._driver.fit_start(
                 loaders=loaders,
                 model=self._model,
@@ -293,6 +299,7 @@ class Run:
                 state_dict_type=self._state_dict_type,
                 switch_to_sharded=None,
                 sharded_setting=SHARDED_SETTING,
+                phases=phases,
             )
             self._stop = self._guard.install_stop()  # its train pass ends on the agreed step
             resume, self._guard._resume = self._guard._resume, None
@@ -323,6 +330,7 @@ class Run:
         self._end(None)
 
     def _end(self, exc: BaseException | None) -> None:
+        self._unannounce()
         self._state = "ended"
         self._guard._running = None
         self._save = None
@@ -426,6 +434,10 @@ class Run:
         """
         dirs = check_dirs(list(directories)) if directories else list(self._save_dirs)
         return Save(self, dirs)
+
+
+def _nothing() -> None:
+    """Undoes nothing (no announcement was made)."""
 
 
 class RankGuard(_api.RankGuardSettings, _LoopGuard):

@@ -186,6 +186,9 @@ class EventFacts:
             decision that split the ranks may be made inside the step that hangs).
         split_decisions: How each name of ``decisions`` is told, and the fix of a stop
             decision, in the framework's words (FIT_START).
+        phases: The parts of a train batch the adapter announces in the step log this fit
+            (``step_log.SUBPHASES`` names: backward passes, optimizer steps), where its
+            framework has them (FIT_START).
     """
 
     step: int = 0
@@ -209,6 +212,7 @@ class EventFacts:
     decisions: dict[str, Any] = field(default_factory=dict)
     decision_probe: Callable[[], dict[str, Any]] | None = None
     split_decisions: dict[str, SplitDecision] = field(default_factory=dict)
+    phases: tuple[str, ...] = ()
 
     @staticmethod
     def for_loaders(loaders: Iterable[LoaderFacts], **kwargs: Any) -> EventFacts:

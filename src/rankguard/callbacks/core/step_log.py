@@ -20,7 +20,20 @@ from typing import Any, TypeVar
 
 from rankguard.callbacks.core.events import EventFacts, LoaderFacts
 
-__all__ = ["DRAIN_EVERY", "PAIRS", "Entry", "StepLog", "StepReader", "expand"]
+__all__ = [
+    "BACKWARD",
+    "BACKWARD_END",
+    "BACKWARD_OPTIMIZER_STEP",
+    "DRAIN_EVERY",
+    "MICROBATCH",
+    "OPTIMIZER_STEP",
+    "PAIRS",
+    "SUBPHASES",
+    "Entry",
+    "StepLog",
+    "StepReader",
+    "expand",
+]
 
 logger = logging.getLogger("rankguard.callbacks.guard")
 
@@ -51,6 +64,18 @@ PAIRS = {
     FETCH_END_BATCH_START: (FETCH_END, BATCH_START),
     BATCH_END_FETCH_START: (BATCH_END, FETCH_START),
 }
+#: The parts of a train batch an adapter announces where its framework does (the table:
+#: docs/design.md#events-the-training-loop-as-the-guards-see-it): a backward starts, it
+#: ended, the optimizer steps; where a framework announces a microbatch only at its end, a
+#: microbatch's backward ran and its accumulation window goes on (no optimizer step after
+#: it), or the window's last backward ran and the optimizer steps (the HF Trainer's hooks).
+#: No heartbeat: no deadline, interval or progress; the hang watchdog's history reads them.
+BACKWARD = "backward"
+BACKWARD_END = "backward_end"
+OPTIMIZER_STEP = "optimizer_step"
+MICROBATCH = "microbatch"
+BACKWARD_OPTIMIZER_STEP = "backward+optimizer_step"
+SUBPHASES = frozenset({BACKWARD, BACKWARD_END, OPTIMIZER_STEP, MICROBATCH, BACKWARD_OPTIMIZER_STEP})
 
 
 class StepLog:
@@ -177,6 +202,28 @@ class StepLog:
     def batch_end(self, step: int, decisions: dict[str, Any] | None = None) -> None:
         """The train batch ended, with the framework's split decisions if it has any."""
         self.entries.append((perf_counter(), BATCH_END, step, None, None, decisions))
+
+    # -- a train batch's parts, where the framework announces them: an append each -------
+
+    def backward(self) -> None:
+        """A backward starts."""
+        self.entries.append((perf_counter(), BACKWARD, 0, None, None, None))
+
+    def backward_end(self) -> None:
+        """The backward ended."""
+        self.entries.append((perf_counter(), BACKWARD_END, 0, None, None, None))
+
+    def optimizer_step(self) -> None:
+        """The optimizer steps."""
+        self.entries.append((perf_counter(), OPTIMIZER_STEP, 0, None, None, None))
+
+    def microbatch(self) -> None:
+        """A microbatch's backward ran; its accumulation window goes on (no optimizer step)."""
+        self.entries.append((perf_counter(), MICROBATCH, 0, None, None, None))
+
+    def backward_optimizer_step(self) -> None:
+        """The window's last backward ran and the optimizer steps (one hook for both)."""
+        self.entries.append((perf_counter(), BACKWARD_OPTIMIZER_STEP, 0, None, None, None))
 
     # -- two events at once, where a loop has them back to back: one call, one entry ------
 

@@ -37,6 +37,7 @@ from rankguard.callbacks.hang.calibration import (
     save_estimate_s,
 )
 from rankguard.callbacks.hang.deadlines import DEFAULT_DEADLINES
+from rankguard.callbacks.hang.history import History
 from rankguard.callbacks.hang.job import RESTART_ENV, attempt_dir, process_group_timeout
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck
 from rankguard.callbacks.hang.phases import Beat, ClosestCall, Decision, PhaseTracker
@@ -182,6 +183,8 @@ class HangWatchdog(Guard):
     """
 
     name = "hang_watchdog"
+    #: It reads a batch's parts where the adapter announces them (its history).
+    reads_phases = True
     step_events = (
         Event.DATA_FETCH_START,
         Event.DATA_FETCH_END,
@@ -258,6 +261,8 @@ class HangWatchdog(Guard):
             self.history, measure=self.auto_calibrate, warmup=self.warmup_steps
         )
         self._waits = WaitTracker(self._libraries)
+        # What the rank ran lately, batch by batch: the verdict compares it across ranks.
+        self._history = History()
         self._decision_probe: Any = None  # the adapter's, from FIT_START
         self.exchange_timeout_s = max(2.0, self.exchange_period_s)
         self.incidents = 0
@@ -336,12 +341,13 @@ class HangWatchdog(Guard):
         self.steps.drain()
 
     def read_steps(self, entries: list[Entry]) -> None:
-        """Reads heartbeats (under the step log's lock): see :class:`PhaseTracker`.
+        """Reads the step log (under its lock): :class:`PhaseTracker`, then :class:`History`.
 
         After the first train batch, and once calibrated, the thread is woken to
         exchange at once (:meth:`_exchange_now`).
         """
         self._phases.read(entries, self._watch.deadline_s)
+        self._history.read(entries)
         self._watch.entries.extend(entries)
         if self._wake_at and self._phases.steps_done >= self._wake_at:
             self._exchange_now()
@@ -355,6 +361,7 @@ class HangWatchdog(Guard):
         self._save_estimate = None if params is None else save_estimate_s(params, self.floor_s)
         self._decision_probe = facts.decision_probe
         self._words = dict(facts.split_decisions)
+        self._history.announces = tuple(facts.phases)  # read from the fit_start entry on
         self.stop_agreement.reset(self.channel)  # an adapter that ends its loop on it installs it
         self._heartbeat("fit_start", facts)
 

@@ -21,6 +21,7 @@ from rankguard.callbacks.hang.verdict import gone
 
 __all__ = [
     "HANG_EXIT_CODE",
+    "PROVEN_KINDS",
     "Hold",
     "Policy",
     "Recovered",
@@ -31,6 +32,7 @@ __all__ = [
     "after_missing",
     "after_verdict",
     "header",
+    "heading_and_lead",
     "message",
     "outcome",
     "recovered_text",
@@ -271,13 +273,29 @@ def where(header: str, report_dir: str, rank: int, nccl_note: str) -> str:
     )
 
 
+#: The classes a proven report's summary starts with (``"deadlock, ..."``): its heading.
+PROVEN_KINDS = ("deadlock", "desync", "collective mismatch")
+
+
+def heading_and_lead(report: Report) -> tuple[str, str]:
+    """The message's heading and the summary after it, the class said once.
+
+    A proven report's summary names its class first (``"deadlock, every rank waits..."``,
+    ``"desync, ..."``): that is the heading (``"Deadlock"``), not ``"Deadlock: deadlock"``.
+    """
+    summary = report.summary
+    if report.deadlock:
+        for kind in PROVEN_KINDS:
+            if summary.startswith(f"{kind}, "):
+                return kind.capitalize(), summary[len(kind) + 2 :]
+        return "Deadlock", summary
+    return ("Hang" if report.final else "Hang suspected"), summary
+
+
 def message(report: Report, where: str) -> str:
     """The incident's message (logged, and :attr:`HangWatchdog.last_incident`'s)."""
-    if report.deadlock:
-        heading = "Deadlock"
-    else:
-        heading = "Hang" if report.final else "Hang suspected"
-    return "\n".join([f"{heading}: {report.summary}.", *report.details, where])
+    heading, lead = heading_and_lead(report)
+    return "\n".join([f"{heading}: {lead}.", *report.details, where])
 
 
 def outcome(report: Report, action: str) -> str:

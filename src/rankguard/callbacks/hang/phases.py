@@ -13,6 +13,7 @@ from rankguard.callbacks.core.step_log import (
     BATCH_END_FETCH_START,
     FETCH_END_BATCH_START,
     PAIRS,
+    SUBPHASES,
     Entry,
     expand,
 )
@@ -107,7 +108,10 @@ class PhaseTracker:
         self.decisions: dict[str, Decision] = {}
 
     def read(self, entries: list[Entry], deadlines: Mapping[str, float]) -> None:
-        """Reads heartbeats (at least one): intervals, phases; :attr:`beat` becomes the last.
+        """Reads heartbeats: intervals, phases; :attr:`beat` becomes the last.
+
+        A batch's parts (:data:`~rankguard.callbacks.core.step_log.SUBPHASES`) are no
+        heartbeat: they are skipped here (the history reads them).
 
         Args:
             entries: Step-log entries, oldest first.
@@ -118,7 +122,11 @@ class PhaseTracker:
         measure, warmup = self.measure, self.warmup
         done, after_eval = self.steps_done, self.after_eval
         spans: dict[str, list[float]] = {}  # the intervals read, by kind: recorded at the end
+        beats = 0  # heartbeats read (a batch's parts are none: the history's to read)
         for now, event, step, _, _, decisions in entries:
+            if event in SUBPHASES:
+                continue
+            beats += 1
             if event == "fit_start":  # a new fit: no interval from the last one
                 self._record(spans, deadlines)
                 spans, at, self.closest_call, done, after_eval = {}, None, None, 0, False
@@ -164,8 +172,13 @@ class PhaseTracker:
             done, after_eval = self.steps_done, self.after_eval
         self.steps_done, self.after_eval = done, after_eval
         self._record(spans, deadlines)
-        self.progress += len(entries)
-        now, event, step, batch_index, loader, _ = expand(entries[-1:])[-1]
+        if not beats:
+            return
+        self.progress += beats
+        last = entries[-1]
+        if last[1] in SUBPHASES:
+            last = next(e for e in reversed(entries) if e[1] not in SUBPHASES)
+        now, event, step, batch_index, loader, _ = expand([last])[-1]
         self.beat = Beat(event, step, batch_index, loader, now, kind)
 
     def _record(self, spans: Mapping[str, list[float]], deadlines: Mapping[str, float]) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from rankguard.callbacks.hang.deadlines import Settle
+from rankguard.callbacks.hang.history import Phases
 from rankguard.callbacks.hang.phases import Beat, Decision
 from rankguard.callbacks.hang.stacks import blocked_in, called_from_user, user_frame
 from rankguard.callbacks.hang.status import LEFT_LOOP, GaveUp, RankStatus
@@ -37,6 +38,7 @@ def rank_status(
     record: tuple,
     quiet_s: float,
     loop_thread: str | None = None,
+    phases: Phases | None = None,
 ) -> RankStatus:
     """This rank's status: its phase, idle time, deadlines, where its loop waits, its record.
 
@@ -64,6 +66,7 @@ def rank_status(
         record: The collectives this rank issued, per group (``()`` without a record).
         quiet_s: How long this rank made no progress and issued no collective.
         loop_thread: The name of the thread that runs the training loop.
+        phases: What this rank ran lately, batch by batch.
     """
     event, step, batch_index, loader, since, kind = beat
     done = kind == "done"
@@ -88,6 +91,7 @@ def rank_status(
         record=record,
         quiet=quiet_s >= settle.record_s,
         loop_thread=loop_thread,
+        phases=phases,
     )
     if not done:
         return status

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rankguard.callbacks.hang.collective_compare import GroupRecord
+from rankguard.callbacks.hang.history import Phases
 
 __all__ = [
     "DEADLOCK_EXIT_CODE",
@@ -138,6 +139,9 @@ class RankStatus:
         quiet: Whether it made no progress and issued no collective for its settle time.
         loop_thread: The name of the thread that runs the training loop (the record
             names the thread of each collective), or ``None`` where unknown.
+        phases: What the rank ran lately, batch by batch (its backward passes, optimizer
+            steps, what ran after each batch), or ``None`` where unknown: the verdict
+            compares them to say what split the ranks.
     """
 
     phase: str
@@ -160,6 +164,7 @@ class RankStatus:
     record: tuple[GroupRecord, ...] = ()
     quiet: bool = False
     loop_thread: str | None = None
+    phases: Phases | None = None
 
     @property
     def overdue(self) -> bool:

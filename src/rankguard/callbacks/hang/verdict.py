@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from rankguard.callbacks.core.events import SplitDecision
 from rankguard.callbacks.core.ranks import group_ranks
+from rankguard.callbacks.hang.cause import lead_with, split_cause
 from rankguard.callbacks.hang.collective_compare import (
     Difference,
     GroupRecord,
@@ -99,6 +100,10 @@ def diagnose(
         split = split_sentence(statuses, words)
         what = (f"What split them: {split}",) if split else ()
         proof = recorded._replace(details=(*what, *recorded.details))  # type: ignore[union-attr]
+    cause = split_cause(statuses, words)  # what split them, from each rank's history
+    if cause is not None:
+        summary, details = lead_with(cause, proof.kind, proof.summary, proof.details)
+        proof = proof._replace(summary=summary, details=details, first=cause.first)
     return replace(
         verdict,
         kind=proof.kind,

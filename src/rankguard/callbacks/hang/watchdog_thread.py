@@ -300,6 +300,7 @@ class WatchdogThread:
             record=self._collectives(),
             quiet_s=self._quiet_s(),
             loop_thread=self.loop_thread_name,
+            phases=g._history.phases(),
         )
 
     def _probe_decisions(self) -> None:

@@ -140,19 +140,21 @@ def _checkpoints(per_rank: Mapping[int, RankResume]) -> str | None:
         lead = f"Ranks resumed from different copies of {first.name}."
     else:
         lead = "Ranks resumed from different checkpoints."
+    steps = len({tuple(sorted(p.counters.items())) for p in per_rank.values()}) > 1
     if len(set(names.values())) > 1:
         loads = format_groups(names, what)
-    elif len({p.identity for p in per_rank.values()}) > 1:
-        loads = format_groups({r: p.identity for r, p in per_rank.items()}, str)
     else:
-        loads = format_groups(
-            {r: f"{p.name} ({_counters_text(p.counters)})" for r, p in per_rank.items()}, str
-        )
+        loads = format_groups(_copies(per_rank), str)
     lines = [lead, f"Loaded ({first.asked}): {loads}."]
     lines += folders
     lines.append(
-        "Training on, the ranks would update different weights from different steps, "
-        "silently, until they wait for each other at the end of the run or the next save."
+        "Training on, the ranks would update different weights "
+        + (
+            "from different steps"
+            if steps or len(set(names.values())) > 1
+            else "(the copies differ)"
+        )
+        + ", silently, until they wait for each other at the end of the run or the next save."
     )
     lines.append(
         "Fix: "
@@ -164,6 +166,24 @@ def _checkpoints(per_rank: Mapping[int, RankResume]) -> str | None:
         + "."
     )
     return "\n".join(lines)
+
+
+def _copies(per_rank: Mapping[int, RankResume]) -> dict[int, str]:
+    """Per rank, its copy of one checkpoint name and every difference read between the copies.
+
+    The counters that differ (steps first), then the identity (a size) where it differs:
+    ``"last.ckpt (global_step 8, epoch 1; 13977 bytes)"``.
+    """
+    keys = sorted({k for p in per_rank.values() for k in p.counters}, key=lambda k: "step" not in k)
+    differ = [k for k in keys if len({p.counters.get(k) for p in per_rank.values()}) > 1]
+    sizes = len({p.identity for p in per_rank.values()}) > 1
+    copies = {}
+    for rank, p in per_rank.items():
+        parts = [", ".join(f"{k} {p.counters.get(k, '?')}" for k in differ)] if differ else []
+        if sizes:
+            parts.append(p.identity or "size unknown")
+        copies[rank] = f"{p.name} ({'; '.join(parts)})" if parts else str(p.name)
+    return copies
 
 
 def _folders(per_rank: Mapping[int, RankResume]) -> list[str]:

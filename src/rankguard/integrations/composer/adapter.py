@@ -96,10 +96,11 @@ _QUIET = event_values(
         Event.AFTER_FORWARD,
         Event.BEFORE_LOSS,
         Event.AFTER_LOSS,
-        Event.BEFORE_BACKWARD,
-        Event.AFTER_BACKWARD,
     )
 )
+#: Each microbatch's backward, its start and end: in the step log (the watchdog's history).
+_BEFORE_BACKWARD = Event.BEFORE_BACKWARD
+_AFTER_BACKWARD = Event.AFTER_BACKWARD
 #: The event after a train batch's microbatches, before Composer reduces the loss per key.
 _AFTER_TRAIN_BATCH = Event.AFTER_TRAIN_BATCH
 #: The loss keys before a fit's first batch (no :func:`loss_keys` result equals it).
@@ -199,7 +200,14 @@ class _ComposerAdapter(Adapter, Callback):
                     train = self._train_facts(state)
                 steps.fetch_start(self._step, train)
             return
+        if event is _BEFORE_BACKWARD:  # each microbatch's
+            self.runner.steps.backward()
+            return
+        if event is _AFTER_BACKWARD:
+            self.runner.steps.backward_end()
+            return
         if event is _AFTER_TRAIN_BATCH:  # before Composer reduces the loss, key by key
+            self.runner.steps.optimizer_step()  # the microbatches ran; the optimizer steps next
             check = self._loss_check
             if check is not None:
                 loss = state.loss

@@ -19,11 +19,13 @@ from composer.utils import format_name_with_dist
 from rankguard.callbacks.batches.loader_passes import PassCounter
 from rankguard.callbacks.core.events import Event as CoreEvent
 from rankguard.callbacks.core.events import EventFacts, LoaderFacts
+from rankguard.callbacks.core.step_log import BACKWARD, BACKWARD_END, OPTIMIZER_STEP
 from rankguard.integrations.composer.decisions import countable
 from rankguard.integrations.composer.messages import SHARDED_SETTING, UPLOAD_SETTING
 from rankguard.integrations.private.composer import trainer_load_path
 
 __all__ = [
+    "PHASES",
     "as_int",
     "checkpoint_savers",
     "checkpoint_uploads",
@@ -34,6 +36,10 @@ __all__ = [
     "sharded_switch",
     "train_loader_facts",
 ]
+
+#: The parts of a train batch Composer announces: each microbatch's backward, its end, and
+#: AFTER_TRAIN_BATCH (the microbatches done, the optimizer steps next).
+PHASES = (BACKWARD, BACKWARD_END, OPTIMIZER_STEP)
 
 _EVAL_EVENTS = (
     CoreEvent.EVAL_START,
@@ -175,6 +181,7 @@ def event_facts(event: CoreEvent, state: State, logger: Logger) -> EventFacts:
         facts.sharded_setting = SHARDED_SETTING
         facts.uploads = checkpoint_uploads(state, logger)
         facts.upload_setting = UPLOAD_SETTING
+        facts.phases = PHASES
     elif event is CoreEvent.CHECKPOINT_SAVE_START:
         facts.model = state.model
         facts.directories = save_directories(state)

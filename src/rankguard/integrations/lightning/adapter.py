@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import Callback
 
 from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.guard import Guard
+from rankguard.callbacks.core.step_log import BACKWARD, BACKWARD_END, OPTIMIZER_STEP
 from rankguard.callbacks.hang.stop import StopAgreement
 from rankguard.integrations._adapter import Adapter, exit_after_stop
 from rankguard.integrations.lightning.facts import (
@@ -43,6 +44,10 @@ from rankguard.integrations.lightning.words import (
 )
 from rankguard.integrations.private import lightning as private
 
+#: The parts of a train batch Lightning announces (its backward and optimizer-step hooks run
+#: under automatic and manual optimization alike).
+PHASES = (BACKWARD, BACKWARD_END, OPTIMIZER_STEP)
+
 
 def unsupported(guards: list[Guard]) -> str | None:
     """Why Lightning cannot run ``guards`` as they are set (``None``: it can)."""
@@ -65,6 +70,7 @@ class _LightningAdapter(Adapter, Callback):
         super().__init__(guards, exchange_timeout_s)
         # Lightning's loggers take metrics at any point: they go there at once, at its step.
         self.driver.log_metrics = self._log_metrics
+        self._steps = self.runner.steps  # a batch's parts go here (on_before_backward...)
         self._trainer: pl.Trainer | None = None
         self._val: list[LoaderFacts] = []
         #: ``should_stop`` as last recorded in the step log this fit (``None``: not yet).
@@ -158,6 +164,7 @@ class _LightningAdapter(Adapter, Callback):
             upload_setting=UPLOAD_SETTING,
             decision_probe=functools.partial(split_decisions, trainer),
             split_decisions=SPLIT_DECISIONS,
+            phases=PHASES,
         )
         # RESUMED here: Lightning restored the checkpoint and the loops' counters in `_run`, and
         # the train loaders' states in `fit_loop.setup_data()`, both before `on_train_start`, the
@@ -207,6 +214,22 @@ class _LightningAdapter(Adapter, Callback):
         if stop is not None and stop.requested and stop.at_boundary(self.runner.steps.batches):
             trainer.should_stop = True
             self._stopped_epoch = trainer.current_epoch
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any
+    ) -> None:
+        """A backward starts (``manual_backward`` too), in the step log."""
+        self._steps.backward()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The backward ended, in the step log."""
+        self._steps.backward_end()
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        """The optimizer steps (its closure, the backward, ran), in the step log."""
+        self._steps.optimizer_step()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EVAL_START for every val loader, in Lightning's order."""

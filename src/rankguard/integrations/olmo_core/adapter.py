@@ -18,6 +18,7 @@ from rankguard.callbacks.checkpoint.shared_dir_barrier import (
 )
 from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard
+from rankguard.callbacks.core.step_log import OPTIMIZER_STEP
 from rankguard.callbacks.hang.stop import StopAgreement
 from rankguard.integrations._adapter import Adapter, exit_after_stop
 from rankguard.integrations._common import (
@@ -111,6 +112,7 @@ class _OlmoCoreAdapter(Adapter, Callback):
             sharded_setting=SHARDED_SETTING,
             save_copies_to_host=to_host,
             upload_setting=UPLOAD_SETTING,
+            phases=(OPTIMIZER_STEP,),  # its microbatches' backward passes run unannounced
         )
         check = metric_reduction_check(
             guards, "olmo_core_flush", where=FLUSH, fix=FLUSH_FIX, notes=FLUSH_NOTES
@@ -141,6 +143,11 @@ class _OlmoCoreAdapter(Adapter, Callback):
             self.driver.train_batch_start(batch)
             if self._metrics:  # the guards' metrics (Adapter.buffer_metrics), rarely any
                 self._flush_metrics()
+
+    def pre_optim_step(self) -> None:
+        """The optimizer steps, in the step log."""
+        if self.driver.fitting:
+            self.runner.steps.optimizer_step()
 
     def post_train_batch(self) -> None:
         """TRAIN_BATCH_END (before the checkpointer's save)."""

@@ -20,6 +20,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from rankguard.callbacks.core.events import LoaderFacts
 from rankguard.callbacks.core.guard import Guard
+from rankguard.callbacks.core.step_log import BACKWARD_OPTIMIZER_STEP, MICROBATCH
 from rankguard.callbacks.hang.stop import StopAgreement
 from rankguard.integrations._adapter import Adapter, exit_after_stop
 from rankguard.integrations._common import load_guard_state, save_guard_state
@@ -39,6 +40,9 @@ from rankguard.integrations.transformers.facts import (
 
 #: The package's name: the logger's as it was when the adapter was one module.
 logger = logging.getLogger("rankguard.integrations.transformers")
+#: The parts of a train batch (one optimizer step) the Trainer announces: each microbatch at its
+#: end, the last with the optimizer step.
+PHASES = (MICROBATCH, BACKWARD_OPTIMIZER_STEP)
 
 
 class _TrainerAdapter(Adapter, TrainerCallback):
@@ -162,6 +166,7 @@ class _TrainerAdapter(Adapter, TrainerCallback):
             sharded_setting=SHARDED_SETTING,
             decision_probe=functools.partial(stop_decision, control),
             split_decisions=SPLIT_DECISIONS,
+            phases=PHASES,
         )
         if args.eval_on_start and evals:
             self.driver.eval_start(evals)
@@ -202,6 +207,18 @@ class _TrainerAdapter(Adapter, TrainerCallback):
                 driver.fetch_end_batch_start()
             if self._metrics:  # at most once an interval (Adapter.buffer_metrics's)
                 self._flush_metrics()
+
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """A microbatch's backward ran, its window goes on (gradient accumulation), in the log."""
+        self._steps.microbatch()
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """The window's last backward ran; the optimizer steps, in the step log."""
+        self._steps.backward_optimizer_step()
 
     def _resumed(self, args: TrainingArguments, state: TrainerState) -> None:
         """RESUMED, at the resumed train's first ``on_step_begin``.
