@@ -19,6 +19,7 @@ __all__ = [
     "Difference",
     "GroupRecord",
     "Issued",
+    "Mark",
     "ahead",
     "describe_difference",
     "describe_issued",
@@ -29,6 +30,7 @@ __all__ = [
     "last_call",
     "mismatch_warning",
     "odd_rank",
+    "origin_text",
     "same_call",
 ]
 
@@ -67,6 +69,9 @@ class Issued(NamedTuple):
         where: The user's line that issued it, e.g. ``"train.py:88 (log): dist.all_reduce(t)"``.
         thread: The name of the thread that issued it.
         t: Unix time when it was issued.
+        origin: What issued it where a framework did, with ``{at}`` for its phase, e.g.
+            ``"gradient bucket 0 of {at}'s backward (DDP)"``; ``None`` for the user's own.
+        phase: The phase it was issued in, e.g. ``"train batch 5"``, or ``None``.
     """
 
     seq: int
@@ -76,6 +81,8 @@ class Issued(NamedTuple):
     where: str | None
     thread: str
     t: float
+    origin: str | None = None
+    phase: str | None = None
 
 
 class GroupRecord(NamedTuple):
@@ -93,6 +100,29 @@ class GroupRecord(NamedTuple):
     ranks: tuple[int, ...]
     count: int
     last: tuple[Issued, ...]
+
+
+class Mark(NamedTuple):
+    """The end of a DDP forward, as the ring keeps it: where its backward's buckets start.
+
+    Attributes:
+        start: The group's count when the forward began.
+        end: The group's count when it returned.
+        reduces: Whether a backward with gradient all-reduces follows (grad enabled, not
+            inside ``no_sync()``).
+        ddp: The DDP module's index in the names' ``ddp`` list (its buckets).
+        phase: The phase the forward ran in, e.g. ``"train batch 5"``.
+        thread: The thread that ran it.
+        t: Unix time when it returned.
+    """
+
+    start: int
+    end: int
+    reduces: bool
+    ddp: int
+    phase: str | None
+    thread: str
+    t: float
 
 
 class Difference(NamedTuple):
@@ -117,10 +147,28 @@ class Difference(NamedTuple):
 
 
 def same_call(a: Issued, b: Issued) -> bool:
-    """Whether two ranks' collectives at one number can pair: the same op, and size if sized."""
+    """Whether two ranks' collectives at one number can pair: the same op, and size if sized.
+
+    Where a framework issued both (:attr:`Issued.origin`), the same origin too: FSDP's
+    all-gather of one layer for a backward and of another for a forward pair on gloo when
+    their sizes match, but they are not the same call.
+    """
     if a.op != b.op:
         return False
+    if a.origin is not None and b.origin is not None and a.origin != b.origin:
+        return False
     return a.op not in SIZED_OPS or (a.dtype, a.numel) == (b.dtype, b.numel)
+
+
+def origin_text(issued: Issued) -> str | None:
+    """What issued a framework's collective, in its phase; ``None`` for the user's own.
+
+    E.g. ``"gradient bucket 0 of train batch 5's backward (DDP)"``.
+    """
+    if issued.origin is None:
+        return None
+    at = issued.phase
+    return issued.origin.replace("{at}'s", f"{at}'s" if at else "a").replace("{at}", at or "?")
 
 
 def _by_group(records: Mapping[int, Sequence[GroupRecord]]) -> dict[str, dict[int, GroupRecord]]:
@@ -179,12 +227,13 @@ def describe_issued(issued: Issued | None, previous_thread: str | None = None) -
     """One collective in words, e.g. ``"all_reduce float32[4] at train.py:88 (log): ..."``."""
     if issued is None:
         return "not issued"
-    size = (
-        "" if issued.op in ("barrier", "monitored_barrier") else f" {issued.dtype}[{issued.numel}]"
-    )
-    where = f" at {issued.where}" if issued.where else ""
-    thread = f", thread {issued.thread}"
-    if previous_thread is not None and previous_thread != issued.thread:
+    count = f"{issued.numel:,}" if issued.numel >= 0 else "?"
+    unsized = issued.op in ("barrier", "monitored_barrier") or issued.dtype == "-"
+    size = "" if unsized else f" {issued.dtype}[{count}]"
+    origin = origin_text(issued)
+    where = (f", {origin}" if origin else "") + (f" at {issued.where}" if issued.where else "")
+    thread = f", thread {issued.thread}" if issued.thread else ""
+    if previous_thread and issued.thread and previous_thread != issued.thread:
         thread += f" (the group's previous collective came from thread {previous_thread})"
     return f"{issued.op}{size}{where}{thread}"
 
