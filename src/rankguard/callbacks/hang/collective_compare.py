@@ -27,6 +27,7 @@ __all__ = [
     "differences",
     "first_difference",
     "group_label",
+    "in_backward",
     "last_call",
     "mismatch_warning",
     "odd_rank",
@@ -267,15 +268,25 @@ def describe_difference(records: Mapping[int, Sequence[GroupRecord]], diff: Diff
     return f"{group_label(diff)}: {counts}; collective #{diff.seq}: {at}"
 
 
+def in_backward(issued: Issued | None) -> bool:
+    """Whether a framework issued it in a backward (DDP's buckets, FSDP's backward hooks)."""
+    return issued is not None and issued.origin is not None and "'s backward" in issued.origin
+
+
 def odd_rank(diff: Difference) -> int:
-    """The rank whose record differs: the fewest alike; among equals the earliest issue."""
+    """The rank whose record differs: the fewest alike; among equals the earliest issue.
+
+    Between a call a framework issued in a backward and one issued in a forward (a rank
+    that skipped a backward, or ran a forward more), the forward's side is the odd one.
+    """
     if diff.kind == "count":
         front = ahead(diff)
         behind = [r for r in diff.members if r not in front]
         side = front if len(front) <= len(behind) else behind
     else:
-        groups = group_ranks({r: (i.op, i.dtype, i.numel) for r, i in diff.issued.items() if i})
-        side = min(groups, key=lambda g: len(g[0]))[0]
+        calls = {r: (i.op, i.dtype, i.numel, i.origin) for r, i in diff.issued.items() if i}
+        groups = group_ranks(calls)
+        side = min(groups, key=lambda g: (len(g[0]), in_backward(diff.issued.get(g[0][0]))))[0]
     return min(side, key=lambda r: (diff.issued[r].t if diff.issued.get(r) else float("inf"), r))
 
 
@@ -290,8 +301,27 @@ def first_difference(diffs: Sequence[Difference]) -> Difference:
 
 
 def last_call(records: Mapping[int, Sequence[GroupRecord]], diff: Difference) -> bool:
-    """Whether a call difference is every member's last collective on the group (in flight)."""
-    return all(c == diff.seq for c in diff.counts.values())
+    """Whether a call difference's group ends in unlike calls (in flight, paired unlike).
+
+    Every member issued the same count, and their last collectives differ: ``diff``'s
+    or a later one.
+    """
+    counts = set(diff.counts.values())
+    if len(counts) != 1:
+        return False
+    (count,) = counts
+    if count == diff.seq:
+        return True
+    lasts = [
+        next((i for i in rec.last if i.seq == count), None)
+        for rank, recs in records.items()
+        if rank in diff.counts
+        for rec in recs
+        if rec.name == diff.group
+    ]
+    if len(lasts) != len(diff.counts) or any(i is None for i in lasts):
+        return False
+    return not all(same_call(lasts[0], i) for i in lasts[1:])  # type: ignore[arg-type]
 
 
 def mismatch_warning(records: Mapping[int, Sequence[GroupRecord]]) -> tuple[str, str] | None:
