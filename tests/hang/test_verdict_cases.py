@@ -660,7 +660,7 @@ CASES: list[tuple[str, Callable[[], dict[int, RankStatus]], dict]] = [
             first=1,
             exit=70,
             summary="two threads issued collectives on the default group (ranks 0,1) in a "
-            "different order on different ranks: threads AsyncCheckpointExecutor_0, MainThread; "
+            "different order on different ranks: threads MainThread, AsyncCheckpointExecutor_0; "
             "collective #2: rank 0: barrier at train.py:60",
             details="Next: one thread per process group. Give the background work its own group",
         ),
@@ -677,7 +677,7 @@ CASES: list[tuple[str, Callable[[], dict[int, RankStatus]], dict]] = [
             first=0,
             exit=70,
             summary="two threads issued collectives on the default group (ranks 0,1) in a "
-            "different order on different ranks: threads AsyncCheckpointExecutor_0, MainThread; "
+            "different order on different ranks: threads MainThread, AsyncCheckpointExecutor_0; "
             "collective #5: rank 0: barrier at train.py:60 (main): dist.barrier(), thread "
             "MainThread and gather_object, thread AsyncCheckpointExecutor_0; rank 1: "
             "gather_object, thread AsyncCheckpointExecutor_0",

@@ -108,7 +108,9 @@ def describe_race(
             if i.seq == diff.seq]
         for r in diff.members
     }  # fmt: skip
-    threads = sorted({i.thread for held in at_seq.values() for i in held})
+    loops = set(loop_threads.values())
+    seen = {i.thread for held in at_seq.values() for i in held}
+    threads = sorted(seen, key=lambda t: (t not in loops, t))  # the training thread first
     words = {r: " and ".join(describe_issued(i) for i in held) for r, held in at_seq.items()}
     at = "; ".join(
         f"{rank_label(ranks)}: {said or 'not issued'}" for ranks, said in group_ranks(words)[:8]
