@@ -7,7 +7,7 @@ DDP's buffer broadcast is a C++ call (``torch_private.COALESCED_BROADCAST``), wr
 while the record is installed. DDP's gradient all-reduces are issued from C++ with no
 Python call at all; the record marks each DDP forward's end (:class:`DdpForwards`), and
 :mod:`~rankguard.callbacks.hang.collective_infer` tells the numbers after it. Nothing
-here runs unless the record is installed; see docs/hang.md#the-collectives-c-issues.
+here runs unless the record is installed; see docs/hang.md#the-collectives-ddp-and-fsdp-issue-told.
 """
 
 from __future__ import annotations
