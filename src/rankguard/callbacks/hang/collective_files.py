@@ -221,11 +221,14 @@ def read_files(directory: str | os.PathLike) -> dict[int, tuple[GroupRecord, ...
             rows = read_ring(path.read_bytes())
         except (OSError, ValueError, struct.error):
             continue
-        records[int(rank_text)] = _groups(decode_all(rows, names), names)
+        cut = len(rows) >= SLOTS  # the ring went round: older calls may have left it
+        records[int(rank_text)] = _groups(decode_all(rows, names), names, cut)
     return records
 
 
-def _groups(decoded: list[tuple[int, Issued | Mark]], names: dict) -> tuple[GroupRecord, ...]:
+def _groups(
+    decoded: list[tuple[int, Issued | Mark]], names: dict, cut: bool
+) -> tuple[GroupRecord, ...]:
     """Per group of a rank's names: every call its ring holds, DDP's bucket all-reduces told."""
     from rankguard.callbacks.hang.collective_infer import buckets_list, group_record
 
@@ -238,7 +241,7 @@ def _groups(decoded: list[tuple[int, Issued | Mark]], names: dict) -> tuple[Grou
         count = max([i.seq for i in calls] + [m.end for m in marks], default=0)
         ranks = tuple(group["ranks"])
         record = group_record(
-            group["name"], ranks, count, calls, marks, buckets, last=len(calls) + 8, cut=False
+            group["name"], ranks, count, calls, marks, buckets, last=len(calls) + 8, cut=cut
         )
         groups.append(record)
     return tuple(groups)

@@ -143,6 +143,14 @@ class _Names:
         return json.dumps({"rank": rank, "pid": pid, "groups": self.groups, **self.current()})
 
 
+def _untold(record: GroupRecord) -> bool:
+    """Whether a group's newest numbers hold one nothing told, or told without its size."""
+    seqs = {i.seq for i in record.last}
+    low = min(seqs, default=record.count)
+    missing = any(n not in seqs for n in range(low, record.count + 1))
+    return missing or any(i.numel < 0 for i in record.last)
+
+
 class _OwnCount:
     """A group's count kept here, where the process group keeps none: collectives from Python."""
 
@@ -201,6 +209,7 @@ class CollectiveRecorder:
         self._ddp_reads: dict[int, int] = {}  # index -> forwards left to read rebuilt sizes
         self._undo: list[Callable[[], None]] = []  # the wrappers of DDP's C++ collectives
         self._seen_counts: tuple[int, ...] | None = None  # at the last snapshot
+        self._grad_enabled: Callable[[], bool] = lambda: True  # torch.is_grad_enabled
         self._names = _Names()
         self._groups: dict[Any, _Group] = {}
         self._library_codes: dict[Any, bool] = {}
@@ -251,6 +260,9 @@ class CollectiveRecorder:
 
     def _install_sources(self) -> None:
         """Wraps what DDP issues from C++: its forward (marked) and its buffer broadcast."""
+        import torch
+
+        self._grad_enabled = torch.is_grad_enabled
         forwards = DdpForwards(self._mark_forward, self._count_of, _is_compiling())
         if forwards.install():
             self._undo.append(forwards.uninstall)
@@ -463,8 +475,6 @@ class CollectiveRecorder:
         ring = self._ring
         if ring is None:
             return
-        import torch
-
         group = ddp.process_group
         known = self._groups.get(id(group)) or self._group(group)
         index = self._ddp_ids.get(id(ddp))
@@ -472,7 +482,7 @@ class CollectiveRecorder:
             index = self._adopt(ddp)
         elif index in self._ddp_reads:
             self._reread(ddp, index)
-        reduces = torch.is_grad_enabled() and bool(ddp.require_backward_grad_sync)
+        reduces = self._grad_enabled() and bool(ddp.require_backward_grad_sync)
         event, step, batch = self._phase_fields()
         ident = get_ident()
         if ident not in self._threads:
@@ -657,30 +667,39 @@ class CollectiveRecorder:
         threads = {str(t.ident): t.name for t in threading.enumerate()}
         known = self._known()
         counts = tuple(g.seq() for g in known)
-        flight = self._flight() if counts == self._seen_counts else None
-        self._seen_counts = counts
+        still, self._seen_counts = counts == self._seen_counts, counts
         buckets = buckets_list(names["ddp"])
-        out = []
-        for group, count in zip(known, counts, strict=True):
+        held = []
+        for group in known:
             mine = [i for gid, i in decoded if gid == group.gid]
             last = [i for i in mine if isinstance(i, Issued)]
             last = [i._replace(thread=threads.get(i.thread, i.thread)) for i in last]
             marks = [m for m in mine if isinstance(m, Mark)]
             marks = [m._replace(thread=threads.get(m.thread, m.thread)) for m in marks]
-            calls = flight_calls(flight, group.name) if flight else None
-            record = group_record(
-                group.name,
-                group.ranks,
-                count,
-                last,
-                marks,
-                buckets,
-                last=LAST,
-                cut=len(last) >= LAST,
-                flight=calls,
+            held.append((group, last, marks))
+
+        def records(flight: list[dict] | None) -> tuple[GroupRecord, ...]:
+            return tuple(
+                group_record(
+                    group.name,
+                    group.ranks,
+                    count,
+                    last,
+                    marks,
+                    buckets,
+                    last=LAST,
+                    cut=len(last) >= LAST,
+                    flight=flight_calls(flight, group.name) if flight else None,
+                )
+                for (group, last, marks), count in zip(held, counts, strict=True)
             )
-            out.append(record)
-        return tuple(out)
+
+        told = records(None)
+        if still and any(_untold(record) for record in told):  # it issues nothing: ask torch
+            flight = self._flight()
+            if flight:
+                return records(flight)
+        return told
 
     @staticmethod
     def _flight() -> list[dict]:
