@@ -605,6 +605,42 @@ CASES: list[tuple[str, Callable[[], dict[int, RankStatus]], dict]] = [
         ),
     ),
     (
+        "Lightning: a key synced on rank 1 only meets DDP's bucket: the stacks name the log call",
+        lambda: {
+            0: rank(
+                at="backward",
+                frame="train.py:41 (main): trainer.fit(model)",
+                record=(group("0", 35, bucket(35, 5, 5)),),
+            ),
+            1: rank(
+                at="barrier",
+                frame="model.py:62 (training_step): self.log(..., sync_dist=True)",
+                direct=True,
+                record=(
+                    group(
+                        "0",
+                        35,
+                        issued(
+                            35,
+                            "barrier",
+                            0,
+                            "model.py:62 (training_step): self.log(...)",
+                            dtype="-",
+                        ),
+                    ),
+                ),
+            ),
+        },
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=1,
+            exit=70,
+            summary="deadlock, every rank waits at a rendezvous the others never reach: ",
+            details="rank 0: all_reduce float32[5], gradient bucket 0 of train batch 5's backward",
+        ),
+    ),
+    (
         "DDP's buckets, rank 1 still in its forward's own code: a slow rank, never a desync",
         lambda: {
             0: rank(at="backward", record=(group("0", 18, buffers(17, 5), bucket(18, 5)),)),

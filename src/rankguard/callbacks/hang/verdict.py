@@ -49,7 +49,8 @@ class Proof(NamedTuple):
     """A deadlock or desync seen at one exchange: proven when the next sees the same ``key``.
 
     ``decisive``: the records say more than where the ranks wait (two threads on one
-    group, or unlike calls a framework issued): told before a deadlock from the stacks.
+    group, or unlike calls DDP or FSDP issued on every side): told before a deadlock from
+    the stacks. Where the user's own collective is one side, the stacks name its line.
     """
 
     kind: str  # "deadlock" (where every rank waits), "desync" or "race" (what was issued)
@@ -324,9 +325,9 @@ def record_proof(
     first = first_difference(proven)
     odd = odd_rank(first)
     summary, details = describe_desync(records, proven, first, odd)
-    framework = first.kind == "call" and any(
+    framework = first.kind == "call" and all(
         i is not None and i.origin is not None for i in first.issued.values()
-    )
+    )  # DDP or FSDP issued every side: the stacks say no more than "backward", "broadcast"
     return Proof("desync", key, summary, details, odd, decisive=framework)
 
 

@@ -307,8 +307,8 @@ def describe_desync(
     )
     summary = f"desync, every rank waits for a collective another never issued: {what}"
     details = tuple(f"Collectives issued: {describe_difference(records, d)}" for d in proven)
-    framework = [i for i in calls.values() if i.origin is not None]
-    if first.kind == "call" and framework and issued is not None:
+    framework = all(i.origin is not None for i in calls.values())
+    if first.kind == "call" and calls and framework and issued is not None:
         return summary, (*details, _framework_fix(first, odd, calls))
     fix = (
         f"Next: fix the code path that issued rank {odd}'s {issued.op} "
