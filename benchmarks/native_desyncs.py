@@ -42,6 +42,7 @@ def run(scenario: str, with_rankguard: bool, pg_timeout_s: float, cap_s: float) 
             PYTHONPATH=os.pathsep.join((str(ROOT / "src"), str(ROOT))),
             PYTHONUNBUFFERED="1",
             E2E_PG_TIMEOUT_S=str(pg_timeout_s),
+            E2E_RERAISE="1",  # a rank's error ends its process, as in a user's script
             **({} if with_rankguard else {"E2E_RANKGUARD": "off"}),
         )
         torchrun = str(Path(sys.executable).parent / "torchrun")
@@ -59,27 +60,23 @@ def run(scenario: str, with_rankguard: bool, pg_timeout_s: float, cap_s: float) 
             found["report_s"] = summary.stat().st_mtime - split
             found["said"] = summary.read_text().splitlines()[0]
         else:
-            found["said"] = _first_errors(ended.stdout)
+            found["said"] = _errors(out, scenario)
         return found
 
 
-def _first_errors(output: str) -> str:
-    """Each rank's first error line, and the user's line its traceback ends in."""
+def _errors(out: Path, scenario: str) -> str:
+    """Each rank's error (``rank{N}.json``), and the user's line its traceback ends in."""
     said = []
     for rank in (0, 1):
-        lines = [
-            ln.split("]:", 1)[1].strip()
-            for ln in output.splitlines()
-            if ln.startswith(f"[rank{rank}]:")
-        ]
-        errors = [ln for ln in lines if re.match(r"[\w.]+(Error|Exception):", ln)]
-        users = [m.groups() for ln in lines if (m := _USER_LINE.search(ln))]
-        where = (
-            f" (last line of yours: native_collectives_job.py:{users[-1][0]} in {users[-1][1]})"
-            if users
-            else ""
-        )
-        said.append(f"rank {rank}: {errors[0][:220] if errors else 'no error'}{where}")
+        path = out / f"rank{rank}.json"
+        result = json.loads(path.read_text()).get(scenario, {}) if path.exists() else {}
+        if result.get("outcome") in (None, "ok"):
+            said.append(f"rank {rank}: no error")
+            continue
+        users = _USER_LINE.findall(result.get("traceback", ""))
+        where = f" (its last line of the job: line {users[-1][0]}, {users[-1][1]})" if users else ""
+        message = result.get("message", "").splitlines()[0][:200]
+        said.append(f"rank {rank}: {result['outcome']}: {message}{where}")
     return "; ".join(said)
 
 
