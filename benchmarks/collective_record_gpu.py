@@ -4,11 +4,13 @@ Part 1 (one CUDA device): a world-size-1 NCCL group; the record is installed
 (``CollectiveRecorder``), a few collectives are issued (blocking, ``async_op=True``,
 on a second group, a barrier, then one FSDP2 step), and the script prints what the
 record holds (each group's count from ``_get_sequence_number_for_group``, the last
-calls with their lines) and what the flight recorder keeps (``flight_recorder()``: entries, or why
-none). Part 2 (``--gloo``, CPU): the 2-process desyncs of ``benchmarks/detection.py``
-that no stack shows (an async collective on one rank, an extra metric reduction),
-with the watchdog's short settings, printing time to report, exit codes and the
-rank and line named.
+calls with their lines) and what the flight recorder keeps (``flight_recorder()``:
+entries, or why none); then three DDP steps of a model with buffers: its buffer
+broadcasts and gradient buckets as the record tells them, each beside the flight
+recorder's entry of its number (``agrees``: op and size match). Part 2 (``--gloo``,
+CPU): the 2-process desyncs of ``benchmarks/detection.py`` that no stack shows (an
+async collective on one rank, an extra metric reduction), with the watchdog's short
+settings, printing time to report, exit codes and the rank and line named.
 
 Usage: ``PYTHONPATH=src:. python benchmarks/collective_record_gpu.py [--gloo]``
 """
@@ -87,6 +89,7 @@ def nccl_part() -> dict:
             for e in entries[:6]
         ]
         found["fsdp2"] = fsdp2_record(recorder)
+        found["ddp"] = ddp_record(recorder)
         recorder.close(keep=False)
         dist.destroy_process_group()
     return found
@@ -96,6 +99,8 @@ def fsdp2_record(recorder) -> dict:
     """One FSDP2 step on the CUDA rank: the collectives FSDP2 issued, as the record holds them."""
     import torch
     import torch.distributed as dist
+
+    from rankguard.callbacks.hang.collective_compare import describe_issued
 
     try:
         from torch.distributed.fsdp import fully_shard
@@ -115,12 +120,40 @@ def fsdp2_record(recorder) -> dict:
         ),
         "counts_before": before,
         "counts_after": recorder.counts(),
-        "last": [
-            f"#{i.seq} {i.op} {i.dtype}[{i.numel}] at {i.where}"
-            for g in recorder.snapshot()
-            for i in g.last
-        ],
+        "last": [f"#{i.seq} {describe_issued(i)}" for g in recorder.snapshot() for i in g.last],
     }
+
+
+def ddp_record(recorder) -> dict:
+    """Three DDP steps with buffers on the CUDA rank: what the record tells of DDP's C++ calls.
+
+    Each told call (a buffer broadcast, a gradient bucket) beside the flight recorder's
+    entry of its number, where it keeps one: the told op and size should agree with it.
+    """
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from rankguard.callbacks.hang.collective_compare import describe_issued
+    from rankguard.callbacks.hang.collective_files import flight_recorder
+    from rankguard.callbacks.hang.collective_infer import flight_calls
+
+    net = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 8)
+    ).cuda()
+    model = DistributedDataParallel(net, device_ids=[0], bucket_cap_mb=0.05)
+    for _ in range(3):
+        model(torch.randn(4, 64, device="cuda")).sum().backward()
+    torch.cuda.synchronize()
+    (group, *_) = recorder.snapshot()
+    flight = flight_calls(flight_recorder()[0], group.name)
+    told = []
+    for i in group.last:
+        if i.origin is None:
+            continue
+        truth = flight.get(i.seq)
+        agrees = None if truth is None else (truth.op, truth.numel) == (i.op, i.numel)
+        told.append({"told": f"#{i.seq} {describe_issued(i)}", "agrees": agrees})
+    return {"told": told, "flight_entries": len(flight)}
 
 
 def gloo_part() -> str:

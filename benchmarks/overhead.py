@@ -50,8 +50,10 @@ gloo ranks, a loop of ``--per-step`` (128) small collectives a step (async ``all
 on a side group, waited for, as a metric flush does, plus a barrier), fits with the
 record off and on in ABBA order; rank 0's training-thread CPU time per collective and
 per step, and the record alone (its wrapper around a collective that does nothing, timed
-100,000 times). Budget: 2 us per collective, a few percent of a small gloo collective's
-own CPU time (the step's own work is on top).
+100,000 times); what the record adds to each DDP forward (the group's count before it, the
+mark after it), and its wrapper under FSDP2's hooks (the frames that say what issued a
+collective, the module's name). Budget: 2 us per collective, a few percent of a small gloo
+collective's own CPU time (the step's own work is on top).
 
 ``--metric-flush`` measures the check of metric names before OLMo-core's flush
 (``hang/metric_reductions.py``): 2 gloo ranks on a TCP store, each flush holding
@@ -275,6 +277,7 @@ def _collective_rank(rank: int, init: str, rounds: int, steps: int, per_step: in
 
     import torch
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
 
     from rankguard.callbacks.hang.collectives import CollectiveRecorder
     from rankguard.callbacks.hang.stacks import library_paths
@@ -302,7 +305,26 @@ def _collective_rank(rank: int, init: str, rounds: int, steps: int, per_step: in
             wrapped(metric, group=side, async_op=True)
         return (time.thread_time() - start) / calls
 
-    times: dict[str, list[float]] = {"off": [], "on": [], "wrapper": []}
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 4))
+
+    def mark_alone(recorder: CollectiveRecorder, calls: int = 50_000) -> float:
+        """What the record adds to each DDP forward: the count before it, the mark after it."""
+        start = time.thread_time()
+        for _ in range(calls):
+            recorder._mark_forward(ddp, recorder._count_of(ddp.process_group))
+        return (time.thread_time() - start) / calls
+
+    under_fsdp = _under_fsdp_hooks()
+
+    def fsdp_alone(recorder: CollectiveRecorder, calls: int = 50_000) -> float:
+        """The wrapper under FSDP2's hooks (a forward's unshard): the frames say what issued it."""
+        wrapped = recorder._wrap("all_gather_into_tensor", lambda *a, **k: None, "input_tensor")
+        start = time.thread_time()
+        for _ in range(calls):
+            under_fsdp(lambda: wrapped(metric, metric, group=side, async_op=True))
+        return (time.thread_time() - start) / calls
+
+    times: dict[str, list[float]] = {"off": [], "on": [], "wrapper": [], "mark": [], "fsdp": []}
     with tempfile.TemporaryDirectory() as reports:
         for kind in ["off", "on", "on", "off"] * rounds:
             recorder = CollectiveRecorder(reports, rank, library_paths())
@@ -311,10 +333,40 @@ def _collective_rank(rank: int, init: str, rounds: int, steps: int, per_step: in
             times[kind].append(fit())
             if kind == "on":
                 times["wrapper"].append(wrapper_alone(recorder))
+                times["mark"].append(mark_alone(recorder))
+                times["fsdp"].append(fsdp_alone(recorder))
             recorder.close(keep=False)
     if rank == 0:
         Path(out).write_text(json.dumps(times))
     dist.destroy_process_group()
+
+
+def _under_fsdp_hooks():
+    """A call made under FSDP2's ``pre_forward`` and ``unshard``, as torch's frames name them.
+
+    The functions are compiled under the file name of torch's FSDP2 parameter group, so the
+    record's walk meets frames of the roles a real all-gather has (``collective_sources``).
+    """
+    import torch
+
+    path = os.path.join(
+        os.path.dirname(torch.__file__),
+        "distributed",
+        "fsdp",
+        "_fully_shard",
+        "_fsdp_param_group.py",
+    )
+    source = (
+        "class FSDPParamGroup:\n"
+        "    _module_fqn = 'layers.0'\n"
+        "    def pre_forward(self, call):\n"
+        "        return self.unshard(call)\n"
+        "    def unshard(self, call):\n"
+        "        return call()\n"
+    )
+    scope: dict = {}
+    exec(compile(source, path, "exec"), scope)
+    return scope["FSDPParamGroup"]().pre_forward
 
 
 def _two_ranks(target, rendezvous, *args) -> dict:
@@ -346,10 +398,16 @@ def collective_cost(rounds: int, steps: int, per_step: int) -> None:
         print(f"  record {kind:<3}: {fits} us of training-thread CPU per collective")
     print(f"  difference of the medians: {1e6 * (on - off) / calls:.2f} us per collective")
     alone = 1e6 * statistics.median(times["wrapper"])
+    mark, fsdp = (1e6 * statistics.median(times[k]) for k in ("mark", "fsdp"))
     print(
         f"  the record alone: {budget(alone, 2.0)} per collective; {alone * per_step:.0f} us "
         f"per step of {per_step}, {100 * alone / (1e6 * off / calls):.0f}% of a collective's "
         "own CPU time"
+    )
+    print(
+        f"  a DDP forward's mark (the count before it, a slot after it): {mark:.1f} us per "
+        f"forward; a collective under FSDP2's hooks (its origin from the frames): "
+        f"{budget(fsdp, 2.0)}"
     )
 
 

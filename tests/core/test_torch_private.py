@@ -63,3 +63,61 @@ def _abort(rank, world_size):
 def test_aborting_the_process_groups_leaves_the_store_answering():
     outcomes = run_ranks(_abort, 2, timeout_s=60)
     assert [(o.error, o.value) for o in outcomes] == [(None, (True, False, False))] * 2
+
+
+def _ddp_reaches(rank, world_size):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    module = torch_private.coalesced_broadcast_module()
+    broadcast = getattr(module, torch_private.COALESCED_BROADCAST)
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Linear(64, 64))
+    model = DistributedDataParallel(layers, bucket_cap_mb=0.01)
+    first = torch_private.ddp_logged(model)
+    rebuilt = []
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        rebuilt.append(torch_private.ddp_rebuilt(model))
+    logged = torch_private.ddp_logged(model)
+    return {
+        "module": module is dist and callable(broadcast),
+        "first": (first["bucket_sizes"], first["dtypes"]),
+        "rebuilt": rebuilt,
+        "rebuilt_sizes": logged.get("rebuilt_bucket_sizes"),
+    }
+
+
+def test_ddp_reaches_read_its_coalesced_broadcast_and_its_buckets():
+    outcomes = run_ranks(_ddp_reaches, 2, timeout_s=60)
+    for o in outcomes:
+        assert o.error is None, o.error
+        # 4,480 float32 parameters: one first bucket, two once rebuilt in the second forward
+        assert o.value["module"] and o.value["first"] == ("17920", "float")
+        assert o.value["rebuilt"] == [False, True, True]
+        sizes = [int(s) for s in o.value["rebuilt_sizes"].split(",")]
+        assert len(sizes) == 2 and sum(sizes) == 17920
+
+
+def _fsdp_name(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # pragma: no cover - torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    fully_shard(net[1], mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    net(torch.ones(1, 2)).sum().backward()  # lazy init names each group from the root
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in (net, net[1])]
+    return [torch_private.fsdp_module_name(g) for g in groups], torch_private.fsdp_module_name(net)
+
+
+def test_fsdp2_parameter_groups_are_named_by_their_module():
+    outcomes = run_ranks(_fsdp_name, 2, timeout_s=60)
+    for o in outcomes:
+        assert o.error is None, o.error
+        assert o.value == (["", "1"], None)

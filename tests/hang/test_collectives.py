@@ -186,15 +186,21 @@ def test_a_rank_killed_or_aborted_leaves_its_record_and_report_names_the_differe
     assert report(argparse.Namespace(directory=aborted)) == 0
     out = capsys.readouterr().out
     assert "First difference: group 1 (ranks 0,1): ranks 0,1 issued 4; collective #4: " in out
-    assert "rank 0: all_reduce float32[4096]" in out and "rank 1: all_reduce float32[1]" in out
+    assert "rank 0: all_reduce float32[4,096]" in out and "rank 1: all_reduce float32[1]" in out
     assert f"rank{aborts[0]} died of a fatal signal (Fatal Python error: Aborted)" in out, out
 
 
 def test_a_status_reads_only_each_groups_newest_slots_in_the_order_written():
-    from rankguard.callbacks.hang.collective_files import newest_per_group
+    from rankguard.callbacks.hang.collective_files import DDP_FORWARD_OP, newest_per_group
 
-    # (seq, numel, t, thread, group, ...): group 0 issued 5, group 1 issued 2, interleaved.
-    rows = [(s, 1, 0.0, 0, g) for s, g in [(1, 0), (2, 0), (1, 1), (3, 0), (4, 0), (2, 1), (5, 0)]]
+    # (seq, numel, t, thread, group, op, ...): group 0 issued 5, group 1 issued 2, interleaved.
+    order = [(1, 0), (2, 0), (1, 1), (3, 0), (4, 0), (2, 1), (5, 0)]
+    rows = [(s, 1, 0.0, 0, g, 0) for s, g in order]
     kept = newest_per_group(rows, 2)
     assert [(r[4], r[0]) for r in kept] == [(1, 1), (0, 4), (1, 2), (0, 5)]
     assert newest_per_group(rows, 8) == rows
+    # A DDP forward's marks are kept apart: they never push a group's collectives out.
+    marks = [(s, 0, 0.0, 0, 0, DDP_FORWARD_OP) for s in (2, 4, 5)]
+    kept = newest_per_group([*rows, *marks], 2, marks=1)
+    expected = [(1, 1, 0), (0, 4, 0), (1, 2, 0), (0, 5, 0), (0, 5, DDP_FORWARD_OP)]
+    assert [(r[4], r[0], r[5]) for r in kept] == expected

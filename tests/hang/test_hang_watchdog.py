@@ -675,3 +675,18 @@ def test_a_rank_missing_from_another_checks_exchange_gets_the_watchdogs_diagnosi
     )
     assert "in stall_after_eval" in (tmp_path / "rank1.txt").read_text()
     assert "BatchCountMismatchError" not in summary
+
+
+def test_the_phase_a_collective_is_issued_in_is_the_training_threads_newest_event():
+    from rankguard.callbacks.core.events import EventFacts
+
+    watchdog = HangWatchdog()
+    assert watchdog._issuing_phase() is None  # nothing heard yet
+    watchdog.steps.append("train_batch_start", EventFacts(step=5))
+    assert watchdog._issuing_phase() == ("train_batch_start", 5, None)
+    watchdog.steps.append("eval_batch_start", EventFacts(step=5, batch_index=2))
+    assert watchdog._issuing_phase() == ("eval_batch_start", 5, 2)
+    watchdog._derive()  # read by the watchdog's thread: its last beat is the newest
+    assert watchdog.steps.entries == []
+    assert watchdog._issuing_phase() == ("eval_batch_start", 5, 2)
+    watchdog.close()

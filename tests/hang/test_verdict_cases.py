@@ -80,7 +80,34 @@ def rank(
 
 def issued(seq, op="all_reduce", numel=1, where="train.py:88 (log): dist.all_reduce(t)", **kw):
     kw.setdefault("thread", "MainThread")
-    return Issued(seq, op, kw.pop("dtype", "float32"), numel, where, kw["thread"], 100.0 + seq)
+    dtype, t = kw.pop("dtype", "float32"), kw.pop("t", 100.0 + seq)
+    return Issued(seq, op, dtype, numel, where, kw["thread"], t, kw.get("origin"), kw.get("phase"))
+
+
+#: What DDP issues, as the record tells it (collective_infer, collective_sources).
+BUCKET0 = "gradient bucket 0 of {at}'s backward (DDP)"
+BUFFERS = "module buffers in {at}'s forward (DDP's broadcast_buffers)"
+FORWARD_LINE = "train.py:40 (main): loss = model(x).sum()"
+
+
+def bucket(seq: int, step: int, numel: int = 25_000_000, **kw) -> Issued:
+    """DDP's all-reduce of gradient bucket 0, issued from C++ after a forward (no line)."""
+    return issued(seq, numel=numel, where=None, origin=BUCKET0, phase=f"train batch {step}", **kw)
+
+
+def buffers(seq: int, step: int, numel: int = 64) -> Issued:
+    """DDP's broadcast of module buffers before a forward."""
+    where = FORWARD_LINE
+    return issued(seq, "broadcast", numel, where, origin=BUFFERS, phase=f"train batch {step}")
+
+
+def fsdp_gather(seq: int, module: str, direction: str, step: int) -> Issued:
+    """FSDP2's all-gather of a module's parameters, under its forward or backward hook."""
+    origin = f"FSDP's all-gather of the parameters of module {module!r} for {{at}}'s {direction}"
+    line = "train.py:41 (main): loss.backward()" if direction == "backward" else FORWARD_LINE
+    return issued(
+        seq, "all_gather_into_tensor", 136, line, origin=origin, phase=f"train batch {step}"
+    )
 
 
 def group(name: str, count: int, *calls: Issued) -> GroupRecord:
@@ -196,6 +223,18 @@ def _eval_on_rank0():
         1: rank("train batch 8", at="backward", frame=BACKWARD_AT, usual=True,
                 phases=ran(*STEP * 8, "batch", BACKWARD)),
     }  # fmt: skip
+
+
+#: ``dcp.async_save``'s thread (torch 2.13's name; 2.7's is ``ThreadPoolExecutor-0_0``).
+SAVER = "AsyncCheckpointExecutor_0"
+
+
+def barrier(seq: int) -> Issued:
+    return issued(seq, "barrier", 0, "train.py:60 (main): dist.barrier()", dtype="-")
+
+
+def save_gather(seq: int) -> Issued:
+    return issued(seq, "gather_object", 0, None, thread=SAVER, dtype="-")
 
 
 # -- the cases ---------------------------------------------------------------------------------
@@ -706,6 +745,237 @@ CASES: list[tuple[str, Callable[[], dict[int, RankStatus]], dict]] = [
             "the default group (ranks 0,1) is a different call on different ranks",
         ),
     ),
+    # -- what DDP and FSDP issue, told: the calls, not only their numbers ----------------------
+    (
+        "DDP: rank 1 skipped a backward: its buffer broadcast met rank 0's gradient bucket",
+        lambda: {
+            0: rank(
+                at="backward",
+                frame="train.py:41 (main): loss.backward()",
+                record=(group("0", 18, buffers(17, 5), bucket(18, 5)),),
+            ),
+            1: rank(
+                at="broadcast",
+                frame=FORWARD_LINE,
+                record=(group("0", 19, buffers(17, 5), buffers(18, 6), buffers(19, 6)),),
+            ),
+        },
+        dict(
+            kind="desync",
+            stuck=((0, 1),),
+            first=1,
+            exit=70,
+            summary="desync, every rank waits for a collective another never issued: collective "
+            "#18 of the default group (ranks 0,1) is a different call on different ranks: rank 0: "
+            "all_reduce float32[25,000,000], gradient bucket 0 of train batch 5's backward (DDP); "
+            "rank 1: broadcast float32[64], module buffers in train batch 6's forward (DDP's "
+            "broadcast_buffers)",
+            details="Next: rank 1 issued module buffers in train batch 6's forward (DDP's "
+            "broadcast_buffers) where rank 0 issued gradient bucket 0 of train batch 5's "
+            "backward (DDP)",
+        ),
+    ),
+    (
+        "DDP at one count, 64 floats against a 24M-float bucket, both their last (ms-swift)",
+        lambda: {
+            0: rank(record=(group("0", 30, bucket(30, 9, 24_000_000)),)),
+            1: rank(record=(group("0", 30, buffers(30, 10)),)),
+        },
+        dict(
+            kind="desync",
+            stuck=((0, 1),),
+            first=1,
+            exit=70,
+            summary="desync, every rank waits for a collective another never issued: collective "
+            "#30 of the default group (ranks 0,1) is a different call on different ranks: rank 0: "
+            "all_reduce float32[24,000,000], gradient bucket 0 of train batch 9's backward",
+        ),
+    ),
+    (
+        "FSDP2: rank 1 ran a forward more: all-gathers of another layer, the same size",
+        lambda: {
+            0: rank(
+                record=(
+                    group(
+                        "0",
+                        22,
+                        fsdp_gather(21, "2", "backward", 3),
+                        fsdp_gather(22, "1", "backward", 3),
+                    ),
+                )
+            ),
+            1: rank(
+                record=(
+                    group(
+                        "0",
+                        22,
+                        fsdp_gather(21, "0", "forward", 3),
+                        fsdp_gather(22, "1", "forward", 3),
+                    ),
+                )
+            ),
+        },
+        dict(
+            kind="desync",
+            stuck=((0, 1),),
+            first=1,
+            exit=70,
+            summary="desync, every rank waits for a collective another never issued: collective "
+            "#21 of the default group (ranks 0,1) is a different call on different ranks: rank 0: "
+            "all_gather_into_tensor float32[136], FSDP's all-gather of the parameters of module "
+            "'2' for train batch 3's backward; rank 1: all_gather_into_tensor float32[136], "
+            "FSDP's all-gather of the parameters of module '0' for train batch 3's forward",
+        ),
+    ),
+    (
+        "Lightning: a key synced on rank 1 only meets DDP's bucket: the stacks name the log call",
+        lambda: {
+            0: rank(
+                at="backward",
+                frame="train.py:41 (main): trainer.fit(model)",
+                record=(group("0", 35, bucket(35, 5, 5)),),
+            ),
+            1: rank(
+                at="barrier",
+                frame="model.py:62 (training_step): self.log(..., sync_dist=True)",
+                direct=True,
+                record=(
+                    group(
+                        "0",
+                        35,
+                        issued(
+                            35,
+                            "barrier",
+                            0,
+                            "model.py:62 (training_step): self.log(...)",
+                            dtype="-",
+                        ),
+                    ),
+                ),
+            ),
+        },
+        dict(
+            kind="deadlock",
+            stuck=((0, 1),),
+            first=1,
+            exit=70,
+            summary="deadlock, every rank waits at a rendezvous the others never reach: ",
+            details="rank 0: all_reduce float32[5], gradient bucket 0 of train batch 5's backward",
+        ),
+    ),
+    (
+        "DDP's buckets, rank 1 still in its forward's own code: a slow rank, never a desync",
+        lambda: {
+            0: rank(at="backward", record=(group("0", 18, buffers(17, 5), bucket(18, 5)),)),
+            1: rank(
+                "train batch 60",
+                35,
+                frame="model.py:12 (forward): slow_op(x)",
+                record=(group("0", 17, buffers(17, 5)),),
+            ),
+        },
+        dict(kind="slow", stuck=((1, 1),), first=1, exit=None, summary="rank 1 stuck 35 s"),
+    ),
+    (
+        "DDP's backward from autograd's thread against the training thread's broadcast: a desync",
+        lambda: {
+            0: rank(at="backward", record=(group("0", 18, bucket(18, 5, thread="Dummy-1")),)),
+            1: rank(at="broadcast", frame=FORWARD_LINE, record=(group("0", 18, buffers(18, 6)),)),
+        },
+        dict(kind="desync", stuck=((0, 1),), first=1, exit=70, summary="desync, every rank"),
+    ),
+    # -- two threads on one process group ----------------------------------------------------
+    (
+        "dcp.async_save's thread and the training thread's barrier on one group (back to back)",
+        lambda: {
+            0: rank(
+                at="barrier",
+                frame="train.py:60 (main): dist.barrier()",
+                record=(
+                    group(
+                        "0",
+                        3,
+                        issued(2, "barrier", 0, "train.py:60 (main): dist.barrier()"),
+                        issued(3, "gather_object", 0, None, thread=SAVER),
+                    ),
+                ),
+            ),
+            1: rank(
+                at="barrier",
+                frame="train.py:60 (main): dist.barrier()",
+                record=(
+                    group(
+                        "0",
+                        3,
+                        issued(2, "gather_object", 0, None, thread=SAVER),
+                        issued(3, "barrier", 0, "train.py:60 (main): dist.barrier()"),
+                    ),
+                ),
+            ),
+        },
+        dict(
+            kind="race",
+            stuck=((0, 1),),
+            first=1,
+            exit=70,
+            summary="two threads issued collectives on the default group (ranks 0,1) in a "
+            "different order on different ranks: threads MainThread, AsyncCheckpointExecutor_0; "
+            "collective #2: rank 0: barrier at train.py:60",
+            details="Next: one thread per process group. Give the background work its own group",
+        ),
+    ),
+    (
+        "torch 2.7: the save's thread and the training thread took one number at once",
+        lambda: {
+            0: rank(at="barrier", record=(group("0", 6, barrier(5), save_gather(5)),)),
+            1: rank(at="barrier", record=(group("0", 6, save_gather(5), barrier(6)),)),
+        },
+        dict(
+            kind="race",
+            stuck=((0, 1),),
+            first=0,
+            exit=70,
+            summary="two threads issued collectives on the default group (ranks 0,1) in a "
+            "different order on different ranks: threads MainThread, AsyncCheckpointExecutor_0; "
+            "collective #5: rank 0: barrier at train.py:60 (main): dist.barrier(), thread "
+            "MainThread and gather_object, thread AsyncCheckpointExecutor_0; rank 1: "
+            "gather_object, thread AsyncCheckpointExecutor_0",
+        ),
+    ),
+    (
+        "one number twice from two threads, every rank computing in its own code: healthy",
+        lambda: {r: rank(record=(group("0", 6, barrier(5), save_gather(5)),)) for r in (0, 1)},
+        dict(kind="healthy", stuck=(), exit=None, summary=""),
+    ),
+    (
+        "two threads on one group, in the same order on every rank: healthy",
+        lambda: {
+            r: rank(
+                quiet=False,
+                record=(
+                    group(
+                        "0", 3, issued(2, "barrier", 0), issued(3, "gather_object", 0, thread=SAVER)
+                    ),
+                ),
+            )
+            for r in (0, 1)
+        },
+        dict(kind="healthy", stuck=(), exit=None, summary=""),
+    ),
+    (
+        "a background save on a group of its own, one rank's save thread ahead: healthy",
+        lambda: {
+            0: rank(quiet=False, record=(group("0", 40), group("7", 2, issued(2, thread=SAVER)))),
+            1: rank(
+                quiet=False,
+                record=(
+                    group("0", 40),
+                    group("7", 3, issued(2, thread=SAVER), issued(3, thread=SAVER)),
+                ),
+            ),
+        },
+        dict(kind="healthy", stuck=(), exit=None, summary=""),
+    ),
     (
         "unlike calls while the job still runs: healthy, with the mismatch told",
         lambda: {
@@ -731,7 +1001,7 @@ def test_each_case_has_one_verdict(name, statuses, expected):
     assert verdict.summary.startswith(expected["summary"]), verdict.summary
     if "details" in expected:
         assert any(expected["details"] in line for line in verdict.details), verdict.details
-    if verdict.kind in ("deadlock", "desync"):
+    if verdict.kind in ("deadlock", "desync", "race"):
         assert "exit code 70, do not restart" in "\n".join(verdict.details)
     if "mismatch" in expected:
         assert verdict.mismatch is not None and expected["mismatch"] in verdict.mismatch[1]
@@ -789,4 +1059,4 @@ def test_a_rank_heard_before_is_named_when_its_thread_goes_silent_whatever_its_p
 
 def test_the_table_covers_every_verdict_class():
     kinds = {expected["kind"] for _, _, expected in CASES} | {"gone"}
-    assert kinds == {"healthy", "slow", "stall", "gone", "deadlock", "desync"}
+    assert kinds == {"healthy", "slow", "stall", "gone", "deadlock", "desync", "race"}

@@ -2,9 +2,10 @@
 
 ``torch.distributed`` keeps some of what rankguard needs behind private names:
 the default process group's store and timeout, a process group's count of the
-collectives it issued, the flight recorder's dumps. A module's forward hooks are
-put back and taken off through its private hook dicts. Each read is here, with
-why no public API serves it; ``tests/core/test_torch_private.py`` calls each
+collectives it issued, the flight recorder's dumps, the coalesced broadcast DDP
+and FSDP issue from C++, DDP's buckets as its logger has them, FSDP2's module names.
+A module's forward hooks are put back and taken off through its private hook dicts.
+Each read is here, with why no public API serves it; ``tests/core/test_torch_private.py`` calls each
 against the installed torch and fails when torch renames or moves what it reads.
 Nothing else in rankguard reads a private ``torch`` name.
 """
@@ -15,11 +16,15 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "COALESCED_BROADCAST",
     "FLIGHT_RECORDER_DUMPS",
     "abort_process_groups",
+    "ddp_logged",
+    "ddp_rebuilt",
     "default_store",
     "flight_recorder_dumps",
     "forward_hook_dicts",
+    "fsdp_module_name",
     "group_timeout_s",
     "sequence_reader",
 ]
@@ -29,6 +34,10 @@ __all__ = [
 #: sized by ``TORCH_FR_BUFFER_SIZE``.
 FLIGHT_RECORDER_DUMPS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
 _SEQ = "_get_sequence_number_for_group"
+#: ``torch.distributed._broadcast_coalesced(group, tensors, buffer_size, src)``: the C++
+#: broadcast DDP's buffer sync (before each forward, ``broadcast_buffers=True``) and the
+#: parameter sync at DDP's and FSDP's wrapping call, by this name on the module at each call.
+COALESCED_BROADCAST = "_broadcast_coalesced"
 
 
 def default_store() -> Any:
@@ -111,3 +120,50 @@ def forward_hook_dicts(module: Any) -> tuple[dict, dict, dict]:
     only remove.
     """
     return module._forward_pre_hooks, module._forward_hooks, module._forward_hooks_always_called
+
+
+def coalesced_broadcast_module() -> Any:
+    """The module whose :data:`COALESCED_BROADCAST` DDP and FSDP call (``torch.distributed``).
+
+    No Python collective is behind it: it flattens the tensors into buckets of at most
+    ``buffer_size`` bytes per dtype and device and broadcasts each from C++. Wrapping it
+    there is how the record sees DDP's buffer broadcasts.
+    """
+    import torch.distributed as dist
+
+    if not callable(getattr(dist, COALESCED_BROADCAST, None)):
+        return None
+    return dist
+
+
+def ddp_logged(ddp: Any) -> dict | None:
+    """What DDP's C++ logger holds of a ``DistributedDataParallel`` module, or ``None``.
+
+    ``_get_ddp_logging_data()`` is the one place its buckets are told: ``bucket_sizes``
+    (bytes, in the order all-reduced), ``rebuilt_bucket_sizes`` once logged after the
+    rebuild in its second forward, ``dtypes``, ``find_unused_parameters``. ``None`` where
+    its reducer does not all-reduce buckets (a compiled DDP's Python reducer, delayed
+    all-reduce of all parameters).
+    """
+    if getattr(ddp, "_use_python_reducer", False) or getattr(
+        ddp, "_delay_all_reduce_all_params", False
+    ):
+        return None
+    try:
+        return dict(ddp._get_ddp_logging_data())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def ddp_rebuilt(ddp: Any) -> bool:
+    """Whether DDP rebuilt its buckets (in its second forward: ``_has_rebuilt_buckets``)."""
+    return bool(getattr(ddp, "_has_rebuilt_buckets", False))
+
+
+def fsdp_module_name(param_group: Any) -> str | None:
+    """The module an FSDP2 parameter group shards, by its name from the root (``_module_fqn``).
+
+    ``None`` for anything else (FSDP1's handles name no module).
+    """
+    name = getattr(param_group, "_module_fqn", None)
+    return name if isinstance(name, str) else None

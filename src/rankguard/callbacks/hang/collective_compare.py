@@ -19,6 +19,7 @@ __all__ = [
     "Difference",
     "GroupRecord",
     "Issued",
+    "Mark",
     "ahead",
     "describe_difference",
     "describe_issued",
@@ -26,9 +27,11 @@ __all__ = [
     "differences",
     "first_difference",
     "group_label",
+    "in_backward",
     "last_call",
     "mismatch_warning",
     "odd_rank",
+    "origin_text",
     "same_call",
 ]
 
@@ -67,6 +70,9 @@ class Issued(NamedTuple):
         where: The user's line that issued it, e.g. ``"train.py:88 (log): dist.all_reduce(t)"``.
         thread: The name of the thread that issued it.
         t: Unix time when it was issued.
+        origin: What issued it where a framework did, with ``{at}`` for its phase, e.g.
+            ``"gradient bucket 0 of {at}'s backward (DDP)"``; ``None`` for the user's own.
+        phase: The phase it was issued in, e.g. ``"train batch 5"``, or ``None``.
     """
 
     seq: int
@@ -76,6 +82,8 @@ class Issued(NamedTuple):
     where: str | None
     thread: str
     t: float
+    origin: str | None = None
+    phase: str | None = None
 
 
 class GroupRecord(NamedTuple):
@@ -93,6 +101,29 @@ class GroupRecord(NamedTuple):
     ranks: tuple[int, ...]
     count: int
     last: tuple[Issued, ...]
+
+
+class Mark(NamedTuple):
+    """The end of a DDP forward, as the ring keeps it: where its backward's buckets start.
+
+    Attributes:
+        start: The group's count when the forward began.
+        end: The group's count when it returned.
+        reduces: Whether a backward with gradient all-reduces follows (grad enabled, not
+            inside ``no_sync()``).
+        ddp: The DDP module's index in the names' ``ddp`` list (its buckets).
+        phase: The phase the forward ran in, e.g. ``"train batch 5"``.
+        thread: The thread that ran it.
+        t: Unix time when it returned.
+    """
+
+    start: int
+    end: int
+    reduces: bool
+    ddp: int
+    phase: str | None
+    thread: str
+    t: float
 
 
 class Difference(NamedTuple):
@@ -117,10 +148,28 @@ class Difference(NamedTuple):
 
 
 def same_call(a: Issued, b: Issued) -> bool:
-    """Whether two ranks' collectives at one number can pair: the same op, and size if sized."""
+    """Whether two ranks' collectives at one number can pair: the same op, and size if sized.
+
+    Where a framework issued both (:attr:`Issued.origin`), the same origin too: FSDP's
+    all-gather of one layer for a backward and of another for a forward pair on gloo when
+    their sizes match, but they are not the same call.
+    """
     if a.op != b.op:
         return False
+    if a.origin is not None and b.origin is not None and a.origin != b.origin:
+        return False
     return a.op not in SIZED_OPS or (a.dtype, a.numel) == (b.dtype, b.numel)
+
+
+def origin_text(issued: Issued) -> str | None:
+    """What issued a framework's collective, in its phase; ``None`` for the user's own.
+
+    E.g. ``"gradient bucket 0 of train batch 5's backward (DDP)"``.
+    """
+    if issued.origin is None:
+        return None
+    at = issued.phase
+    return issued.origin.replace("{at}'s", f"{at}'s" if at else "a").replace("{at}", at or "?")
 
 
 def _by_group(records: Mapping[int, Sequence[GroupRecord]]) -> dict[str, dict[int, GroupRecord]]:
@@ -179,12 +228,13 @@ def describe_issued(issued: Issued | None, previous_thread: str | None = None) -
     """One collective in words, e.g. ``"all_reduce float32[4] at train.py:88 (log): ..."``."""
     if issued is None:
         return "not issued"
-    size = (
-        "" if issued.op in ("barrier", "monitored_barrier") else f" {issued.dtype}[{issued.numel}]"
-    )
-    where = f" at {issued.where}" if issued.where else ""
-    thread = f", thread {issued.thread}"
-    if previous_thread is not None and previous_thread != issued.thread:
+    count = f"{issued.numel:,}" if issued.numel >= 0 else "?"
+    unsized = issued.op in ("barrier", "monitored_barrier") or issued.dtype == "-"
+    size = "" if unsized else f" {issued.dtype}[{count}]"
+    origin = origin_text(issued)
+    where = (f", {origin}" if origin else "") + (f" at {issued.where}" if issued.where else "")
+    thread = f", thread {issued.thread}" if issued.thread else ""
+    if previous_thread and issued.thread and previous_thread != issued.thread:
         thread += f" (the group's previous collective came from thread {previous_thread})"
     return f"{issued.op}{size}{where}{thread}"
 
@@ -218,15 +268,25 @@ def describe_difference(records: Mapping[int, Sequence[GroupRecord]], diff: Diff
     return f"{group_label(diff)}: {counts}; collective #{diff.seq}: {at}"
 
 
+def in_backward(issued: Issued | None) -> bool:
+    """Whether a framework issued it in a backward (DDP's buckets, FSDP's backward hooks)."""
+    return issued is not None and issued.origin is not None and "'s backward" in issued.origin
+
+
 def odd_rank(diff: Difference) -> int:
-    """The rank whose record differs: the fewest alike; among equals the earliest issue."""
+    """The rank whose record differs: the fewest alike; among equals the earliest issue.
+
+    Between a call a framework issued in a backward and one issued in a forward (a rank
+    that skipped a backward, or ran a forward more), the forward's side is the odd one.
+    """
     if diff.kind == "count":
         front = ahead(diff)
         behind = [r for r in diff.members if r not in front]
         side = front if len(front) <= len(behind) else behind
     else:
-        groups = group_ranks({r: (i.op, i.dtype, i.numel) for r, i in diff.issued.items() if i})
-        side = min(groups, key=lambda g: len(g[0]))[0]
+        calls = {r: (i.op, i.dtype, i.numel, i.origin) for r, i in diff.issued.items() if i}
+        groups = group_ranks(calls)
+        side = min(groups, key=lambda g: (len(g[0]), in_backward(diff.issued.get(g[0][0]))))[0]
     return min(side, key=lambda r: (diff.issued[r].t if diff.issued.get(r) else float("inf"), r))
 
 
@@ -241,8 +301,27 @@ def first_difference(diffs: Sequence[Difference]) -> Difference:
 
 
 def last_call(records: Mapping[int, Sequence[GroupRecord]], diff: Difference) -> bool:
-    """Whether a call difference is every member's last collective on the group (in flight)."""
-    return all(c == diff.seq for c in diff.counts.values())
+    """Whether a call difference's group ends in unlike calls (in flight, paired unlike).
+
+    Every member issued the same count, and their last collectives differ: ``diff``'s
+    or a later one.
+    """
+    counts = set(diff.counts.values())
+    if len(counts) != 1:
+        return False
+    (count,) = counts
+    if count == diff.seq:
+        return True
+    lasts = [
+        next((i for i in rec.last if i.seq == count), None)
+        for rank, recs in records.items()
+        if rank in diff.counts
+        for rec in recs
+        if rec.name == diff.group
+    ]
+    if len(lasts) != len(diff.counts) or any(i is None for i in lasts):
+        return False
+    return not all(same_call(lasts[0], i) for i in lasts[1:])  # type: ignore[arg-type]
 
 
 def mismatch_warning(records: Mapping[int, Sequence[GroupRecord]]) -> tuple[str, str] | None:

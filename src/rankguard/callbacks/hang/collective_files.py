@@ -15,15 +15,19 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from rankguard.callbacks.core.step_log import PAIRS
 from rankguard.callbacks.core.torch_private import flight_recorder_dumps
-from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued
+from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued, Mark
 from rankguard.callbacks.hang.stacks import describe_frame
+from rankguard.callbacks.hang.verdict_text import phase_label
 
 __all__ = [
+    "DDP_FORWARD_OP",
     "FAULT_SUFFIX",
     "FLIGHT_SUFFIX",
     "RING_SUFFIX",
     "decode",
+    "decode_all",
     "flight_recorder",
     "newest_per_group",
     "read_files",
@@ -35,10 +39,15 @@ logger = logging.getLogger(__name__)
 
 #: Slots in the ring (the last collectives kept, every group together).
 SLOTS = 256
-MAGIC = b"RGCR0001"
+MAGIC = b"RGCR0002"
 # slot number + 1 (0: empty), seq, numel, time, thread ident, group, op, dtype, user code,
-# user instruction offset, call code, call instruction offset
-SLOT = struct.Struct("<qqqdQiiiiiii")
+# user instruction offset, call code, call instruction offset, origin, and the phase it was
+# issued in: event, step, batch index (-1: none)
+SLOT = struct.Struct("<qqqdQiiiiiiiiiii")
+#: The op id of a slot that marks a DDP forward's end (not a collective): its ``seq`` is
+#: the group's count then, ``numel`` the count at its start times 2 plus whether it reduces,
+#: ``dtype`` the DDP module's index in the names' ``ddp`` list.
+DDP_FORWARD_OP = -2
 SLOT_SIZE = SLOT.size
 HEADER = struct.Struct("<8sqq")  # magic, slots, pid
 HEADER_SIZE = 64
@@ -106,7 +115,7 @@ def read_ring(buffer: Any) -> list[tuple]:
     """The ring's slots in the order written, ``[]`` when ``buffer`` is not a ring.
 
     Each is ``(seq, numel, t, thread, group, op, dtype, user code, user line, call
-    code, call line)``.
+    code, call line, origin, event, step, batch)``.
     """
     magic, slots, _ = HEADER.unpack_from(buffer, 0)
     if magic != MAGIC:
@@ -132,39 +141,66 @@ def _where(codes: list, code_id: int, lasti: int, source: bool = True) -> str | 
     return describe_frame(filename, _line(lines, lasti), function, source)
 
 
-def newest_per_group(rows: list[tuple], per_group: int) -> list[tuple]:
-    """The last ``per_group`` slots of each group, in the order written (a slot's 5th field)."""
+def newest_per_group(rows: list[tuple], per_group: int, marks: int = 0) -> list[tuple]:
+    """The last ``per_group`` collectives of each group and its last ``marks`` DDP marks.
+
+    A slot's group is its 5th field; the slots are kept in the order written.
+    """
     kept: list[tuple] = []
-    seen: dict[int, int] = {}
+    seen: dict[tuple[int, bool], int] = {}
     for row in reversed(rows):
-        if seen.get(row[4], 0) < per_group:
-            seen[row[4]] = seen.get(row[4], 0) + 1
+        key = (row[4], row[5] == DDP_FORWARD_OP)
+        if seen.get(key, 0) < (marks if key[1] else per_group):
+            seen[key] = seen.get(key, 0) + 1
             kept.append(row)
     kept.reverse()
     return kept
 
 
+def _phase(events: list, event: int, step: int, batch: int) -> str | None:
+    """A slot's phase in words (``phase_label``'s), or ``None`` where it has none."""
+    if not 0 <= event < len(events):
+        return None
+    name = events[event]
+    pair = PAIRS.get(name)
+    if pair is not None:  # a batch's end and the next fetch's start: the later one
+        name, step = pair[1], (batch if pair[1] == "data_fetch_start" and batch >= 0 else step)
+    return phase_label(name, step, batch if batch >= 0 else None, None)
+
+
 def decode(rows: list[tuple], names: dict) -> list[tuple[int, Issued]]:
-    """Slots as ``(group id, Issued)``; the thread is its ident until a name is known."""
+    """Slots as ``(group id, Issued)`` (marks left out); a thread is its ident until named."""
+    return [(gid, item) for gid, item in decode_all(rows, names) if isinstance(item, Issued)]
+
+
+def decode_all(rows: list[tuple], names: dict) -> list[tuple[int, Issued | Mark]]:
+    """Slots as ``(group id, Issued or Mark)``, in the order written."""
     ops, dtypes, codes = names["ops"], names["dtypes"], names["codes"]
     threads = names.get("threads", {})
-    out = []
-    for seq, numel, t, thread, gid, op, dtype, ucode, uline, ccode, cline in rows:
+    origins, events = names.get("origins", []), names.get("events", [])
+    out: list[tuple[int, Issued | Mark]] = []
+    for row in rows:
+        seq, numel, t, thread, gid, op, dtype, ucode, uline, ccode, cline, *rest = row
+        origin, event, step, batch = rest or (-1, -1, 0, -1)
+        thread_name = threads.get(str(thread), str(thread))
+        phase = _phase(events, event, step, batch)
+        if op == DDP_FORWARD_OP:
+            mark = Mark(numel >> 1, seq, bool(numel & 1), dtype, phase, thread_name, t)
+            out.append((gid, mark))
+            continue
         where = _where(codes, ucode, uline) or _where(codes, ccode, cline)
-        out.append(
-            (
-                gid,
-                Issued(
-                    seq=seq,
-                    op=ops[op] if 0 <= op < len(ops) else "?",
-                    dtype=dtypes[dtype] if 0 <= dtype < len(dtypes) else "-",
-                    numel=numel,
-                    where=where,
-                    thread=threads.get(str(thread), str(thread)),
-                    t=t,
-                ),
-            )
+        issued = Issued(
+            seq=seq,
+            op=ops[op] if 0 <= op < len(ops) else "?",
+            dtype=dtypes[dtype] if 0 <= dtype < len(dtypes) else "-",
+            numel=numel,
+            where=where,
+            thread=thread_name,
+            t=t,
+            origin=origins[origin] if 0 <= origin < len(origins) else None,
+            phase=phase if 0 <= origin < len(origins) else None,
         )
+        out.append((gid, issued))
     return out
 
 
@@ -185,11 +221,27 @@ def read_files(directory: str | os.PathLike) -> dict[int, tuple[GroupRecord, ...
             rows = read_ring(path.read_bytes())
         except (OSError, ValueError, struct.error):
             continue
-        issued = decode(rows, names)
-        groups = []
-        for gid, group in enumerate(names["groups"]):
-            mine = [i for g, i in issued if g == gid]
-            count = max((i.seq for i in mine), default=0)
-            groups.append(GroupRecord(group["name"], tuple(group["ranks"]), count, tuple(mine)))
-        records[int(rank_text)] = tuple(groups)
+        cut = len(rows) >= SLOTS  # the ring went round: older calls may have left it
+        records[int(rank_text)] = _groups(decode_all(rows, names), names, cut)
     return records
+
+
+def _groups(
+    decoded: list[tuple[int, Issued | Mark]], names: dict, cut: bool
+) -> tuple[GroupRecord, ...]:
+    """Per group of a rank's names: every call its ring holds, DDP's bucket all-reduces told."""
+    from rankguard.callbacks.hang.collective_infer import buckets_list, group_record
+
+    buckets = buckets_list(names.get("ddp", []))
+    groups = []
+    for gid, group in enumerate(names["groups"]):
+        mine = [i for g, i in decoded if g == gid]
+        calls = [i for i in mine if isinstance(i, Issued)]
+        marks = [m for m in mine if isinstance(m, Mark)]
+        count = max([i.seq for i in calls] + [m.end for m in marks], default=0)
+        ranks = tuple(group["ranks"])
+        record = group_record(
+            group["name"], ranks, count, calls, marks, buckets, last=len(calls) + 8, cut=cut
+        )
+        groups.append(record)
+    return tuple(groups)

@@ -4,7 +4,8 @@
 functions while a guard is active and writes one fixed-size slot per call into
 a file-backed ring (``rank{N}.collectives``, an ``mmap``: the format and its reader are
 in :mod:`~rankguard.callbacks.hang.collective_files`), so the record outlives a rank
-killed by SIGABRT or SIGKILL. Decisions are in
+killed by SIGABRT or SIGKILL. What DDP and FSDP issue is told apart
+(:mod:`~rankguard.callbacks.hang.collective_sources`). Decisions are in
 :mod:`~rankguard.callbacks.hang.collective_compare`.
 """
 
@@ -26,9 +27,10 @@ from pathlib import Path
 from time import time
 from typing import Any
 
-from rankguard.callbacks.core.torch_private import sequence_reader
-from rankguard.callbacks.hang.collective_compare import GroupRecord
+from rankguard.callbacks.core.torch_private import ddp_logged, ddp_rebuilt, sequence_reader
+from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued, Mark
 from rankguard.callbacks.hang.collective_files import (
+    DDP_FORWARD_OP,
     FAULT_SUFFIX,
     HEADER,
     HEADER_SIZE,
@@ -38,9 +40,22 @@ from rankguard.callbacks.hang.collective_files import (
     SLOT,
     SLOT_SIZE,
     SLOTS,
-    decode,
+    decode_all,
+    flight_recorder,
     newest_per_group,
     read_ring,
+)
+from rankguard.callbacks.hang.collective_infer import (
+    buckets_list,
+    buckets_of,
+    flight_calls,
+    group_record,
+)
+from rankguard.callbacks.hang.collective_sources import (
+    DdpForwards,
+    origin_of,
+    role_of,
+    wrap_coalesced_broadcast,
 )
 from rankguard.callbacks.hang.stacks import code_name
 
@@ -78,9 +93,12 @@ WRAPPED = {
     "irecv": "tensor",
 }
 OPS = tuple(WRAPPED)
-#: Slots in the ring (the last collectives kept, every group together).
 #: The last collectives of each group sent with a status.
 LAST = 8
+#: The last DDP forwards' ends of each group read with them (their backwards' buckets).
+MARKS = 4
+#: Forwards after DDP's bucket rebuild whose ends read its logger for the rebuilt sizes.
+_REBUILT_READS = 20
 MADE_MARK = ".rankguard-record-made"  # the folder was made for the record (no report yet)
 _SEQUENCES = frozenset({list, tuple})
 _MAX_WALK = 48  # frames walked up to the user's code per collective, at most
@@ -102,21 +120,35 @@ class _Names:
         self.dtypes: list[str] = []
         self.codes: list[tuple[str, str]] = []
         self.threads: dict[str, str] = {}
+        self.origins: list[str] = []  # what issued a framework's collective (templates)
+        self.events: list[str] = []  # the events a phase names
+        self.ddp: list[dict | None] = []  # each DDP module's buckets, as its logger has them
         self.dtype_ids: dict[int, int] = {}  # by id(): a code object's hash is not cached
         self.code_ids: dict[int, int] = {}
         self.kept: list[Any] = []  # the objects whose id() is a key, kept alive
 
     def current(self) -> dict[str, Any]:
-        """The names as :func:`decode` reads them, copied as they stand (no JSON round trip)."""
+        """The names as :func:`decode_all` reads them, copied as they stand (no JSON trip)."""
         return {
             "ops": OPS,
             "dtypes": list(self.dtypes),
             "codes": list(self.codes),
             "threads": dict(self.threads),
+            "origins": list(self.origins),
+            "events": list(self.events),
+            "ddp": list(self.ddp),
         }
 
     def to_json(self, rank: int, pid: int) -> str:
         return json.dumps({"rank": rank, "pid": pid, "groups": self.groups, **self.current()})
+
+
+def _untold(record: GroupRecord) -> bool:
+    """Whether a group's newest numbers hold one nothing told, or told without its size."""
+    seqs = {i.seq for i in record.last}
+    low = min(seqs, default=record.count)
+    missing = any(n not in seqs for n in range(low, record.count + 1))
+    return missing or any(i.numel < 0 for i in record.last)
 
 
 class _OwnCount:
@@ -155,12 +187,29 @@ class CollectiveRecorder:
         rank: This rank (its files' names).
         libraries: Folders whose code is not the user's: the issuing line is the
             innermost frame outside them.
+        phase: The training thread's phase now, ``(event, step, batch index)`` or
+            ``None``: read for the collectives a framework issues (a DDP forward's end,
+            its buffer broadcast, FSDP's), which the record tells in their phase.
     """
 
-    def __init__(self, directory: str | os.PathLike, rank: int, libraries: Iterable[str]) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        rank: int,
+        libraries: Iterable[str],
+        phase: Callable[[], tuple[str, int, int | None] | None] | None = None,
+    ) -> None:
         self.directory = Path(directory)
         self.rank = rank
         self._libraries = tuple(libraries)
+        self._phase = phase
+        self._origin_ids: dict[str, int] = {}
+        self._event_ids: dict[str, int] = {}
+        self._ddp_ids: dict[int, int] = {}  # id(DDP module) -> its index in names.ddp
+        self._ddp_reads: dict[int, int] = {}  # index -> forwards left to read rebuilt sizes
+        self._undo: list[Callable[[], None]] = []  # the wrappers of DDP's C++ collectives
+        self._seen_counts: tuple[int, ...] | None = None  # at the last snapshot
+        self._grad_enabled: Callable[[], bool] = lambda: True  # torch.is_grad_enabled
         self._names = _Names()
         self._groups: dict[Any, _Group] = {}
         self._library_codes: dict[Any, bool] = {}
@@ -205,8 +254,21 @@ class CollectiveRecorder:
                 continue
             self._originals[name] = original
             setattr(dist, name, self._wrap(name, original, size_param))
+        self._install_sources()
         self._enable_faulthandler()
         return True
+
+    def _install_sources(self) -> None:
+        """Wraps what DDP issues from C++: its forward (marked) and its buffer broadcast."""
+        import torch
+
+        self._grad_enabled = torch.is_grad_enabled
+        forwards = DdpForwards(self._mark_forward, self._count_of, _is_compiling())
+        if forwards.install():
+            self._undo.append(forwards.uninstall)
+        undo = wrap_coalesced_broadcast(self._note_coalesced)
+        if undo is not None:
+            self._undo.append(undo)
 
     def close(self, keep: bool) -> None:
         """Restores ``torch.distributed``; removes the files unless ``keep``. Safe twice."""
@@ -221,6 +283,9 @@ class CollectiveRecorder:
             ):
                 setattr(dist, name, original)
         self._originals = {}
+        for undo in reversed(self._undo):
+            undo()
+        self._undo = []
         self._disable_faulthandler()
         self._close_ring()
         if not keep:
@@ -303,16 +368,30 @@ class CollectiveRecorder:
         collective._rankguard_recorder = self  # type: ignore[attr-defined]
         return collective
 
-    def _note(self, op: int, group: Any, sized: Any, frame: Any) -> None:
-        """Packs one collective into the next slot (the training thread: keep it lean)."""
+    def _note(
+        self,
+        op: int,
+        group: Any,
+        sized: Any,
+        frame: Any,
+        size: tuple[int, int] | None = None,
+        ahead: int = 0,
+    ) -> None:
+        """Packs one collective into the next slot (the training thread: keep it lean).
+
+        ``size``: its ``(dtype id, elements)`` where no tensor says (a coalesced broadcast's
+        bucket); ``ahead``: its place after the group's next one (issued by one C++ call).
+        """
         ring = self._ring
         if ring is None:
             return
         known = self._groups.get(id(group)) or self._group(group)
-        seq = known.seq() + 1
+        seq = known.seq() + 1 + ahead
         if known.own is not None:
             known.own.value = seq
-        if sized is None:
+        if size is not None:
+            dtype, numel = size
+        elif sized is None:
             dtype, numel = -1, 0
         elif type(sized) in _SEQUENCES:
             dtype, numel = self._size(sized)
@@ -328,12 +407,17 @@ class CollectiveRecorder:
         if call_code is None:
             call_code = self._code_id(code)
         walked = 0  # up to the user's own code: one step when it calls torch.distributed
+        said = None  # the framework frames that say what issued it (FSDP's hooks, DDP's)
         while walked < _MAX_WALK:
             lib = library.get(id(code))  # a code object's own hash is computed at each call
             if lib is None:
-                lib = library[id(code)] = self._is_library(code)
+                lib = library[id(code)] = self._library_role(code)
             if not lib:
                 break
+            if lib > 1:
+                if said is None:
+                    said = []
+                said.append((lib, frame))
             frame = frame.f_back
             if frame is None:
                 break
@@ -343,6 +427,11 @@ class CollectiveRecorder:
         user = codes.get(id(user_code)) if user_code is not None else -1
         if user is None:
             user = self._code_id(user_code)
+        origin, event, step, batch = -1, -1, 0, -1
+        if said is not None:
+            origin = self._origin_id(origin_of(OPS[op], said))
+            if origin >= 0:
+                event, step, batch = self._phase_fields()
         ident = get_ident()
         if ident not in self._threads:
             self._new_thread(ident)
@@ -362,7 +451,120 @@ class CollectiveRecorder:
             user_line,
             call_code,
             call_line,
+            origin,
+            event,
+            step,
+            batch,
         )
+
+    # -- what DDP issues from C++ (the training thread, once per forward) -----------------
+
+    def _count_of(self, group: Any) -> int:
+        """A group's count of collectives now (a DDP forward's start)."""
+        known = self._groups.get(id(group)) or self._group(group)
+        return known.seq()
+
+    def _note_coalesced(self, group: Any, buckets: list[tuple[Any, int]], frame: Any) -> None:
+        """The broadcasts one ``_broadcast_coalesced`` call issues, one slot each."""
+        op = OPS.index("broadcast")
+        for ahead, (dtype, numel) in enumerate(buckets):
+            self._note(op, group, None, frame, size=(self._dtype_id(dtype), numel), ahead=ahead)
+
+    def _mark_forward(self, ddp: Any, start: int) -> None:
+        """Marks a DDP forward's end: its group's counts, whether a backward reduces after it."""
+        ring = self._ring
+        if ring is None:
+            return
+        group = ddp.process_group
+        known = self._groups.get(id(group)) or self._group(group)
+        index = self._ddp_ids.get(id(ddp))
+        if index is None:
+            index = self._adopt(ddp)
+        elif index in self._ddp_reads:
+            self._reread(ddp, index)
+        reduces = self._grad_enabled() and bool(ddp.require_backward_grad_sync)
+        event, step, batch = self._phase_fields()
+        ident = get_ident()
+        if ident not in self._threads:
+            self._new_thread(ident)
+        slot = next(self._counter)
+        SLOT.pack_into(
+            ring,
+            HEADER_SIZE + (slot % SLOTS) * SLOT_SIZE,
+            slot + 1,
+            known.seq(),
+            2 * start + int(reduces),
+            time(),
+            ident,
+            known.gid,
+            DDP_FORWARD_OP,
+            index,
+            -1,
+            0,
+            -1,
+            0,
+            -1,
+            event,
+            step,
+            batch,
+        )
+
+    def _adopt(self, ddp: Any) -> int:
+        """A DDP module's first forward: its buckets from its logger (once; rarely again)."""
+        self._names.kept.append(ddp)
+        index = self._ddp_ids[id(ddp)] = len(self._names.ddp)
+        self._names.ddp.append(None)
+        self._reread(ddp, index)
+        if not ddp_rebuilt(ddp):
+            self._ddp_reads[index] = _REBUILT_READS  # its buckets change when rebuilt
+        return index
+
+    def _reread(self, ddp: Any, index: int) -> None:
+        """Reads DDP's buckets: its first ones, or once rebuilt, the rebuilt ones when logged."""
+        rebuilt = ddp_rebuilt(ddp)
+        if index in self._ddp_reads and not rebuilt and self._names.ddp[index] is not None:
+            return  # not rebuilt yet: one attribute read a forward
+        logged = ddp_logged(ddp)
+        buckets = buckets_of(logged)
+        if rebuilt and buckets is not None and not (logged or {}).get("rebuilt_bucket_sizes"):
+            buckets = buckets._replace(sizes=())  # rebuilt, its sizes not logged yet
+            left = self._ddp_reads.get(index, 0) - 1
+            if left > 0:
+                self._ddp_reads[index] = left
+            else:
+                self._ddp_reads.pop(index, None)
+        elif rebuilt:
+            self._ddp_reads.pop(index, None)
+        self._names.ddp[index] = buckets._asdict() if buckets is not None else None
+        self._write_names()
+
+    def _phase_fields(self) -> tuple[int, int, int]:
+        """The training thread's phase now as ``(event id, step, batch index)``; -1: none."""
+        read = self._phase
+        try:
+            found = read() if read is not None else None
+        except Exception:
+            found = None
+        if found is None:
+            return -1, 0, -1
+        event, step, batch = found
+        event_id = self._event_ids.get(event)
+        if event_id is None:
+            event_id = self._event_ids[event] = len(self._names.events)
+            self._names.events.append(event)
+            self._write_names()
+        return event_id, int(step), -1 if batch is None else int(batch)
+
+    def _origin_id(self, origin: str | None) -> int:
+        """The id of what issued a collective (rare: a few per model), -1 for ``None``."""
+        if origin is None:
+            return -1
+        found = self._origin_ids.get(origin)
+        if found is None:
+            found = self._origin_ids[origin] = len(self._names.origins)
+            self._names.origins.append(origin)
+            self._write_names()
+        return found
 
     def _new_thread(self, ident: int) -> None:
         self._threads.add(ident)
@@ -399,10 +601,15 @@ class CollectiveRecorder:
             self._write_names()
         return found
 
-    def _is_library(self, code: Any) -> bool:
+    def _library_role(self, code: Any) -> int:
+        """0 for the user's own code; else a library frame's role bits (``role_of``)."""
         self._names.kept.append(code)
         filename = code.co_filename
-        return filename.startswith("<") or os.path.abspath(filename).startswith(self._libraries)
+        if filename.startswith("<"):
+            return 1
+        if not os.path.abspath(filename).startswith(self._libraries):
+            return 0
+        return role_of(filename, code.co_name)
 
     def _group(self, group: Any) -> _Group:
         """Registers a process group the first time a collective names it (rare)."""
@@ -447,16 +654,57 @@ class CollectiveRecorder:
         return [groups[gid] for gid in sorted(groups)]
 
     def snapshot(self) -> tuple[GroupRecord, ...]:
-        """Per group: its members, its count, its last :data:`LAST` collectives (formatted here)."""
+        """Per group: its members, its count, its last :data:`LAST` collectives (formatted here).
+
+        DDP's bucket all-reduces are told from its forwards' marks; where the counts have
+        not moved since the last snapshot (the rank issues nothing), the flight recorder's
+        entries, where the running torch keeps them, tell what the others were.
+        """
         ring = self._ring
-        slots = newest_per_group(read_ring(ring) if ring is not None else [], LAST)
+        slots = newest_per_group(read_ring(ring) if ring is not None else [], LAST, MARKS)
         names = self._names.current()
-        issued = decode(slots, names)
+        decoded = decode_all(slots, names)
         threads = {str(t.ident): t.name for t in threading.enumerate()}
-        out = []
-        for group in self._known():
-            last = [i for gid, i in issued if gid == group.gid][-LAST:]
+        known = self._known()
+        counts = tuple(g.seq() for g in known)
+        still, self._seen_counts = counts == self._seen_counts, counts
+        buckets = buckets_list(names["ddp"])
+        held = []
+        for group in known:
+            mine = [i for gid, i in decoded if gid == group.gid]
+            last = [i for i in mine if isinstance(i, Issued)]
             last = [i._replace(thread=threads.get(i.thread, i.thread)) for i in last]
-            count = group.seq()
-            out.append(GroupRecord(group.name, group.ranks, count, tuple(last)))
-        return tuple(out)
+            marks = [m for m in mine if isinstance(m, Mark)]
+            marks = [m._replace(thread=threads.get(m.thread, m.thread)) for m in marks]
+            held.append((group, last, marks))
+
+        def records(flight: list[dict] | None) -> tuple[GroupRecord, ...]:
+            return tuple(
+                group_record(
+                    group.name,
+                    group.ranks,
+                    count,
+                    last,
+                    marks,
+                    buckets,
+                    last=LAST,
+                    cut=len(last) >= LAST,
+                    flight=flight_calls(flight, group.name) if flight else None,
+                )
+                for (group, last, marks), count in zip(held, counts, strict=True)
+            )
+
+        told = records(None)
+        if still and any(_untold(record) for record in told):  # it issues nothing: ask torch
+            flight = self._flight()
+            if flight:
+                return records(flight)
+        return told
+
+    @staticmethod
+    def _flight() -> list[dict]:
+        """The flight recorder's entries (where the running torch keeps any), else ``[]``."""
+        try:
+            return flight_recorder()[0]
+        except Exception:
+            return []

@@ -330,6 +330,19 @@ class HangWatchdog(Guard):
         if self._watch.thread is None:
             self._start()
 
+    def _issuing_phase(self) -> tuple[str, int, int | None] | None:
+        """The training thread's phase as it issues a collective: its last event, step, batch.
+
+        Read by the record of collectives for what DDP and FSDP issue (once per forward and
+        per FSDP collective): the step log's newest entry, else the last one read.
+        """
+        try:
+            _, event, step, batch_index, _, _ = self.steps.entries[-1]
+        except IndexError:  # just drained: the newest is the beat read
+            beat = self._phases.beat
+            return None if beat is None else (beat.event, beat.step, beat.batch_index)
+        return event, step, batch_index
+
     def _derive(self) -> None:
         """Reads the step log now (this guard's part: :meth:`read_steps`).
 

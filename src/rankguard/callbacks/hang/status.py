@@ -51,6 +51,7 @@ EXIT_CODES: dict[str, int | None] = {
     "gone": HANG_EXIT_CODE,  # a rank stopped answering or its process ended: restart
     "deadlock": DEADLOCK_EXIT_CODE,  # proven from where every rank waits
     "desync": DEADLOCK_EXIT_CODE,  # proven from what every rank issued
+    "race": DEADLOCK_EXIT_CODE,  # two threads of a rank on one process group, proven
     "code": DEADLOCK_EXIT_CODE,  # a rank raised ValueError, AssertionError...: fix it
     "transient": HANG_EXIT_CODE,  # out of memory, CUDA/NCCL, storage, a dead loader worker
     "communication": HANG_EXIT_CODE,  # a collective or store failed: a peer's fault
@@ -66,6 +67,8 @@ EXIT_MEANINGS: dict[str, str] = {
     "gone": "a rank stopped answering: frozen, killed, a lost node",
     "deadlock": "a proven deadlock: every rank waits at a rendezvous the others never reach",
     "desync": "a proven desync: a rank waits for a collective its peers never issued",
+    "race": "two threads of a rank issued collectives on one process group, in another "
+    "order than on another rank (a background save and the training thread)",
     "code": "a rank raised a code fault (`ValueError`, `AssertionError`, ...)",
     "transient": "a rank raised a transient fault (out of memory, CUDA or NCCL, storage, a "
     "loader worker that died)",
@@ -218,9 +221,9 @@ class Verdict:
         ceiling_slack_s: As ``slack_s``, up to the ceilings.
         kind: The class: ``"healthy"``, ``"slow"`` (past a calibrated deadline,
             within the ceiling), ``"stall"`` (past the ceiling, or a check gave up
-            waiting), ``"deadlock"`` or ``"desync"`` (proven: exit
-            :data:`DEADLOCK_EXIT_CODE`); ``"gone"`` is :func:`~rankguard.callbacks.
-            hang.verdict.gone`'s.
+            waiting), ``"deadlock"``, ``"desync"`` or ``"race"`` (two threads on one
+            process group; proven: exit :data:`DEADLOCK_EXIT_CODE`); ``"gone"`` is
+            :func:`~rankguard.callbacks.hang.verdict.gone`'s.
         suspect: The fingerprint of a proof seen once, to confirm at the next
             exchange (which then comes at once), or ``None``.
         mismatch: Collectives paired with the wrong partner while the job runs
@@ -242,8 +245,8 @@ class Verdict:
 
     @property
     def deadlock(self) -> bool:
-        """Whether it is proven (a deadlock or a desync): the job ends now with 70."""
-        return self.kind in ("deadlock", "desync")
+        """Whether it is proven (a deadlock, a desync, a race): the job ends now with 70."""
+        return self.kind in ("deadlock", "desync", "race")
 
     @property
     def exit_code(self) -> int | None:

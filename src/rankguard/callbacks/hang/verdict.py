@@ -18,6 +18,7 @@ from rankguard.callbacks.hang.cause import lead_with, split_cause
 from rankguard.callbacks.hang.collective_compare import (
     Difference,
     GroupRecord,
+    Issued,
     ahead,
     differences,
     first_difference,
@@ -25,6 +26,7 @@ from rankguard.callbacks.hang.collective_compare import (
     mismatch_warning,
     odd_rank,
 )
+from rankguard.callbacks.hang.collective_threads import describe_race, foreign, race
 from rankguard.callbacks.hang.status import RankStatus, Runs, Verdict, in_runs, to_runs
 from rankguard.callbacks.hang.verdict_text import (
     describe_deadlock,
@@ -45,13 +47,19 @@ __all__ = ["Proof", "deadlock_key", "diagnose", "gone", "held_by_own_collective"
 
 
 class Proof(NamedTuple):
-    """A deadlock or desync seen at one exchange: proven when the next sees the same ``key``."""
+    """A deadlock or desync seen at one exchange: proven when the next sees the same ``key``.
 
-    kind: str  # "deadlock" (where every rank waits) or "desync" (what every rank issued)
+    ``decisive``: the records say more than where the ranks wait (two threads on one
+    group, or unlike calls DDP or FSDP issued on every side): told before a deadlock from
+    the stacks. Where the user's own collective is one side, the stacks name its line.
+    """
+
+    kind: str  # "deadlock" (where every rank waits), "desync" or "race" (what was issued)
     key: str
     summary: str
     details: tuple[str, ...]
     first: int
+    decisive: bool = False
 
 
 def diagnose(
@@ -90,6 +98,8 @@ def diagnose(
     keys = {key for key in (stack_key, recorded.key if recorded else None) if key}
     if not keys:
         return verdict
+    if recorded is not None and recorded.decisive:
+        stack_key = None  # the records name the calls: told before where the ranks wait
     if suspect not in keys:
         return replace(verdict, suspect=stack_key or recorded.key)  # type: ignore[union-attr]
     if stack_key is not None:  # the stack proof where it sees too: the record's lines added
@@ -259,9 +269,19 @@ def held_by_own_collective(
         low = min(diff.counts.values())
         own = {i.seq: i for rec in records[rank] if rec.name == diff.group for i in rec.last}
         unmatched = [own.get(seq) for seq in range(low + 1, diff.counts[rank] + 1)]
-        if any(i is None or status.loop_thread in (None, i.thread) for i in unmatched):
+        if any(_training_threads(i, status.loop_thread) for i in unmatched):
             return True
     return False
+
+
+def _training_threads(issued: Issued | None, loop_thread: str | None) -> bool:
+    """Whether the training thread issued it, or the record cannot tell.
+
+    Its own call, or DDP's or FSDP's for its step (from C++, or from autograd's threads).
+    """
+    if issued is None or loop_thread in (None, issued.thread):
+        return True
+    return issued.origin is not None and (not issued.thread or foreign(issued.thread))
 
 
 def record_proof(
@@ -276,6 +296,9 @@ def record_proof(
     at a rendezvous, or it left the loop), or at one count the last collective
     of a group is a different call on different ranks (they paired unlike
     calls). A slow rank issued nothing the others did not, so it never waits here.
+    Where the unlike calls at one count came from two threads on different ranks,
+    two threads issue on one group: a ``"race"``
+    (:mod:`~rankguard.callbacks.hang.collective_threads`).
     """
     if len(records) < 2:
         return None
@@ -283,6 +306,15 @@ def record_proof(
     if not quiet:
         return None
     diffs = differences(records)
+    issued = sorted((r, sorted((g.name, g.count) for g in recs)) for r, recs in records.items())
+    state = repr((issued, sorted((r, s.progress) for r, s in statuses.items())))
+    key = "record:" + hashlib.sha1(state.encode()).hexdigest()[:16]
+    stuck = all(bool(s.waits_at and s.settled) for s in statuses.values())
+    raced = race(records, diffs, waiting=stuck)
+    if raced is not None:  # two threads on one group, their calls paired unlike on the ranks
+        loops = {r: s.loop_thread for r, s in statuses.items()}
+        summary, details, first = describe_race(records, raced, loops)
+        return Proof("race", key, summary, details, first, decisive=True)
     if not diffs:
         return None
     counts = [d for d in diffs if d.kind == "count"]
@@ -293,14 +325,15 @@ def record_proof(
     )
     if not (waiting and counts) and not paired:
         return None
-    proven: list[Difference] = counts + paired
+    calls = [d for d in diffs if d.kind == "call"] if waiting and counts else paired
+    proven: list[Difference] = counts + calls
     first = first_difference(proven)
     odd = odd_rank(first)
     summary, details = describe_desync(records, proven, first, odd)
-    issued = sorted((r, sorted((g.name, g.count) for g in recs)) for r, recs in records.items())
-    state = repr((issued, sorted((r, s.progress) for r, s in statuses.items())))
-    key = "record:" + hashlib.sha1(state.encode()).hexdigest()[:16]
-    return Proof("desync", key, summary, details, odd)
+    framework = first.kind == "call" and all(
+        i is not None and i.origin is not None for i in first.issued.values()
+    )  # DDP or FSDP issued every side: the stacks say no more than "backward", "broadcast"
+    return Proof("desync", key, summary, details, odd, decisive=framework)
 
 
 # -- ranks that stopped answering ------------------------------------------------------------

@@ -14,10 +14,12 @@ from rankguard.callbacks.hang.collective_compare import (
     UNDESCRIBED,
     Difference,
     GroupRecord,
+    Issued,
     describe_difference,
     describe_issued,
     differences,
     group_label,
+    origin_text,
 )
 from rankguard.callbacks.hang.status import DEADLOCK_EXIT_CODE, LEFT_LOOP, RankStatus
 
@@ -291,15 +293,23 @@ def describe_desync(
     issued = first.issued.get(odd)
     call = describe_issued(issued) if issued is not None else UNDESCRIBED
     never = [r for r in first.members if dict(first.counts).get(r, 0) < first.seq]
+    calls = {r: i for r, i in first.issued.items() if i is not None}
     what = (
         f"rank {odd} issued collective #{first.seq} of {group_label(first)}, {call}, which "
         f"{rank_label(never)} never issued"
         if first.kind == "count"
         else f"collective #{first.seq} of {group_label(first)} is a different call on "
-        "different ranks"
+        "different ranks: "
+        + "; ".join(
+            f"{rank_label(ranks)}: {_call(calls[ranks[0]])}"
+            for ranks, _ in group_ranks({r: _call(i) for r, i in calls.items()})[:MAX_GROUPS]
+        )
     )
     summary = f"desync, every rank waits for a collective another never issued: {what}"
     details = tuple(f"Collectives issued: {describe_difference(records, d)}" for d in proven)
+    framework = all(i.origin is not None for i in calls.values())
+    if first.kind == "call" and calls and framework and issued is not None:
+        return summary, (*details, _framework_fix(first, odd, calls))
     fix = (
         f"Next: fix the code path that issued rank {odd}'s {issued.op} "
         if issued is not None
@@ -311,6 +321,29 @@ def describe_desync(
         f"a collective under `if rank == 0`, collectives issued in a different order). {_REPLAYS}",
     )
     return summary, details
+
+
+def _call(issued: Issued) -> str:
+    """A collective in a few words: its op, size and what issued it (else the user's line)."""
+    if issued.origin is None:
+        return describe_issued(issued)
+    return describe_issued(issued._replace(where=None)).split(", thread ")[0]
+
+
+def _framework_fix(first: Difference, odd: int, calls: Mapping[int, Issued]) -> str:
+    """The "Next" line where DDP or FSDP issued the unlike calls: forwards and backwards."""
+    mine = calls[odd]
+    others = [r for r, i in calls.items() if _call(i) != _call(mine)]
+    theirs = calls[others[0]] if others else mine
+    return (
+        f"Next: rank {odd} issued {origin_text(mine) or mine.op} where {rank_label(others)} "
+        f"issued {origin_text(theirs) or theirs.op} (collective #{first.seq} of "
+        f"{group_label(first)}): the ranks ran their forwards and backwards in a different "
+        "order. Make every rank run the same forwards and backwards, in the same order: a "
+        "`continue` or an `if` that skips `loss.backward()` on some ranks, a forward more on "
+        "some (for logging, a retry, an eval outside `torch.no_grad()`), a different number "
+        f"of microbatches per step. {_REPLAYS}"
+    )
 
 
 def describe_frozen(ranks: list[int], waited_s: float, phases: str | None) -> str:

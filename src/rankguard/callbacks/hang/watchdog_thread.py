@@ -137,7 +137,10 @@ class WatchdogThread:
         if self.recorder is not None or not channel.is_distributed:
             return
         folder = attempt_dir(self.guard.report_dir, os.environ)
-        recorder = CollectiveRecorder(folder, channel.rank, self.guard._libraries)
+        guard = self.guard
+        recorder = CollectiveRecorder(
+            folder, channel.rank, guard._libraries, phase=guard._issuing_phase
+        )
         if recorder.install():
             self.recorder = recorder
 
