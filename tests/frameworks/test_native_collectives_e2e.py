@@ -82,15 +82,21 @@ def test_ddp_buffers_broadcast_against_a_gradient_bucket_is_a_desync_naming_both
     out, output, returncode, ended_at = ddp
     text = _ended_with_70(out, "ddp_buffers", output, returncode, ended_at)
     first = text.splitlines()[0]
-    assert re.match(
-        r"desync, every rank waits for a collective another never issued: collective #\d+ of "
-        r"the default group \(ranks 0,1\) is a different call on different ranks: rank 0: "
+    # what split them leads (rank 1's history), the record's proof follows it
+    assert first == (
+        "desync, rank 1 ran no backward for train batch 4 (it waits in train batch 5's forward; "
+        "rank 0 waits in train batch 4's backward)"
+    ), first
+    assert re.search(
+        r"^Where they wait: every rank waits for a collective another never issued: collective "
+        r"#\d+ of the default group \(ranks 0,1\) is a different call on different ranks: rank 0: "
         r"all_reduce float32\[1,346\], gradient bucket 0 of train batch 4's backward \(DDP\); "
         r"rank 1: broadcast float32\[128\], module buffers in train batch 5's forward \(DDP's "
         r"broadcast_buffers\)$",
-        first,
-    ), first
-    assert "Next: rank 1 issued module buffers in train batch 5's forward" in text, text
+        text,
+        re.MULTILINE,
+    ), text
+    assert "Next: decide a skip on every rank together: rank 1 left a batch" in text, text
     assert "rank 1: your code at native_collectives_job.py" in text, text
 
 

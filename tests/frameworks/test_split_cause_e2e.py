@@ -74,6 +74,9 @@ CASES = {
         "rank 1 went on to train batch 5 in its pass (it waits in train batch 5's ",
     ),
 }
+#: The verdict's class where it is not a deadlock: DDP's bucket against its buffer broadcast is
+#: a desync (the record of collectives tells both, docs/hang.md), the histories its cause.
+CLASSES = {"loop-skipped_backward": "desync"}
 #: The fix each cause's "Next" gives.
 FIXES = {
     "skipped_backward": "Next: decide a skip on every rank together: rank 1 left a batch",
@@ -112,8 +115,9 @@ def test_what_split_the_ranks_leads_the_report_and_ends_every_rank_with_70(case,
     _exit_codes(case, output, returncode)
     first = CASES[case][2]
     summary = (out / "reports" / "summary.txt").read_text()
-    assert summary.startswith(f"deadlock, {first}"), summary
-    assert output.count(f"Deadlock: {first}") == 2, output[-6000:]  # each rank's ERROR line
+    assert summary.startswith(f"{CLASSES.get(case, 'deadlock')}, {first}"), summary
+    heading = CLASSES.get(case, "deadlock").capitalize()
+    assert output.count(f"{heading}: {first}") == 2, output[-6000:]  # each rank's ERROR line
     assert "Where they wait: " in summary, summary
     assert FIXES[case.split("-", 1)[1]] in summary, summary
     assert f"exit code {DEADLOCK_EXIT_CODE}, do not restart" in summary

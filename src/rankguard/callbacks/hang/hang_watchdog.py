@@ -28,7 +28,7 @@ from rankguard.callbacks.core.settings import (
     check_seconds,
 )
 from rankguard.callbacks.core.side_channel import own_missing_ranks
-from rankguard.callbacks.core.step_log import Entry
+from rankguard.callbacks.core.step_log import SUBPHASES, Entry
 from rankguard.callbacks.hang import deadlines as policy
 from rankguard.callbacks.hang.calibration import (
     KIND_LABELS,
@@ -334,14 +334,20 @@ class HangWatchdog(Guard):
         """The training thread's phase as it issues a collective: its last event, step, batch.
 
         Read by the record of collectives for what DDP and FSDP issue (once per forward and
-        per FSDP collective): the step log's newest entry, else the last one read.
+        per FSDP collective): the step log's newest entry that is not a batch's part (a
+        backward, an optimizer step: the batch's own entry names its phase), else the last
+        one read.
         """
-        try:
-            _, event, step, batch_index, _, _ = self.steps.entries[-1]
-        except IndexError:  # just drained: the newest is the beat read
-            beat = self._phases.beat
-            return None if beat is None else (beat.event, beat.step, beat.batch_index)
-        return event, step, batch_index
+        entries = self.steps.entries
+        for back in range(1, len(entries) + 1):
+            try:
+                _, event, step, batch_index, _, _ = entries[-back]
+            except IndexError:  # drained meanwhile
+                break
+            if event not in SUBPHASES:
+                return event, step, batch_index
+        beat = self._phases.beat  # none left unread: the newest is the beat read
+        return None if beat is None else (beat.event, beat.step, beat.batch_index)
 
     def _derive(self) -> None:
         """Reads the step log now (this guard's part: :meth:`read_steps`).

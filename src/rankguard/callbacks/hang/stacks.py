@@ -80,6 +80,11 @@ EXCHANGE_CODE = (side_channel.__file__, background_exchange.__file__)
 #: wrapper of collectives, and the watchdog's handler of a check's missing ranks (called
 #: from inside the check's exchange) and its thread's (joined by the training thread).
 _MACHINERY = ("threading.py", "c10d_logger.py", "hang_watchdog.py", "watchdog_thread.py")
+#: rankguard's wrappers of the calls DDP makes (its buffer broadcast): skipped like the
+#: machinery, so a thread waiting in DDP's broadcast reads as waiting there.
+_FRAMEWORK_WRAPPERS = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "collective_sources.py"
+)
 #: Code in which a thread waits for other ranks, in the wide sense of :func:`blocked_in`.
 _PEER_WAIT_CODE = (_C10D, _DDP, *EXCHANGE_CODE, AUTOGRAD_CODE, RECORDER_CODE)
 #: Functions Python gives frames of their own that a person does not call by name.
@@ -111,7 +116,10 @@ def describe_frame(filename: str, line: int, function: str, source: bool = True)
 
 
 def _skip_machinery(stack: Frames) -> list[tuple[str, int, str]]:
-    return list(itertools.dropwhile(lambda f: os.path.basename(f[0]) in _MACHINERY, stack))
+    def machinery(frame: tuple[str, int, str]) -> bool:
+        return os.path.basename(frame[0]) in _MACHINERY or frame[0] == _FRAMEWORK_WRAPPERS
+
+    return list(itertools.dropwhile(machinery, stack))
 
 
 def rendezvous(stack: Frames) -> str | None:
@@ -162,7 +170,11 @@ def blocked_in(stack: Frames) -> str | None:
         call = "rankguard exchange"
     elif AUTOGRAD_CODE in stack[0][0]:
         call = "backward"
-    callers = (f for f in stack if not _waits_for_peers(f[0]) and f[2] != call)
+    callers = (
+        f
+        for f in stack
+        if not _waits_for_peers(f[0]) and f[2] != call and f[0] != _FRAMEWORK_WRAPPERS
+    )
     caller = next(callers, None)
     if caller is None:
         return call
