@@ -456,6 +456,10 @@ class ResumeGuard(_api.ResumeGuardSettings, _LoopGuard):
     """The resume check, as a hand-written loop's guard (``guard.fit``)."""
 
 
+class ReplicaGuard(_api.ReplicaGuardSettings, _LoopGuard):
+    """The replica check, as a hand-written loop's guard (``guard.fit``)."""
+
+
 class CheckpointPlanner(_api.CheckpointPlannerSettings, _LoopGuard):
     """The checkpoint planner, as a hand-written loop's guard (``guard.fit``)."""
 
