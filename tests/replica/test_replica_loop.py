@@ -5,7 +5,7 @@ Each test runs one fit per rank (Adam, whose step count goes with each print):
 - a healthy fit with gradient accumulation (``no_sync`` on every micro-batch but the
   last), evals and saves: silent, every check equal;
 - ``optimizer.step()`` skipped on rank 1 at one step: caught at the first check after,
-  naming the step counts;
+  naming the step counts (checks at the first batch and every ``interval``-th);
 - a clamp on rank 0 only, between two interval checks, right before an eval: caught by
   the eval's check;
 - the same with ``on_violation="warn"``: one warning, training goes on, no more checks.
@@ -60,7 +60,7 @@ def _fit(rank, world_size, fault: str, settings: dict, tmp: str) -> dict:
                     torch.nn.functional.cross_entropy(model(x), y).backward()
                 if not last:
                     continue
-                if not (fault == "skip" and rank == 1 and i == 5):
+                if not (fault == "skip" and rank == 1 and i == 3):
                     optimizer.step()
                 optimizer.zero_grad()
                 outcome["steps"].append(i)
@@ -95,21 +95,22 @@ def test_healthy_accumulation_with_evals_and_saves_stays_silent(tmp_path):
 
 
 def test_a_step_skipped_on_one_rank_is_caught_at_the_first_check_after(tmp_path):
-    # Checks at batches 1, 4, 7, 10 (interval 3): rank 1 skips the step of batch 6 (i == 5);
-    # the check at the start of batch 7 sees it, collected (and raised) at batch 8's start.
+    # Checks at batches 1, 3, 6 (the first, then every 3rd): rank 1 skips the step of
+    # batch 4 (i == 3); the check at the start of batch 6 sees it, collected (and raised)
+    # at batch 7's start.
     for rank in run("skip", tmp_path, interval=3):
-        assert rank["batches"] == 7, rank
+        assert rank["batches"] == 6, rank
         lines = rank["error"].split("\n")
         assert lines[0] == (
             "ReplicaDivergenceError: Replicas differ: ranks 0,1 should hold the same parameters "
             "and do not."
         )
-        # The loop's step at batch 7's start is 6 (batches ended); the check before, at 3.
+        # The loop's step at batch 6's start is 5 (batches ended); at batch 3's, 2.
         assert lines[1] == (
-            "First seen at step 6, at the check every 3 train batches; the check at step 3 "
+            "First seen at step 5, at the check every 3 train batches; the check at step 2 "
             "found them equal."
         )
-        assert lines[3] == "Optimizer steps taken: rank 0: 3; rank 1: 2."
+        assert lines[3] == "Optimizer steps taken: rank 0: 2; rank 1: 1."
         assert lines[4].startswith(
             "4 of 4 tensors differ: `0.weight` (8x4): rank 1 differs from rank 0 in 32 of 32 "
         )

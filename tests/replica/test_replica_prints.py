@@ -51,10 +51,19 @@ def test_a_sign_or_a_nan_changes_the_sum_a_float_sum_would_not_see():
     assert _sum(torch.tensor([float("nan"), 1.0])) != _sum(tensor)
 
 
-def test_views_of_strided_tensors_are_read_without_a_copy():
-    tensor = torch.randn(8, 8)
-    assert _sum(tensor.t()) == _sum(tensor)  # same elements, another order
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_tensors_are_read_without_a_copy_as_words_or_as_elements(dtype):
+    tensor = torch.randn(8, 8).to(dtype)
+    assert bits(tensor).dtype == torch.int64  # contiguous: its 8-byte words
     assert bits(tensor).data_ptr() == tensor.data_ptr()
+    odd = tensor.reshape(-1)[1:4]  # 3 elements at an offset: not whole, aligned words
+    assert bits(odd).dtype != torch.int64 and bits(odd).data_ptr() == odd.data_ptr()
+    strided = tensor.t()  # strided: its elements
+    assert bits(strided).dtype != torch.int64 and bits(strided).data_ptr() == tensor.data_ptr()
+    for view in (tensor, odd, strided):
+        changed, first = view.clone(), (0,) * view.dim()  # a clone keeps the strides
+        changed[first] = torch.nextafter(changed[first], torch.tensor(9.0, dtype=dtype))
+        assert _sum(changed) != _sum(view.clone())
 
 
 def test_launch_reads_each_sets_sums_in_order_and_digests_them():

@@ -53,13 +53,28 @@ class ReplicaPrint(NamedTuple):
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s elements as integers of the same size (its bits; no copy)."""
+    """``tensor``'s bits as integers, without a copy.
+
+    Its 8-byte words where its bytes are contiguous, aligned and a whole number of
+    words (one int64 add per 8 bytes: the reduction streams at memory bandwidth on any
+    device, where an int16 element view reads 5-100x slower on a CPU); else its elements
+    as integers of their own size. A tensor is read the same way on every rank that
+    holds it alike.
+    """
     if tensor.is_complex():
         tensor = torch.view_as_real(tensor)
+    size = tensor.element_size()
+    if (
+        tensor.is_contiguous()
+        and (tensor.numel() * size) % 8 == 0
+        and (tensor.storage_offset() * size) % 8 == 0
+        and tensor.numel() > 0
+    ):
+        return tensor.reshape(-1).view(torch.int64)
     if tensor.dtype == torch.bool:
         return tensor.view(torch.uint8)
     if tensor.is_floating_point():
-        return tensor.view(_INTS[tensor.element_size()])
+        return tensor.view(_INTS[size])
     return tensor
 
 
@@ -143,7 +158,7 @@ def launch(sets: Sequence[ReplicaSet], optimizer: Any = None) -> Launched:
                 local = local_tensor(tensor)
                 positions, sums = by_device.setdefault(local.device, ([], []))
                 positions.append(position)
-                sums.append(torch.sum(bits(local), dtype=torch.int64))
+                sums.append(torch.sum(bits(local)))  # integers sum into an int64
                 position += 1
             spans[replica_set.key] = slice(start, position)
         steps = step_counter(optimizer)

@@ -65,9 +65,10 @@ class _Check:
 class ReplicaGuard(Guard):
     """Checks that ranks holding copies of the same parameters (replicas) still hold equal ones.
 
-    At the first train batch and every ``interval`` train batches after, and at each
-    eval's and save's start, each rank reduces each of its parameters to one integer
-    on the device it lives on (the sum of its bits) without waiting for the device;
+    At the first train batch and every ``interval``-th (the monitors' exchange batches),
+    and at each eval's and save's start (acted on at its end), each rank reduces each
+    of its parameters to one integer on the device it lives on (the sum of its bits)
+    without waiting for the device;
     the exchange thread reads the sums back and compares a digest per replica set
     across its ranks. Which ranks are replicas comes from the job's structure: every
     rank of a ``DistributedDataParallel`` (or ``replicate``); for DTensor parameters
@@ -155,7 +156,7 @@ class ReplicaGuard(Guard):
         if batches >= self._collect_at:
             self._collect()
         if batches >= self._post_at and self._layout.sets:
-            self._post(batches, self.steps.step, self._every())
+            self._post(batches, self.steps.step, self._every(batches))
         self.due = min(self._collect_at, self._post_at)
 
     def on_eval_start(self, facts: EventFacts) -> None:
@@ -165,6 +166,14 @@ class ReplicaGuard(Guard):
     def on_checkpoint_save_start(self, facts: EventFacts) -> None:
         """Checks at a save's start: the checkpoint holds the replica it was taken from."""
         self._at_event(facts, "at a checkpoint save's start")
+
+    def on_eval_end(self, facts: EventFacts) -> None:
+        """Acts on the eval's check (before anything after the eval)."""
+        self._collect_event()
+
+    def on_checkpoint_save_end(self, facts: EventFacts) -> None:
+        """Acts on the save's check."""
+        self._collect_event()
 
     def on_fit_end(self, facts: EventFacts) -> None:
         """Acts on the check in flight."""
@@ -176,10 +185,13 @@ class ReplicaGuard(Guard):
 
     # --- checks --------------------------------------------------------------------------------
 
-    def _every(self) -> str:
-        if self.auto_interval:
-            return f"at the check every {self.interval}+ train batches"
-        return f"at the check every {self.interval} train batches"
+    def _every(self, batches: int) -> str:
+        if batches == 1:
+            return "at the first train batch's start"
+        if self.interval == 1:
+            return "at the check every train batch"
+        every = f"{self.interval}+" if self.auto_interval else str(self.interval)
+        return f"at the check every {every} train batches"
 
     def _at_event(self, facts: EventFacts, why: str) -> None:
         batches = self.steps.batches
@@ -192,6 +204,20 @@ class ReplicaGuard(Guard):
         self._post(batches, facts.step, why, interval=False)
         self._collect_at = min(self._collect_at, batches + 1)
         self.due = min(self._collect_at, self._post_at)
+
+    def _next_post(self, pending: PartPending, batches: int) -> int:
+        """After the first batch's check, the ``interval``-th batch; then as the verdict says.
+
+        Multiples of ``interval``, as the monitors' exchanges: where they fall on one
+        batch, one exchange carries them all.
+        """
+        if batches == 1:
+            return max(2, self.interval)
+        return pending.next_post(batches, self.interval, self.auto_interval)
+
+    def _collect_event(self) -> None:
+        if self._check is not None and not self._check.interval and self._pending is not None:
+            self._collect()
 
     def _post(self, batches: int, step: int, why: str, *, interval: bool = True) -> None:
         """Launches the reductions on the device; the exchange thread reads and sends them."""
@@ -224,7 +250,7 @@ class ReplicaGuard(Guard):
             return
         finally:
             if check.interval:
-                self._post_at = pending.next_post(check.batches, self.interval, self.auto_interval)
+                self._post_at = self._next_post(pending, check.batches)
         self.log_metrics(
             {"rankguard/replica_sets_differing": float(len(verdict.differ) + verdict.more)}
         )
@@ -244,7 +270,7 @@ class ReplicaGuard(Guard):
             steps_differ=steps_differ,
             before_training=check.trained == 0,
             never_equal=self._last_equal is None,
-            share=which.count / which.total if which and which.total else None,
+            share=which.differing / which.total if which and which.total else None,
         )
         message = describe(verdict, details, likely_causes(evidence), self._last_equal, check.why)
         if self.on_violation == "warn":  # said once: later checks would only repeat it
