@@ -150,14 +150,14 @@ class Which(NamedTuple):
         kind: The set's layout kind (``"ddp"``, ``"mesh"``, ``"world"``).
         how: What makes its ranks replicas, for messages.
         indices: The first :data:`MAX_NAMED` differing tensors' places in the set.
-        count: How many of its tensors differ.
+        differing: How many of its tensors differ.
         total: How many it holds.
     """
 
     kind: str
     how: str
     indices: tuple[int, ...]
-    count: int
+    differing: int
     total: int
 
 
@@ -348,9 +348,9 @@ def _set_lines(replica_set: SetVerdict, details: Details, several: bool) -> list
     if which is not None:
         listed = details.sizes.get(replica_set.key, [])
         named = f": {'; '.join(listed)}" if listed else ""
-        rest = which.count - len(which.indices) if listed else 0
+        rest = which.differing - len(which.indices) if listed else 0
         more_named = f"; and {rest} more" if rest > 0 else ""
-        lines.append(f"{which.count} of {which.total} tensors differ{named}{more_named}.")
+        lines.append(f"{which.differing} of {which.total} tensors differ{named}{more_named}.")
     return lines
 
 
