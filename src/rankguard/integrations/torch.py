@@ -76,8 +76,10 @@ class _LoopGuard(Adapter):
 
         Args:
             model: The model being trained (DDP, FSDP2 or plain), for the
-                checkpoint memory plan.
-            optimizer: Its optimizer, for the plan.
+                checkpoint memory plan and the replica check (pass the DDP-wrapped
+                model: its process group says which ranks are replicas).
+            optimizer: Its optimizer, for the plan (and its step count, for the
+                replica check).
             train_loader: The train loader (also the default of :meth:`Run.train`).
             eval_loaders: The eval loaders, by name (a single loader is named
                 ``"eval"``), compared at fit start and before each eval.
