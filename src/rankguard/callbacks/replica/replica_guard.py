@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from rankguard.callbacks.core.background_exchange import AUTO_INTERVAL, PartPending
+from rankguard.callbacks.core.background_exchange import AUTO_INTERVAL, Decide, PartPending
 from rankguard.callbacks.core.errors import RanksMissingError, ReplicaDivergenceError
 from rankguard.callbacks.core.events import EventFacts
 from rankguard.callbacks.core.guard import Guard
@@ -279,28 +280,42 @@ class ReplicaGuard(Guard):
         self.violation(ReplicaDivergenceError(message))
 
     def _details(self, verdict: ReplicaVerdict, check: _Check) -> Details:
-        """The two narrower exchanges: which tensors differ, then a sample of the first few."""
-        reps = verdict.representatives()
-        mine = {key: s for key, s in self._sets().items() if self.channel.rank in reps.get(key, ())}
-        try:
-            sums = check.sums or []
-            spans = check.launched.spans if check.launched else {}
-            which_payload: WhichPayload = {
-                key: (s.kind, s.how, sums[spans[key]]) for key, s in mine.items() if key in spans
-            }
-            decide_which = partial(differing_tensors, verdict=verdict)
-            which = self.channel.exchange(f"{self.name}/which", which_payload or None, decide_which)
-            size_payload: SizePayload = {
-                key: [sample(s.names[i], s.tensors[i]) for i in which[key].indices]
-                for key, s in mine.items()
-                if key in which
-            }
-            decide_sizes = partial(difference_sizes, verdict=verdict)
-            sizes = self.channel.exchange(f"{self.name}/size", size_payload or None, decide_sizes)
-        except Exception as exc:  # the message goes out without them
-            logger.debug("rankguard %s: the narrower exchanges failed: %r", self.name, exc)
-            return Details()
-        return Details(which=which, sizes=sizes)
+        """The two narrower exchanges: which tensors differ, then a sample of the first few.
 
-    def _sets(self) -> dict[bytes, Any]:
-        return {s.key: s for s in self._layout.sets}
+        Every rank takes part in both (a rank that sends nothing sends ``None``), so a
+        rank that cannot build its part leaves no other waiting.
+        """
+        reps = verdict.representatives()
+        mine = [s for s in self._layout.sets if self.channel.rank in reps.get(s.key, ())]
+        spans = check.launched.spans if check.launched else {}
+        sums = check.sums or []
+
+        def sums_of() -> WhichPayload:
+            return {s.key: (s.kind, s.how, sums[spans[s.key]]) for s in mine if s.key in spans}
+
+        which = self._narrower("which", sums_of, partial(differing_tensors, verdict=verdict))
+        if which is None:
+            return Details()
+
+        def samples_of() -> SizePayload:
+            return {
+                s.key: [sample(s.names[i], s.tensors[i]) for i in which[s.key].indices]
+                for s in mine
+                if s.key in which
+            }
+
+        sizes = self._narrower("size", samples_of, partial(difference_sizes, verdict=verdict))
+        return Details(which=which, sizes=sizes or {})
+
+    def _narrower(self, name: str, build: Callable[[], Any], decide: Decide) -> Any:
+        """One narrower exchange (``None`` where it failed: the message goes without it)."""
+        try:
+            payload = build() or None
+        except Exception as exc:  # this rank still takes part, with nothing to say
+            logger.debug("rankguard %s: could not build %s: %r", self.name, name, exc)
+            payload = None
+        try:
+            return self.channel.exchange(f"{self.name}/{name}", payload, decide)
+        except Exception as exc:
+            logger.debug("rankguard %s: the %s exchange failed: %r", self.name, name, exc)
+            return None
