@@ -69,9 +69,8 @@ class ReplicaGuard(Guard):
     At the first train batch and every ``interval``-th (the monitors' exchange batches),
     and at each eval's and save's start (acted on at its end), each rank reduces each
     of its parameters to one integer on the device it lives on (the sum of its bits)
-    without waiting for the device;
-    the exchange thread reads the sums back and compares a digest per replica set
-    across its ranks. Which ranks are replicas comes from the job's structure: every
+    without waiting for the device; the exchange thread reads the sums back and
+    compares a digest per replica set across its ranks. Which ranks are replicas comes from the job's structure: every
     rank of a ``DistributedDataParallel`` (or ``replicate``); for DTensor parameters
     (FSDP2, HSDP, tensor parallel), the ranks their mesh places them on with
     ``Replicate()``; none under pure FSDP sharding. The first check that finds
