@@ -44,6 +44,7 @@ FAULTS: dict[str, str] = {
     "node_local_ckpt": "each rank is a node of its own, saving to its own directory (a local disk)",
     "short_stream": "rank 0's eval stream ends 4 samples short of the 16 its __len__ says",
     "ckpt_over_memory": "a 720k-parameter model with Adam on a node given 1 MiB for the save",
+    "replica_drift": "rank 0 alone clamps its output layer's weights in each training forward",
 }
 
 #: Where the examples write checkpoints and hang reports unless ``--workdir`` says
@@ -77,6 +78,24 @@ class Timed(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         time.sleep(self.delay_s)
+        return self.net(x)
+
+
+class ClampsOnRank0(torch.nn.Module):
+    """Runs ``net``; on rank 0 alone, first clamps its last layer's weights to +-``bound``.
+
+    A weight constraint applied under ``if rank == 0`` (in training only): every rank
+    trains with the same averaged gradients, but rank 0's replica drifts from the others.
+    """
+
+    def __init__(self, net: torch.nn.Sequential, clamps: bool, bound: float = 0.1) -> None:
+        super().__init__()
+        self.net, self.clamps, self.bound = net, clamps, bound
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.clamps and self.training:
+            with torch.no_grad():
+                self.net[-1].weight.clamp_(-self.bound, self.bound)
         return self.net(x)
 
 
@@ -241,6 +260,8 @@ class FaultSetup:
         net = torch.nn.Sequential(
             torch.nn.Linear(8, self.hidden), torch.nn.ReLU(), torch.nn.Linear(self.hidden, 2)
         )
+        if self.fault == "replica_drift":
+            return ClampsOnRank0(net, clamps=rank == 0)
         if not self.forward_s:
             return net
         return Timed(net, self.forward_s * (1.5 if rank == self.slow_rank else 1.0))

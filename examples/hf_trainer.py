@@ -18,6 +18,7 @@ to 5 s for the demo):
     post_eval_hang    rank 1 sleeps forever after the first eval: HangWatchdog, exit code 75
     node_local_ckpt   each rank is a node of its own, saving to its own directory (a local disk)
     ckpt_over_memory  CheckpointPlanner told the node has 1 MiB for a full save
+    replica_drift     rank 0 alone clamps its output layer: ReplicaGuard names the ranks
 
 Not offered: ``short_stream``. The Trainer (through Accelerate) reads an
 ``IterableDataset`` on rank 0 only and hands its batches out to every rank

@@ -20,6 +20,7 @@ to 5 s for the demo):
     node_local_ckpt   each rank saves to its own directory (Lightning then uses rank 0's)
     short_stream      rank 0's val stream ends 4 samples short of the 16 its __len__ says
     ckpt_over_memory  CheckpointPlanner told the node has 1 MiB for a full save
+    replica_drift     rank 0 alone clamps its output layer: ReplicaGuard names the ranks
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def token_file(fault: FaultSetup, rank: int, sequences: int) -> str:
 def main() -> None:
     args = parse_args(
         __doc__,
-        without=("uneven_train", "drop_last", "unseeded_split", "short_stream"),
+        without=("uneven_train", "drop_last", "unseeded_split", "short_stream", "replica_drift"),
     )
     log_with_rank()
     logging.getLogger("olmo_core").setLevel(logging.WARNING)

@@ -19,6 +19,7 @@ to 5 s for the demo):
     node_local_ckpt   each rank is a node of its own, saving to its own directory (a local disk)
     short_stream      rank 0's eval stream ends 4 samples short of the 16 its __len__ says
     ckpt_over_memory  CheckpointPlanner told the node has 1 MiB for a full save
+    replica_drift     rank 0 alone clamps its output layer: ReplicaGuard names the ranks
 
 rankguard takes 6 statements of the loop, each marked ``# rankguard``: the import,
 the guard, ``with guard.fit(...)`` around the loop, ``run.train(...)`` and

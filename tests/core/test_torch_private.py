@@ -121,3 +121,32 @@ def test_fsdp2_parameter_groups_are_named_by_their_module():
     for o in outcomes:
         assert o.error is None, o.error
         assert o.value == (["", "1"], None)
+
+
+def _replicate(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed._composable.replicate import replicate
+
+    before = replicate(torch.nn.Linear(2, 2), broadcast_buffers=False)
+    settings = [torch_private.replicate_settings(before)]  # arguments kept until the forward
+    after = replicate(torch.nn.Linear(2, 2))
+    after(torch.ones(1, 2)).sum().backward()  # the forward builds its DDP
+    settings.append(torch_private.replicate_settings(after))
+    group = settings[1].pop("process_group")
+    dist.barrier()
+    return (
+        settings,
+        dist.get_process_group_ranks(group),
+        torch_private.replicate_settings(torch.nn.Linear(2, 2)),
+    )
+
+
+def test_replicate_settings_are_read_before_and_after_the_first_forward():
+    for o in run_ranks(_replicate, 2, timeout_s=60):
+        assert o.error is None, o.error
+        settings, ranks, plain = o.value
+        assert settings == [
+            {"process_group": None, "device_mesh": None, "broadcast_buffers": False},
+            {"device_mesh": None, "broadcast_buffers": True},
+        ]
+        assert ranks == [0, 1] and plain is None

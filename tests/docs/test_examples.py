@@ -188,8 +188,9 @@ def test_the_loop_and_trainer_examples_offer_every_fault():
     finally:
         sys.path.remove(str(EXAMPLES))
     # The Trainer reads an IterableDataset on rank 0 only: no stream of a rank's own.
-    # OLMo-core splits one global order of the data between ranks.
-    olmo = ["uneven_train", "drop_last", "unseeded_split", "short_stream"]
+    # OLMo-core splits one global order of the data between ranks, and builds its own
+    # transformer (replica_drift changes the examples' MLP).
+    olmo = ["uneven_train", "drop_last", "unseeded_split", "short_stream", "replica_drift"]
     examples = (
         ("torch_loop.py", []),
         ("hf_trainer.py", ["short_stream"]),

@@ -103,12 +103,14 @@ def train(
     resume: bool | None = None,
     trainer_class: type[Trainer] = Trainer,
     max_steps: int = 6,
+    model: Any = None,
     **settings: Any,
 ) -> None:
     """Evaluates every 3 steps and saves every 4, for 6 steps (one epoch of 48 samples).
 
     ``trainer_class``: the user's subclass; ``max_steps``: more steps (a second epoch);
-    ``settings``: more ``TrainingArguments``.
+    ``model``: the user's own (default: :func:`tiny_bert`); ``settings``: more
+    ``TrainingArguments``.
     """
     COUNTERS.clear()
     args = TrainingArguments(
@@ -129,7 +131,7 @@ def train(
         **settings,
     )
     trainer = trainer_class(
-        model=tiny_bert(),
+        model=tiny_bert() if model is None else model,
         args=args,
         train_dataset=train_set,
         eval_dataset=eval_set,
@@ -175,6 +177,33 @@ def node_local_resume() -> None:
             train("resume", guard, *seeded_split(), output_dir=output_dir, resume=True)
         finally:
             COUNTERS["saved"] = saved
+
+
+class EMAOnMainProcess(TrainerCallback):
+    """The bug: an EMA of the classifier kept in the model, updated "on the main process only".
+
+    ``model.ema`` holds ``requires_grad=False`` copies of the classifier's weights, which DDP
+    copies to every rank when it wraps the model and never again; rank 0 alone updates them.
+    """
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero:
+            with torch.no_grad():
+                for average, param in zip(
+                    model.ema.parameters(), model.classifier.parameters(), strict=True
+                ):
+                    average.lerp_(param, 0.1)
+
+
+def ema_rank0() -> None:
+    """A 6-step fit whose EMA rank 0 alone updates; a replica check at every step."""
+    import copy
+
+    seed_everything(0)
+    model = tiny_bert()
+    model.ema = copy.deepcopy(model.classifier).requires_grad_(False)
+    guard = RankGuard(replica_guard={"interval": 1}, **QUICK)
+    train("replica_ema_rank0", guard, *seeded_split(), EMAOnMainProcess(), model=model)
 
 
 class StepsRun(TrainerCallback):
@@ -452,6 +481,7 @@ SCENARIOS = {
     "unseeded_split": unseeded,
     "uneven_eval": uneven_eval,
     "node_local_resume": node_local_resume,
+    "replica_ema_rank0": ema_rank0,
     "resume_first": resume_first,
     "resume_healthy": resume_healthy,
     "resume_lagging_copy": resume_lagging_copy,

@@ -127,6 +127,32 @@ class TinyModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+class SkipsStepModule(TinyModule):
+    """Manual optimization with Adam; rank 1 skips ``optimizer.step()`` at its second batch.
+
+    As a per-rank check does where it decides alone (its loss was not finite, say): the
+    gradients were all-reduced in the backward, but rank 1 does not apply them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.train_steps += 1
+        optimizer = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        if not (self.global_rank == 1 and batch_idx == 1):
+            optimizer.step()
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
 class MetricsRecorder(Logger):
     """A real Lightning logger that keeps every ``log_metrics`` call in memory."""
 
@@ -285,6 +311,21 @@ GENERAL: dict[str, Scenario] = {
         lambda rank: loader(32, shared=True),
         lambda rank: loader(15, shared=True),
         {"use_distributed_sampler": True, "num_sanity_val_steps": 0},
+    ),
+    # Gradient accumulation (Lightning's no_sync on every micro-batch but the last), a
+    # replica check at every batch: equal throughout.
+    "healthy_accumulation": fits(
+        lambda: [RankGuard(replica_guard={"interval": 1})],
+        EQUAL,
+        EQUAL,
+        {"accumulate_grad_batches": 2},
+    ),
+    # Manual optimization, rank 1 skips its second step: caught at the check after it.
+    "replica_skipped_step": Scenario(
+        lambda: [RankGuard(replica_guard={"interval": 1})],
+        lambda rank: (EQUAL(rank), EQUAL(rank)),
+        NO_SANITY,
+        SkipsStepModule,
     ),
     # Uneven val batch counts: caught before the first val batch.
     "uneven_val": fits(lambda: [BatchParityGuard()], EQUAL, UNEVEN_VAL, NO_SANITY),

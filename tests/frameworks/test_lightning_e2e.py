@@ -40,7 +40,9 @@ SCENARIOS = [
     "uneven_val_no_guard",
     "healthy",
     "healthy_distributed_sampler",
+    "healthy_accumulation",
     "eval_padding_distributed_sampler",
+    "replica_skipped_step",
     "uneven_val",
     "uneven_val_first_due_in_epoch_2",
     "uneven_val_after_sanity",
@@ -223,7 +225,9 @@ def test_two_val_loaders_are_named_val_0_and_val_1(job):
         assert "loader 'val/1': rank 0: 2 batches; rank 1: 4 batches" in message
 
 
-@pytest.mark.parametrize("scenario", ["healthy", "healthy_distributed_sampler"])
+@pytest.mark.parametrize(
+    "scenario", ["healthy", "healthy_distributed_sampler", "healthy_accumulation"]
+)
 def test_healthy_runs_pass_without_rankguard_warnings(job, scenario):
     outcomes = _outcomes(job, scenario)
     for o in outcomes:
@@ -231,8 +235,30 @@ def test_healthy_runs_pass_without_rankguard_warnings(job, scenario):
         assert o["warnings"] == []
         assert o["train_steps"] == 4
     # The sanity check ran (2 steps per val loader), then full validation.
-    expected = {"healthy": (2, 4), "healthy_distributed_sampler": (4, 5)}[scenario]
-    assert [(o["sanity_val_steps"], o["val_steps"]) for o in outcomes] == [expected] * 2
+    expected = {"healthy": (2, 4), "healthy_distributed_sampler": (4, 5)}
+    counts = expected.get(scenario, (2, 4))
+    assert [(o["sanity_val_steps"], o["val_steps"]) for o in outcomes] == [counts] * 2
+
+
+def test_an_optimizer_step_skipped_on_one_rank_is_caught_at_the_next_check(job):
+    # Manual optimization; rank 1 skips its second step. A check at every batch: the one at
+    # batch 3's start sees it, collected at batch 4's start, on every rank.
+    for message in _assert_error(job, "replica_skipped_step", "ReplicaDivergenceError"):
+        lines = message.split("\n")
+        assert lines[0] == (
+            "Replicas differ: ranks 0,1 should hold the same parameters and do not."
+        )
+        # Lightning's global_step counts each rank's own optimizer steps.
+        assert lines[1] == (
+            "First seen at step 2 (counted per rank: rank 0: 2; rank 1: 1), at the check "
+            "every train batch; the check at step 1 found them equal."
+        )
+        assert lines[3] == "Optimizer steps taken: rank 0: 2; rank 1: 1."
+        assert lines[4].startswith("2 of 2 tensors differ: `layer.weight` (1x4): rank 1 differs")
+        assert lines[5].startswith(
+            "Likely causes, most likely first: (1) a skipped `optimizer.step()` on some ranks"
+        )
+    assert [o["train_steps"] for o in _outcomes(job, "replica_skipped_step")] == [3, 3]
 
 
 def test_eval_padding_by_lightnings_distributed_sampler_is_a_warning(job):

@@ -46,13 +46,17 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 SCENARIOS = ["healthy", "unseeded_split", "uneven_eval", "straggler", "post_eval_stall"]
 LOOP_ONLY = [
     "fsdp2",
+    "replica_accumulation",
+    "replica_inverted_no_sync",
+    "replica_hsdp",
+    "replica_hsdp_unseeded",
     "short_eval_stream",
     "short_train_stream",
     "per_rank_ckpt",
     "resume_node_local",
 ]
 LOOP_SCENARIOS = [*SCENARIOS[:-1], *LOOP_ONLY, SCENARIOS[-1]]
-HF_SCENARIOS = [*SCENARIOS[:-1], "node_local_resume", SCENARIOS[-1]]
+HF_SCENARIOS = [*SCENARIOS[:-1], "node_local_resume", "replica_ema_rank0", SCENARIOS[-1]]
 LAUNCH_TIMEOUT_S = 240
 REPORT_MARGIN_S = 3.0  # the report comes within the deadline + this, from the stall's start
 
@@ -111,6 +115,64 @@ def test_loop_with_fsdp2_and_sharded_dcp_saves_is_clean_and_planned_sharded(loop
         assert counters["reason"].startswith("Checkpoint memory fits: a sharded checkpoint save")
         assert "(1 consolidated copy" in counters["reason"]
         assert counters["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_loop_accumulation_and_hsdp_replicas_stay_equal_and_silent(loop):
+    # 6 batches a rank; a replica check at batches 1, 2, 4, 6 (the job's REPLICA).
+    for rank in loop[2]:
+        accumulation, hsdp = rank["replica_accumulation"], rank["replica_hsdp"]
+        assert accumulation["outcome"] == "ok" and accumulation["warnings"] == [], accumulation
+        assert accumulation["counters"] == {"train_batches": 6, "steps": 3}
+        assert hsdp["outcome"] == "ok" and hsdp["warnings"] == [], hsdp
+        assert hsdp["counters"] == {"train_batches": 6}
+
+
+def replica_lines(result: dict) -> list[str]:
+    assert result["outcome"] == "ReplicaDivergenceError", result
+    return result["message"].split("\n")
+
+
+def test_loop_inverted_no_sync_is_caught_at_the_first_check_after_the_first_step(loop):
+    # Checks at batches 1, 2, 4 (the first, then every 2nd). The first optimizer step (after
+    # batch 2) takes rank-local gradients; the check at batch 4's start sees it, collected
+    # at batch 5's start.
+    for rank in loop[2]:
+        result = rank["replica_inverted_no_sync"]
+        assert result["warnings"] == [] and result["counters"] == {"train_batches": 4, "steps": 2}
+        lines = replica_lines(result)
+        assert lines[0] == "Replicas differ: ranks 0,1 should hold the same parameters and do not."
+        assert lines[1] == (
+            "First seen at step 3, at the check every 2 train batches; the check at step 1 "
+            "found them equal."
+        )
+        assert lines[3].startswith("2 of 3 tensors differ: `embed.weight` (32x8): rank 1 differs")
+        assert lines[4].startswith(
+            "Likely causes, most likely first: (1) gradients not averaged across ranks before "
+            "a step: an inverted `no_sync()` condition"
+        )
+
+
+def test_loop_unseeded_init_under_hsdp_is_caught_before_the_first_step(loop):
+    # torch.seed() before the model: each rank its own weights, fully_shard copies none.
+    for rank in loop[2]:
+        result = rank["replica_hsdp_unseeded"]
+        assert result["counters"] == {"train_batches": 1}  # raised at batch 2's start
+        lines = replica_lines(result)
+        assert lines[1] == (
+            "First seen at step 0, at the first train batch's start; no earlier check of this "
+            "fit found them equal."
+        )
+        assert lines[3].startswith("3 of 3 tensors differ: `embed.weight` (32x8): rank 1 differs")
+        assert lines[4].startswith(
+            "Likely causes, most likely first: (1) an unseeded initialization: FSDP2's "
+            "`fully_shard` and HSDP do not copy"
+        )
+        assert "(2)" not in lines[4]
+        # The data check saw the same cause from its side: torch's seed differs.
+        (warning,) = result["warnings"]
+        assert warning.startswith(
+            "rankguard data_consistency_guard: torch was not seeded the same on every rank"
+        )
 
 
 FIX_LEFT = "Fix: give every rank the same number of batches: split iterable or streaming data"
@@ -181,6 +243,26 @@ def test_hf_healthy_run_is_clean_and_logs_through_the_trainer(hf):
         counters = result["counters"]
         assert (counters["steps"], counters["eval_batches"], counters["saves"]) == (6, 4, 2)
         assert "rankguard/shared_dir_wait_s" in counters["rankguard_keys_logged"]
+        assert "rankguard/replica_sets_differing" in counters["rankguard_keys_logged"]
+
+
+def test_hf_ema_updated_on_the_main_process_only_is_caught_at_the_next_step(hf):
+    # Rank 0 updates model.ema at the end of step 1; the check at step 2's start sees it,
+    # collected at step 3's start (a check every step).
+    for rank in hf[2]:
+        result = rank["replica_ema_rank0"]
+        assert result["warnings"] == [] and result["counters"]["steps"] == 2, result
+        lines = replica_lines(result)
+        assert lines[1] == (
+            "First seen at step 1, at the check every train batch; the check at step 0 found "
+            "them equal."
+        )
+        assert lines[3].startswith("2 of 43 tensors differ: `ema.weight` (2x16): rank 1 differs")
+        assert "`ema.bias` (2): rank 1 differs from rank 0 in 2 of 2 elements" in lines[3]
+        assert lines[4].startswith(
+            "Likely causes, most likely first: (1) an update outside the optimizer on some "
+            "ranks only: an EMA"
+        )
 
 
 def test_hf_resume_from_a_checkpoint_one_node_lacks_fails_before_the_trainer_loads(hf):

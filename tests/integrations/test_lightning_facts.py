@@ -15,6 +15,7 @@ pytest.importorskip("lightning")
 
 from rankguard.integrations.lightning.adapter import unsupported
 from rankguard.integrations.lightning.facts import (
+    data_parallel,
     first_optimizer,
     fit_loaders,
     position,
@@ -73,6 +74,11 @@ def test_the_guards_read_the_first_optimizer():
     sgd, adam = object(), object()
     assert first_optimizer(trainer(optimizers=[sgd, adam])) is sgd
     assert first_optimizer(trainer()) is None
+
+
+def test_the_replica_check_reads_the_strategys_wrapper_of_the_module():
+    wrapper = object()  # a DistributedDataParallel under strategy="ddp"
+    assert data_parallel(SimpleNamespace(strategy=SimpleNamespace(model=wrapper))) is wrapper
 
 
 def test_an_error_is_placed_at_the_trainers_step_and_epoch_or_zero():

@@ -110,6 +110,28 @@ def test_trainer_hooks_fire_core_events_in_order(tmp_path):
     assert loads.paths == [str(tmp_path / "out" / "checkpoint-4" / "trainer_state.json")]
 
 
+class FitFacts(Guard):
+    """Keeps the facts of FIT_START."""
+
+    name = "fit_facts"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.facts = None
+
+    def on_fit_start(self, facts) -> None:
+        self.facts = facts
+
+
+def test_fit_start_hands_the_model_the_trainers_wrapper_and_the_optimizer(tmp_path):
+    kept = FitFacts()
+    hf = trainer(tmp_path, rg_hf._TrainerAdapter([kept]))
+    hf.train()
+    assert kept.facts.model is hf.model and kept.facts.optimizer is not None
+    # One process: the Trainer wraps nothing; under DDP model_wrapped is the wrapper.
+    assert kept.facts.data_parallel is hf.model_wrapped
+
+
 class LoadLog(Guard):
     """Records the load path of every CHECKPOINT_LOAD_START."""
 

@@ -22,6 +22,7 @@ from rankguard.callbacks.core.errors import (
     NodeLocalDirError,
     RankGuardError,
     RanksMissingError,
+    ReplicaDivergenceError,
     ResumeMismatchError,
     SharedDirCreateError,
     SharedDirTimeoutError,
@@ -40,6 +41,7 @@ from rankguard.callbacks.data.data_consistency_guard import DataConsistencyGuard
 from rankguard.callbacks.data.data_stall_monitor import DataStallMonitor
 from rankguard.callbacks.hang.hang_watchdog import DEADLOCK_EXIT_CODE, HANG_EXIT_CODE, HangWatchdog
 from rankguard.callbacks.registry import GUARDS, build_guards
+from rankguard.callbacks.replica.replica_guard import ReplicaGuard
 from rankguard.callbacks.resume.resume_guard import ResumeGuard
 from rankguard.callbacks.straggler.straggler_monitor import StragglerMonitor
 
@@ -70,6 +72,8 @@ __all__ = [
     "NodeLocalDirError",
     "RankGuardError",
     "RanksMissingError",
+    "ReplicaDivergenceError",
+    "ReplicaGuard",
     "ResumeFacts",
     "ResumeGuard",
     "ResumeMismatchError",

@@ -18,6 +18,7 @@ from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.data.data_consistency_guard import DataConsistencyGuard
 from rankguard.callbacks.data.data_stall_monitor import DataStallMonitor
 from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
+from rankguard.callbacks.replica.replica_guard import ReplicaGuard
 from rankguard.callbacks.resume.resume_guard import ResumeGuard
 from rankguard.callbacks.straggler.straggler_monitor import StragglerMonitor
 
@@ -29,9 +30,9 @@ __all__ = ["GUARDS", "build_guard", "build_guards", "unknown_name_error"]
 #: check gets its diagnosis. Then root causes first: a dataset or seed
 #: difference explains a settings or count difference, and a settings
 #: difference explains a count difference (and ``DropLastGuard(mode="enforce")``
-#: changes counts). Of the monitors, a data stall explains slow steps, so
-#: ``DataStallMonitor`` comes before ``StragglerMonitor``, which then starts its
-#: batch clock after the data-stall exchange.
+#: changes counts); ranks that resumed differently explain replicas that differ. Of
+#: the monitors, a data stall explains slow steps, so ``DataStallMonitor`` comes before
+#: ``StragglerMonitor``, which then starts its batch clock after the data-stall exchange.
 GUARDS: dict[str, type[Guard]] = {
     HangWatchdog.name: HangWatchdog,
     DataConsistencyGuard.name: DataConsistencyGuard,
@@ -39,6 +40,7 @@ GUARDS: dict[str, type[Guard]] = {
     BatchParityGuard.name: BatchParityGuard,
     SharedDirBarrier.name: SharedDirBarrier,
     ResumeGuard.name: ResumeGuard,
+    ReplicaGuard.name: ReplicaGuard,
     CheckpointPlanner.name: CheckpointPlanner,
     DataStallMonitor.name: DataStallMonitor,
     StragglerMonitor.name: StragglerMonitor,

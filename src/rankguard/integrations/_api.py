@@ -21,6 +21,7 @@ from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.data.data_consistency_guard import DataConsistencyGuard
 from rankguard.callbacks.data.data_stall_monitor import DataStallMonitor
 from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
+from rankguard.callbacks.replica.replica_guard import ReplicaGuard
 from rankguard.callbacks.resume.resume_guard import ResumeGuard
 from rankguard.callbacks.straggler.straggler_monitor import StragglerMonitor
 from rankguard.integrations._common import Defaults, bundle_guards, single_guard
@@ -34,6 +35,7 @@ CLASS_NAMES = (
     "DropLastGuard",
     "HangWatchdog",
     "RankGuard",
+    "ReplicaGuard",
     "ResumeGuard",
     "SharedDirBarrier",
     "StragglerMonitor",
@@ -159,6 +161,7 @@ class RankGuardSettings(_Settings):
         batch_parity_guard: dict[str, Any] | bool = True,
         shared_dir_barrier: dict[str, Any] | bool = True,
         resume_guard: dict[str, Any] | bool = True,
+        replica_guard: dict[str, Any] | bool = True,
         checkpoint_planner: dict[str, Any] | bool = True,
         data_stall_monitor: dict[str, Any] | bool = True,
         straggler_monitor: dict[str, Any] | bool = True,
@@ -179,6 +182,7 @@ class RankGuardSettings(_Settings):
             batch_parity_guard: As ``hang_watchdog``.
             shared_dir_barrier: As ``hang_watchdog``.
             resume_guard: As ``hang_watchdog``.
+            replica_guard: As ``hang_watchdog``.
             checkpoint_planner: As ``hang_watchdog``.
             data_stall_monitor: As ``hang_watchdog``.
             straggler_monitor: As ``hang_watchdog``.
@@ -224,6 +228,13 @@ class ResumeGuardSettings(_Settings):
     """The resume check alone."""
 
     @guard_settings(ResumeGuard)
+    def __init__(self, **settings: Any) -> None: ...
+
+
+class ReplicaGuardSettings(_Settings):
+    """The replica check alone."""
+
+    @guard_settings(ReplicaGuard)
     def __init__(self, **settings: Any) -> None: ...
 
 

@@ -77,8 +77,10 @@ class _LoopGuard(Adapter):
 
         Args:
             model: The model being trained (DDP, FSDP2 or plain), for the
-                checkpoint memory plan.
-            optimizer: Its optimizer, for the plan.
+                checkpoint memory plan and the replica check (pass the DDP-wrapped
+                model: its process group says which ranks are replicas).
+            optimizer: Its optimizer, for the plan (and its step count, for the
+                replica check).
             train_loader: The train loader (also the default of :meth:`Run.train`).
             eval_loaders: The eval loaders, by name (a single loader is named
                 ``"eval"``), compared at fit start and before each eval.
@@ -466,6 +468,10 @@ class SharedDirBarrier(_api.SharedDirBarrierSettings, _LoopGuard):
 
 class ResumeGuard(_api.ResumeGuardSettings, _LoopGuard):
     """The resume check, as a hand-written loop's guard (``guard.fit``)."""
+
+
+class ReplicaGuard(_api.ReplicaGuardSettings, _LoopGuard):
+    """The replica check, as a hand-written loop's guard (``guard.fit``)."""
 
 
 class CheckpointPlanner(_api.CheckpointPlannerSettings, _LoopGuard):

@@ -18,6 +18,7 @@ __all__ = [
     "NodeLocalDirError",
     "RankGuardError",
     "RanksMissingError",
+    "ReplicaDivergenceError",
     "ResumeMismatchError",
     "SharedDirCreateError",
     "SharedDirTimeoutError",
@@ -87,6 +88,10 @@ class StragglerError(RankGuardError):
 
 class ResumeMismatchError(RankGuardError):
     """Ranks resumed from different checkpoints, counters, data positions or random states."""
+
+
+class ReplicaDivergenceError(RankGuardError):
+    """Ranks that should hold equal copies of the model's parameters (replicas) do not."""
 
 
 class MetricMismatchError(RankGuardError):

@@ -153,6 +153,9 @@ class EventFacts:
         loaders: Every loader known at FIT_START, train first.
         model: The model being trained (FIT_START).
         optimizer: Its (first) optimizer, if the framework has built it (FIT_START).
+        data_parallel: What makes ``model`` data parallel, where the framework keeps it
+            apart from ``model`` (Lightning's ``strategy.model``, the HF Trainer's
+            ``model_wrapped``: a ``DistributedDataParallel``), or ``None`` (FIT_START).
         directories: Local directories checkpoints are saved to (FIT_START,
             CHECKPOINT_SAVE_START); the same number on every rank.
         state_dict_type: What the job's checkpoint saves are now, ``"full"``
@@ -198,6 +201,7 @@ class EventFacts:
     loaders: list[LoaderFacts] = field(default_factory=list)
     model: Any = None
     optimizer: Any = None
+    data_parallel: Any = None
     directories: list[str] = field(default_factory=list)
     state_dict_type: str | None = None
     switch_to_sharded: Callable[[], str] | None = None

@@ -222,8 +222,11 @@ class GuardRunner:
             self.intervals.restart()
         elif steps.entries and event not in EVAL_BATCH:
             steps.drain()
-        for handler in self.handlers[event]:
-            handler(facts)
+        try:
+            for handler in self.handlers[event]:
+                handler(facts)
+        finally:  # what guards posted at this event goes as one exchange
+            self.intervals.flush()
         steps.due = self._next_due(steps.batches)
 
     def _next_due(self, batches: int) -> float:

@@ -102,6 +102,8 @@ class StepLog:
             runs, the log is not read): the straggler monitor hooks the model's
             forward for the batches it times with it.
         switch_at: The value of ``batches`` at which ``switch`` runs next.
+        step: The framework's step of the train batch at whose start the guards last
+            acted (:meth:`act`).
         act_at: The lower of ``due`` and ``switch_at``: the one threshold a batch's start
             compares ``batches`` with before it calls :meth:`act` (kept by their setters).
     """
@@ -111,6 +113,7 @@ class StepLog:
         # found (a slice) and deletes them (a slice), two C calls whatever their number.
         self.entries: list[Entry] = []
         self.batches = 0
+        self.step = 0
         self.act_at: float = 1
         self._due_at: float = 1  # the first batch asks the guards for theirs
         self._switch_at: float = math.inf
@@ -155,7 +158,7 @@ class StepLog:
         """Forgets what was recorded (a new fit); the first due is ``due``."""
         with self._lock:
             self.entries.clear()
-            self.batches = 0
+            self.batches = self.step = 0
             self.due = due
             self.fetch_clock = None
             self.switch, self.switch_at = None, math.inf
@@ -195,6 +198,7 @@ class StepLog:
         self.entries.append((perf_counter(), BATCH_START, step, None, None, None))
         self.batches = batches = self.batches + 1
         if batches >= self.act_at:
+            self.step = step
             self.act(batches)
         if self.batch_probe is not None and batch is not None:
             self.batch_probe(batch)
@@ -241,6 +245,7 @@ class StepLog:
         # batch_start's count and threshold, inline: a call costs more than they do here
         self.batches = batches = self.batches + 1
         if batches >= self.act_at:
+            self.step = step
             self.act(batches)
         if self.batch_probe is not None and batch is not None:
             self.batch_probe(batch)

@@ -3,9 +3,10 @@
 ``torch.distributed`` keeps some of what rankguard needs behind private names:
 the default process group's store and timeout, a process group's count of the
 collectives it issued, the flight recorder's dumps, the coalesced broadcast DDP
-and FSDP issue from C++, DDP's buckets as its logger has them, FSDP2's module names.
-A module's forward hooks are put back and taken off through its private hook dicts.
-Each read is here, with why no public API serves it; ``tests/core/test_torch_private.py`` calls each
+and FSDP issue from C++, DDP's buckets as its logger has them, FSDP2's module names,
+how the DDP-based ``replicate`` made a module data parallel. A module's forward hooks
+are put back and taken off through its private hook dicts. Each read is here, with
+why no public API serves it; ``tests/core/test_torch_private.py`` calls each
 against the installed torch and fails when torch renames or moves what it reads.
 Nothing else in rankguard reads a private ``torch`` name.
 """
@@ -26,6 +27,7 @@ __all__ = [
     "forward_hook_dicts",
     "fsdp_module_name",
     "group_timeout_s",
+    "replicate_settings",
     "sequence_reader",
 ]
 
@@ -167,3 +169,34 @@ def fsdp_module_name(param_group: Any) -> str | None:
     """
     name = getattr(param_group, "_module_fqn", None)
     return name if isinstance(name, str) else None
+
+
+def replicate_settings(module: Any) -> dict[str, Any] | None:
+    """How ``torch.distributed._composable.replicate`` (DDP-based) made ``module`` data parallel.
+
+    ``{"process_group": ..., "device_mesh": ..., "broadcast_buffers": ...}`` (``None`` where
+    not given: the default group, DDP's default), or ``None`` where ``module`` is not under
+    that ``replicate`` (OLMo-core's DDP applies it). No public reader: its state keeps the
+    ``DistributedDataParallel`` it builds at the first forward in ``_ddp``, and the
+    arguments until then in ``_init_kwargs``.
+    """
+    try:
+        from torch.distributed._composable.replicate import DDP, replicate
+    except ImportError:
+        return None
+    if not isinstance(module, DDP):
+        return None
+    state = replicate.state(module)
+    ddp = getattr(state, "_ddp", None)
+    if ddp is not None:
+        return {
+            "process_group": ddp.process_group,
+            "device_mesh": None,
+            "broadcast_buffers": ddp.broadcast_buffers,
+        }
+    kwargs = dict(getattr(state, "_init_kwargs", None) or {})
+    return {
+        "process_group": kwargs.get("process_group"),
+        "device_mesh": kwargs.get("device_mesh"),
+        "broadcast_buffers": kwargs.get("broadcast_buffers", True),
+    }

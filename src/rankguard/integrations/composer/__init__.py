@@ -54,6 +54,10 @@ class ResumeGuard(_api.ResumeGuardSettings, _ComposerAdapter):
     """The resume check, as a Composer callback."""
 
 
+class ReplicaGuard(_api.ReplicaGuardSettings, _ComposerAdapter):
+    """The replica check, as a Composer callback."""
+
+
 class CheckpointPlanner(_api.CheckpointPlannerSettings, _ComposerAdapter):
     """The checkpoint planner, as a Composer callback."""
 

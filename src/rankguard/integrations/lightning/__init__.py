@@ -59,6 +59,10 @@ class ResumeGuard(_api.ResumeGuardSettings, _LightningAdapter):
     """The resume check, as a Lightning callback."""
 
 
+class ReplicaGuard(_api.ReplicaGuardSettings, _LightningAdapter):
+    """The replica check, as a Lightning callback."""
+
+
 class CheckpointPlanner(_api.CheckpointPlannerSettings, _LightningAdapter):
     """The checkpoint planner, as a Lightning callback."""
 

@@ -25,6 +25,7 @@ from rankguard.callbacks.hang.stop import StopAgreement
 from rankguard.integrations._adapter import Adapter, exit_after_stop
 from rankguard.integrations.lightning.facts import (
     checkpoint_format,
+    data_parallel,
     first_optimizer,
     fit_loaders,
     position,
@@ -157,6 +158,7 @@ class _LightningAdapter(Adapter, Callback):
             loaders=fit_loaders(trainer, train),
             model=pl_module,
             optimizer=first_optimizer(trainer),
+            data_parallel=data_parallel(trainer),
             directories=save_directories(trainer),
             state_dict_type=state_dict_type,
             switch_to_sharded=switch,

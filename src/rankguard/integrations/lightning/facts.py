@@ -89,6 +89,11 @@ def first_optimizer(trainer: pl.Trainer) -> Any:
     return trainer.optimizers[0] if trainer.optimizers else None
 
 
+def data_parallel(trainer: pl.Trainer) -> Any:
+    """What makes the module data parallel: the strategy's model (a DDP wrapper under ``ddp``)."""
+    return trainer.strategy.model
+
+
 def position(trainer: pl.Trainer | None) -> tuple[int, int]:
     """The trainer's step and epoch, ``0`` for what it does not have (e.g. ``None``)."""
     return getattr(trainer, "global_step", 0), getattr(trainer, "current_epoch", 0)

@@ -56,6 +56,10 @@ class ResumeGuard(_api.ResumeGuardSettings, _OlmoCoreAdapter):
     """The resume check, as an OLMo-core ``Callback``."""
 
 
+class ReplicaGuard(_api.ReplicaGuardSettings, _OlmoCoreAdapter):
+    """The replica check, as an OLMo-core ``Callback``."""
+
+
 class CheckpointPlanner(_api.CheckpointPlannerSettings, _OlmoCoreAdapter):
     """The checkpoint planner, as an OLMo-core ``Callback``."""
 

@@ -51,6 +51,10 @@ class ResumeGuard(_api.ResumeGuardSettings, _TrainerAdapter):
     """The resume check, as a Hugging Face ``TrainerCallback``."""
 
 
+class ReplicaGuard(_api.ReplicaGuardSettings, _TrainerAdapter):
+    """The replica check, as a Hugging Face ``TrainerCallback``."""
+
+
 class CheckpointPlanner(_api.CheckpointPlannerSettings, _TrainerAdapter):
     """The checkpoint planner, as a Hugging Face ``TrainerCallback``."""
 

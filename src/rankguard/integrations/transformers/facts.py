@@ -62,6 +62,11 @@ def checkpoint_folder(args: TrainingArguments, state: TrainerState) -> str:
     return os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
 
+def data_parallel(trainer: Trainer | None) -> Any:
+    """What makes the model data parallel: the Trainer's ``model_wrapped`` (DDP under DDP)."""
+    return getattr(trainer, "model_wrapped", None)
+
+
 def state_dict_type(trainer: Trainer | None) -> str:
     """``"sharded"`` when the Trainer's FSDP saves sharded state dicts, else ``"full"``."""
     if trainer is None or not getattr(trainer, "is_fsdp_enabled", False):
