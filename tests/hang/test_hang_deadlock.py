@@ -10,7 +10,9 @@ import torch
 
 from rankguard.callbacks.core import side_channel
 from rankguard.callbacks.core.events import Event, EventFacts, SplitDecision
+from rankguard.callbacks.hang import collective_sources
 from rankguard.callbacks.hang.stacks import (
+    blocked_in,
     called_from_user,
     library_paths,
     rendezvous,
@@ -75,6 +77,12 @@ def test_rendezvous_is_a_collective_backward_or_rankguard_exchange_not_other_dis
     ddp = os.path.join(TORCH, "nn", "parallel", "distributed.py")
     sync = [(ddp, 2107, "_distributed_broadcast_coalesced"), (ddp, 2170, "_sync_module_buffers")]
     assert rendezvous(sync) == "broadcast"  # DDP's buffer broadcast before each forward
+    # the record of collectives wraps the C++ broadcast DDP calls: still DDP's broadcast
+    told = [(collective_sources.__file__, 215, "broadcast_coalesced"), *sync]
+    assert rendezvous(told) == "broadcast"
+    forward = (collective_sources.__file__, 230, "forward")  # its wrapper of DDP's forward
+    called = blocked_in([*told, forward, (TRAIN, 87, "main")])
+    assert called == "_distributed_broadcast_coalesced, called from train.py:87 (main)"
     assert rendezvous([(DCP, 5, "write_data"), (TRAIN, 1, "save")]) is None  # writing: busy
     assert rendezvous([(TRAIN, 107, "epoch_end")]) is None  # the user's own code: busy
 
