@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rankguard.callbacks.core.torch_private import flight_recorder_dumps
-from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued
+from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued, group_members
 from rankguard.callbacks.hang.stacks import describe_frame
 
 __all__ = [
@@ -190,6 +190,8 @@ def read_files(directory: str | os.PathLike) -> dict[int, tuple[GroupRecord, ...
         for gid, group in enumerate(names["groups"]):
             mine = [i for g, i in issued if g == gid]
             count = max((i.seq for i in mine), default=0)
-            groups.append(GroupRecord(group["name"], tuple(group["ranks"]), count, tuple(mine)))
+            groups.append(
+                GroupRecord(group["name"], group_members(group["ranks"]), count, tuple(mine))
+            )
         records[int(rank_text)] = tuple(groups)
     return records
