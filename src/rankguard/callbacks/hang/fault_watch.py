@@ -81,6 +81,7 @@ class FaultWatch:
         self.board: FaultBoard | None = None
         self.local: dict[int, Process] = {}  # ranks on this node: their pids mean something
         self.published: Fault | None = None  # this rank's own fault
+        self.process: Process | None = None  # where this rank runs, as it registered
         self.handled = False
         self.cancel = threading.Event()
         self._processes_read = False
@@ -112,8 +113,9 @@ class FaultWatch:
         self._processes_read = False
         board = FaultBoard(channel)
         node = node_identity()
+        self.process = Process(node.key, os.getpid(), pid_namespace(), node.host)
         try:
-            board.register(Process(node.key, os.getpid(), pid_namespace(), node.host))
+            board.register(self.process)
         except Exception as exc:
             logger.debug("rankguard: could not register this rank's process: %s", exc)
             return None
@@ -122,17 +124,16 @@ class FaultWatch:
 
     def after_exchange(self) -> None:
         """After an exchange every rank answered: every rank registered; find this node's."""
-        board = self.board
-        if board is None or self._processes_read:
+        board, mine = self.board, self.process
+        if board is None or mine is None or self._processes_read:
             return
         self._processes_read = True
         me = board.channel.rank
-        try:
-            processes = board.processes()
+        try:  # this node's ranks only: every rank's would make it grow with the world size
+            processes = board.node_processes(mine.node)
         except Exception as exc:
             logger.debug("rankguard: could not read the ranks' processes: %s", exc)
             return
-        mine = processes[me]
         self.local = {
             rank: p
             for rank, p in processes.items()
