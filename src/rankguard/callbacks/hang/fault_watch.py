@@ -159,13 +159,17 @@ class FaultWatch:
             except Exception as exc:
                 logger.debug("rankguard: could not say this rank leaves: %s", exc)
 
-    def check(self) -> None:
-        """Reads new faults and this node's dead peers; ends this rank on one (never raises)."""
+    def check(self, read_board: bool = True) -> None:
+        """Reads new faults and this node's dead peers; ends this rank on one (never raises).
+
+        ``read_board``: read the store's board; else only the faults read before (one
+        this rank did not act on yet) and this node's peers.
+        """
         board = self._open()
         if board is None or self.handled or self.published is not None:
             return
         try:
-            faults = board.poll()
+            faults = board.poll() if read_board else list(board.seen)
             if not faults:
                 faults = self._dead_peers()
         except Exception as exc:  # the store: a peer of this node that hosted it may be dead

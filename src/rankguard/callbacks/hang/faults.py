@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from rankguard.callbacks.core.side_channel import notify
 from rankguard.callbacks.data.data_worker import worker_failure
 from rankguard.callbacks.hang.collective_compare import GroupRecord
 from rankguard.callbacks.hang.stacks import code_name, describe_frame, user_frame
@@ -333,6 +334,7 @@ class FaultBoard:
         store = self.channel.store
         number = store.add(self._count, 1)
         store.set(f"{self._base}/{number}", pickle.dumps(fault, protocol=pickle.HIGHEST_PROTOCOL))
+        notify(self.channel)  # the watchdogs read the board once this changes
 
     def poll(self) -> list[Fault]:
         """Every fault published so far, in order (new ones read from the store; any thread)."""
