@@ -125,8 +125,9 @@ def scaled_timeout(timeout_s: float, world_size: int) -> float:
 
 
 #: Store requests a second that the polls of every rank together may make (see
-#: :func:`spread_period`): about 2% of the store's one thread at 5-6 us a request.
-POLLS_PER_S = 4096.0
+#: :func:`spread_period`): every wake up to 512 ranks, every 16 s at 16,384. A request
+#: one at a time costs the store's thread 5-30 us (docs/scale.md): 1024 a second, 1-3%.
+POLLS_PER_S = 1024.0
 
 
 def spread_period(period_s: float, world_size: int, per_s: float) -> float:

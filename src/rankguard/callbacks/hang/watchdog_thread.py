@@ -56,6 +56,11 @@ PROBE_PERIOD_S = 0.5
 #: log: a wake costs tens of µs of CPU and a read a fixed cost besides its entries', so
 #: rarer reads while training goes on make the thread's share of a step 2-3 times smaller.
 READ_PERIOD_S = 2.0
+#: ``HangWatchdog(exchange_period_s=...)``'s default (seconds).
+DEFAULT_PERIOD_S = 10.0
+#: Ranks a second whose status exchange the store serves, job-wide, at the default period
+#: (four requests each): beyond 5,120 ranks the default period grows (:meth:`spread_period`).
+STATUS_RANKS_PER_S = 512.0
 #: Ranks missing before the first verdict that this rank asks the store about, at most.
 HEARD_CHECKS = 16
 #: A deadlock seen at one exchange is confirmed by the next, this long after (seconds): ranks
@@ -69,7 +74,7 @@ class StorePolls:
 
     At each of its wakes (every 0.5-2 s) it looks, at most once a period that grows with
     the world size (:func:`~rankguard.callbacks.core.side_channel.spread_period`: every
-    wake up to 2,048 ranks, every 4 s at 16,384), so that the job's polls stay near
+    wake up to 512 ranks, every 16 s at 16,384), so that the job's polls stay near
     :data:`~rankguard.callbacks.core.side_channel.POLLS_PER_S` requests a second. A look is
     one request: the channel's notices, which every publisher of a fault or a stop
     request bumps; the fault board and the stop count are read only once they changed.
@@ -156,6 +161,7 @@ class WatchdogThread:
         self.loop_thread = threading.get_ident()
         self.loop_thread_name = threading.current_thread().name
         guard._derive()  # the first heartbeat: the thread reads _beat from its start
+        self.spread_period()
         backend, pg_timeout = process_group_timeout()
         if backend == "nccl":
             self.fit_defaults_under(pg_timeout)
@@ -253,6 +259,29 @@ class WatchdogThread:
         g = self.guard
         restored = self._calibrated() if g._restored else None
         return policy.plan(g.ceilings, self._settings(), restored)
+
+    def spread_period(self) -> None:
+        """A default ``exchange_period_s`` grows with the world beyond 5,120 ranks.
+
+        Every rank's status exchange costs the store's one thread four requests: at
+        ``world_size / STATUS_RANKS_PER_S`` seconds (32 s at 16,384 ranks) the job's
+        status exchanges ask it for a bounded rate (docs/scale.md). A period the user
+        set to anything but the default stays as set.
+        """
+        g = self.guard
+        channel = g.channel
+        if g.exchange_period_s != DEFAULT_PERIOD_S or not channel.is_distributed:
+            return
+        period = spread_period(DEFAULT_PERIOD_S, channel.world_size, STATUS_RANKS_PER_S)
+        if period > g.exchange_period_s:
+            g.exchange_period_s, g.exchange_timeout_s = period, max(2.0, period)
+            logger.info(
+                "rankguard %s: `exchange_period_s` set to %.0f s for %d ranks (the job's store "
+                "serves every rank's status exchange; docs/scale.md)",
+                g.name,
+                period,
+                channel.world_size,
+            )
 
     def fit_defaults_under(self, pg_timeout: float | None) -> None:
         """Lowers defaulted ceilings so a hang ends before NCCL ends the job."""
