@@ -220,6 +220,7 @@ class StopAgreement:
     def _poll(self, notified: bool = True) -> None:
         if self._signum is not None and not self._published:
             self._publish(self._signum)
+            notified = True  # this rank's own request: read at once, as before
         if not self.requested:
             if not self._distributed or not notified:
                 return
