@@ -249,7 +249,7 @@ class FaultWatch:
         owner, guard = self.owner, self.owner.guard
         first = root(faults)
         rank = guard.channel.rank
-        if first.rank == rank:
+        if first.rank == rank and first.by != -1:  # its own; a store gone (by -1) is not
             return
         beat = guard._beat
         if beat is not None and beat.kind != "done" and _now() - beat.at < QUIET_S:
