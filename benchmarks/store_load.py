@@ -62,10 +62,11 @@ for _path in (str(HERE), str(ROOT), os.environ.get("RANKGUARD_SRC") or str(ROOT 
 DECISION_BUDGET_S = 1.0
 STEADY_CPU_BUDGET = 0.10  # of one core, at 16,384 ranks
 #: Virtual ranks per worker process (rank 0 has a process of its own, as in a job).
-PER_WORKER = 2048
-#: The watchdog's settings here: the defaults, but a shorter deadline floor so that
-#: the stall is reported within a minute (the transport's part is what is measured).
-INCIDENT_WATCHDOG = {"floor_s": 10.0, "warmup_steps": 3, "teardown_timeout_s": 5.0}
+PER_WORKER = 1024
+#: The watchdog's settings for the incidents: the defaults, but a train step's ceiling of
+#: 15 s and no calibration (a stall is reported and ends the job 15 s after it started,
+#: plus the transport's part, which is what is measured), and a 5 s teardown bound.
+INCIDENT_WATCHDOG = {"auto_calibrate": False, "timeout_s": 15.0, "teardown_timeout_s": 5.0}
 
 SHIM = r"""
 #define _GNU_SOURCE
@@ -187,7 +188,9 @@ class ServerWatch:
 class Job:
     """One simulated job of ``world`` ranks: the store's process and the workers."""
 
-    def __init__(self, world: int, args: argparse.Namespace, folder: Path, record: Any) -> None:
+    def __init__(
+        self, world: int, args: argparse.Namespace, folder: Path, record: Any, payloads: list
+    ) -> None:
         import store_load_rank
 
         self.world = world
@@ -207,6 +210,7 @@ class Job:
             "step_s": args.step_s,
             "folder": str(folder / f"ckpt{world}"),
             "record": record,
+            "interval_payloads": payloads,
             "watchdog": {"report_dir": str(folder / f"reports{world}")},
         }
         self.config = config
@@ -355,6 +359,7 @@ def exchange_rows(result: dict) -> dict[str, dict[str, float]]:
             "max": max(lat, default=float("nan")),
             "failed": failed,
             "decide": max((s[2] for s in ok), default=float("nan")),
+            "cpu0": max((s[6] for s in ok), default=float("nan")),
             "leader_wall": max((s[1] for s in ok), default=float("nan")),
             "sent": statistics.fmean(s[3] for s in samples) if samples else 0,
             "got": statistics.fmean(s[4] for s in samples) if samples else 0,
@@ -410,14 +415,31 @@ def incident_times(result: dict, level: str, since: str) -> dict[str, float]:
     }
 
 
-def measure(world: int, args: argparse.Namespace, folder: Path, record: Any, largest: bool) -> dict:
+def status_period(world: int) -> float:
+    """The status exchange's period the watchdog takes by default at ``world`` ranks."""
+    try:
+        from rankguard.callbacks.core.side_channel import spread_period
+        from rankguard.callbacks.hang.watchdog_thread import STATUS_RANKS_PER_S
+    except ImportError:  # a checkout before the period grew with the world
+        return 10.0
+    return spread_period(10.0, world, STATUS_RANKS_PER_S)
+
+
+def measure(
+    world: int,
+    args: argparse.Namespace,
+    folder: Path,
+    record: Any,
+    payloads: list,
+    largest: bool,
+) -> dict:
     from rankguard.callbacks.core import background_exchange as bx
 
-    period = 10.0  # HangWatchdog(): exchange_period_s
+    period = status_period(world)
     interval_s = getattr(bx, "auto_interval_s", lambda w: bx.AUTO_INTERVAL_S)(world)
     out: dict[str, Any] = {"world": world}
     started = time.time()
-    job = Job(world, args, folder, record)
+    job = Job(world, args, folder, record, payloads)
     try:
         out["connect"] = job.run("connect", limit_s=300)
         out["fit_start"] = job.run("fit_start", limit_s=600)
@@ -435,30 +457,32 @@ def measure(world: int, args: argparse.Namespace, folder: Path, record: Any, lar
         out["steady"] = steady(out["watchdog"], job)
         out["resume"] = job.run("resume", limit_s=300)
         if largest and args.incidents:
-            job.run("new_channel", (2,), limit_s=60)
-            job.config["watchdog"].update(INCIDENT_WATCHDOG)
+            # Each incident ends every rank (exit 75, then 70): a fit of its own, a new channel.
             job.run("set_watchdog", (INCIDENT_WATCHDOG,), limit_s=60)
-            plan = {
-                "status_period_s": period,
-                "interval_s": interval_s,
-                "intervals": True,
-                "stall_at": 3,
-                "recover_at": 6,
-                "raise_at": 8,
-                "victim": world // 2 + 3,
-            }
-            out["incidents"] = job.run("run_watchdog", (plan,), limit_s=20 * period + 120)
-            out["stall"] = incident_times(out["incidents"], "WARNING", "stall")
-        if largest and args.store_faults:
+            victim = world // 2 + 3
+            base = {"status_period_s": period, "interval_s": interval_s, "intervals": True}
+            job.run("new_channel", (2,), limit_s=60)
+            out["stall"] = job.run(
+                "run_watchdog",
+                ({**base, "stall_at": 2, "victim": victim},),
+                limit_s=8 * period + 120,
+            )
             job.run("new_channel", (3,), limit_s=60)
+            out["raise"] = job.run(
+                "run_watchdog",
+                ({**base, "raise_at": 2, "victim": victim},),
+                limit_s=6 * period + 120,
+            )
+        if largest and args.store_faults:
+            job.run("new_channel", (4,), limit_s=60)
             plan = {"status_period_s": period, "interval_s": interval_s, "intervals": True}
             start_at, finish = job.run_async("run_watchdog", (plan,), limit_s=240)
-            time.sleep(max(0.0, start_at + 2.5 * period - time.time()))
+            time.sleep(max(0.0, start_at + 1.5 * period - time.time()))
             slow_at = time.time()
             job.signal_server(signal.SIGSTOP)
             time.sleep(args.slow_s)
             job.signal_server(signal.SIGCONT)
-            time.sleep(2 * period)
+            time.sleep(1.5 * period)
             gone_at = time.time()
             job.signal_server(signal.SIGKILL)
             job.halt()
@@ -499,12 +523,14 @@ def report(runs: dict[int, dict], args: argparse.Namespace) -> None:
             f"{s['in_Bps'] / 1e6:>7.2f} {s['out_Bps'] / 1e6:>8.2f} | {kinds}"
         )
     print(
-        f"\n== each exchange: latency on the other ranks (p50/p99, ms), rank 0's decision "
-        f"(budget {DECISION_BUDGET_S:g} s) and memory, bytes =="
+        f"\n== each exchange: latency on the other ranks (p50/p99, ms); on rank 0 its reading and "
+        f"deciding (budget {DECISION_BUDGET_S:g} s), its thread's CPU in the whole exchange, the "
+        f"exchange's wall time and the decision's memory; bytes a rank sent and got, rank 0 got =="
     )
     print(
         f"{'ranks':>6} {'exchange':<38} {'n':>3} | {'p50':>7} {'p99':>7} {'fail':>4} | "
-        f"{'decide':>7} {'rank 0':>7} {'mem MB':>7} | {'sent':>7} {'got':>7} {'in, r0':>11}"
+        f"{'decide':>7} {'cpu':>6} {'wall':>7} {'mem MB':>7} | {'sent':>7} {'got':>7} "
+        f"{'in, r0':>11}"
     )
     for world in sizes:
         for phase in ("fit_start", "watchdog", "resume"):
@@ -513,12 +539,16 @@ def report(runs: dict[int, dict], args: argparse.Namespace) -> None:
                 continue
             for kind, r in sorted(exchange_rows(res).items()):
                 latency = f"{ms(r['p50']):>7} {ms(r['p99']):>7} {r['failed']:>4}"
-                rank0 = f"{ms(r['decide']):>7} {ms(r['leader_wall']):>7} {r['peak_mb']:>7.1f}"
+                rank0 = (
+                    f"{ms(r['decide']):>7} {ms(r['cpu0']):>6} {ms(r['leader_wall']):>7} "
+                    f"{r['peak_mb']:>7.1f}"
+                )
                 sizes_ = f"{r['sent']:>7,.0f} {r['got']:>7,.0f} {r['in0']:>11,.0f}"
                 print(f"{world:>6} {kind[:38]:<38} {r['n']:>3} | {latency} | {rank0} | {sizes_}")
     print("\n== phases: wall (all ranks), server CPU, store requests, errors ==")
     for world in sizes:
-        for phase in ("connect", "fit_start", "watchdog", "resume", "incidents", "store_faults"):
+        phases = ("connect", "fit_start", "watchdog", "resume", "stall", "raise", "store_faults")
+        for phase in phases:
             res = runs[world].get(phase)
             if not res:
                 continue
@@ -533,23 +563,26 @@ def report(runs: dict[int, dict], args: argparse.Namespace) -> None:
         print(f"{world:>6} (all)         {runs[world]['seconds']:.0f} s")
     for world in sizes:
         run = runs[world]
-        if "incidents" in run:
-            st = run["stall"]
-            rs = incident_times(run["incidents"], "ERROR", "raise")
+        if "stall" in run:
+            st = incident_times(run["stall"], "ERROR", "stall")
+            rs = incident_times(run["raise"], "ERROR", "raise")
             print(f"\n== incidents at {world} ranks ==")
             print(
-                f"stall (deadline {INCIDENT_WATCHDOG['floor_s']:g} s, status every 10 s): "
+                f"stall (a rank in its own code, the others in all_reduce; ceiling "
+                f"{INCIDENT_WATCHDOG['timeout_s']:g} s, status every {status_period(world):g} s): "
                 f"{st.get('reported', 0)} ranks reported; from the stall: first "
                 f"{st.get('first', 0):.1f} s, p50 {st.get('p50', 0):.1f} s, every rank "
-                f"{st.get('all', 0):.1f} s"
+                f"{st.get('all', 0):.1f} s; {st.get('exited', 0)} at their exit, the last "
+                f"{st.get('exit_all', 0):.1f} s after"
             )
+            print_logs(run["stall"], "logged (level | message template | lines)")
             print(
                 f"raise: {rs.get('reported', 0)} ranks reported; from its publication: first "
                 f"{rs.get('first', 0):.1f} s, p50 {rs.get('p50', 0):.1f} s, every rank "
                 f"{rs.get('all', 0):.1f} s; {rs.get('exited', 0)} ranks at their exit, the last "
                 f"{rs.get('exit_all', 0):.1f} s after"
             )
-            print_logs(run["incidents"], "logged (level | message template | lines)")
+            print_logs(run["raise"], "logged (level | message template | lines)")
         if "store_faults" in run:
             f = run["store_faults"]
             print(
@@ -575,9 +608,9 @@ def print_logs(result: dict, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="1024,4096,16384", help="world sizes, comma-separated")
-    parser.add_argument("--steady-periods", type=int, default=4, help="status periods measured")
+    parser.add_argument("--steady-periods", type=int, default=2, help="status periods measured")
     parser.add_argument("--step-s", type=float, default=1.0, help="simulated train step (s)")
-    parser.add_argument("--slow-s", type=float, default=15.0, help="how long the store stops")
+    parser.add_argument("--slow-s", type=float, default=10.0, help="how long the store stops")
     parser.add_argument("--no-incidents", dest="incidents", action="store_false")
     parser.add_argument("--no-store-faults", dest="store_faults", action="store_false")
     parser.add_argument("--json", default=None, help="write every figure here")
@@ -592,11 +625,16 @@ def main() -> None:
             print("note: no C compiler: the store's reverse DNS lookups are left on")
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         record = record_template(folder)
+        import store_load_rank  # the monitors' interval payloads, built once here
+
+        payloads = [payload for payload, _ in store_load_rank.interval_templates()]
         uptime = Path("/proc/loadavg").read_text().split()[:3]
         print(f"store_load: ranks {sizes}, {os.cpu_count()} cores, load average {' '.join(uptime)}")
         runs = {}
         for world in sizes:
-            runs[world] = measure(world, args, folder, record, largest=world == max(sizes))
+            runs[world] = measure(
+                world, args, folder, record, payloads, largest=world == max(sizes)
+            )
             print(f"  {world} ranks: {runs[world]['seconds']:.0f} s", flush=True)
         report(runs, args)
         if args.json:

@@ -28,6 +28,8 @@ What differs from a job, and why (each is the machine's limit, not rankguard's):
   threads; a worker here has thousands).
 - Each virtual node holds :data:`PER_NODE` ranks: ``NODE_RANK``/``LOCAL_RANK`` are read
   per thread.
+- At most four virtual ranks of a worker run Python at once (:class:`Slots`); a rank
+  waiting on the store, sleeping, or waiting for an event or a thread holds no slot.
 - The exit after an incident raises :class:`VirtualExit` in the rank's thread instead
   of ending the process (everything before ``os._exit`` runs: the ranks meet).
 """
@@ -97,6 +99,58 @@ STATUS = thread_module.STATUS_EXCHANGE
 _ORIGINAL_NODE_IDENTITY = nodes.node_identity
 _current = threading.local()  # the virtual rank of this thread
 logger = logging.getLogger("store_load")
+
+
+class Slots:
+    """At most ``n`` virtual ranks of a worker run Python at once; one that waits holds none.
+
+    A thousand threads that all want the GIL at once (each verdict wakes every rank of a
+    worker) spend the cores handing it over: each waiter wakes every switch interval.
+    A rank takes a slot to run, and gives it back while it waits on the store, sleeps
+    or waits for its watchdog's next wake; the requests and the waits are the same.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._slots = threading.Semaphore(n)
+
+    def take(self) -> None:
+        if getattr(_current, "rank", None) is not None and not getattr(_current, "slot", False):
+            self._slots.acquire()
+            _current.slot = True
+
+    def give(self) -> bool:
+        if getattr(_current, "slot", False):
+            _current.slot = False
+            self._slots.release()
+            return True
+        return False
+
+    def waiting(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """``call(*args, **kwargs)`` without holding a slot."""
+        held = self.give()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            if held:
+                self.take()
+
+
+_slots = Slots(4)
+_real_sleep = time.sleep
+_real_event_wait = threading.Event.wait
+_real_join = threading.Thread.join
+
+
+def _sleep(seconds: float) -> None:
+    _slots.waiting(_real_sleep, seconds)
+
+
+def _event_wait(self: threading.Event, timeout: float | None = None) -> bool:
+    return _slots.waiting(_real_event_wait, self, timeout)
+
+
+def _join(self: threading.Thread, timeout: float | None = None) -> None:
+    _slots.waiting(_real_join, self, timeout)
 
 
 class VirtualExit(SystemExit):
@@ -209,6 +263,9 @@ def install_stand_ins() -> None:
         mod = sys.modules.get(module) or __import__(module, fromlist=["x"])
         if hasattr(mod, "node_identity"):
             mod.node_identity = _node_identity
+    time.sleep = _sleep  # a rank that sleeps or waits holds no slot (see Slots)
+    threading.Event.wait = _event_wait
+    threading.Thread.join = _join
     report.write_stacks = _write_own_stack
     fault_watch.end_process = _end_process
     fault_watch.is_alive = _is_alive
@@ -235,35 +292,35 @@ class CountingStore:
     def set(self, key: str, value: Any) -> None:
         self.counts["set"] += 1
         self.bytes_out += len(value)
-        self._client.set(key, value)
+        _slots.waiting(self._client.set, key, value)
 
     def get(self, key: str) -> bytes:
         self.counts["get"] += 1
-        value = self._client.get(key)
+        value = _slots.waiting(self._client.get, key)
         self.bytes_in += len(value)
         return value
 
     def add(self, key: str, value: int) -> int:
         self.counts["add"] += 1
-        return self._client.add(key, value)
+        return _slots.waiting(self._client.add, key, value)
 
     def check(self, keys: list[str]) -> bool:
         self.counts["check"] += 1
-        return self._client.check(keys)
+        return _slots.waiting(self._client.check, keys)
 
     def wait(self, keys: list[str], *timeout: Any) -> None:
         self.counts["wait"] += 1
-        self._client.wait(keys, *timeout)
+        _slots.waiting(self._client.wait, keys, *timeout)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         self.counts["multi_get"] += 1
-        values = self._client.multi_get(keys)
+        values = _slots.waiting(self._client.multi_get, keys)
         self.bytes_in += sum(len(v) for v in values)
         return values
 
     def delete_key(self, key: str) -> bool:
         self.counts["delete_key"] += 1
-        return self._client.delete_key(key)
+        return _slots.waiting(self._client.delete_key, key)
 
     def __getattr__(self, name: str) -> Any:
         self.counts[name] += 1
@@ -286,6 +343,7 @@ class VirtualChannel(SideChannel):
     ) -> Any:
         vr = self.vr
         started, decided = time.perf_counter(), self.decide_s
+        cpu = time.thread_time()  # this thread's own CPU: what a rank with a core would take
         sent, received = self.bytes_sent, self.bytes_received
         error = None
         try:
@@ -303,6 +361,7 @@ class VirtualChannel(SideChannel):
                 self.bytes_sent - sent,
                 self.bytes_received - received,
                 error,
+                time.thread_time() - cpu,
             )
             if name == STATUS and threading.current_thread() is vr.thread:
                 vr.after_status()
@@ -391,11 +450,14 @@ class VirtualWatchdog(hang_module.HangWatchdog):
         if vr.training and not vr.beating and threading.current_thread() is vr.thread:
             vr.beating = True
             try:
-                now = time.perf_counter()
+                now, entries = time.perf_counter(), self.steps.entries
                 while vr.training and now >= vr.next_beat:
                     vr.step += 1
+                    first = len(entries)
                     self.handle(Event.TRAIN_BATCH_END, EventFacts(step=vr.step - 1))
                     self.handle(Event.TRAIN_BATCH_START, EventFacts(step=vr.step))
+                    for i in range(first, len(entries)):  # when the loop beat, not when read
+                        entries[i] = (vr.next_beat, *entries[i][1:])
                     vr.next_beat += vr.step_s
             finally:
                 vr.beating = False
@@ -455,12 +517,11 @@ class VirtualRank:
         self.channel = VirtualChannel(self, self.client, timeout, f"rankguard/{fit}")
 
     def record_exchange(
-        self, name: str, wall: float, decide: float, sent: int, got: int, error: Any
+        self, name: str, wall: float, decide: float, sent: int, got: int, error: Any, cpu: float
     ) -> None:
         kind = exchange_kind(name)
-        self.exchanges[kind].append(
-            (time.time(), wall, decide, sent, got, None if error is None else type(error).__name__)
-        )
+        failed = None if error is None else type(error).__name__
+        self.exchanges[kind].append((time.time(), wall, decide, sent, got, failed, cpu))
 
     def snapshot_counts(self, mark: str) -> None:
         c = self.counting
@@ -521,10 +582,10 @@ class VirtualRank:
         self.plan = plan
         self.statuses = self.intervals = 0
         self.step, self.training, self.stack = 0, True, self.worker.frames["computing"]
-        self.next_beat = time.perf_counter()
         self.watchdog = wd = VirtualWatchdog(self, **cfg["watchdog"])
         wd.bind(self.channel)
         wd.handle(Event.FIT_START, EventFacts(step=0))
+        self.next_beat = time.perf_counter() + self.step_s
         self.snapshot_counts("run_start")
         try:
             wd._watch._run()
@@ -632,7 +693,12 @@ class Worker:
         self.datasets = (Points(16 * n), Points(4 * n, seed=1))
         self.model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
         self.optimizer = torch.optim.Adam(self.model.parameters())
-        self.interval_templates = interval_templates()
+        # Rank 0 decides: it builds its own (payload, decision); the others send the payloads
+        # the coordinator's monitors built (the same function, run once).
+        if 0 in ranks or not config.get("interval_payloads"):
+            self.interval_templates = interval_templates()
+        else:
+            self.interval_templates = [(p, None) for p in config["interval_payloads"]]
         self.record = config.get("record")
         members = getattr(collectives, "group_members", tuple)
         self.members = members(range(n))  # the default group's, as the recorder keeps them
@@ -673,11 +739,14 @@ class Worker:
                 return
             delay = start_at - time.time()
             if delay > 0:
-                time.sleep(delay)
+                _real_sleep(delay)
+            _slots.take()
             try:
                 getattr(vr, name)(*args)
             except BaseException as exc:
                 vr.error = f"{type(exc).__name__}: {exc}"[:300]
+            finally:
+                _slots.give()
             with self._lock:
                 self._finished += 1
                 if self._finished == len(self.ranks):
