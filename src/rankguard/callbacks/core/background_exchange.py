@@ -222,6 +222,11 @@ class PartPending:
         self._world = 1  # the ranks it went to (the stretch grows with them)
 
     @property
+    def done(self) -> bool:
+        """Whether :meth:`result` returns (or raises) at once: the verdict or an error is in."""
+        return self._whole is None or self._whole.done
+
+    @property
     def payload(self) -> Any:
         """What this rank sent for this part (``None`` until the exchange ran)."""
         whole = self._whole

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from typing import Any, TypeVar
 
 from rankguard.callbacks.core import torch_private
@@ -51,6 +52,8 @@ PER_RANK_WAIT_S = 0.005
 CHECK_EACH_UP_TO = 64
 _channels_created = 0
 _channels_lock = threading.Lock()
+#: Connections to the store opened again in this process (see ``_ThreadClient``).
+_reconnects = 0
 
 #: Sees a :class:`RanksMissingError` before the exchange raises it (see :func:`own_missing_ranks`).
 MissingOwner = Callable[[RanksMissingError], None]
@@ -215,6 +218,82 @@ def _unwrap(store: Any) -> Any:
     return store
 
 
+def _dropped(exc: BaseException) -> bool:
+    """Whether ``exc`` says a store client's connection is gone (not a timeout, not a key)."""
+    return type(exc).__name__ == "DistNetworkError"
+
+
+#: Requests the store does not answer (``TCPStore``'s protocol).
+_UNANSWERED = frozenset(("set", "multi_set"))
+
+
+class _ThreadClient:
+    """One thread's TCPStore client that connects again once its connection dropped.
+
+    A TCPStore client never reconnects: after its connection dropped (a network fault,
+    a proxy or a firewall that ended it) every request fails. Here a request that
+    failed so is sent once more on a new connection (the requests rankguard makes
+    are idempotent: a set, a read, a wait, a delete, a counter it only compares). The
+    store answers no set, so a set sent into a connection that had already dropped
+    reports no error: the sets sent since the last answer go again on the new one. A
+    store that is gone fails the new connection too, and that error is raised. The
+    first time in a process it says so at WARNING, then at DEBUG.
+
+    Args:
+        connect: Opens a new client (with the channel's timeout).
+    """
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect = connect
+        self._client = connect()
+        self._timeout: timedelta | None = None
+        #: Sets sent since the last answer: the store does not answer a set, so one sent
+        #: into a connection that had dropped is lost unless sent again.
+        self._unanswered: list[tuple[str, tuple, dict]] = []
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Sets the client's timeout; a new connection gets it too."""
+        self._timeout = timeout
+        self._client.set_timeout(timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._client, name)
+        if not callable(attribute):
+            return attribute
+
+        def request(*args: Any, **kwargs: Any) -> Any:
+            try:
+                result = getattr(self._client, name)(*args, **kwargs)
+            except RuntimeError as exc:
+                if not _dropped(exc):
+                    raise
+                self._reopen(exc)
+                result = getattr(self._client, name)(*args, **kwargs)
+            if name in _UNANSWERED:
+                self._unanswered.append((name, args, kwargs))
+            else:  # answered in order: every set before it reached the store
+                self._unanswered.clear()
+            return result
+
+        return request
+
+    def _reopen(self, exc: RuntimeError) -> None:
+        self._client = self._connect()
+        if self._timeout is not None:
+            self._client.set_timeout(self._timeout)
+        for name, args, kwargs in self._unanswered:
+            getattr(self._client, name)(*args, **kwargs)
+        global _reconnects
+        with _channels_lock:
+            _reconnects += 1
+            first = _reconnects == 1
+        (logger.warning if first else logger.debug)(
+            "rankguard: this rank's connection to the store dropped (%s: %s); connected again",
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
+
+
 def default_store() -> Any:
     """Returns the key-value store of the default process group (``torch_private``)."""
     return torch_private.default_store()
@@ -316,19 +395,23 @@ class SideChannel:
         A TCPStore client is one socket: a blocking ``wait`` on one thread
         stalls every other thread's request on it (the watchdog thread waits
         while the main thread checks). So each thread gets its own connection
-        to the same server; other stores are shared.
+        to the same server, opened again when it drops (:class:`_ThreadClient`); other
+        stores are shared.
         """
         if not self._per_thread:
             return self._root
         client = getattr(self._local, "client", None)
         if client is None:
             root = self._root
-            client = _TCPStore()(
-                root.host,
-                root.port,
-                is_master=False,
-                timeout=timedelta(seconds=max(60.0, 2 * self.timeout_s)),
-                wait_for_workers=False,
+            client = _ThreadClient(
+                partial(
+                    _TCPStore(),
+                    root.host,
+                    root.port,
+                    is_master=False,
+                    timeout=timedelta(seconds=max(60.0, 2 * self.timeout_s)),
+                    wait_for_workers=False,
+                )
             )
             self._local.client = client
         return client
