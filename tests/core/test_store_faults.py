@@ -183,3 +183,51 @@ def test_a_dropped_store_connection_is_opened_again_in_one_line(tmp_path):
     assert dropped[0].startswith("WARNING rankguard: this rank's connection to the store dropped (")
     assert dropped[0].endswith("); connected again")
     assert not [line for line in _rankguard_lines(outcomes[0]) if "store dropped" in line]
+
+
+def test_a_thread_client_connects_again_and_resends_the_set_the_drop_lost(caplog, monkeypatch):
+    from torch.distributed import TCPStore
+
+    from rankguard.callbacks.core import side_channel
+    from rankguard.callbacks.core.side_channel import SideChannel
+
+    monkeypatch.setattr(side_channel, "_reconnects", 0)
+    caplog.set_level(logging.DEBUG, logger="rankguard")
+    server = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    with StoreProxy(server.port, 1) as proxy:
+        root = TCPStore("127.0.0.1", proxy.ports[0], is_master=False, wait_for_workers=False)
+        channel = SideChannel(root, rank=1, world_size=2, timeout_s=5)
+        channel.store.set("before", b"1")
+        assert proxy.drop(first=1) == 1  # the thread's own connection, not the root's
+        time.sleep(0.2)
+        channel.store.set("lost", b"2")  # no answer: sent into the dropped connection
+        assert channel.store.get("lost") == b"2"  # its error, then sent again
+        assert server.get("lost") == b"2" and server.get("before") == b"1"
+    said = [r for r in caplog.records if "store dropped" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING"]
+    assert said[0].getMessage().endswith("); connected again")
+
+
+class _Late:
+    done = False
+
+
+def test_a_late_verdict_is_left_for_a_later_batch_and_said_once_at_info(caplog):
+    from rankguard.callbacks.core.guard import Guard
+
+    caplog.set_level(logging.INFO, logger="rankguard")
+    guard = Guard()
+    late = _Late()
+    assert guard.verdict_late(late, 61) and guard.verdict_late(late, 62)
+    late.done = True
+    assert not guard.verdict_late(late, 63) and not guard.verdict_late(None, 63)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        (
+            "INFO",
+            "rankguard guard: the verdict of its exchange was not in at train batch 61 (the "
+            "store answers slowly): training goes on, and it acts on the verdict at the batch "
+            "it comes",
+        )
+    ]
