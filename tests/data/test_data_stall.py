@@ -8,6 +8,7 @@ import re
 import signal
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from rankguard.callbacks.core import background_exchange, step_log
 from rankguard.callbacks.core.errors import DataStallError
 from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.side_channel import SideChannel
+from rankguard.callbacks.data import data_fetch
 from rankguard.callbacks.data.data_fetch import LoaderReturnClock
 from rankguard.callbacks.data.data_stall_monitor import DataStallMonitor
 from rankguard.callbacks.data.data_worker import worker_failure
@@ -341,10 +343,14 @@ def test_loader_return_clock_leaves_other_profilers_and_other_iterables_alone():
 
 
 class _Profiled(Dataset):
-    """Items read after ``delay_s``; records whether a profile hook was live while reading."""
+    """Items read after ``delay_s``; records whether a profile hook was live while reading.
 
-    def __init__(self, delay_s: float) -> None:
+    ``clock``: a fake clock (a one-item list) the read advances instead of sleeping.
+    """
+
+    def __init__(self, delay_s: float, clock: list[float] | None = None) -> None:
         self.delay_s = delay_s
+        self.clock = clock
         self.hooked: list[bool] = []
 
     def __len__(self) -> int:
@@ -352,7 +358,10 @@ class _Profiled(Dataset):
 
     def __getitem__(self, i: int) -> int:
         self.hooked.append(sys.getprofile() is not None)
-        time.sleep(self.delay_s)
+        if self.clock is None:
+            time.sleep(self.delay_s)
+        else:
+            self.clock[0] += self.delay_s
         return i
 
 
@@ -401,12 +410,17 @@ def test_a_collective_in_the_fetch_window_is_not_counted_as_data_wait():
     assert data.hooked == [False, False, True, False, True, False]
 
 
-def test_a_slow_loader_is_timed_to_its_return_and_reported():
+def test_a_slow_loader_is_timed_to_its_return_and_reported(monkeypatch):
+    # 30 ms reads against 5 ms steps, on a fake clock: the step log's and the loader-return
+    # hook's (a loaded machine stretches a real 5 ms sleep past the read's 30 ms).
+    clock = [0.0]
+    monkeypatch.setattr(step_log, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(data_fetch, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     monitor = DataStallMonitor(window=2, interval=5, on_violation="raise")
     monitor.bind(SideChannel(None))
-    data = _Profiled(delay_s=0.03)
+    data = _Profiled(delay_s=0.03, clock=clock)
     with pytest.raises(DataStallError, match=r"on rank 0: .* 3 slow steps in a row"):
-        _composer_like_steps(monitor, data, collective_s=0.0, steps=5)
+        _composer_like_steps(monitor, data, collective_s=0.0, steps=5, clock=clock)
     assert data.hooked == [False, False, True, True, True]
 
 

@@ -265,6 +265,7 @@ def test_eval_padding_by_lightnings_distributed_sampler_is_a_warning(job):
     outcomes = _outcomes(job, "eval_padding_distributed_sampler")
     for o in outcomes:
         assert o["outcome"] == "ok", o
+        assert len(o["warnings"]) == 1, o["warnings"]
         [warning] = o["warnings"]
         assert "eval loader 'val': the DistributedSampler repeats 1 sample(s)" in warning
         assert "15 samples" in warning

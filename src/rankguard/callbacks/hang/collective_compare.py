@@ -189,13 +189,16 @@ def same_call(a: Issued, b: Issued) -> bool:
 
     Where a framework issued both (:attr:`Issued.origin`), the same origin too: FSDP's
     all-gather of one layer for a backward and of another for a forward pair on gloo when
-    their sizes match, but they are not the same call.
+    their sizes match, but they are not the same call. A size not known on one side (a DDP
+    bucket told before its rank's logger had the rebuilt sizes) never differs.
     """
     if a.op != b.op:
         return False
     if a.origin is not None and b.origin is not None and a.origin != b.origin:
         return False
-    return a.op not in SIZED_OPS or (a.dtype, a.numel) == (b.dtype, b.numel)
+    if a.op not in SIZED_OPS or a.numel < 0 or b.numel < 0:
+        return True
+    return (a.dtype, a.numel) == (b.dtype, b.numel)
 
 
 def origin_text(issued: Issued) -> str | None:
