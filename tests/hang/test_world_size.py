@@ -28,7 +28,7 @@ from rankguard.callbacks.core.side_channel import _Missing, cyclic_gc_paused
 from rankguard.callbacks.data.stall import IntervalStats, stall_verdict
 from rankguard.callbacks.hang import incident
 from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued, group_members
-from rankguard.callbacks.hang.status import RankStatus
+from rankguard.callbacks.hang.status import LEFT_LOOP, RankStatus
 from rankguard.callbacks.hang.verdict import diagnose, gone
 
 SMALL, LARGE = 4096, 16384
@@ -86,6 +86,10 @@ def _status(world: int, rank: int, case: str) -> RankStatus:
             idle_s=20.0, blocked_in=f"{at}, called from train.py:9{len(at)} (x)", waits_at=at
         )
         base.update(wait_s=20.0, settled=True, direct=True, quiet=True)
+    elif case == "ahead":  # every fit ended, half the ranks one collective ahead of the rest
+        base.update(phase=f"left the training loop at step {step}", deadline_s=None, idle_s=20.0)
+        base.update(waits_at=LEFT_LOOP, wait_s=20.0, settled=True, quiet=True)
+        base.update(record=_record(world, 120 + rank % 2))
     elif case == "desync":  # one rank issued a collective the others never issue
         base.update(idle_s=20.0, quiet=True, record=_record(world, 120, odd=victim))
         base.update(blocked_in=WAITS, waits_at="all_reduce", wait_s=20.0, settled=True)
@@ -170,6 +174,7 @@ DECISIONS: dict[str, Callable[[int], Callable[[], Any]]] = {
     "stall": lambda w: _decide(w, "stall"),
     "deadlock": lambda w: _decide(w, "deadlock"),
     "desync": lambda w: _decide(w, "desync"),
+    "ranks ahead": lambda w: _decide(w, "ahead"),
     "gone": _gone,
     "data stall": _stall,
     "checkpoint plan": _plan,

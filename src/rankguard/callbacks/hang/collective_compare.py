@@ -321,7 +321,8 @@ def odd_rank(diff: Difference) -> int:
     """
     if diff.kind == "count":
         front = ahead(diff)
-        behind = [r for r in diff.members if r not in front]
+        issued = set(front)  # a set: the members are the whole world's at its size
+        behind = [r for r in diff.members if r not in issued]
         side = front if len(front) <= len(behind) else behind
     else:
         calls = {r: (i.op, i.dtype, i.numel, i.origin) for r, i in diff.issued.items() if i}
