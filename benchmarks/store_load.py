@@ -194,6 +194,8 @@ class Job:
         import store_load_rank
 
         self.world = world
+        self.saved: Any = None  # called after each phase (the figures so far, written)
+        self.out: dict[str, Any] = {}
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         self.server = ctx.Process(target=serve, args=(queue,), daemon=True)
@@ -251,6 +253,12 @@ class Job:
             server_rss=self.watch.rss_max(start_at, end),
         )
         print(f"    {self.world} ranks, {name}: {merged['wall_s']:.1f} s", flush=True)
+        if self.saved is not None:
+            self.saved()
+        if merged["finished"] < merged["ranks"]:
+            raise PhaseIncomplete(
+                f"{name}: {merged['finished']}/{merged['ranks']} ranks done in {limit_s:.0f} s"
+            )
         return merged
 
     def run_async(self, name: str, args: tuple = (), limit_s: float = 300.0) -> tuple[float, Any]:
@@ -415,6 +423,70 @@ def incident_times(result: dict, level: str, since: str) -> dict[str, float]:
     }
 
 
+def per_request_cost(job: Job, count: int = 20000) -> dict[str, float]:
+    """The store's CPU per request, each kind alone, with every rank's connection open and idle.
+
+    One client (the coordinator's) sends ``count`` requests of each kind, one at a time,
+    as a rank's thread does; the server process's CPU time over them, divided by
+    ``count``. Payloads are a status's size (1 KB). Measured here, without the clients'
+    contention, it prices the requests a job's ranks make at rankguard's periods.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    client = dist.TCPStore(
+        job.config["host"],
+        job.config["port"],
+        is_master=False,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=60),
+    )
+    payload = b"x" * 1024
+    keys = [f"cost/{i}" for i in range(count)]
+
+    def timed(fn: Any) -> float:
+        a = job.watch.read()
+        fn()
+        b = job.watch.read()
+        return (b[0] - a[0]) / count if a and b else float("nan")
+
+    out = {
+        # A set is not answered: the check after them returns once the server did them all.
+        "set": timed(lambda: ([client.set(k, payload) for k in keys], client.check(keys[-1:]))),
+        "multi_get": timed(lambda: [client.multi_get([k]) for k in keys]),
+        "add": timed(lambda: [client.add("cost/n", 1) for _ in keys]),
+        "delete_key": timed(lambda: [client.delete_key(k) for k in keys]),
+    }
+    out["connections"] = job.world
+    return out
+
+
+def default_rates(world: int) -> dict[str, float]:
+    """Requests a second, job-wide, that ``RankGuard()``'s periods ask of the store in steady state.
+
+    A status exchange and an interval exchange: a set, a multi_get and a delete_key on
+    each rank but 0 (rank 0's own differ by one, negligible); the watchdog's poll: one
+    add at most every ``spread_period(0, world, POLLS_PER_S)``, and no more often than its
+    wake while training goes on (2 s).
+    """
+    from rankguard.callbacks.core import background_exchange as bx
+
+    try:
+        from rankguard.callbacks.core.side_channel import POLLS_PER_S, spread_period
+    except ImportError:  # a checkout before the polls were spread
+        return {}
+    interval_s = getattr(bx, "auto_interval_s", lambda w: bx.AUTO_INTERVAL_S)(world)
+    exchanges = world * (1 / status_period(world) + 1 / interval_s)
+    poll_s = max(2.0, spread_period(0.0, world, POLLS_PER_S))
+    return {
+        "set": exchanges,
+        "multi_get": exchanges,
+        "delete_key": exchanges,
+        "add": world / poll_s,
+    }
+
+
 def status_period(world: int) -> float:
     """The status exchange's period the watchdog takes by default at ``world`` ranks."""
     try:
@@ -425,6 +497,10 @@ def status_period(world: int) -> float:
     return spread_period(10.0, world, STATUS_RANKS_PER_S)
 
 
+class PhaseIncomplete(RuntimeError):
+    """A phase's limit passed before every rank finished it: the ranks after it would not start."""
+
+
 def measure(
     world: int,
     args: argparse.Namespace,
@@ -432,16 +508,27 @@ def measure(
     record: Any,
     payloads: list,
     largest: bool,
+    out: dict[str, Any],
+    saved: Any = None,
 ) -> dict:
+    """Runs every phase at ``world`` ranks, filling ``out`` (``saved()`` after each phase)."""
     from rankguard.callbacks.core import background_exchange as bx
 
     period = status_period(world)
     interval_s = getattr(bx, "auto_interval_s", lambda w: bx.AUTO_INTERVAL_S)(world)
-    out: dict[str, Any] = {"world": world}
+    out["world"] = world
     started = time.time()
     job = Job(world, args, folder, record, payloads)
+    job.saved = saved
+    job.out = out
     try:
         out["connect"] = job.run("connect", limit_s=300)
+        out["per_request"] = per_request_cost(job)
+        if saved is not None:
+            saved()
+        if args.cost_only:
+            out["seconds"] = time.time() - started
+            return out
         out["fit_start"] = job.run("fit_start", limit_s=600)
         m = args.steady_periods
         plan = {
@@ -523,6 +610,22 @@ def report(runs: dict[int, dict], args: argparse.Namespace) -> None:
             f"{s['in_Bps'] / 1e6:>7.2f} {s['out_Bps'] / 1e6:>8.2f} | {kinds}"
         )
     print(
+        "\n== the store's CPU per request, alone (one client, every rank's connection open), "
+        "and rankguard's steady load at its defaults' periods (that cost x the requests the "
+        "defaults ask for: a status and an interval exchange 3 each a rank, a poll 1) =="
+    )
+    for world in sizes:
+        cost = runs[world].get("per_request")
+        if not cost:
+            continue
+        rates = default_rates(world)
+        load = sum(cost[op] * n for op, n in rates.items())
+        budget = f" (budget {STEADY_CPU_BUDGET:.0%})" if world >= 16384 else ""
+        kinds = ("set", "multi_get", "add", "delete_key")
+        each = ", ".join(f"{op} {1e6 * cost[op]:.0f} us" for op in kinds)
+        asks = ", ".join(f"{op} {n:,.0f}/s" for op, n in rates.items())
+        print(f"{world:>6} | {each} | defaults ask {asks} | load {load:.1%}{budget}")
+    print(
         f"\n== each exchange: latency on the other ranks (p50/p99, ms); on rank 0 its reading and "
         f"deciding (budget {DECISION_BUDGET_S:g} s), its thread's CPU in the whole exchange, the "
         f"exchange's wall time and the decision's memory; bytes a rank sent and got, rank 0 got =="
@@ -560,12 +663,13 @@ def report(runs: dict[int, dict], args: argparse.Namespace) -> None:
                 f"{res['server_cpu_s']:6.2f} s, server RSS {res['server_rss'] / 2**20:6.0f} MB, "
                 f"{reqs:>9,} requests, {done}; errors: {errors}"
             )
-        print(f"{world:>6} (all)         {runs[world]['seconds']:.0f} s")
+        print(f"{world:>6} (all)         {runs[world].get('seconds', 0):.0f} s")
+        if "broke" in runs[world]:
+            print(f"{world:>6} stopped there: {runs[world]['broke']}")
     for world in sizes:
         run = runs[world]
         if "stall" in run:
             st = incident_times(run["stall"], "ERROR", "stall")
-            rs = incident_times(run["raise"], "ERROR", "raise")
             print(f"\n== incidents at {world} ranks ==")
             print(
                 f"stall (a rank in its own code, the others in all_reduce; ceiling "
@@ -576,6 +680,8 @@ def report(runs: dict[int, dict], args: argparse.Namespace) -> None:
                 f"{st.get('exit_all', 0):.1f} s after"
             )
             print_logs(run["stall"], "logged (level | message template | lines)")
+        if "raise" in run:
+            rs = incident_times(run["raise"], "ERROR", "raise")
             print(
                 f"raise: {rs.get('reported', 0)} ranks reported; from its publication: first "
                 f"{rs.get('first', 0):.1f} s, p50 {rs.get('p50', 0):.1f} s, every rank "
@@ -613,6 +719,11 @@ def main() -> None:
     parser.add_argument("--slow-s", type=float, default=10.0, help="how long the store stops")
     parser.add_argument("--no-incidents", dest="incidents", action="store_false")
     parser.add_argument("--no-store-faults", dest="store_faults", action="store_false")
+    parser.add_argument(
+        "--cost-only",
+        action="store_true",
+        help="only connect every rank and measure the store's CPU per request",
+    )
     parser.add_argument("--json", default=None, help="write every figure here")
     args = parser.parse_args()
     sizes = [int(s) for s in args.ranks.split(",")]
@@ -630,15 +741,28 @@ def main() -> None:
         payloads = [payload for payload, _ in store_load_rank.interval_templates()]
         uptime = Path("/proc/loadavg").read_text().split()[:3]
         print(f"store_load: ranks {sizes}, {os.cpu_count()} cores, load average {' '.join(uptime)}")
-        runs = {}
+        runs: dict[int, dict] = {}
+
+        def saved() -> None:
+            if args.json:
+                Path(args.json).write_text(json.dumps(runs, default=str))
+
         for world in sizes:
-            runs[world] = measure(
-                world, args, folder, record, payloads, largest=world == max(sizes)
-            )
+            runs[world] = {}
+            begun = time.time()
+            try:
+                measure(
+                    world, args, folder, record, payloads, world == max(sizes), runs[world], saved
+                )
+            except (PhaseIncomplete, EOFError, OSError) as exc:  # the machine's limit: say where
+                runs[world]["broke"] = f"{type(exc).__name__}: {exc}"
+                runs[world]["seconds"] = time.time() - begun
+                print(f"  {world} ranks: stopped: {runs[world]['broke']}", flush=True)
+                saved()
+                break
             print(f"  {world} ranks: {runs[world]['seconds']:.0f} s", flush=True)
         report(runs, args)
-        if args.json:
-            Path(args.json).write_text(json.dumps(runs, default=str))
+        saved()
 
 
 if __name__ == "__main__":

@@ -269,6 +269,16 @@ def install_stand_ins() -> None:
     report.write_stacks = _write_own_stack
     fault_watch.end_process = _end_process
     fault_watch.is_alive = _is_alive
+    threading.excepthook = _thread_exit
+
+
+_real_excepthook = threading.excepthook
+
+
+def _thread_exit(args: Any) -> None:
+    """A virtual rank's exit from another of its threads (its teardown's bound) is no error."""
+    if not isinstance(args.exc_value, VirtualExit):
+        _real_excepthook(args)
 
 
 # -- what the store sees: a counting client ---------------------------------------------------
@@ -374,6 +384,12 @@ class VirtualChannel(SideChannel):
             kind = exchange_kind(name)
             if kind not in self.raw or sum(map(len, raw)) > sum(map(len, self.raw[kind][0])):
                 self.raw[kind] = (raw, payload, decide)  # replayed for its memory (measure_memory)
+            if os.environ.get("STORE_LOAD_DUMP"):  # every exchange rank 0 read, for a profile
+                dump = (
+                    Path(os.environ["STORE_LOAD_DUMP"])
+                    / f"{time.time():.3f}-{kind.replace('/', '_')}.pkl"
+                )
+                dump.write_bytes(pickle.dumps((name, raw, payload)))
             self._deciding = None
         return raw
 
@@ -582,10 +598,12 @@ class VirtualRank:
         self.plan = plan
         self.statuses = self.intervals = 0
         self.step, self.training, self.stack = 0, True, self.worker.frames["computing"]
+        # Before the fit starts: its first heartbeat reads the clock from here (a clock left
+        # in the past would replay every step since, on every rank).
+        self.next_beat = time.perf_counter() + self.step_s
         self.watchdog = wd = VirtualWatchdog(self, **cfg["watchdog"])
         wd.bind(self.channel)
         wd.handle(Event.FIT_START, EventFacts(step=0))
-        self.next_beat = time.perf_counter() + self.step_s
         self.snapshot_counts("run_start")
         try:
             wd._watch._run()
