@@ -60,19 +60,19 @@ AUTO_INTERVAL = 50
 #: ... and the shortest time between them: where :data:`AUTO_INTERVAL` batches take less,
 #: the interval is the smallest multiple of it that takes this long at the pace of the
 #: last one (an exchange costs 400-550 us of CPU in a fit: at 10 ms steps, 50 batches
-#: apart, that is 10 us a step; 5 s apart, 1 us). Beyond 1,280 ranks it grows with the
+#: apart, that is 10 us a step; 5 s apart, 1 us). Beyond 640 ranks it grows with the
 #: world size (:func:`auto_interval_s`).
 AUTO_INTERVAL_S = 5.0
-#: Ranks a second whose interval exchange the store serves, job-wide, at most (four
-#: requests each): the shortest time between exchanges is
-#: ``max(AUTO_INTERVAL_S, world_size / INTERVAL_RANKS_PER_S)``, 64 s at 16,384 ranks.
-INTERVAL_RANKS_PER_S = 256.0
+#: Ranks a second whose interval exchange the store serves, job-wide, at most (three
+#: requests each on a rank but 0): the shortest time between exchanges is
+#: ``max(AUTO_INTERVAL_S, world_size / INTERVAL_RANKS_PER_S)``, 128 s at 16,384 ranks.
+INTERVAL_RANKS_PER_S = 128.0
 
 
 def auto_interval_s(world_size: int) -> float:
     """The shortest time between interval exchanges a job of ``world_size`` ranks leaves to us.
 
-    :data:`AUTO_INTERVAL_S` up to 1,280 ranks; beyond, one second per
+    :data:`AUTO_INTERVAL_S` up to 640 ranks; beyond, one second per
     :data:`INTERVAL_RANKS_PER_S` ranks, so that what the exchanges ask of the store's one
     thread does not grow with the world size (docs/scale.md).
     """

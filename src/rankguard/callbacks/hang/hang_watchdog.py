@@ -122,7 +122,7 @@ class HangWatchdog(Guard):
         report_dir: Directory for the report files; must be writable.
         exchange_period_s: Time between status exchanges: a stuck rank is reported
             within its deadline + ``exchange_period_s``. The default, 10 s, grows with
-            the world beyond 5,120 ranks (``world_size / 512`` s: 32 s at 16,384), so that
+            the world beyond 2,560 ranks (``world_size / 256`` s: 64 s at 16,384), so that
             every rank's exchange asks the job's store for a bounded rate (docs/scale.md).
         auto_calibrate: Calibrate deadlines below the ceilings (else each
             phase's deadline is its ceiling: one stage).

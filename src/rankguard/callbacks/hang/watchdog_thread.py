@@ -59,8 +59,10 @@ READ_PERIOD_S = 2.0
 #: ``HangWatchdog(exchange_period_s=...)``'s default (seconds).
 DEFAULT_PERIOD_S = 10.0
 #: Ranks a second whose status exchange the store serves, job-wide, at the default period
-#: (four requests each): beyond 5,120 ranks the default period grows (:meth:`spread_period`).
-STATUS_RANKS_PER_S = 512.0
+#: (three requests each on a rank but 0): beyond 2,560 ranks the default period grows
+#: (:meth:`spread_period`). With the polls and the interval exchanges, rankguard's steady
+#: load on the store stays under 10% of its one thread at 16,384 ranks (docs/scale.md).
+STATUS_RANKS_PER_S = 256.0
 #: Ranks missing before the first verdict that this rank asks the store about, at most.
 HEARD_CHECKS = 16
 #: A deadlock seen at one exchange is confirmed by the next, this long after (seconds): ranks
@@ -274,10 +276,10 @@ class WatchdogThread:
         return policy.plan(g.ceilings, self._settings(), restored)
 
     def spread_period(self) -> None:
-        """A default ``exchange_period_s`` grows with the world beyond 5,120 ranks.
+        """A default ``exchange_period_s`` grows with the world beyond 2,560 ranks.
 
-        Every rank's status exchange costs the store's one thread four requests: at
-        ``world_size / STATUS_RANKS_PER_S`` seconds (32 s at 16,384 ranks) the job's
+        Every rank's status exchange costs the store's one thread three requests: at
+        ``world_size / STATUS_RANKS_PER_S`` seconds (64 s at 16,384 ranks) the job's
         status exchanges ask it for a bounded rate (docs/scale.md). A period the user
         set to anything but the default stays as set.
         """
