@@ -43,6 +43,7 @@ from rankguard.callbacks.hang.faults import (
     root,
 )
 from rankguard.callbacks.hang.job import attempt_dir
+from rankguard.callbacks.hang.kinds import Phase
 from rankguard.callbacks.hang.report import write_stacks
 from rankguard.callbacks.hang.status import RankStatus
 from rankguard.callbacks.hang.verdict_text import point
@@ -334,9 +335,9 @@ class FaultWatch:
         if first.rank == rank and first.by != -1:  # its own; a store gone (by -1) is not
             return
         beat = owner.beat
-        if beat is not None and beat.kind != "done" and _now() - beat.at < QUIET_S:
+        if beat is not None and beat.kind != Phase.DONE and _now() - beat.at < QUIET_S:
             return  # still stepping: it will be held at its next host sync
-        if first.family == "left" and (beat is None or beat.kind == "done"):
+        if first.family == "left" and (beat is None or beat.kind == Phase.DONE):
             self.handled = True  # this rank's fit ended too: nobody waits for the one that left
             return
         status = owner.status()
@@ -352,7 +353,7 @@ class FaultWatch:
         writes = rank == incident.writer(owner.channel.world_size, faulty)
         owner.write_report(folder, status, header, text if writes else None)
         owner.state.faulted(HangDetectedError(text))
-        if beat is not None and beat.kind == "done":
+        if beat is not None and beat.kind == Phase.DONE:
             logger.error("rankguard %s: %s Its fit had ended: it goes on.", owner.name, text)
             return
         if owner.settings.action != "abort":

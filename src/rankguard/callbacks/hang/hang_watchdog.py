@@ -81,13 +81,13 @@ def _num_params(model: Any) -> int | None:
         return None
 
 
-def _heartbeat_handler(event: str) -> Callable[[HangWatchdog, EventFacts], None]:
+def _heartbeat_handler(event: Event) -> Callable[[HangWatchdog, EventFacts], None]:
     """The ``on_<event>`` handler of an event the watchdog only records a heartbeat for."""
 
     def handler(self: HangWatchdog, facts: EventFacts) -> None:
         self._heartbeat(event, facts)
 
-    handler.__name__ = handler.__qualname__ = f"on_{event}"
+    handler.__name__ = handler.__qualname__ = f"on_{event.value}"
     handler.__doc__ = "Records a heartbeat."
     return handler
 
@@ -383,9 +383,9 @@ class HangWatchdog(Guard):
 
     # -- heartbeats (main thread) and reading them (watchdog thread, or main at fit end) --
 
-    def _heartbeat(self, event: str, facts: EventFacts) -> None:
+    def _heartbeat(self, event: Event, facts: EventFacts) -> None:
         """Records a heartbeat of an event that is not per step in the step log."""
-        self.steps.append(event, facts)
+        self.steps.append(event.value, facts)
         if self._watch.thread is None:
             self._start()
 
@@ -412,7 +412,7 @@ class HangWatchdog(Guard):
         heartbeats.split_decisions = dict(facts.split_decisions)
         heartbeats.history.announces = tuple(facts.phases)  # read from the fit_start entry on
         self.stop_agreement.reset(self.channel)  # an adapter that ends its loop on it installs it
-        self._heartbeat("fit_start", facts)
+        self._heartbeat(Event.FIT_START, facts)
 
     def _next_boundary(self) -> int | None:
         """The first step boundary the loop can still reach: one past the steps it ended.
@@ -428,11 +428,11 @@ class HangWatchdog(Guard):
         return heartbeats.phases.steps_done + 1
 
     # Most events only record a heartbeat: one handler each, documented once.
-    on_epoch_start = _heartbeat_handler("epoch_start")
-    on_eval_start = _heartbeat_handler("eval_start")
-    on_eval_batch_start = _heartbeat_handler("eval_batch_start")
-    on_eval_batch_end = _heartbeat_handler("eval_batch_end")
-    on_epoch_end = _heartbeat_handler("epoch_end")
+    on_epoch_start = _heartbeat_handler(Event.EPOCH_START)
+    on_eval_start = _heartbeat_handler(Event.EVAL_START)
+    on_eval_batch_start = _heartbeat_handler(Event.EVAL_BATCH_START)
+    on_eval_batch_end = _heartbeat_handler(Event.EVAL_BATCH_END)
+    on_epoch_end = _heartbeat_handler(Event.EPOCH_END)
 
     def on_due(self, batches: int) -> None:
         """At the start of the batch after a wake point: wakes the thread, which reads the log.
@@ -471,21 +471,21 @@ class HangWatchdog(Guard):
 
     def on_eval_end(self, facts: EventFacts) -> None:
         """Records a heartbeat; the after-eval deadline applies until the next data fetch."""
-        self._heartbeat("eval_end", facts)
+        self._heartbeat(Event.EVAL_END, facts)
 
     def on_checkpoint_save_start(self, facts: EventFacts) -> None:
         """Records a heartbeat; the checkpoint deadline applies."""
         self.heartbeats.phases.decisions["save"] = Decision(True, facts.step)
-        self._heartbeat("checkpoint_save_start", facts)
+        self._heartbeat(Event.CHECKPOINT_SAVE_START, facts)
 
     def on_checkpoint_save_end(self, facts: EventFacts) -> None:
         """Records a heartbeat."""
         self.heartbeats.phases.decisions.pop("save", None)
-        self._heartbeat("checkpoint_save_end", facts)
+        self._heartbeat(Event.CHECKPOINT_SAVE_END, facts)
 
     def on_fit_end(self, facts: EventFacts) -> None:
         """Records the end of fit: no deadline from here on; tells the other ranks at once."""
-        self._heartbeat("fit_end", facts)
+        self._heartbeat(Event.FIT_END, facts)
         self.heartbeats.read_step_log()
         closest = self.closest_call
         if closest is not None:

@@ -15,6 +15,7 @@ from rankguard.callbacks.core.step_log import SUBPHASES, Entry, StepLog
 from rankguard.callbacks.hang.calibration import IntervalHistory
 from rankguard.callbacks.hang.deadlines import Settle
 from rankguard.callbacks.hang.history import History
+from rankguard.callbacks.hang.kinds import Phase
 from rankguard.callbacks.hang.phases import Beat, PhaseTracker
 from rankguard.callbacks.hang.stacks import library_paths
 from rankguard.callbacks.hang.waits import WaitTracker
@@ -71,7 +72,7 @@ class HeartbeatReader:
     def fit_ended(self) -> bool:
         """Whether the last heartbeat read is the end of fit."""
         beat = self.phases.beat
-        return beat is not None and beat.kind == "done"
+        return beat is not None and beat.kind == Phase.DONE
 
     def reset(self) -> None:
         """A new fit: no steps done, no decisions, no wait (same intervals and beat)."""

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from rankguard.callbacks.core.side_channel import SideChannel, spread_period
-from rankguard.callbacks.hang import deadlines as policy
+from rankguard.callbacks.hang import deadlines
 from rankguard.callbacks.hang.incident import Policy
 
 __all__ = ["DEFAULT_PERIOD_S", "FITTED", "STATUS_RANKS_PER_S", "WatchdogSettings"]
@@ -65,7 +65,7 @@ class WatchdogSettings:
     @property
     def ceilings(self) -> dict[str, float]:
         """The ceiling per phase kind (stage 2)."""
-        return policy.ceilings(
+        return deadlines.ceilings(
             first_step_timeout_s=self.first_step_timeout_s,
             timeout_s=self.timeout_s,
             eval_timeout_s=self.eval_timeout_s,
@@ -74,9 +74,9 @@ class WatchdogSettings:
         )
 
     @property
-    def deadline_policy(self) -> policy.Settings:
+    def deadline_policy(self) -> deadlines.Settings:
         """The settings the deadline policy reads."""
-        return policy.Settings(
+        return deadlines.Settings(
             self.auto_calibrate,
             self.warmup_steps,
             self.calibration_factor,
@@ -93,9 +93,9 @@ class WatchdogSettings:
         return Policy(self.action, self.abort_at, self.deadlock_action, self.collective_mismatch)
 
     @property
-    def liveness(self) -> policy.Liveness:
+    def liveness(self) -> deadlines.Liveness:
         """How long a rank heard before may be silent (see :func:`deadlines.liveness`)."""
-        return policy.liveness(self.exchange_period_s, self.exchange_timeout_s)
+        return deadlines.liveness(self.exchange_period_s, self.exchange_timeout_s)
 
 
 def spread_exchanges(
@@ -128,7 +128,7 @@ def fit_defaults_under(
 ) -> WatchdogSettings:
     """Lowers defaulted ceilings so a hang ends before NCCL ends the job (logs each)."""
     values = {arg: getattr(settings, arg) for arg in settings.defaulted}
-    fitted = policy.fit_defaults_under(
+    fitted = deadlines.fit_defaults_under(
         values,
         settings.defaulted,
         pg_timeout,

@@ -24,8 +24,7 @@ from rankguard.callbacks.core.errors import HangDetectedError, RanksMissingError
 from rankguard.callbacks.core.interrupts import wait_through_signals
 from rankguard.callbacks.core.side_channel import POLLS_PER_S, SideChannel, notices, spread_period
 from rankguard.callbacks.core.step_log import expand
-from rankguard.callbacks.hang import deadlines as policy
-from rankguard.callbacks.hang import incident
+from rankguard.callbacks.hang import deadlines, incident
 from rankguard.callbacks.hang.calibration import calibrate, describe
 from rankguard.callbacks.hang.collective_files import write_flight_recorder
 from rankguard.callbacks.hang.collectives import CollectiveRecorder
@@ -35,6 +34,7 @@ from rankguard.callbacks.hang.heartbeats import HeartbeatReader
 from rankguard.callbacks.hang.incident import Report
 from rankguard.callbacks.hang.incident_state import IncidentState
 from rankguard.callbacks.hang.job import attempt_dir, process_group_timeout
+from rankguard.callbacks.hang.kinds import Phase
 from rankguard.callbacks.hang.phases import Beat
 from rankguard.callbacks.hang.rank_status import rank_status
 from rankguard.callbacks.hang.report import write_incident
@@ -157,7 +157,7 @@ class WatchdogThread:
         self.thread: threading.Thread | None = None
         self.stop = threading.Event()
         self.wake = threading.Event()  # ends the thread's sleep early (fit end, close)
-        self.settle: Settle = policy.settle_times(
+        self.settle: Settle = deadlines.settle_times(
             settings.deadlock_after_s, settings.calibration_factor
         )
         self.recorder: CollectiveRecorder | None = None
@@ -206,8 +206,8 @@ class WatchdogThread:
         if backend == "nccl":
             settings = fit_defaults_under(settings, pg_timeout, self.name)
             detect = settings.exchange_period_s + settings.exchange_timeout_s
-            deadlines = policy.ceiling_arguments(settings.ceilings)
-            advice = nccl_timeout_advice(pg_timeout, deadlines, detect)
+            arguments = deadlines.ceiling_arguments(settings.ceilings)
+            advice = nccl_timeout_advice(pg_timeout, arguments, detect)
             if advice and channel.is_leader:
                 self.warn_once("nccl_timeout", advice)
             self.nccl_note = flight_recorder_note(os.environ, channel.rank)
@@ -301,7 +301,7 @@ class WatchdogThread:
         """The INFO line at fit start: what is reported when, and when the job ends."""
         s = self.settings
         restored = self._calibrated() if self.heartbeats.restored else None
-        return policy.plan(s.ceilings, s.deadline_policy, restored)
+        return deadlines.plan(s.ceilings, s.deadline_policy, restored)
 
     def _calibrated(self) -> dict:
         s, heartbeats = self.settings, self.heartbeats
@@ -319,7 +319,7 @@ class WatchdogThread:
         heartbeats.read_step_log()
         if not s.auto_calibrate or not heartbeats.ready_to_calibrate(s.warmup_steps):
             return
-        new = policy.recalibrate(
+        new = deadlines.recalibrate(
             heartbeats.intervals, s.ceilings, s.deadline_policy, heartbeats.save_estimate
         )
         if new.settle is not None:
@@ -414,7 +414,10 @@ class WatchdogThread:
             self.recalibrate()
             suspect = state.last.suspect if state.last is not None else None
             decide = functools.partial(
-                diagnose, incident=state.runs, suspect=suspect, words=heartbeats.split_decisions
+                diagnose,
+                incident=state.runs,
+                suspect=suspect,
+                split_decisions=heartbeats.split_decisions,
             )
             try:
                 status = self.status()
@@ -484,7 +487,7 @@ class WatchdogThread:
         just after it is sampled at the next wake, so it settles at most a read period later.
         """
         beat = self.heartbeats.beat
-        if beat is not None and beat.kind != "done" and _now() - beat.at < PROBE_PERIOD_S:
+        if beat is not None and beat.kind != Phase.DONE and _now() - beat.at < PROBE_PERIOD_S:
             return READ_PERIOD_S
         return PROBE_PERIOD_S
 
@@ -497,7 +500,7 @@ class WatchdogThread:
         heartbeats = self.heartbeats
         heartbeats.read_step_log()
         beat = heartbeats.beat
-        if beat is None or beat.kind == "done" or self.state.ended.is_set():
+        if beat is None or beat.kind == Phase.DONE or self.state.ended.is_set():
             return False
         if _now() - beat.at < PROBE_PERIOD_S:
             return False
