@@ -491,7 +491,7 @@ def status_period(world: int) -> float:
     """The status exchange's period the watchdog takes by default at ``world`` ranks."""
     try:
         from rankguard.callbacks.core.side_channel import spread_period
-        from rankguard.callbacks.hang.watchdog_thread import STATUS_RANKS_PER_S
+        from rankguard.callbacks.hang.watchdog_settings import STATUS_RANKS_PER_S
     except ImportError:  # a checkout before the period grew with the world
         return 10.0
     return spread_period(10.0, world, STATUS_RANKS_PER_S)

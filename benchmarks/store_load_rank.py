@@ -80,6 +80,7 @@ from rankguard.callbacks.hang import (  # noqa: E402
 from rankguard.callbacks.hang import hang_watchdog as hang_module  # noqa: E402
 from rankguard.callbacks.hang import watchdog_thread as thread_module  # noqa: E402
 from rankguard.callbacks.hang.collective_compare import GroupRecord  # noqa: E402
+from rankguard.callbacks.hang.heartbeats import HeartbeatReader  # noqa: E402
 from rankguard.callbacks.registry import GUARDS, build_guards  # noqa: E402
 from tests.e2e.common import Points  # noqa: E402
 
@@ -431,11 +432,13 @@ class VirtualThread(thread_module.WatchdogThread):
     real recorder's, from the coordinator's one-rank run).
     """
 
-    def _loop_stack(self) -> list[tuple[str, int, str]]:
-        return self.guard.vr.stack
+    vr: VirtualRank
 
-    def _collectives(self) -> tuple:
-        vr = self.guard.vr
+    def _loop_stack(self) -> list[tuple[str, int, str]]:
+        return self.vr.stack
+
+    def collectives(self) -> tuple:
+        vr = self.vr
         template = vr.worker.record
         if template is None:
             return ()
@@ -446,20 +449,19 @@ class VirtualThread(thread_module.WatchdogThread):
         return (GroupRecord(template.name, vr.worker.members, count, last),)
 
 
-class VirtualWatchdog(hang_module.HangWatchdog):
-    """The real HangWatchdog whose heartbeats come from :class:`VirtualRank`'s clock."""
+class VirtualHeartbeats(HeartbeatReader):
+    """The real reader of the step log, which first appends the beats the virtual loop made.
 
-    def __init__(self, vr: VirtualRank, **settings: Any) -> None:
-        super().__init__(**settings)
+    Each read (the thread's, before each status) records the train steps the virtual rank's
+    clock says ended since the last, stamped when the loop beat, not when read.
+    """
+
+    def __init__(self, vr: VirtualRank, handle: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.vr = vr
-        self._watch = VirtualThread(self)
-        self._reset()
+        self.handle = handle  # the watchdog's: a beat goes where the adapter's would
 
-    def _start(self) -> None:  # no thread of its own: the virtual rank's thread runs the loop
-        self._watch.thread = threading.current_thread()
-        self._watch.prepare()
-
-    def _derive(self) -> None:
+    def read_step_log(self) -> None:
         vr = self.vr
         if vr.training and vr.worker.halted:  # the job's collectives stopped (rank 0 gone)
             vr.training, vr.stack = False, vr.worker.frames["all_reduce"]
@@ -477,7 +479,36 @@ class VirtualWatchdog(hang_module.HangWatchdog):
                     vr.next_beat += vr.step_s
             finally:
                 vr.beating = False
-        super()._derive()
+        super().read_step_log()
+
+
+class VirtualWatchdog(hang_module.HangWatchdog):
+    """The real HangWatchdog whose heartbeats come from :class:`VirtualRank`'s clock."""
+
+    def __init__(self, vr: VirtualRank, **settings: Any) -> None:
+        self.vr = vr  # before the guard builds its reader and thread, which read it
+        super().__init__(**settings)
+
+    def _new_heartbeats(self) -> HeartbeatReader:
+        return VirtualHeartbeats(
+            self.vr, self.handle, measure=self.auto_calibrate, warmup=self.warmup_steps
+        )
+
+    def _new_thread(self) -> thread_module.WatchdogThread:
+        thread = VirtualThread(
+            self.name,
+            self.current_settings(),
+            self.heartbeats,
+            self._incident,
+            warn_once=self.warn_once,
+            stop_agreement=self.stop_agreement,
+        )
+        thread.vr = self.vr
+        return thread
+
+    def _start(self) -> None:  # no thread of its own: the virtual rank's thread runs the loop
+        self._watch.thread = threading.current_thread()
+        self._adopt(self._watch.prepare(self.current_settings(), self.channel))
 
 
 # -- one virtual rank ------------------------------------------------------------------------
@@ -606,7 +637,7 @@ class VirtualRank:
         wd.handle(Event.FIT_START, EventFacts(step=0))
         self.snapshot_counts("run_start")
         try:
-            wd._watch._run()
+            wd._watch.run()
         except VirtualExit as exc:
             self.marks["exit"] = time.time()
             self.marks["exit_code"] = exc.code

@@ -781,7 +781,7 @@ class Record(Callback):
         watchdog = next(g for g in self.guard.runner.guards if g.name == "hang_watchdog")
         self.record.update(
             start_batch=int(state.timestamp.batch),
-            restored=watchdog._restored,
+            restored=watchdog.heartbeats.restored,
             deadlines=watchdog.deadlines,
         )
         self._write()

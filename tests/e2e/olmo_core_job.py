@@ -334,7 +334,7 @@ def resume() -> None:
     watchdog = next(g for g in guard.runner.guards if g.name == "hang_watchdog")
     fit(trainer)
     COUNTERS["resumed_at"] = 8 if trainer.checkpoint_loaded else 0
-    COUNTERS["calibrated_from_checkpoint"] = bool(watchdog._restored)
+    COUNTERS["calibrated_from_checkpoint"] = bool(watchdog.heartbeats.restored)
 
 
 #: The resume scenarios' run: saved at steps 0, 4 and 8, with a per-rank data cursor.

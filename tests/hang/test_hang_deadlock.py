@@ -40,7 +40,7 @@ WORDS = {
 
 
 def diagnose(statuses, **kw):
-    return _diagnose(statuses, words=WORDS, **kw)
+    return _diagnose(statuses, split_decisions=WORDS, **kw)
 
 
 def odd_rank(statuses):
@@ -235,7 +235,7 @@ def test_the_stop_advice_is_the_adapters_own_for_the_decision_that_split_the_ran
         stop = _status("rankguard exchange", decisions=((name, True, 3),))
         go = _status("broadcast", frame="t.py:9 (main)", decisions=((name, False, 0),))
         statuses = {0: stop, 1: go}
-        verdict = _diagnose(statuses, suspect=_diagnose(statuses).suspect, words=words)
+        verdict = _diagnose(statuses, suspect=_diagnose(statuses).suspect, split_decisions=words)
         assert verdict.deadlock and verdict.first == 0
         return "\n".join(verdict.details)
 

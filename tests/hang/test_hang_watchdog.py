@@ -23,6 +23,7 @@ from rankguard.callbacks.hang.stacks import blocked_in
 from rankguard.callbacks.hang.status import RankStatus
 from rankguard.callbacks.hang.verdict import diagnose, gone
 from rankguard.callbacks.hang.verdict_text import flight_recorder_note, nccl_timeout_advice
+from rankguard.callbacks.hang.watchdog_settings import fit_defaults_under
 from tests.mp import run_ranks
 
 EVAL = LoaderFacts("eval", None, is_train=False)
@@ -388,7 +389,8 @@ def test_report_cli_groups_identical_stacks_and_draws_a_timeline(tmp_path, capsy
 def test_default_deadlines_fit_under_the_nccl_timeout_and_set_ones_are_kept(tmp_path):
 
     watchdog = HangWatchdog(eval_timeout_s=900, report_dir=str(tmp_path))
-    watchdog._watch.fit_defaults_under(300.0)  # Composer's default dist_timeout
+    # 300 s: Composer's default dist_timeout
+    watchdog._adopt(fit_defaults_under(watchdog.current_settings(), 300.0, watchdog.name))
     detect = watchdog.exchange_period_s + watchdog.exchange_timeout_s
     assert watchdog.timeout_s == watchdog.post_eval_timeout_s == 0.8 * 300 - detect
     assert watchdog.checkpoint_timeout_s == 0.8 * 300 - detect
@@ -681,12 +683,13 @@ def test_the_phase_a_collective_is_issued_in_is_the_training_threads_newest_even
     from rankguard.callbacks.core.events import EventFacts
 
     watchdog = HangWatchdog()
-    assert watchdog._issuing_phase() is None  # nothing heard yet
+    heartbeats = watchdog.heartbeats
+    assert heartbeats.issuing_phase() is None  # nothing heard yet
     watchdog.steps.append("train_batch_start", EventFacts(step=5))
-    assert watchdog._issuing_phase() == ("train_batch_start", 5, None)
+    assert heartbeats.issuing_phase() == ("train_batch_start", 5, None)
     watchdog.steps.append("eval_batch_start", EventFacts(step=5, batch_index=2))
-    assert watchdog._issuing_phase() == ("eval_batch_start", 5, 2)
-    watchdog._derive()  # read by the watchdog's thread: its last beat is the newest
+    assert heartbeats.issuing_phase() == ("eval_batch_start", 5, 2)
+    heartbeats.read_step_log()  # read by the watchdog's thread: its last beat is the newest
     assert watchdog.steps.entries == []
-    assert watchdog._issuing_phase() == ("eval_batch_start", 5, 2)
+    assert heartbeats.issuing_phase() == ("eval_batch_start", 5, 2)
     watchdog.close()

@@ -126,8 +126,8 @@ def left(step: int = 83, stop: str | None = "should_stop") -> RankStatus:
 
 def judge(statuses: dict[int, RankStatus]) -> Verdict:
     """Two exchanges a second apart with the same statuses: what the watchdog acts on."""
-    first = diagnose(statuses, words=WORDS)
-    return diagnose(statuses, incident=first.stuck, suspect=first.suspect, words=WORDS)
+    first = diagnose(statuses, split_decisions=WORDS)
+    return diagnose(statuses, incident=first.stuck, suspect=first.suspect, split_decisions=WORDS)
 
 
 #: What each adapter announces of a batch: the loop (Lightning, Composer alike) and the HF Trainer.
@@ -1009,10 +1009,10 @@ def test_each_case_has_one_verdict(name, statuses, expected):
 
 def test_a_proof_seen_once_is_a_suspicion_and_progress_in_between_undoes_it():
     statuses = {0: rank(at="all_reduce", direct=True), 1: rank(at="barrier", frame="b.py:1 (f)")}
-    once = diagnose(statuses, words=WORDS)
+    once = diagnose(statuses, split_decisions=WORDS)
     assert once.kind == "healthy" and once.suspect is not None
     moved = {**statuses, 1: dataclasses.replace(statuses[1], progress=101)}
-    assert diagnose(moved, suspect=once.suspect, words=WORDS).kind == "healthy"
+    assert diagnose(moved, suspect=once.suspect, split_decisions=WORDS).kind == "healthy"
 
 
 def test_a_silent_rank_is_gone_after_the_slack_and_at_once_where_a_check_gave_up():

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rankguard.callbacks.hang.kinds import Phase
+
 __all__ = [
     "CALIBRATED_KINDS",
     "HEADROOM",
@@ -32,15 +34,15 @@ __all__ = [
 ]
 
 #: Phase kinds whose deadline is calibrated ("startup" keeps ``first_step_timeout_s``).
-CALIBRATED_KINDS = ("train", "data", "eval", "post_eval", "checkpoint")
+CALIBRATED_KINDS = (Phase.TRAIN, Phase.DATA, Phase.EVAL, Phase.POST_EVAL, Phase.CHECKPOINT)
 #: How each kind is named in log lines.
 KIND_LABELS = {
-    "startup": "first step",
-    "train": "train",
-    "data": "data fetch",
-    "eval": "eval",
-    "post_eval": "after eval",
-    "checkpoint": "checkpoint save",
+    Phase.STARTUP: "first step",
+    Phase.TRAIN: "train",
+    Phase.DATA: "data fetch",
+    Phase.EVAL: "eval",
+    Phase.POST_EVAL: "after eval",
+    Phase.CHECKPOINT: "checkpoint save",
 }
 #: The quantile of recent intervals a deadline is a multiple of.
 QUANTILE = 0.99
@@ -131,8 +133,8 @@ class IntervalHistory:
         """Plain values (lists of floats) to save with a checkpoint."""
         return {
             "version": 1,
-            "recent": {kind: [round(s, 6) for s in r] for kind, r in self._recent.items() if r},
-            "peaks": dict(self.peaks),
+            "recent": {str(k): [round(s, 6) for s in r] for k, r in self._recent.items() if r},
+            "peaks": {str(kind): seconds for kind, seconds in self.peaks.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> bool:
@@ -191,16 +193,16 @@ def calibrate(
     """
     recent = history.snapshot()
     peaks = history.peaks
-    train = recent["train"]
+    train, evals = recent[Phase.TRAIN], recent[Phase.EVAL]
     base = quantile(train, QUANTILE) if len(train) >= MIN_SAMPLES else None
-    eval_q = quantile(recent["eval"], QUANTILE) if recent["eval"] else 0.0
+    eval_q = quantile(evals, QUANTILE) if evals else 0.0
     unseen = UNSEEN_FACTOR * factor
     derived = {
-        "train": None,
-        "data": None if base is None else unseen * base,
-        "eval": None if base is None else unseen * base,
-        "post_eval": None if base is None else unseen * (base + eval_q),
-        "checkpoint": save_estimate,
+        Phase.TRAIN: None,
+        Phase.DATA: None if base is None else unseen * base,
+        Phase.EVAL: None if base is None else unseen * base,
+        Phase.POST_EVAL: None if base is None else unseen * (base + eval_q),
+        Phase.CHECKPOINT: save_estimate,
     }
     deadlines = {}
     for kind in CALIBRATED_KINDS:

@@ -72,7 +72,7 @@ _Found = tuple[int, int, Cause | None]
 
 
 def split_cause(
-    statuses: Mapping[int, RankStatus], words: Mapping[str, SplitDecision] | None = None
+    statuses: Mapping[int, RankStatus], split_decisions: Mapping[str, SplitDecision] | None = None
 ) -> Cause | None:
     """The first difference between the ranks' recent phases, or ``None``.
 
@@ -94,16 +94,18 @@ def split_cause(
         for look in (_no_backward, _ended_pass, _window)
         if (f := look(statuses, known, batches, common)) is not None
     ]
-    stops = [_stop_at(s, known[r], words or {}) for r, s in statuses.items()]
+    stops = [_stop_at(s, known[r], split_decisions or {}) for r, s in statuses.items()]
     stopped = min((n for n in stops if n is not None), default=None)
     if stopped is not None:
         found = [f for f in found if f[0] < stopped and (f[2] is None or f[2].kind != PASS)]
     return min(found, key=lambda f: f[:2])[2] if found else None
 
 
-def _stop_at(status: RankStatus, phases: Phases, words: Mapping[str, SplitDecision]) -> int | None:
+def _stop_at(
+    status: RankStatus, phases: Phases, split_decisions: Mapping[str, SplitDecision]
+) -> int | None:
     """The train batch (``n``) at which this rank holds a stop decision set, or ``None``."""
-    stop = stop_of(status, words)
+    stop = stop_of(status, split_decisions)
     if stop is None:
         return None
     step = stop[1] if stop[1] is not None else status.step

@@ -15,6 +15,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from rankguard.callbacks.core.events import Event
 from rankguard.callbacks.core.step_log import PAIRS
 from rankguard.callbacks.core.torch_private import flight_recorder_dumps
 from rankguard.callbacks.hang.collective_compare import (
@@ -169,7 +170,7 @@ def _phase(events: list, event: int, step: int, batch: int) -> str | None:
     name = events[event]
     pair = PAIRS.get(name)
     if pair is not None:  # a batch's end and the next fetch's start: the later one
-        name, step = pair[1], (batch if pair[1] == "data_fetch_start" and batch >= 0 else step)
+        name, step = pair[1], (batch if pair[1] == Event.DATA_FETCH_START and batch >= 0 else step)
     return phase_label(name, step, batch if batch >= 0 else None, None)
 
 

@@ -28,10 +28,35 @@ __all__ = [
     "ROLES",
     "DdpForwards",
     "coalesced_buckets",
+    "mark_wrapper",
     "origin_of",
     "role_of",
     "wrap_coalesced_broadcast",
+    "wrapped_original",
+    "wrapper_owner",
 ]
+
+#: The attributes that mark a wrapper of rankguard's on a framework's function: the function
+#: it wraps, and the record of collectives that installed it (where one did).
+_ORIGINAL, _OWNER = "_rankguard_original", "_rankguard_recorder"
+
+
+def mark_wrapper(wrapper: Callable, original: Callable, owner: Any = None) -> None:
+    """Marks ``wrapper`` as rankguard's wrapper of ``original`` (installed by ``owner``)."""
+    setattr(wrapper, _ORIGINAL, original)
+    if owner is not None:
+        setattr(wrapper, _OWNER, owner)
+
+
+def wrapped_original(function: Any) -> Any:
+    """The function ``function`` wraps if it is a wrapper of rankguard's, else ``None``."""
+    return getattr(function, _ORIGINAL, None)
+
+
+def wrapper_owner(function: Any) -> Any:
+    """The record of collectives that installed ``function`` as its wrapper, else ``None``."""
+    return getattr(function, _OWNER, None)
+
 
 # A frame's role, as bits (1: any library frame; 0: the user's own code).
 LIBRARY = 1
@@ -146,7 +171,7 @@ def wrap_coalesced_broadcast(note: Callable[..., None]) -> Callable[[], None] | 
     if module is None:
         return None
     original = getattr(module, COALESCED_BROADCAST)
-    if getattr(original, "_rankguard_original", None) is not None:
+    if wrapped_original(original) is not None:
         return None  # another record's wrapper is in place
 
     @functools.wraps(original)
@@ -159,7 +184,7 @@ def wrap_coalesced_broadcast(note: Callable[..., None]) -> Callable[[], None] | 
             pass
         return original(group, tensors, buffer_size, *args)
 
-    broadcast_coalesced._rankguard_original = original  # type: ignore[attr-defined]
+    mark_wrapper(broadcast_coalesced, original)
     setattr(module, COALESCED_BROADCAST, broadcast_coalesced)
 
     def undo() -> None:
@@ -200,7 +225,7 @@ class DdpForwards:
         except ImportError:  # pragma: no cover - part of torch
             return False
         original = cls.__dict__.get("forward")
-        if original is None or getattr(original, "_rankguard_original", None) is not None:
+        if original is None or wrapped_original(original) is not None:
             return False
         mark, count, compiling = self._mark, self._count, self._compiling
 
@@ -219,7 +244,7 @@ class DdpForwards:
                 pass
             return out
 
-        forward._rankguard_original = original  # type: ignore[attr-defined]
+        mark_wrapper(forward, original)
         cls.forward = forward
         self._cls, self._original, self._wrapper = cls, original, forward
         return True

@@ -59,9 +59,12 @@ from rankguard.callbacks.hang.collective_infer import (
 )
 from rankguard.callbacks.hang.collective_sources import (
     DdpForwards,
+    mark_wrapper,
     origin_of,
     role_of,
     wrap_coalesced_broadcast,
+    wrapped_original,
+    wrapper_owner,
 )
 from rankguard.callbacks.hang.stacks import code_name
 
@@ -256,7 +259,7 @@ class CollectiveRecorder:
         self._write_names()
         for name, size_param in WRAPPED.items():
             original = getattr(dist, name, None)
-            if original is None or getattr(original, "_rankguard_original", None) is not None:
+            if original is None or wrapped_original(original) is not None:
                 continue
             self._originals[name] = original
             setattr(dist, name, self._wrap(name, original, size_param))
@@ -283,10 +286,7 @@ class CollectiveRecorder:
         except ImportError:  # pragma: no cover - torch is a requirement
             dist = None
         for name, original in self._originals.items():
-            if (
-                dist is not None
-                and getattr(getattr(dist, name, None), "_rankguard_recorder", None) is self
-            ):
+            if dist is not None and wrapper_owner(getattr(dist, name, None)) is self:
                 setattr(dist, name, original)
         self._originals = {}
         for undo in reversed(self._undo):
@@ -370,8 +370,7 @@ class CollectiveRecorder:
                 pass
             return original(*args, **kwargs)
 
-        collective._rankguard_original = original  # type: ignore[attr-defined]
-        collective._rankguard_recorder = self  # type: ignore[attr-defined]
+        mark_wrapper(collective, original, owner=self)
         return collective
 
     def _note(

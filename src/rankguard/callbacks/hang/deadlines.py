@@ -18,6 +18,7 @@ from rankguard.callbacks.hang.calibration import (
     describe,
     quantile,
 )
+from rankguard.callbacks.hang.kinds import Phase
 
 __all__ = [
     "DEFAULT_DEADLINES",
@@ -85,21 +86,21 @@ def ceilings(
 ) -> dict[str, float]:
     """The ceiling per phase kind (stage 2), from the deadline arguments."""
     return {
-        "startup": first_step_timeout_s,
-        "train": timeout_s,
-        "data": timeout_s,
-        "eval": eval_timeout_s,
-        "post_eval": post_eval_timeout_s,
-        "checkpoint": checkpoint_timeout_s,
+        Phase.STARTUP: first_step_timeout_s,
+        Phase.TRAIN: timeout_s,
+        Phase.DATA: timeout_s,
+        Phase.EVAL: eval_timeout_s,
+        Phase.POST_EVAL: post_eval_timeout_s,
+        Phase.CHECKPOINT: checkpoint_timeout_s,
     }
 
 
 def ceiling_arguments(ceilings: Mapping[str, float]) -> dict[str, float]:
     """The ceilings by the argument that sets each (``timeout_s``...), start-up's aside."""
     return {
-        f"{k}_timeout_s" if k != "train" else "timeout_s": v
+        f"{k}_timeout_s" if k != Phase.TRAIN else "timeout_s": v
         for k, v in ceilings.items()
-        if k not in ("startup", "data")
+        if k not in (Phase.STARTUP, Phase.DATA)
     }
 
 
@@ -207,9 +208,9 @@ def recalibrate(
     calibrated = calibrate(
         history, ceilings, factor=factor, floor_s=settings.floor_s, save_estimate=save_estimate
     )
-    deadlines = {"startup": settings.first_step_timeout_s}
+    deadlines = {Phase.STARTUP: settings.first_step_timeout_s}
     deadlines.update({kind: d.seconds for kind, d in calibrated.items()})
-    train = history.snapshot()["train"]
+    train = history.snapshot()[Phase.TRAIN]
     enough = len(train) >= MIN_SAMPLES
     settle = settle_times(settings.deadlock_after_s, factor, train) if enough else None
     return Calibration(deadlines, calibrated, settle)
@@ -225,7 +226,7 @@ def plan(
         settings: The watchdog's settings.
         restored: The deadlines calibrated from a checkpoint's history, or ``None``.
     """
-    text = ", ".join(f"{KIND_LABELS[k]} {v:.0f} s" for k, v in ceilings.items() if k != "data")
+    text = ", ".join(f"{KIND_LABELS[k]} {v:.0f} s" for k, v in ceilings.items() if k != Phase.DATA)
     end = "aborts" if settings.action == "abort" else "reports again (action='report')"
     if not settings.auto_calibrate:
         return f"deadlines (no calibration): {text}; past one it {end}."

@@ -1,8 +1,9 @@
 """The watchdog's part in a rank that raised or died: publish, read, end, and bound a teardown.
 
-Owned by :class:`~rankguard.callbacks.hang.watchdog_thread.WatchdogThread`. What a
-fault is, its words and its exit code are :mod:`~rankguard.callbacks.hang.faults`';
-here they are performed. docs/hang.md#a-rank-that-raises-or-dies.
+Owned by :class:`~rankguard.callbacks.hang.watchdog_thread.WatchdogThread`, seen through
+:class:`FaultOwner`. What a fault is, its words and its exit code are
+:mod:`~rankguard.callbacks.hang.faults`'; here they are performed.
+docs/hang.md#a-rank-that-raises-or-dies.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from rankguard.callbacks.core.errors import HangDetectedError, RankGuardError
 from rankguard.callbacks.core.interrupts import wait_through_signals
@@ -42,9 +43,16 @@ from rankguard.callbacks.hang.faults import (
     root,
 )
 from rankguard.callbacks.hang.job import attempt_dir
+from rankguard.callbacks.hang.kinds import Phase
 from rankguard.callbacks.hang.report import write_stacks
 from rankguard.callbacks.hang.status import RankStatus
 from rankguard.callbacks.hang.verdict_text import point
+
+if TYPE_CHECKING:
+    from rankguard.callbacks.core.side_channel import SideChannel
+    from rankguard.callbacks.hang.incident_state import IncidentState
+    from rankguard.callbacks.hang.phases import Beat
+    from rankguard.callbacks.hang.watchdog_settings import WatchdogSettings
 
 logger = logging.getLogger("rankguard.callbacks.hang_watchdog")
 
@@ -80,10 +88,41 @@ def _held(status: RankStatus) -> bool:
     return bool(status.blocked_in or (status.waits_at and status.settled))
 
 
+class FaultOwner(Protocol):
+    """What a :class:`FaultWatch` reads of the watchdog it serves (its thread), and asks of it."""
+
+    name: str
+    channel: SideChannel
+    settings: WatchdogSettings
+    state: IncidentState
+    host: str
+    nccl_note: str
+    loop_thread: int | None
+
+    @property
+    def beat(self) -> Beat | None:
+        """The last heartbeat read, or ``None`` before the first."""
+
+    @property
+    def libraries(self) -> tuple[str, ...]:
+        """Where library code lives."""
+
+    def status(self) -> RankStatus:
+        """This rank's status now."""
+
+    def collectives(self) -> tuple:
+        """This rank's record of collectives; ``()`` if it cannot be read."""
+
+    def write_report(
+        self, folder: Path, status: RankStatus, header: str, summary: str | None
+    ) -> None:
+        """Writes this rank's report files into ``folder``."""
+
+
 class FaultWatch:
     """The faults of one fit, as one rank's watchdog sees them (``owner``: its thread)."""
 
-    def __init__(self, owner: Any) -> None:
+    def __init__(self, owner: FaultOwner) -> None:
         self.owner = owner
         self.board: FaultBoard | None = None
         self.local: dict[int, Process] = {}  # ranks on this node: their pids mean something
@@ -111,7 +150,7 @@ class FaultWatch:
         A framework may start the watchdog before its fit starts (Lightning's sanity
         check): the fit keeps the channel, so it keeps the board.
         """
-        channel = self.owner.guard.channel
+        channel = self.owner.channel
         if channel is None or not channel.is_distributed:
             return None
         if self.board is not None and self.board.channel is channel:
@@ -174,16 +213,16 @@ class FaultWatch:
         rank, rather than waiting for a timeout. A peer that finishes its fit without
         one (its own code after the loop, on one rank) is not told anything.
         """
-        board, guard = self.board, self.owner.guard
+        board, owner = self.board, self.owner
         if board is None or self.published is not None or self.handled:
             return
-        beat = guard._beat
+        beat = owner.beat
         fault = left_fault(
             board.channel.rank,
             step=beat.step if beat is not None else 0,
             training=rank_label(training),
             phases=phases,
-            host=self.owner.host,
+            host=owner.host,
             pid=os.getpid(),
         )
         try:
@@ -195,7 +234,7 @@ class FaultWatch:
         logger.info(  # not a warning: a peer in its own code may finish its fit without it
             "rankguard %s: This rank's fit ended while %s still trains: told them (a rank that "
             "then waits for this one ends with exit code %d). At the last status exchange: %s.",
-            guard.name,
+            owner.name,
             rank_label(training),
             fault.code,
             phases,
@@ -235,8 +274,9 @@ class FaultWatch:
     def _last_seen(self) -> tuple[str, int]:
         """How a gone rank was last seen: every rank's phases at the last verdict; this step."""
         owner = self.owner
-        phase = "no status exchanged yet" if owner.last is None else owner.last.phases
-        beat = owner.guard._beat
+        last = owner.state.last
+        phase = "no status exchanged yet" if last is None else last.phases
+        beat = owner.beat
         return phase, beat.step if beat is not None else 0
 
     def _dead_peers(self, store: bool = True) -> list[Fault]:
@@ -271,11 +311,11 @@ class FaultWatch:
 
     def _gone(self, rank: int, process: Process) -> Fault:
         """The fault of a local peer gone: its last beat as seen, its record, its fault file."""
-        guard = self.owner.guard
+        owner = self.owner
         phase, step = self._last_seen()
-        folder = attempt_dir(guard.report_dir, os.environ)
+        folder = attempt_dir(owner.settings.report_dir, os.environ)
         fault = gone_fault(
-            rank, host=process.host, pid=process.pid, by=guard.channel.rank, phase=phase, step=step
+            rank, host=process.host, pid=process.pid, by=owner.channel.rank, phase=phase, step=step
         )
         record = record_heads(read_files(folder).get(rank, ())) if folder.is_dir() else ()
         signal_file = Path(folder) / f"rank{rank}{FAULT_SUFFIX}"
@@ -289,15 +329,15 @@ class FaultWatch:
 
     def _act(self, faults: list[Fault]) -> None:
         """Ends this rank on ``faults`` once its loop is held (see :data:`QUIET_S`)."""
-        owner, guard = self.owner, self.owner.guard
+        owner = self.owner
         first = root(faults)
-        rank = guard.channel.rank
+        rank = owner.channel.rank
         if first.rank == rank and first.by != -1:  # its own; a store gone (by -1) is not
             return
-        beat = guard._beat
-        if beat is not None and beat.kind != "done" and _now() - beat.at < QUIET_S:
+        beat = owner.beat
+        if beat is not None and beat.kind != Phase.DONE and _now() - beat.at < QUIET_S:
             return  # still stepping: it will be held at its next host sync
-        if first.family == "left" and (beat is None or beat.kind == "done"):
+        if first.family == "left" and (beat is None or beat.kind == Phase.DONE):
             self.handled = True  # this rank's fit ended too: nobody waits for the one that left
             return
         status = owner.status()
@@ -305,23 +345,22 @@ class FaultWatch:
             return  # in its own code: it may finish without the rank that left
         self.handled = True
         header = incident.header(rank, status.host, status.pid, status.phase)
-        folder = attempt_dir(guard.report_dir, os.environ)
+        folder = attempt_dir(owner.settings.report_dir, os.environ)
         where = incident.where(header, str(folder), rank, owner.nccl_note)
         code = first.code
         text = message(faults, waited=_waited(rank, status), where=where)
         faulty = {f.rank for f in faults if f.family != "communication"} | {first.rank}
-        writes = rank == incident.writer(guard.channel.world_size, faulty)
+        writes = rank == incident.writer(owner.channel.world_size, faulty)
         owner.write_report(folder, status, header, text if writes else None)
-        guard.incidents += 1
-        guard.last_incident = HangDetectedError(text)
-        if beat is not None and beat.kind == "done":
-            logger.error("rankguard %s: %s Its fit had ended: it goes on.", guard.name, text)
+        owner.state.faulted(HangDetectedError(text))
+        if beat is not None and beat.kind == Phase.DONE:
+            logger.error("rankguard %s: %s Its fit had ended: it goes on.", owner.name, text)
             return
-        if guard.action != "abort":
-            logger.error("rankguard %s: %s Now waiting (action='report').", guard.name, text)
+        if owner.settings.action != "abort":
+            logger.error("rankguard %s: %s Now waiting (action='report').", owner.name, text)
             return
-        logger.error("rankguard %s: %s Now ending with exit code %d.", guard.name, text, code)
-        owner.ended.set()
+        logger.error("rankguard %s: %s Now ending with exit code %d.", owner.name, text, code)
+        owner.state.ended.set()
         self.end(
             code,
             why=f"rank {first.rank}'s fault",
@@ -343,7 +382,7 @@ class FaultWatch:
         Before the ranks meet it says on the board that this rank leaves, so that a peer
         on its node that sees its pid gone does not take it for a fault.
         """
-        channel = self.board.channel if self.board is not None else self.owner.guard.channel
+        channel = self.board.channel if self.board is not None else self.owner.channel
         end_process(
             code,
             channel=channel,
@@ -358,7 +397,7 @@ class FaultWatch:
 
     def raised(self, exc: BaseException, step: int | None) -> None:
         """Publishes this rank's fault before anything can hang, then bounds its teardown."""
-        owner, guard = self.owner, self.owner.guard
+        owner = self.owner
         board = self._open()
         if board is None or self.published is not None or self.handled:
             return
@@ -371,19 +410,20 @@ class FaultWatch:
             phase, beat_step = "an unknown phase", 0
         fault = from_exception(
             exc,
-            rank=guard.channel.rank,
+            rank=owner.channel.rank,
             step=beat_step if step is None else step,
             phase=phase,
             host=owner.host,
             pid=os.getpid(),
-            libraries=guard._libraries,
-            record=owner._collectives(),
+            libraries=owner.libraries,
+            record=owner.collectives(),
         )
-        failed = self._publish_raised(board, fault, guard.exchange_timeout_s + PUBLISH_SLACK_S)
+        limit_s = owner.settings.exchange_timeout_s + PUBLISH_SLACK_S
+        failed = self._publish_raised(board, fault, limit_s)
         if failed is not None:
             logger.warning(
                 "rankguard %s: could not tell the other ranks this rank raised (%s).",
-                guard.name,
+                owner.name,
                 failed,
             )
             return
@@ -392,7 +432,7 @@ class FaultWatch:
             first = root(board.poll())
         except Exception:
             first = fault
-        bound = guard.teardown_timeout_s
+        bound = owner.settings.teardown_timeout_s
         then = f"; it ends this process in {bound:g} s if it is still running" if bound else ""
         cause = f"{first.sentence()} {first.detail()}"
         if first != fault:  # a peer's fault came first: this error follows from it
@@ -401,7 +441,7 @@ class FaultWatch:
             cause += " Told the other ranks."
         logger.error(  # with the traceback: a teardown that waits never lets Python print it
             "rankguard %s: %s Those still training end with exit code %d%s.",
-            guard.name,
+            owner.name,
             cause,
             first.code,
             then,
@@ -465,9 +505,9 @@ class FaultWatch:
         """Ends this process ``bound`` seconds after it raised, if still running (a teardown)."""
         if cancel.wait(bound):
             return
-        guard = self.owner.guard
-        rank = guard.channel.rank
-        folder = attempt_dir(guard.report_dir, os.environ)
+        owner = self.owner
+        rank = owner.channel.rank
+        folder = attempt_dir(owner.settings.report_dir, os.environ)
         header = (
             f"rank {rank}, host {fault.host}, pid {fault.pid}: still running {bound:g} s after "
             f"it raised {fault.error}"
@@ -476,7 +516,7 @@ class FaultWatch:
             "rankguard %s: This rank is still running %g s after it raised %s (its teardown "
             "waits: see the stacks in %s/rank%d.txt). Ending it with exit code %d "
             "(teardown_timeout_s).",
-            guard.name,
+            owner.name,
             bound,
             fault.error,
             folder,
@@ -485,7 +525,7 @@ class FaultWatch:
         )
 
         def evidence() -> None:
-            write_stacks(folder, rank, header, self.owner.loop_thread)
+            write_stacks(folder, rank, header, owner.loop_thread)
             write_flight_recorder(folder, rank)
 
         self.end(code, why="teardown_timeout_s", evidence=evidence)

@@ -1,6 +1,7 @@
 """HangWatchdog: names the rank that stopped, where, with its stack, within a minute by default.
 
-The guard's settings and heartbeats; its thread is ``watchdog_thread``, the decisions beside it.
+The guard's settings and events; its reading of the heartbeats is ``heartbeats``, its thread
+``watchdog_thread``, the decisions beside it.
 See docs/hang.md#how-hangwatchdog-works.
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,16 +20,15 @@ from rankguard.callbacks.core.errors import (
     RanksMissingError,
 )
 from rankguard.callbacks.core.events import Event, EventFacts
-from rankguard.callbacks.core.guard import Guard
+from rankguard.callbacks.core.guard import Guard, MetricSink
 from rankguard.callbacks.core.settings import (
     check_choice,
     check_int,
     check_positive,
     check_seconds,
 )
-from rankguard.callbacks.core.side_channel import own_missing_ranks
-from rankguard.callbacks.core.step_log import SUBPHASES, Entry
-from rankguard.callbacks.hang import deadlines as policy
+from rankguard.callbacks.core.side_channel import SideChannel, own_missing_ranks
+from rankguard.callbacks.core.step_log import Entry, StepLog
 from rankguard.callbacks.hang.calibration import (
     KIND_LABELS,
     MIN_SAMPLES,
@@ -37,19 +36,19 @@ from rankguard.callbacks.hang.calibration import (
     save_estimate_s,
 )
 from rankguard.callbacks.hang.deadlines import DEFAULT_DEADLINES
-from rankguard.callbacks.hang.history import History
+from rankguard.callbacks.hang.heartbeats import HeartbeatReader
+from rankguard.callbacks.hang.incident_state import IncidentState
 from rankguard.callbacks.hang.job import RESTART_ENV, attempt_dir, process_group_timeout
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck
-from rankguard.callbacks.hang.phases import Beat, ClosestCall, Decision, PhaseTracker
-from rankguard.callbacks.hang.stacks import library_paths
+from rankguard.callbacks.hang.phases import Beat, ClosestCall, Decision
 from rankguard.callbacks.hang.status import DEADLOCK_EXIT_CODE, HANG_EXIT_CODE
 from rankguard.callbacks.hang.stop import StopAgreement, check_signals
 from rankguard.callbacks.hang.verdict_text import NAMES_DECISION
-from rankguard.callbacks.hang.waits import WaitTracker
+from rankguard.callbacks.hang.watchdog_settings import DEFAULT_PERIOD_S, FITTED, WatchdogSettings
 from rankguard.callbacks.hang.watchdog_thread import CONFIRM_AFTER_S as CONFIRM_AFTER_S
-from rankguard.callbacks.hang.watchdog_thread import DEFAULT_PERIOD_S, WatchdogThread
 from rankguard.callbacks.hang.watchdog_thread import PROBE_PERIOD_S as PROBE_PERIOD_S
 from rankguard.callbacks.hang.watchdog_thread import READ_PERIOD_S as READ_PERIOD_S
+from rankguard.callbacks.hang.watchdog_thread import WatchdogThread
 
 __all__ = [
     "DEADLOCK_EXIT_CODE",
@@ -82,13 +81,13 @@ def _num_params(model: Any) -> int | None:
         return None
 
 
-def _heartbeat_handler(event: str) -> Callable[[HangWatchdog, EventFacts], None]:
+def _heartbeat_handler(event: Event) -> Callable[[HangWatchdog, EventFacts], None]:
     """The ``on_<event>`` handler of an event the watchdog only records a heartbeat for."""
 
     def handler(self: HangWatchdog, facts: EventFacts) -> None:
         self._heartbeat(event, facts)
 
-    handler.__name__ = handler.__qualname__ = f"on_{event}"
+    handler.__name__ = handler.__qualname__ = f"on_{event.value}"
     handler.__doc__ = "Records a heartbeat."
     return handler
 
@@ -218,7 +217,6 @@ class HangWatchdog(Guard):
         stop_signals: list[str] | tuple[str, ...] = ("SIGTERM",),
         stop_grace_s: float = 20.0,
     ) -> None:
-        super().__init__()
         given = {
             "timeout_s": timeout_s,
             "eval_timeout_s": eval_timeout_s,
@@ -252,42 +250,102 @@ class HangWatchdog(Guard):
         self.teardown_timeout_s = check_seconds("teardown_timeout_s", teardown_timeout_s)
         self.stop_signals = check_signals(stop_signals)
         self.stop_grace_s = check_positive("stop_grace_s", stop_grace_s)
+        self.exchange_timeout_s = max(2.0, self.exchange_period_s)
+        #: What the heartbeats say: the step log (the per-step events, and the others this
+        #: guard appends) and what is read from it, by the watchdog thread.
+        self.heartbeats = self._new_heartbeats()
+        super().__init__()
         self.stop_agreement = StopAgreement(
             self.stop_signals, self.stop_grace_s, self._next_boundary
         )
-        self._libraries = library_paths()
-        self.history = IntervalHistory()
-        # What the heartbeats say: the step log's entries (the per-step events, and the
-        # others this guard appends), fed by the watchdog thread (_derive, read_steps).
-        self._phases = PhaseTracker(
-            self.history, measure=self.auto_calibrate, warmup=self.warmup_steps
-        )
-        self._waits = WaitTracker(self._libraries)
-        # What the rank ran lately, batch by batch: the verdict compares it across ranks.
-        self._history = History()
-        self._decision_probe: Any = None  # the adapter's, from FIT_START
-        self.exchange_timeout_s = max(2.0, self.exchange_period_s)
-        self.incidents = 0
-        self.ceilings_reached = 0
-        self.last_incident: HangDetectedError | None = None
-        self._restored = False  # the history came from a checkpoint
-        self._save_estimate: float | None = None
         self._release_owner = _no_owner
-        self._words: dict[str, Any] = {}  # the adapter's words for its decisions
-        # The thread, its deadlines and incident state, its reports and exit.
-        self._watch = WatchdogThread(self)
+        self._incident = IncidentState()
+        # The thread, its deadlines, its reports and exit.
+        self._watch = self._new_thread()
         self._reset()
 
-    @property
-    def ceilings(self) -> dict[str, float]:
-        """Configured (or NCCL-fitted) deadline per phase kind: stage 2."""
-        return policy.ceilings(
-            first_step_timeout_s=self.first_step_timeout_s,
+    def _new_heartbeats(self) -> HeartbeatReader:
+        """The reader of this guard's step log (before ``Guard.__init__`` gives it the log)."""
+        return HeartbeatReader(measure=self.auto_calibrate, warmup=self.warmup_steps)
+
+    def _new_thread(self) -> WatchdogThread:
+        """The watchdog's thread (not started), on this guard's settings and heartbeats."""
+        return WatchdogThread(
+            self.name,
+            self.current_settings(),
+            self.heartbeats,
+            self._incident,
+            warn_once=self.warn_once,
+            stop_agreement=self.stop_agreement,
+        )
+
+    def current_settings(self) -> WatchdogSettings:
+        """The settings as they are now, frozen: what the watchdog's thread reads."""
+        return WatchdogSettings(
             timeout_s=self.timeout_s,
             eval_timeout_s=self.eval_timeout_s,
             post_eval_timeout_s=self.post_eval_timeout_s,
             checkpoint_timeout_s=self.checkpoint_timeout_s,
+            first_step_timeout_s=self.first_step_timeout_s,
+            action=self.action,
+            abort_at=self.abort_at,
+            report_dir=self.report_dir,
+            exchange_period_s=self.exchange_period_s,
+            exchange_timeout_s=self.exchange_timeout_s,
+            auto_calibrate=self.auto_calibrate,
+            warmup_steps=self.warmup_steps,
+            calibration_factor=self.calibration_factor,
+            floor_s=self.floor_s,
+            deadlock_action=self.deadlock_action,
+            deadlock_after_s=self.deadlock_after_s,
+            collective_mismatch=self.collective_mismatch,
+            teardown_timeout_s=self.teardown_timeout_s,
+            defaulted=frozenset(self.defaulted),
         )
+
+    def _adopt(self, settings: WatchdogSettings) -> None:
+        """Keeps the values the watchdog fitted to the job (``FITTED``) as this guard's."""
+        for name in FITTED:
+            setattr(self, name, getattr(settings, name))
+
+    @property
+    def steps(self) -> StepLog:
+        """The step log this guard's events go to (the runner's): its heartbeats' to read."""
+        return self.heartbeats.steps
+
+    @steps.setter
+    def steps(self, steps: StepLog) -> None:
+        self.heartbeats.steps = steps
+
+    @property
+    def history(self) -> IntervalHistory:
+        """The intervals seen per phase, which calibrate the deadlines."""
+        return self.heartbeats.intervals
+
+    @property
+    def incidents(self) -> int:
+        """Incidents reported by this rank so far."""
+        return self._incident.incidents
+
+    @property
+    def ceilings_reached(self) -> int:
+        """Incidents that reached stage 2 on this rank."""
+        return self._incident.ceilings_reached
+
+    @property
+    def last_incident(self) -> HangDetectedError | None:
+        """The last report as a :class:`HangDetectedError`, or ``None``."""
+        return self._incident.last_incident
+
+    def bind(self, channel: SideChannel, log_metrics: MetricSink | None = None) -> None:
+        """Gives the guard its side channel and metric sink (at FIT_START), and its thread."""
+        super().bind(channel, log_metrics)
+        self._watch.channel = channel
+
+    @property
+    def ceilings(self) -> dict[str, float]:
+        """Configured (or NCCL-fitted) deadline per phase kind: stage 2."""
+        return self.current_settings().ceilings
 
     @property
     def deadlines(self) -> dict[str, float]:
@@ -297,24 +355,23 @@ class HangWatchdog(Guard):
     @property
     def closest_call(self) -> ClosestCall | None:
         """The healthy interval closest to its deadline since fit start, or ``None``."""
-        return self._phases.closest_call
+        return self.heartbeats.phases.closest_call
 
     @property
     def _beat(self) -> Beat | None:
-        return self._phases.beat
+        return self.heartbeats.beat
 
     def _reset(self) -> None:
         self._watch.reset()
-        self._phases.reset()
+        self.heartbeats.reset()
         self._wake_at = 1  # the next train batch ended after which the thread exchanges at once
         self.due = 1  # the first train batch's start: on_due
-        self._waits.wait = None
 
     # -- checkpoint state ---------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The calibration (recent intervals per phase), saved with checkpoints."""
-        self._derive()
+        self.heartbeats.read_step_log()
         if not self.auto_calibrate or not any(self.history.snapshot().values()):
             return {}
         return {"calibration": self.history.state_dict()}
@@ -322,44 +379,15 @@ class HangWatchdog(Guard):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores the calibration of a checkpoint: the resumed job starts calibrated."""
         if state and self.auto_calibrate:
-            self._restored = self.history.load_state_dict(state.get("calibration", {}))
+            self.heartbeats.restored = self.history.load_state_dict(state.get("calibration", {}))
 
     # -- heartbeats (main thread) and reading them (watchdog thread, or main at fit end) --
 
-    def _heartbeat(self, event: str, facts: EventFacts) -> None:
+    def _heartbeat(self, event: Event, facts: EventFacts) -> None:
         """Records a heartbeat of an event that is not per step in the step log."""
-        self.steps.append(event, facts)
+        self.steps.append(event.value, facts)
         if self._watch.thread is None:
             self._start()
-
-    def _issuing_phase(self) -> tuple[str, int, int | None] | None:
-        """The training thread's phase as it issues a collective: its last event, step, batch.
-
-        Read by the record of collectives for what DDP and FSDP issue (once per forward and
-        per FSDP collective): the step log's newest entry that is not a batch's part (a
-        backward, an optimizer step: the batch's own entry names its phase), else the last
-        one read.
-        """
-        entries = self.steps.entries
-        for back in range(1, len(entries) + 1):
-            try:
-                _, event, step, batch_index, _, _ = entries[-back]
-            except IndexError:  # drained meanwhile
-                break
-            if event not in SUBPHASES:
-                return event, step, batch_index
-        beat = self._phases.beat  # none left unread: the newest is the beat read
-        return None if beat is None else (beat.event, beat.step, beat.batch_index)
-
-    def _derive(self) -> None:
-        """Reads the step log now (this guard's part: :meth:`read_steps`).
-
-        The watchdog thread calls it before it reads what the heartbeats say (at
-        least every :data:`READ_PERIOD_S` between exchanges, every :data:`PROBE_PERIOD_S`
-        while the loop makes no progress); the main thread at
-        fit end, at a checkpoint save and when it stops the thread.
-        """
-        self.steps.drain()
 
     def read_steps(self, entries: list[Entry]) -> None:
         """Reads the step log (under its lock): :class:`PhaseTracker`, then :class:`History`.
@@ -367,10 +395,9 @@ class HangWatchdog(Guard):
         After the first train batch, and once calibrated, the thread is woken to
         exchange at once (:meth:`_exchange_now`).
         """
-        self._phases.read(entries, self._watch.deadline_s)
-        self._history.read(entries)
-        self._watch.entries.extend(entries)
-        if self._wake_at and self._phases.steps_done >= self._wake_at:
+        heartbeats = self.heartbeats
+        heartbeats.read(entries, self._watch.deadline_s)
+        if self._wake_at and heartbeats.phases.steps_done >= self._wake_at:
             self._exchange_now()
 
     def on_fit_start(self, facts: EventFacts) -> None:
@@ -379,12 +406,13 @@ class HangWatchdog(Guard):
             self._watch.thread = None  # it ended with the previous fit
         self._reset()
         params = _num_params(facts.model) if facts.model is not None else None
-        self._save_estimate = None if params is None else save_estimate_s(params, self.floor_s)
-        self._decision_probe = facts.decision_probe
-        self._words = dict(facts.split_decisions)
-        self._history.announces = tuple(facts.phases)  # read from the fit_start entry on
+        heartbeats = self.heartbeats
+        heartbeats.save_estimate = None if params is None else save_estimate_s(params, self.floor_s)
+        heartbeats.decision_probe = facts.decision_probe
+        heartbeats.split_decisions = dict(facts.split_decisions)
+        heartbeats.history.announces = tuple(facts.phases)  # read from the fit_start entry on
         self.stop_agreement.reset(self.channel)  # an adapter that ends its loop on it installs it
-        self._heartbeat("fit_start", facts)
+        self._heartbeat(Event.FIT_START, facts)
 
     def _next_boundary(self) -> int | None:
         """The first step boundary the loop can still reach: one past the steps it ended.
@@ -393,18 +421,18 @@ class HangWatchdog(Guard):
         loop inside batch ``n`` (``n`` steps ended) reaches ``n + 1`` next; one between
         batches may reach ``n`` first, and runs on to ``n + 1`` (a step more, never less).
         """
-        self._derive()
-        beat = self._beat
-        if beat is None or beat.kind == "done":
+        heartbeats = self.heartbeats
+        heartbeats.read_step_log()
+        if heartbeats.beat is None or heartbeats.fit_ended:
             return None
-        return self._phases.steps_done + 1
+        return heartbeats.phases.steps_done + 1
 
     # Most events only record a heartbeat: one handler each, documented once.
-    on_epoch_start = _heartbeat_handler("epoch_start")
-    on_eval_start = _heartbeat_handler("eval_start")
-    on_eval_batch_start = _heartbeat_handler("eval_batch_start")
-    on_eval_batch_end = _heartbeat_handler("eval_batch_end")
-    on_epoch_end = _heartbeat_handler("epoch_end")
+    on_epoch_start = _heartbeat_handler(Event.EPOCH_START)
+    on_eval_start = _heartbeat_handler(Event.EVAL_START)
+    on_eval_batch_start = _heartbeat_handler(Event.EVAL_BATCH_START)
+    on_eval_batch_end = _heartbeat_handler(Event.EVAL_BATCH_END)
+    on_epoch_end = _heartbeat_handler(Event.EPOCH_END)
 
     def on_due(self, batches: int) -> None:
         """At the start of the batch after a wake point: wakes the thread, which reads the log.
@@ -439,29 +467,26 @@ class HangWatchdog(Guard):
         """
         calibrated = self._wake_points()[1]
         self._wake_at = calibrated if self._wake_at < calibrated else 0
-        if threading.current_thread() is self._watch.thread:
-            self._watch.read_wake = True  # its sleep ends at once; the next status clears it
-        else:
-            self._watch.wake.set()
+        self._watch.exchange_soon()
 
     def on_eval_end(self, facts: EventFacts) -> None:
         """Records a heartbeat; the after-eval deadline applies until the next data fetch."""
-        self._heartbeat("eval_end", facts)
+        self._heartbeat(Event.EVAL_END, facts)
 
     def on_checkpoint_save_start(self, facts: EventFacts) -> None:
         """Records a heartbeat; the checkpoint deadline applies."""
-        self._phases.decisions["save"] = Decision(True, facts.step)
-        self._heartbeat("checkpoint_save_start", facts)
+        self.heartbeats.phases.decisions["save"] = Decision(True, facts.step)
+        self._heartbeat(Event.CHECKPOINT_SAVE_START, facts)
 
     def on_checkpoint_save_end(self, facts: EventFacts) -> None:
         """Records a heartbeat."""
-        self._phases.decisions.pop("save", None)
-        self._heartbeat("checkpoint_save_end", facts)
+        self.heartbeats.phases.decisions.pop("save", None)
+        self._heartbeat(Event.CHECKPOINT_SAVE_END, facts)
 
     def on_fit_end(self, facts: EventFacts) -> None:
         """Records the end of fit: no deadline from here on; tells the other ranks at once."""
-        self._heartbeat("fit_end", facts)
-        self._derive()
+        self._heartbeat(Event.FIT_END, facts)
+        self.heartbeats.read_step_log()
         closest = self.closest_call
         if closest is not None:
             share, kind, seconds, deadline = closest
@@ -487,8 +512,8 @@ class HangWatchdog(Guard):
         """Stops and joins the watchdog thread; safe to call twice and after an error."""
         self.stop_agreement.restore()
         self._release_owner()
-        self._derive()
-        self._watch.close(fit_ended=self._beat is not None and self._beat.kind == "done")
+        self.heartbeats.read_step_log()
+        self._watch.close(fit_ended=self.heartbeats.fit_ended)
 
     # -- metric names before a framework's reduction (the thread that reduces) -----------
 
@@ -516,7 +541,7 @@ class HangWatchdog(Guard):
             self.raise_on_every_rank(error)
 
         def names(reduced: tuple[str, ...], step: int) -> None:
-            self._phases.decisions[f"{NAMES_DECISION}{name}"] = Decision(reduced, step)
+            self.heartbeats.phases.decisions[f"{NAMES_DECISION}{name}"] = Decision(reduced, step)
 
         return ReductionCheck(
             self.channel,
@@ -543,13 +568,12 @@ class HangWatchdog(Guard):
         thread = self._watch.thread
         if error.name.startswith(f"{self.name}/") or thread is None or not thread.is_alive():
             return  # the watchdog's own exchanges, or no watchdog running: the caller's error
-        self._derive()
-        if self._watch.stop.is_set() or (self._beat is not None and self._beat.kind == "done"):
+        self.heartbeats.read_step_log()
+        if self._watch.stop.is_set() or self.heartbeats.fit_ended:
             return
-        self._watch.gave_up = (error.name, tuple(error.missing), error.timeout_s)
-        self._watch.wake.set()  # exchange statuses now
+        self._watch.give_up((error.name, tuple(error.missing), error.timeout_s))
         limit = self.exchange_period_s + 3 * self.exchange_timeout_s + 10.0
-        if self._watch.ended.wait(limit) and self.last_incident is not None:
+        if self._incident.ended.wait(limit) and self.last_incident is not None:
             raise HangDetectedError(str(self.last_incident)) from error
         raise HangDetectedError(
             f"Hang: {error} The hang watchdog could not confirm it within {limit:.0f} s (the "
@@ -559,7 +583,7 @@ class HangWatchdog(Guard):
     # -- the watchdog thread (watchdog_thread.py) ---------------------------------------
 
     def _start(self) -> None:
-        self._watch.prepare()
+        self._adopt(self._watch.prepare(self.current_settings(), self.channel))
         self._release_owner = own_missing_ranks(self._own_missing)
         self._watch.launch()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
+from rankguard.callbacks.core.events import Event
 from rankguard.callbacks.core.step_log import (
     BACKWARD,
     BACKWARD_END,
@@ -202,10 +203,10 @@ class History:
 
         Returns the backward whose window's end is not known yet (none after a new fit).
         """
-        if event == "fit_start":
+        if event == Event.FIT_START:
             self.reset()
             return None
-        if event == "epoch_start":
+        if event == Event.EPOCH_START:
             self._epoch += 1
         else:
             said = _AFTER.get(event)
@@ -219,8 +220,8 @@ class History:
 _NOW = {BACKWARD: "backward", MICROBATCH: "forward", BACKWARD_OPTIMIZER_STEP: "optimizer step"}
 #: What runs after a batch, by the heartbeat that starts it.
 _AFTER = {
-    "eval_start": "eval of {loader!r}",
-    "checkpoint_save_start": "save",
-    "epoch_end": EPOCH_END,
-    "fit_end": FIT_END,
+    Event.EVAL_START: "eval of {loader!r}",
+    Event.CHECKPOINT_SAVE_START: "save",
+    Event.EPOCH_END: EPOCH_END,
+    Event.FIT_END: FIT_END,
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from rankguard.callbacks.core.events import Event
 from rankguard.callbacks.core.step_log import (
     BATCH_END,
     BATCH_END_FETCH_START,
@@ -18,6 +19,7 @@ from rankguard.callbacks.core.step_log import (
     expand,
 )
 from rankguard.callbacks.hang.calibration import IntervalHistory
+from rankguard.callbacks.hang.kinds import Phase
 
 __all__ = ["Beat", "ClosestCall", "Decision", "PhaseTracker"]
 
@@ -30,7 +32,7 @@ class Beat(NamedTuple):
     batch_index: int | None
     loader: str | None
     at: float  # time.perf_counter()
-    kind: str  # the phase kind whose deadline applies from here ("done" after fit end)
+    kind: str  # the phase kind whose deadline applies from here (Phase.DONE after fit end)
 
 
 class ClosestCall(NamedTuple):
@@ -51,15 +53,21 @@ class Decision(NamedTuple):
 
 #: Events that end a phase after eval: back in the train loop, or a checkpoint save.
 _LEAVE_OR_END_EVAL = {
-    "eval_end": "post_eval",
-    "checkpoint_save_start": "checkpoint",
-    "data_fetch_start": "data",
-    "data_fetch_end": "train",
-    "train_batch_start": "train",
+    Event.EVAL_END: Phase.POST_EVAL,
+    Event.CHECKPOINT_SAVE_START: Phase.CHECKPOINT,
+    Event.DATA_FETCH_START: Phase.DATA,
+    Event.DATA_FETCH_END: Phase.TRAIN,
+    Event.TRAIN_BATCH_START: Phase.TRAIN,
 }
 #: The phase kind that follows each of a train step's heartbeats once a step has ended and
 #: no eval just ended (``_kind``'s answer then, with nothing for it to update).
-_STEP_KINDS = {"data_fetch_start": "data", "data_fetch_end": "train", "train_batch_start": "train"}
+_STEP_KINDS = {
+    Event.DATA_FETCH_START: Phase.DATA,
+    Event.DATA_FETCH_END: Phase.TRAIN,
+    Event.TRAIN_BATCH_START: Phase.TRAIN,
+}
+#: The events of an eval (its phase kind applies from each).
+_EVAL = (Event.EVAL_START, Event.EVAL_BATCH_START, Event.EVAL_BATCH_END)
 
 
 def _add(spans: dict[str, list[float]], kind: str, seconds: float) -> None:
@@ -127,7 +135,7 @@ class PhaseTracker:
             if event in SUBPHASES:
                 continue
             beats += 1
-            if event == "fit_start":  # a new fit: no interval from the last one
+            if event == Event.FIT_START:  # a new fit: no interval from the last one
                 self._record(spans, deadlines)
                 spans, at, self.closest_call, done, after_eval = {}, None, None, 0, False
             if at is not None and measure and done >= warmup:
@@ -145,16 +153,16 @@ class PhaseTracker:
                     if event == BATCH_END_FETCH_START:
                         done += 1
                     if measure and done >= warmup:
-                        train = spans.get("train")
+                        train = spans.get(Phase.TRAIN)
                         if train is None:
-                            spans["train"] = [0.0]
+                            spans[Phase.TRAIN] = [0.0]
                         else:
                             train.append(0.0)
-                    kind = "train" if event == FETCH_END_BATCH_START else "data"
+                    kind = Phase.TRAIN if event == FETCH_END_BATCH_START else Phase.DATA
                     continue
                 if event == BATCH_END:
                     done += 1
-                    kind = "train"
+                    kind = Phase.TRAIN
                     continue
                 usual = _STEP_KINDS.get(event)
                 if usual is not None:
@@ -205,16 +213,16 @@ class PhaseTracker:
 
     def _kind(self, event: str) -> str:
         """The phase kind after ``event``, updating steps done and after-eval."""
-        if event == "fit_end":
-            return "done"
-        if event == "train_batch_end":
+        if event == Event.FIT_END:
+            return Phase.DONE
+        if event == Event.TRAIN_BATCH_END:
             self.steps_done += 1
         if self.steps_done == 0:
-            return "startup"
-        if event in ("eval_start", "eval_batch_start", "eval_batch_end"):
+            return Phase.STARTUP
+        if event in _EVAL:
             self.after_eval = False
-            return "eval"
+            return Phase.EVAL
         if event in _LEAVE_OR_END_EVAL:
-            self.after_eval = event == "eval_end"
+            self.after_eval = event == Event.EVAL_END
             return _LEAVE_OR_END_EVAL[event]
-        return "post_eval" if self.after_eval else "train"
+        return Phase.POST_EVAL if self.after_eval else Phase.TRAIN

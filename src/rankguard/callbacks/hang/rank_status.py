@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from rankguard.callbacks.hang.deadlines import Settle
 from rankguard.callbacks.hang.history import Phases
+from rankguard.callbacks.hang.kinds import Phase
 from rankguard.callbacks.hang.phases import Beat, Decision
 from rankguard.callbacks.hang.stacks import blocked_in, called_from_user, user_frame
 from rankguard.callbacks.hang.status import LEFT_LOOP, GaveUp, RankStatus
@@ -69,7 +70,7 @@ def rank_status(
         phases: What this rank ran lately, batch by batch.
     """
     event, step, batch_index, loader, since, kind = beat
-    done = kind == "done"
+    done = kind == Phase.DONE
     status = RankStatus(
         phase=phase_label(event, step, batch_index, loader),
         step=step,

@@ -12,6 +12,7 @@ from typing import Any
 
 from rankguard.callbacks.hang.collective_compare import GroupRecord
 from rankguard.callbacks.hang.history import Phases
+from rankguard.callbacks.hang.kinds import Phase
 
 __all__ = [
     "DEADLOCK_EXIT_CODE",
@@ -36,7 +37,7 @@ DEADLOCK_EXIT_CODE = 70
 HANG_EXIT_CODE = 75
 
 #: Phase kinds, each with its own deadline. ``done`` (after fit end) has none.
-KINDS = ("startup", "train", "data", "eval", "post_eval", "checkpoint", "done")
+KINDS = tuple(Phase)
 
 #: The wait point of a rank whose fit ended (``waits_at``): it left the training loop and
 #: can never reach a rendezvous the others wait at in it.

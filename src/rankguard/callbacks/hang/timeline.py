@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rankguard.callbacks.core.events import Event
+
 __all__ = [
     "PHASE_COLORS",
     "REPORT_EVENT",
@@ -42,19 +44,19 @@ MAX_ROWS = 32
 
 #: Phase drawn for the time after each heartbeat event (until the next one).
 _PHASE_AFTER = {
-    "fit_start": "startup",
-    "epoch_start": "train",
-    "data_fetch_start": "data fetch",
-    "data_fetch_end": "train",
-    "train_batch_start": "train",
-    "train_batch_end": "train",
-    "eval_start": "eval",
-    "eval_batch_start": "eval",
-    "eval_batch_end": "eval",
-    "eval_end": "after eval",
-    "checkpoint_save_start": "checkpoint",
-    "checkpoint_save_end": "train",
-    "fit_end": "fit ended",
+    Event.FIT_START: "startup",
+    Event.EPOCH_START: "train",
+    Event.DATA_FETCH_START: "data fetch",
+    Event.DATA_FETCH_END: "train",
+    Event.TRAIN_BATCH_START: "train",
+    Event.TRAIN_BATCH_END: "train",
+    Event.EVAL_START: "eval",
+    Event.EVAL_BATCH_START: "eval",
+    Event.EVAL_BATCH_END: "eval",
+    Event.EVAL_END: "after eval",
+    Event.CHECKPOINT_SAVE_START: "checkpoint",
+    Event.CHECKPOINT_SAVE_END: "train",
+    Event.FIT_END: "fit ended",
 }
 
 #: Colour of each phase in the picture (and its legend).
@@ -157,7 +159,7 @@ def _phases(beats: list[dict]) -> list[str]:
     """The phase after each heartbeat: as :data:`_PHASE_AFTER`, startup until a step ended."""
     phases, trained = [], False
     for beat in beats:
-        trained = trained or beat["event"] == "train_batch_end"
+        trained = trained or beat["event"] == Event.TRAIN_BATCH_END
         phase = _PHASE_AFTER.get(beat["event"], "train")
         phases.append("startup" if not trained and phase == "train" else phase)
     return phases

@@ -66,7 +66,7 @@ def diagnose(
     statuses: Mapping[int, RankStatus],
     incident: Runs = (),
     suspect: str | None = None,
-    words: Mapping[str, SplitDecision] | None = None,
+    split_decisions: Mapping[str, SplitDecision] | None = None,
 ) -> Verdict:
     """The verdict on every rank's status (the ``decide`` of the status exchange, on rank 0).
 
@@ -82,15 +82,15 @@ def diagnose(
         incident: The stuck ranks of the open incident (``()`` when none): they
             stay its cause while they are past their deadline.
         suspect: :attr:`Verdict.suspect` of the previous exchange.
-        words: The adapter's words for its decisions (stop decisions and their fixes).
+        split_decisions: The adapter's words for its decisions (stop decisions and their fixes).
 
     Returns:
         A verdict whose summary reads e.g. ``"rank 1 stuck 61 s in eval batch
         3 of 'eval' (deadline 60 s); ranks 0,2,3 waiting 58 s in train batch 2001"``.
     """
-    words = words or {}
+    split_decisions = split_decisions or {}
     records = _records(statuses)
-    verdict = _stalled(statuses, incident, words, records)
+    verdict = _stalled(statuses, incident, split_decisions, records)
     if records:
         verdict = replace(verdict, mismatch=mismatch_warning(records))
     stack_key = deadlock_key(statuses)
@@ -103,14 +103,14 @@ def diagnose(
     if suspect not in keys:
         return replace(verdict, suspect=stack_key or recorded.key)  # type: ignore[union-attr]
     if stack_key is not None:  # the stack proof where it sees too: the record's lines added
-        first = odd_rank_of(statuses, words)
-        summary, details = describe_deadlock(statuses, first, words)
+        first = odd_rank_of(statuses, split_decisions)
+        summary, details = describe_deadlock(statuses, first, split_decisions)
         proof = Proof("deadlock", stack_key, summary, (*details, *record_lines(records)), first)
     else:
-        split = split_sentence(statuses, words)
+        split = split_sentence(statuses, split_decisions)
         what = (f"What split them: {split}",) if split else ()
         proof = recorded._replace(details=(*what, *recorded.details))  # type: ignore[union-attr]
-    cause = split_cause(statuses, words)  # what split them, from each rank's history
+    cause = split_cause(statuses, split_decisions)  # what split them, from each rank's history
     if cause is not None:
         summary, details = lead_with(cause, proof.kind, proof.summary, proof.details)
         proof = proof._replace(summary=summary, details=details, first=cause.first)
@@ -137,7 +137,7 @@ def _records(statuses: Mapping[int, RankStatus]) -> dict[int, tuple[GroupRecord,
 def _stalled(
     statuses: Mapping[int, RankStatus],
     incident: Runs,
-    words: Mapping[str, SplitDecision],
+    split_decisions: Mapping[str, SplitDecision],
     records: Mapping[int, Sequence[GroupRecord]],
 ) -> Verdict:
     """Healthy, slow (past a calibrated deadline) or stall (past the ceiling, or given up on).
@@ -173,7 +173,7 @@ def _stalled(
             grouped(stuck, "{who} stuck {idle:.0f} s in {phase} ({limits}{and_where})")
             + grouped(others, "{who} waiting {idle:.0f} s {in_phase}{where}")
         )
-        split = split_sentence(statuses, words)
+        split = split_sentence(statuses, split_decisions)
         details += (*where_lines(statuses), *([f"What split them: {split}"] if split else []))
         details += record_lines(records)
     first = max(stuck, key=lambda r: (stuck[r].idle_s, -r)) if stuck else None
@@ -216,7 +216,9 @@ def deadlock_key(statuses: Mapping[int, RankStatus]) -> str | None:
     return hashlib.sha1(state.encode()).hexdigest()[:16]
 
 
-def odd_rank_of(statuses: Mapping[int, RankStatus], words: Mapping[str, SplitDecision]) -> int:
+def odd_rank_of(
+    statuses: Mapping[int, RankStatus], split_decisions: Mapping[str, SplitDecision]
+) -> int:
     """The rank to look at first in a deadlock: its wait point differs from the others' usual one.
 
     A rank that left the training loop while the others wait in it comes
@@ -226,7 +228,7 @@ def odd_rank_of(statuses: Mapping[int, RankStatus], words: Mapping[str, SplitDec
     seen healthy (``usual``), and backward and rankguard's own exchanges, where
     ranks wait every step or epoch, last.
     """
-    for alone in (lambda s: s.left, lambda s: stop_of(s, words) is not None):
+    for alone in (lambda s: s.left, lambda s: stop_of(s, split_decisions) is not None):
         ranks = sorted(r for r, s in statuses.items() if alone(s))
         if ranks and len(ranks) < len(statuses):
             return ranks[0]

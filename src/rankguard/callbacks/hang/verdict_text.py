@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from rankguard.callbacks.core.events import SplitDecision
+from rankguard.callbacks.core.events import Event, SplitDecision
 from rankguard.callbacks.core.ranks import group_ranks, rank_label
 from rankguard.callbacks.hang.collective_compare import (
     UNDESCRIBED,
@@ -59,19 +59,19 @@ def phase_label(event: str, step: int, batch_index: int | None, loader: str | No
     """Renders a heartbeat as a phase a person reads, e.g. ``"eval batch 3 of 'eval'"``."""
     of = f" of {loader!r}" if loader is not None else ""
     labels = {
-        "fit_start": "fit start",
-        "epoch_start": f"epoch start at step {step}",
-        "data_fetch_start": f"data fetch for train batch {step}",
-        "data_fetch_end": f"after data fetch for train batch {step}",
-        "train_batch_start": f"train batch {step}",
-        "train_batch_end": f"after train batch {step}",
-        "eval_start": f"eval start{of}",
-        "eval_batch_start": f"eval batch {batch_index}{of}",
-        "eval_batch_end": f"after eval batch {batch_index}{of}",
-        "eval_end": f"after eval{of}",
-        "checkpoint_save_start": f"checkpoint save at step {step}",
-        "checkpoint_save_end": f"after checkpoint save at step {step}",
-        "fit_end": "fit end",
+        Event.FIT_START: "fit start",
+        Event.EPOCH_START: f"epoch start at step {step}",
+        Event.DATA_FETCH_START: f"data fetch for train batch {step}",
+        Event.DATA_FETCH_END: f"after data fetch for train batch {step}",
+        Event.TRAIN_BATCH_START: f"train batch {step}",
+        Event.TRAIN_BATCH_END: f"after train batch {step}",
+        Event.EVAL_START: f"eval start{of}",
+        Event.EVAL_BATCH_START: f"eval batch {batch_index}{of}",
+        Event.EVAL_BATCH_END: f"after eval batch {batch_index}{of}",
+        Event.EVAL_END: f"after eval{of}",
+        Event.CHECKPOINT_SAVE_START: f"checkpoint save at step {step}",
+        Event.CHECKPOINT_SAVE_END: f"after checkpoint save at step {step}",
+        Event.FIT_END: "fit end",
     }
     return labels.get(event, event.replace("_", " "))
 
@@ -157,11 +157,11 @@ def point(status: RankStatus) -> str:
 
 
 def stop_of(
-    status: RankStatus, words: Mapping[str, SplitDecision]
+    status: RankStatus, split_decisions: Mapping[str, SplitDecision]
 ) -> tuple[str, int | None] | None:
     """The stop decision this rank holds set (its name and step), or ``None``."""
     for name, value, step in status.decisions:
-        said = words.get(name)
+        said = split_decisions.get(name)
         if said is not None and said.fix is not None and value is True:
             return name, step
     return None
@@ -202,7 +202,7 @@ def _tell(name: str, value: object, step: int | None, who: str, said: SplitDecis
 
 
 def split_sentence(
-    statuses: Mapping[int, RankStatus], words: Mapping[str, SplitDecision] | None = None
+    statuses: Mapping[int, RankStatus], split_decisions: Mapping[str, SplitDecision] | None = None
 ) -> str | None:
     """The decision that split the ranks, in one sentence, where the adapters saw one.
 
@@ -213,11 +213,11 @@ def split_sentence(
     each is told. The first name whose value differs between ranks is told, the
     ranks that did it first, e.g. ``"rank 0 set stop at step 83; rank 1 did not."``
     """
-    words = words or {}
-    contexts = {w.context for w in words.values() if w.context}
+    split_decisions = split_decisions or {}
+    contexts = {w.context for w in split_decisions.values() if w.context}
     names = {name for s in statuses.values() for name, _, _ in s.decisions}
     for name in sorted(names - contexts):
-        said = words.get(name)
+        said = split_decisions.get(name)
         context = said.context if said is not None else None
         if context and len({_decision(s, context)[0] for s in statuses.values()}) > 1:
             continue  # read in different loops (training, validation): not comparable
@@ -237,7 +237,7 @@ def split_sentence(
 
 
 def describe_deadlock(
-    statuses: Mapping[int, RankStatus], first: int, words: Mapping[str, SplitDecision]
+    statuses: Mapping[int, RankStatus], first: int, split_decisions: Mapping[str, SplitDecision]
 ) -> tuple[str, tuple[str, ...]]:
     """The summary and detail lines of a deadlock proven from where every rank waits."""
     left = {r: s for r, s in statuses.items() if s.left}
@@ -260,15 +260,15 @@ def describe_deadlock(
         summary = "deadlock, every rank waits at a rendezvous the others never reach: " + (
             "; ".join(parts)
         )
-    split = split_sentence(statuses, words)
+    split = split_sentence(statuses, split_decisions)
     details = [f"What split them: {split}"] if split else []
     status = statuses[first]
-    stop = stop_of(status, words)
+    stop = stop_of(status, split_decisions)
     if first in left or stop is not None:
         did = left_at(status)
         if first not in left and stop is not None:
             did = f"set {stop[0]} at step {stop[1]}"
-        fix = words[stop[0]].fix if stop is not None else _STOP_FIX
+        fix = split_decisions[stop[0]].fix if stop is not None else _STOP_FIX
         details.append(
             f"Next: fix the stop decision of rank {first}: it {did} while the others went on, "
             "so their next collective never completes. Decide to stop on every rank alike "

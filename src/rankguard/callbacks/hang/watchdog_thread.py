@@ -1,7 +1,10 @@
 """The hang watchdog's background thread: status exchanges, calibration, reports, the exit.
 
-Owned by :class:`~rankguard.callbacks.hang.hang_watchdog.HangWatchdog`, which keeps the
-settings and the heartbeats; what decides is pure beside it (``verdict``, ``incident``).
+Owned by :class:`~rankguard.callbacks.hang.hang_watchdog.HangWatchdog`; it reads the settings
+(:mod:`~rankguard.callbacks.hang.watchdog_settings`), the heartbeats
+(:mod:`~rankguard.callbacks.hang.heartbeats`) and keeps the incident state
+(:mod:`~rankguard.callbacks.hang.incident_state`); what decides is pure beside it
+(``verdict``, ``incident``).
 """
 
 from __future__ import annotations
@@ -14,32 +17,40 @@ import socket
 import sys
 import threading
 import time
-from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from rankguard.callbacks.core.errors import HangDetectedError, RanksMissingError
 from rankguard.callbacks.core.interrupts import wait_through_signals
-from rankguard.callbacks.core.side_channel import POLLS_PER_S, notices, spread_period
+from rankguard.callbacks.core.side_channel import POLLS_PER_S, SideChannel, notices, spread_period
 from rankguard.callbacks.core.step_log import expand
-from rankguard.callbacks.hang import deadlines as policy
-from rankguard.callbacks.hang import incident
+from rankguard.callbacks.hang import deadlines, incident
 from rankguard.callbacks.hang.calibration import calibrate, describe
 from rankguard.callbacks.hang.collective_files import write_flight_recorder
 from rankguard.callbacks.hang.collectives import CollectiveRecorder
 from rankguard.callbacks.hang.deadlines import Settle
 from rankguard.callbacks.hang.fault_watch import FaultWatch
+from rankguard.callbacks.hang.heartbeats import HeartbeatReader
 from rankguard.callbacks.hang.incident import Report
+from rankguard.callbacks.hang.incident_state import IncidentState
 from rankguard.callbacks.hang.job import attempt_dir, process_group_timeout
+from rankguard.callbacks.hang.kinds import Phase
+from rankguard.callbacks.hang.phases import Beat
 from rankguard.callbacks.hang.rank_status import rank_status
 from rankguard.callbacks.hang.report import write_incident
 from rankguard.callbacks.hang.stacks import code_name
-from rankguard.callbacks.hang.status import GaveUp, RankStatus, Runs, Verdict, in_runs
+from rankguard.callbacks.hang.status import GaveUp, RankStatus
+from rankguard.callbacks.hang.stop import StopAgreement
 from rankguard.callbacks.hang.verdict import diagnose
 from rankguard.callbacks.hang.verdict_text import (
     flight_recorder_note,
     nccl_timeout_advice,
     phase_label,
+)
+from rankguard.callbacks.hang.watchdog_settings import (
+    WatchdogSettings,
+    fit_defaults_under,
+    spread_exchanges,
 )
 
 # The watchdog's logger (its name is what users filter by), shared with hang_watchdog.py.
@@ -48,7 +59,6 @@ logger = logging.getLogger("rankguard.callbacks.hang_watchdog")
 _now = time.perf_counter  # the step log's clock: heartbeats are compared with it
 
 STATUS_EXCHANGE = "hang_watchdog/status"
-HISTORY = 256  # heartbeats kept per rank for rank{N}.jsonl
 MAX_FRAMES = 64  # frames of the training loop read at each exchange
 #: While this rank makes no progress, its own stack is sampled this often (seconds).
 PROBE_PERIOD_S = 0.5
@@ -56,13 +66,6 @@ PROBE_PERIOD_S = 0.5
 #: log: a wake costs tens of µs of CPU and a read a fixed cost besides its entries', so
 #: rarer reads while training goes on make the thread's share of a step 2-3 times smaller.
 READ_PERIOD_S = 2.0
-#: ``HangWatchdog(exchange_period_s=...)``'s default (seconds).
-DEFAULT_PERIOD_S = 10.0
-#: Ranks a second whose status exchange the store serves, job-wide, at the default period
-#: (three requests each on a rank but 0): beyond 2,560 ranks the default period grows
-#: (:meth:`spread_period`). With the polls and the interval exchanges, rankguard's steady
-#: load on the store stays under 10% of its one thread at 16,384 ranks (docs/scale.md).
-STATUS_RANKS_PER_S = 256.0
 #: Ranks missing before the first verdict that this rank asks the store about, at most.
 HEARD_CHECKS = 16
 #: A deadlock seen at one exchange is confirmed by the next, this long after (seconds): ranks
@@ -85,13 +88,15 @@ class StorePolls:
     def __init__(self) -> None:
         self.reset(None)
 
-    def reset(self, channel: Any) -> None:
+    def reset(self, channel: SideChannel | None) -> None:
         """A new fit on ``channel``: nothing seen yet."""
         self.channel = channel
         self.seen = 0
         self.next_at = -math.inf
-        distributed = channel is not None and channel.is_distributed
-        self.period_s = spread_period(0.0, channel.world_size, POLLS_PER_S) if distributed else 0.0
+        if channel is None or not channel.is_distributed:
+            self.period_s = 0.0
+        else:
+            self.period_s = spread_period(0.0, channel.world_size, POLLS_PER_S)
 
     def look(self) -> bool:
         """Whether the board and the stop count need reading now (something was published).
@@ -116,23 +121,46 @@ class StorePolls:
 
 
 class WatchdogThread:
-    """The thread of one :class:`HangWatchdog` (``guard``), and the state it keeps.
+    """The thread of one hang watchdog, and the state it keeps.
 
-    ``guard`` gives the settings, the heartbeats read (its ``_phases``, ``_waits``,
-    ``history``) and the counts the thread updates (``incidents``, ``last_incident``...).
-    It is typed loosely: the guard's module imports this one.
+    Args:
+        name: The guard's name (in its log lines).
+        settings: The settings it reads (fitted to the job at :meth:`prepare`).
+        heartbeats: What this rank's heartbeats say (the guard's reader of its step log).
+        state: The incident state it changes (the guard reads its counts).
+        warn_once: The guard's warning, logged once per key.
+        stop_agreement: The preemption agreed across ranks, polled at each wake.
+
+    Attributes:
+        channel: The side channel of the fit (the guard's, given at :meth:`prepare`).
+        deadline_s: The deadline per phase kind in force (calibrated, at most the ceiling).
+        faults: The faults of one fit, as this rank sees them.
     """
 
-    def __init__(self, guard: Any) -> None:
-        self.guard = guard
+    def __init__(
+        self,
+        name: str,
+        settings: WatchdogSettings,
+        heartbeats: HeartbeatReader,
+        state: IncidentState,
+        *,
+        warn_once: Callable[..., None],
+        stop_agreement: StopAgreement,
+    ) -> None:
+        self.name = name
+        self.settings = settings
+        self.heartbeats = heartbeats
+        self.state = state
+        self.warn_once = warn_once
+        self.stop_agreement = stop_agreement
+        self.channel = SideChannel(None)
         self.thread: threading.Thread | None = None
         self.stop = threading.Event()
         self.wake = threading.Event()  # ends the thread's sleep early (fit end, close)
-        self.ended = threading.Event()  # the open incident reached stage 2
-        self.settle: Settle = policy.settle_times(guard.deadlock_after_s, guard.calibration_factor)
+        self.settle: Settle = deadlines.settle_times(
+            settings.deadlock_after_s, settings.calibration_factor
+        )
         self.recorder: CollectiveRecorder | None = None
-        self.told_mismatch: set[str] = set()
-        self.entries: deque = deque(maxlen=HISTORY)  # the last entries read: rank{N}.jsonl
         self.nccl_note = ""
         self.host = socket.gethostname()
         self.loop_thread: int | None = None  # ident of the thread that sends the events
@@ -144,66 +172,88 @@ class WatchdogThread:
 
     def reset(self) -> None:
         """A new fit: a new incident state (the calibration is kept)."""
-        self.deadline_s: dict[str, float] = self.guard.ceilings
+        self.deadline_s: dict[str, float] = self.settings.ceilings
         self.read_wake = False  # the thread read a wake point: exchange at once
-        self.incident: Runs = ()
-        self.reported = False
-        self.ended.clear()
-        self.gave_up: GaveUp | None = None
+        self.state.new_fit()
         self.told_calibrated = False
-        self.last: Verdict | None = None
         self.failures = 0
         self.faults.reset()
 
+    @property
+    def beat(self) -> Beat | None:
+        """The last heartbeat read (what :class:`FaultWatch` reads of this rank's loop)."""
+        return self.heartbeats.beat
+
+    @property
+    def libraries(self) -> tuple[str, ...]:
+        """Where library code lives (what :class:`FaultWatch` reads of this rank's frames)."""
+        return self.heartbeats.libraries
+
     # -- start and stop (the training thread) --------------------------------------------
 
-    def prepare(self) -> None:
-        """Fits the ceilings under NCCL's timeout, sets the deadlines, logs the plan."""
-        guard = self.guard
+    def prepare(self, settings: WatchdogSettings, channel: SideChannel) -> WatchdogSettings:
+        """Fits the ceilings under NCCL's timeout, sets the deadlines, logs the plan.
+
+        Returns:
+            The settings in force: ``settings`` fitted to the world size and NCCL's timeout.
+        """
         self.loop_thread = threading.get_ident()
         self.loop_thread_name = threading.current_thread().name
-        guard._derive()  # the first heartbeat: the thread reads _beat from its start
-        self.spread_period()
+        self.channel = channel
+        self.heartbeats.read_step_log()  # the first heartbeat: the thread reads beat from its start
+        settings = spread_exchanges(settings, channel, self.name)
         backend, pg_timeout = process_group_timeout()
         if backend == "nccl":
-            self.fit_defaults_under(pg_timeout)
-            detect = guard.exchange_period_s + guard.exchange_timeout_s
-            deadlines = policy.ceiling_arguments(guard.ceilings)
-            advice = nccl_timeout_advice(pg_timeout, deadlines, detect)
-            if advice and guard.channel.is_leader:
-                guard.warn_once("nccl_timeout", advice)
-            self.nccl_note = flight_recorder_note(os.environ, guard.channel.rank)
-        self.deadline_s = guard.ceilings
-        self.told_calibrated = guard._restored  # the plan below says so
+            settings = fit_defaults_under(settings, pg_timeout, self.name)
+            detect = settings.exchange_period_s + settings.exchange_timeout_s
+            arguments = deadlines.ceiling_arguments(settings.ceilings)
+            advice = nccl_timeout_advice(pg_timeout, arguments, detect)
+            if advice and channel.is_leader:
+                self.warn_once("nccl_timeout", advice)
+            self.nccl_note = flight_recorder_note(os.environ, channel.rank)
+        self.settings = settings
+        self.deadline_s = settings.ceilings
+        self.told_calibrated = self.heartbeats.restored  # the plan below says so
         self.recalibrate()
-        logger.info("rankguard %s: %s", guard.name, self.plan())
+        logger.info("rankguard %s: %s", self.name, self.plan())
         self.stop.clear()
         self.wake.clear()
+        return settings
 
     def launch(self) -> None:
         """Starts the record of collectives and the thread."""
         self._start_recorder()
-        self.thread = threading.Thread(
-            target=self._run, name=f"rankguard-{self.guard.name}", daemon=True
-        )
+        self.thread = threading.Thread(target=self.run, name=f"rankguard-{self.name}", daemon=True)
         self.thread.start()
 
     def _start_recorder(self) -> None:
         """Starts this rank's record of collectives (in the report folder), where it can."""
-        channel = self.guard.channel
+        channel = self.channel
         if self.recorder is not None or not channel.is_distributed:
             return
-        folder = attempt_dir(self.guard.report_dir, os.environ)
-        guard = self.guard
+        folder = attempt_dir(self.settings.report_dir, os.environ)
+        heartbeats = self.heartbeats
         recorder = CollectiveRecorder(
-            folder, channel.rank, guard._libraries, phase=guard._issuing_phase
+            folder, channel.rank, heartbeats.libraries, phase=heartbeats.issuing_phase
         )
         if recorder.install():
             self.recorder = recorder
 
+    def exchange_soon(self) -> None:
+        """Ends the thread's wait for its next exchange (from any thread)."""
+        if threading.current_thread() is self.thread:
+            self.read_wake = True  # its sleep ends at once; the next status clears it
+        else:
+            self.wake.set()
+
+    def give_up(self, gave_up: GaveUp) -> None:
+        """A rankguard check gave up waiting for ranks: exchange statuses now, carrying it."""
+        self.state.gave_up = gave_up
+        self.wake.set()
+
     def close(self, fit_ended: bool) -> None:
         """Stops and joins the thread (``fit_ended``: first let the last exchange end it)."""
-        guard = self.guard
+        settings = self.settings
         thread, self.thread = self.thread, None
         self.faults.leave("closed")  # its process may end now: not a rank gone
         if thread is None or thread is threading.current_thread():
@@ -216,23 +266,16 @@ class WatchdogThread:
             # together, so no rank is left waiting for a rank that already left. Until then
             # this rank's status says it left the loop: a rank that waits at a rendezvous
             # in it for its settle time proves a deadlock (the thread then ends the job).
-            limit = 2 * guard.exchange_period_s + guard.exchange_timeout_s + self.settle.stack_s
-            self._join(thread, limit)
-            training, phases = self._still_training()
+            period, timeout = settings.exchange_period_s, settings.exchange_timeout_s
+            self._join(thread, 2 * period + timeout + self.settle.stack_s)
+            training, phases = self.state.still_training(self.channel.world_size)
             if thread.is_alive() and training:
                 self.faults.left_early(training, phases)
         self.stop.set()
         self.wake.set()
         # An exchange in flight ends within its timeout (+ the followers' grace).
-        self._join(thread, 1.25 * guard.exchange_timeout_s + 7.0)
+        self._join(thread, 1.25 * settings.exchange_timeout_s + 7.0)
         self.close_recorder()
-
-    def _still_training(self) -> tuple[list[int], str]:
-        """The ranks whose fit had not ended at the last verdict, and every rank's phase then."""
-        last, world = self.last, self.guard.channel.world_size
-        if last is None or self.ended.is_set():
-            return [], ""
-        return [r for r in range(world) if not in_runs(r, last.done)], last.phases
 
     @staticmethod
     def _join(thread: threading.Thread, limit_s: float) -> None:
@@ -249,98 +292,47 @@ class WatchdogThread:
         """Restores torch.distributed; keeps the record files unless fit ended healthy."""
         recorder, self.recorder = self.recorder, None
         if recorder is not None:
-            beat = self.guard._beat
-            healthy = beat is not None and beat.kind == "done" and not self.guard.incidents
+            healthy = self.heartbeats.fit_ended and not self.state.incidents
             recorder.close(keep=not healthy)
 
     # -- deadlines ----------------------------------------------------------------------
 
-    def _settings(self) -> policy.Settings:
-        """The settings the deadline policy reads."""
-        g = self.guard
-        return policy.Settings(
-            g.auto_calibrate,
-            g.warmup_steps,
-            g.calibration_factor,
-            g.floor_s,
-            g.first_step_timeout_s,
-            g.deadlock_after_s,
-            g.action,
-            g.abort_at,
-        )
-
     def plan(self) -> str:
         """The INFO line at fit start: what is reported when, and when the job ends."""
-        g = self.guard
-        restored = self._calibrated() if g._restored else None
-        return policy.plan(g.ceilings, self._settings(), restored)
-
-    def spread_period(self) -> None:
-        """A default ``exchange_period_s`` grows with the world beyond 2,560 ranks.
-
-        Every rank's status exchange costs the store's one thread three requests: at
-        ``world_size / STATUS_RANKS_PER_S`` seconds (64 s at 16,384 ranks) the job's
-        status exchanges ask it for a bounded rate (docs/scale.md). A period the user
-        set to anything but the default stays as set.
-        """
-        g = self.guard
-        channel = g.channel
-        if g.exchange_period_s != DEFAULT_PERIOD_S or not channel.is_distributed:
-            return
-        period = spread_period(DEFAULT_PERIOD_S, channel.world_size, STATUS_RANKS_PER_S)
-        if period > g.exchange_period_s:
-            g.exchange_period_s, g.exchange_timeout_s = period, max(2.0, period)
-            logger.info(
-                "rankguard %s: `exchange_period_s` set to %.0f s for %d ranks (the job's store "
-                "serves every rank's status exchange; docs/scale.md)",
-                g.name,
-                period,
-                channel.world_size,
-            )
-
-    def fit_defaults_under(self, pg_timeout: float | None) -> None:
-        """Lowers defaulted ceilings so a hang ends before NCCL ends the job."""
-        g = self.guard
-        values = {name: getattr(g, name) for name in g.defaulted}
-        period, timeout = g.exchange_period_s, g.exchange_timeout_s
-        fitted = policy.fit_defaults_under(
-            values, g.defaulted, pg_timeout, exchange_period_s=period, exchange_timeout_s=timeout
-        )
-        for name, seconds in fitted.items():
-            setattr(g, name, seconds)
-            logger.info(
-                "rankguard %s: `%s` set to %.0f s to report before NCCL's %.0f s timeout",
-                g.name,
-                name,
-                seconds,
-                pg_timeout,
-            )
+        s = self.settings
+        restored = self._calibrated() if self.heartbeats.restored else None
+        return deadlines.plan(s.ceilings, s.deadline_policy, restored)
 
     def _calibrated(self) -> dict:
-        g = self.guard
-        factor, floor_s, save_estimate = g.calibration_factor, g.floor_s, g._save_estimate
+        s, heartbeats = self.settings, self.heartbeats
         return calibrate(
-            g.history, g.ceilings, factor=factor, floor_s=floor_s, save_estimate=save_estimate
+            heartbeats.intervals,
+            s.ceilings,
+            factor=s.calibration_factor,
+            floor_s=s.floor_s,
+            save_estimate=heartbeats.save_estimate,
         )
 
     def recalibrate(self) -> None:
         """Sets the deadlines from the intervals seen (at each status exchange)."""
-        g = self.guard
-        g._derive()
-        ready = g._restored or g._phases.steps_done >= g.warmup_steps
-        if not g.auto_calibrate or not ready:
+        s, heartbeats = self.settings, self.heartbeats
+        heartbeats.read_step_log()
+        if not s.auto_calibrate or not heartbeats.ready_to_calibrate(s.warmup_steps):
             return
-        new = policy.recalibrate(g.history, g.ceilings, self._settings(), g._save_estimate)
+        new = deadlines.recalibrate(
+            heartbeats.intervals, s.ceilings, s.deadline_policy, heartbeats.save_estimate
+        )
         if new.settle is not None:
             self.settle = new.settle
         self.deadline_s = new.deadlines
         if not self.told_calibrated and new.settle is not None:
             self.told_calibrated = True
-            step = g._beat.step if g._beat else 0
+            beat = heartbeats.beat
+            step = beat.step if beat else 0
             describe_ = describe(new.calibrated)
             logger.info(
                 "rankguard %s: calibrated at train step %d: reports past %s.",
-                g.name,
+                self.name,
                 step,
                 describe_,
             )
@@ -352,18 +344,18 @@ class WatchdogThread:
         stack = self._loop_stack()
         recorder = self.recorder
         counts = recorder.counts() if recorder is not None else ()
-        g = self.guard
-        point, wait_s = g._waits.sample(stack, _now(), g._phases.progress, counts)
+        point, wait_s = self.heartbeats.sample(stack, counts, _now())
         return stack, point, wait_s
 
     def status(self) -> RankStatus:
         """This rank's status now (built by :mod:`rankguard.callbacks.hang.rank_status`)."""
-        g = self.guard
-        g._derive()
-        beat = g._beat  # set before the thread starts
+        heartbeats = self.heartbeats
+        heartbeats.read_step_log()
+        beat = heartbeats.beat  # set before the thread starts
         stack, waits_at, wait_s = self._sample()
-        self._probe_decisions()
-        progress = g._phases.progress
+        heartbeats.probe_decisions(self.name)
+        phases = heartbeats.phases
+        progress = phases.progress
         return rank_status(
             beat,
             stack,
@@ -371,33 +363,22 @@ class WatchdogThread:
             wait_s,
             now=_now(),
             deadlines=self.deadline_s,
-            ceilings=g.ceilings,
+            ceilings=self.settings.ceilings,
             settle=self.settle,
-            libraries=g._libraries,
+            libraries=heartbeats.libraries,
             host=self.host,
             pid=os.getpid(),
-            gave_up=self.gave_up,
+            gave_up=self.state.gave_up,
             progress=progress,
-            usual=g._waits.is_usual(progress),
-            decisions=dict(g._phases.decisions),
-            record=self._collectives(),
+            usual=heartbeats.waits.is_usual(progress),
+            decisions=dict(phases.decisions),
+            record=self.collectives(),
             quiet_s=self._quiet_s(),
             loop_thread=self.loop_thread_name,
-            phases=g._history.phases(),
+            phases=heartbeats.history.phases(),
         )
 
-    def _probe_decisions(self) -> None:
-        """Reads the adapter's decisions now (watchdog thread, at each status): never raises."""
-        g = self.guard
-        probe, beat = g._decision_probe, g._beat
-        if probe is None or beat is None:
-            return
-        try:
-            g._phases.update_decisions(probe(), beat.step)
-        except Exception as exc:  # a framework's state read from another thread
-            logger.debug("rankguard %s: decision probe failed: %s", g.name, exc)
-
-    def _collectives(self) -> tuple:
+    def collectives(self) -> tuple:
         """This rank's record of collectives for its status; ``()`` if it cannot be read."""
         recorder = self.recorder
         if recorder is None:
@@ -405,12 +386,12 @@ class WatchdogThread:
         try:
             return recorder.snapshot()
         except Exception as exc:  # the record must never cost the status exchange
-            logger.debug("rankguard %s: collective record unreadable: %s", self.guard.name, exc)
+            logger.debug("rankguard %s: collective record unreadable: %s", self.name, exc)
             return ()
 
     def _quiet_s(self) -> float:
         """How long this rank has made no progress and issued no collective (as sampled)."""
-        return self.guard._waits.quiet_s(_now()) if self.recorder is not None else 0.0
+        return self.heartbeats.quiet_s(_now()) if self.recorder is not None else 0.0
 
     def _loop_stack(self) -> list[tuple[str, int, str]]:
         """The training loop thread's frames (innermost first), read from the watchdog thread."""
@@ -423,31 +404,34 @@ class WatchdogThread:
 
     # -- the exchange loop ---------------------------------------------------------------
 
-    def _run(self) -> None:
-        g = self.guard
-        channel = g.channel
+    def run(self) -> None:
+        """The thread's loop: a status exchange each period, its verdict acted on, until stopped."""
+        channel, state, heartbeats = self.channel, self.state, self.heartbeats
         self.faults.start()
         self.polls.reset(channel)
         while not self.stop.is_set():
             self._poll()
             self.recalibrate()
-            suspect = self.last.suspect if self.last is not None else None
+            suspect = state.last.suspect if state.last is not None else None
             decide = functools.partial(
-                diagnose, incident=self.incident, suspect=suspect, words=g._words
+                diagnose,
+                incident=state.runs,
+                suspect=suspect,
+                split_decisions=heartbeats.split_decisions,
             )
             try:
                 status = self.status()
                 self.read_wake = False  # a wake point read so far: this status tells it
                 verdict = channel.exchange(
-                    STATUS_EXCHANGE, status, decide, timeout_s=g.exchange_timeout_s
+                    STATUS_EXCHANGE, status, decide, timeout_s=self.settings.exchange_timeout_s
                 )
             except RanksMissingError as missing:
                 self.failures += 1
                 self._on_missing(missing.missing)
                 continue  # the exchange itself waited; ask again at once
             except Exception as exc:
-                if not self.stop.is_set() and g._beat.kind != "done":
-                    g.warn_once("exchange", "status exchange failed (%s); retrying.", exc)
+                if not self.stop.is_set() and not heartbeats.fit_ended:
+                    self.warn_once("exchange", "status exchange failed (%s); retrying.", exc)
                     self._store_failed(exc)
                 self._sleep()
                 continue
@@ -455,18 +439,17 @@ class WatchdogThread:
             self.store_failed_at = None
             self.faults.after_exchange()
             confirm = verdict.suspect is not None and (
-                self.last is None or self.last.suspect != verdict.suspect
+                state.last is None or state.last.suspect != verdict.suspect
             )
-            self.last = verdict
-            leader = channel.is_leader
-            state, told = self._state(), self.told_mismatch
+            state.last = verdict
+            leader, policy_ = channel.is_leader, self.settings.incident_policy
             for step in incident.after_verdict(
-                verdict, state, self._policy(), leader=leader, told=told
+                verdict, state.decided, policy_, leader=leader, told=state.told_mismatch
             ):
                 self._act(step)
             if verdict.done == ((0, channel.world_size - 1),):
                 return  # every rank's fit ended: every thread ends after this same exchange
-            if g._beat.kind == "done":
+            if heartbeats.fit_ended:
                 # This rank left the loop, the others not yet: meet their next exchange (it
                 # waits for them, at no cost to their steps) until they end fit or a verdict.
                 continue
@@ -477,7 +460,7 @@ class WatchdogThread:
 
     def _sleep(self) -> None:
         """Waits for the next exchange; sooner when this rank's loop settles at a rendezvous."""
-        until = _now() + self.guard.exchange_period_s
+        until = _now() + self.settings.exchange_period_s
         while not self.wake.is_set() and not self.read_wake:
             left = until - _now()
             if left <= 0 or self.wake.wait(min(left, self._probe_period())):
@@ -495,7 +478,7 @@ class WatchdogThread:
         """
         fresh = self.polls.look()
         self.faults.check(read_board=fresh)
-        self.guard.stop_agreement.poll(notified=fresh)
+        self.stop_agreement.poll(notified=fresh)
 
     def _probe_period(self) -> float:
         """:data:`READ_PERIOD_S` while the loop makes progress, else :data:`PROBE_PERIOD_S`.
@@ -503,8 +486,8 @@ class WatchdogThread:
         The last read's newest heartbeat tells: a loop that came to wait at a rendezvous
         just after it is sampled at the next wake, so it settles at most a read period later.
         """
-        beat = self.guard._beat
-        if beat is not None and beat.kind != "done" and _now() - beat.at < PROBE_PERIOD_S:
+        beat = self.heartbeats.beat
+        if beat is not None and beat.kind != Phase.DONE and _now() - beat.at < PROBE_PERIOD_S:
             return READ_PERIOD_S
         return PROBE_PERIOD_S
 
@@ -514,53 +497,46 @@ class WatchdogThread:
         Cheap while training goes on: the stack is read only once no heartbeat
         came for a probe period.
         """
-        g = self.guard
-        g._derive()
-        beat = g._beat
-        if beat is None or beat.kind == "done" or self.ended.is_set():
+        heartbeats = self.heartbeats
+        heartbeats.read_step_log()
+        beat = heartbeats.beat
+        if beat is None or beat.kind == Phase.DONE or self.state.ended.is_set():
             return False
         if _now() - beat.at < PROBE_PERIOD_S:
             return False
         _, point, wait_s = self._sample()
         quiet_s = self._quiet_s() if self.recorder is not None else None
-        return g._waits.exchange_early(point, wait_s, quiet_s, self.settle, _now())
+        return heartbeats.settled(point, wait_s, quiet_s, self.settle, _now())
 
     # -- incidents: the state machine is incident.py's; here its steps are performed -----
 
     def _store_failed(self, exc: Exception) -> None:
         """An exchange failed outright: past the slack a rank may go silent, the store is gone."""
-        g, now = self.guard, _now()
+        s, last, now = self.settings, self.state.last, _now()
         if self.store_failed_at is None:
             self.store_failed_at = now
-        slack = g.first_step_timeout_s if self.last is None else self.last.slack_s
+        slack = s.first_step_timeout_s if last is None else last.slack_s
         failed_s = now - self.store_failed_at
-        if failed_s > max(slack, 3 * g.exchange_timeout_s):
+        if failed_s > max(slack, 3 * s.exchange_timeout_s):
             self.faults.store_gone(failed_s, exc)
 
-    def _policy(self) -> incident.Policy:
-        g = self.guard
-        return incident.Policy(g.action, g.abort_at, g.deadlock_action, g.collective_mismatch)
-
-    def _state(self) -> incident.State:
-        return incident.State(self.reported, self.ended.is_set())
-
     def _on_missing(self, missing: list[int]) -> None:
-        g = self.guard
+        s, state = self.settings, self.state
         self.faults.check()  # a rank that raised is missing for that reason
-        waited = g.exchange_period_s + self.failures * g.exchange_timeout_s
-        if self.stop.is_set() or g._beat.kind == "done":
+        waited = s.exchange_period_s + self.failures * s.exchange_timeout_s
+        if self.stop.is_set() or self.heartbeats.fit_ended:
             return
         report = incident.after_missing(
             missing,
-            rank=g.channel.rank,
+            rank=self.channel.rank,
             waited_s=waited,
-            last=self.last,
-            first_step_s=g.first_step_timeout_s,
-            gave_up=self.gave_up,
-            state=self._state(),
-            policy=self._policy(),
-            silent=policy.liveness(g.exchange_period_s, g.exchange_timeout_s),
-            heard=None if self.last is not None else self._heard(missing),
+            last=state.last,
+            first_step_s=s.first_step_timeout_s,
+            gave_up=state.gave_up,
+            state=state.decided,
+            policy=s.incident_policy,
+            silent=s.liveness,
+            heard=None if state.last is not None else self._heard(missing),
         )
         if report is not None:
             self._report(report)
@@ -577,43 +553,39 @@ class WatchdogThread:
 
     def _act(self, step: incident.Step) -> None:
         """Performs one step of :func:`incident.after_verdict`."""
-        name = self.guard.name
+        name, state = self.name, self.state
         if isinstance(step, incident.Hold):
-            self.incident = step.runs
+            state.runs = step.runs
         elif isinstance(step, incident.WarnMismatch):
-            self.told_mismatch.add(step.key)
+            state.told_mismatch.add(step.key)
             logger.warning("rankguard %s: Collective mismatch: %s", name, step.text)
         elif isinstance(step, incident.Recovered):
             logger.info("rankguard %s: %s", name, incident.recovered_text(step.ended))
-            self.incident, self.reported, self.gave_up = (), False, None
-            self.ended.clear()
+            state.recovered()
         else:
             self._report(step)
 
     def _report(self, report: Report) -> None:
         """Writes this rank's report files, logs the incident, and exits where it says."""
-        g = self.guard
-        rank, status = g.channel.rank, self.status()
+        channel, state, action = self.channel, self.state, self.settings.action
+        rank, status = channel.rank, self.status()
         header = incident.header(rank, status.host, status.pid, status.phase)
-        folder = attempt_dir(g.report_dir, os.environ)
-        writes = rank == incident.writer(g.channel.world_size, report.frozen)
+        folder = attempt_dir(self.settings.report_dir, os.environ)
+        writes = rank == incident.writer(channel.world_size, report.frozen)
         text = incident.summary_text(report, self.nccl_note) if writes else None
         self.write_report(folder, status, header, text)
         if report.final or report.deadlock:
             write_flight_recorder(folder, rank)  # where the running torch keeps one
-        if not self.reported:
-            g.incidents += 1  # counted once per incident (tests wait on it)
-        self.reported = True
         where = incident.where(header, str(folder), rank, self.nccl_note)
-        g.last_incident = HangDetectedError(incident.message(report, where))
-        outcome = incident.outcome(report, g.action)
+        error = HangDetectedError(incident.message(report, where))
+        state.reported_as(error)
+        outcome = incident.outcome(report, action)
         if not report.final:
-            logger.warning("rankguard %s: %s %s", g.name, g.last_incident, outcome)
+            logger.warning("rankguard %s: %s %s", self.name, error, outcome)
             return
-        g.ceilings_reached += 1
-        self.gave_up = None
-        logger.error("rankguard %s: %s %s", g.name, g.last_incident, outcome)
-        self.ended.set()
+        state.reached_ceiling()
+        logger.error("rankguard %s: %s %s", self.name, error, outcome)
+        state.ended.set()
         if report.code is not None:
             self._abort(report.code)
 
@@ -627,14 +599,13 @@ class WatchdogThread:
         wall = time.time() - _now()  # the beats' monotonic times as wall-clock times
         beats = [
             {"t": wall + t, "event": e, "phase": phase_label(e, s, b, ld), "step": s}
-            for t, e, s, b, ld, _ in expand(list(self.entries))
+            for t, e, s, b, ld, _ in expand(list(self.heartbeats.entries))
         ]
         first_line = f"{header}, idle {status.idle_s:.1f} s"
-        guard = self.guard
         try:
             write_incident(
                 folder,
-                guard.channel.rank,
+                self.channel.rank,
                 first_line,
                 beats,
                 summary,
@@ -642,8 +613,8 @@ class WatchdogThread:
                 status=status,
             )
         except OSError as exc:
-            logger.error("rankguard %s: could not write the report: %s", guard.name, exc)
+            logger.error("rankguard %s: could not write the report: %s", self.name, exc)
 
     def _abort(self, code: int) -> None:
         """Ends this rank after a final report: the one exit path (``ending.end_process``)."""
-        self.faults.end(code, why="the verdict", window_s=self.guard.exchange_timeout_s)
+        self.faults.end(code, why="the verdict", window_s=self.settings.exchange_timeout_s)
