@@ -67,7 +67,7 @@ def test_the_watchdogs_settings_are_frozen_and_the_guard_keeps_what_was_fitted(t
     spread = spread_exchanges(settings, Channel(), watchdog.name)  # type: ignore[arg-type]
     assert settings.exchange_period_s == DEFAULT_PERIOD_S < spread.exchange_period_s
     watchdog._adopt(spread)
-    assert watchdog.exchange_period_s == watchdog.exchange_timeout_s == 32.0
+    assert watchdog.exchange_period_s == watchdog.exchange_timeout_s == 64.0
     watchdog.close()
 
 
