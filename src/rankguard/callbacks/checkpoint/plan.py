@@ -118,18 +118,21 @@ class CheckpointPlan:
         action: What to do. ``"switch_to_sharded"`` is only decided for a job
             that can be switched (the adapter's ``switch_to_sharded`` fact).
         reason: One paragraph with the numbers and the fix.
-        nodes: The per-node budget.
+        nodes: The per-node budget: every node up to :data:`TABLE_NODES`; beyond, rank 0's
+            and the tightest others (those where a save fails first), in rank order.
         note: A line under the table where its figures need one, e.g. why a
             sharded save is estimated above a full one.
+        others: The nodes not listed, summed up in one line (``""`` when every node is).
     """
 
     action: str
     reason: str
     nodes: list[NodeBudget]
     note: str = ""
+    others: str = ""
 
     def node_of(self, rank: int) -> NodeBudget | None:
-        """The budget of the node ``rank`` runs on."""
+        """The budget of the node ``rank`` runs on (``None`` where the plan does not list it)."""
         return next((n for n in self.nodes if rank in n.ranks), None)
 
     def table(self) -> str:
@@ -149,6 +152,7 @@ class CheckpointPlan:
         lines = [
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
         ]
+        lines += [self.others] if self.others else []
         return "\n".join([*lines, self.note] if self.note else lines)
 
 
@@ -200,8 +204,8 @@ def plan_save(
     Returns:
         The plan (the same on every rank).
     """
-    world = len(per_rank)
-    lead = per_rank[min(per_rank)]
+    world, first = len(per_rank), min(per_rank)
+    lead = per_rank[first]
     copied = lead.state_sharded or host_copy
     copy = 1.0 if copied else 0.0
     factor = copy + overhead
@@ -220,7 +224,7 @@ def plan_save(
     for node, ranks in groups.items():
         reported = [per_rank[r] for r in ranks if per_rank[r].available_bytes is not None]
         least = min(reported, key=lambda m: m.available_bytes or 0, default=None)
-        holders = len(ranks) if materialize == "every_rank" else int(min(per_rank) in ranks)
+        holders = len(ranks) if materialize == "every_rank" else int(first in ranks)
         full, sharded = per_copy * holders, per_shard * len(ranks)
         nodes.append(
             NodeBudget(
@@ -268,8 +272,9 @@ def plan_save(
             "state; a full save of this model, which is not sharded, copies one tensor at a "
             f"time, the largest: {format_bytes(lead.largest_bytes)}.)"
         )
+    listed, others = _listed(nodes, first)
     if all(n.fits(n.needed_bytes) for n in nodes):
-        return CheckpointPlan("ok", f"Checkpoint memory fits: {summary}.", nodes, note)
+        return CheckpointPlan("ok", f"Checkpoint memory fits: {summary}.", listed, note, others)
     shard_fits = all(n.fits(n.sharded_bytes) for n in nodes)
     fix = FIX_SHARDED.format(setting=f"`{setting}`" if setting else _registered_settings())
     sharded_need = format_bytes(max(n.sharded_bytes for n in nodes))
@@ -279,7 +284,7 @@ def plan_save(
                 f"Switching to sharded checkpoints: {summary}; a sharded save needs at most "
                 f"{sharded_need} per node."
             )
-            return CheckpointPlan("switch_to_sharded", reason, nodes, note)
+            return CheckpointPlan("switch_to_sharded", reason, listed, note, others)
         why = (
             "the model is not sharded (a sharded save needs FSDP)"
             if not lead.state_sharded
@@ -290,13 +295,40 @@ def plan_save(
             f"{sharded_need} per node), but `mode='auto'` cannot switch this job to it: {why}. "
             f"{fix}"
         )
-        return CheckpointPlan("raise", reason, nodes, note)
+        return CheckpointPlan("raise", reason, listed, note, others)
     if kind == "sharded" and replicas:
         fix = FIX_SHARD_MODEL
     elif not (kind == "full" and shard_fits):
         fix = FIX_MORE_MEMORY
     action = "warn" if mode == "warn" else "raise"
-    return CheckpointPlan(action, f"Checkpoint save will not fit: {summary}. {fix}", nodes, note)
+    reason = f"Checkpoint save will not fit: {summary}. {fix}"
+    return CheckpointPlan(action, reason, listed, note, others)
+
+
+#: Nodes a plan lists at most: every rank reads the plan and logs its table, which would
+#: otherwise grow with the nodes (2,048 rows, 230 KB to each of 16,384 ranks).
+TABLE_NODES = 16
+
+
+def _listed(nodes: list[NodeBudget], lead: int) -> tuple[list[NodeBudget], str]:
+    """Every node up to :data:`TABLE_NODES`; else rank 0's and the tightest, and a summary."""
+    if len(nodes) <= TABLE_NODES:
+        return nodes, ""
+    first = next(i for i, n in enumerate(nodes) if lead in n.ranks)
+    tight = sorted(
+        (i for i in range(len(nodes)) if i != first),
+        key=lambda i: (_available_or(nodes[i], 0) - nodes[i].needed_bytes, i),
+    )
+    keep = sorted([first, *tight[: TABLE_NODES - 1]])
+    rest = [n for i, n in enumerate(nodes) if i not in set(keep)]
+    available = [n.available_bytes for n in rest if n.available_bytes is not None]
+    least = format_bytes(min(available)) if available else "unknown"
+    others = (
+        f"... and {len(rest):,} more nodes ({sum(len(n.ranks) for n in rest):,} ranks): available "
+        f"at least {least}; full save at most {format_bytes(max(n.full_bytes for n in rest))}, "
+        f"sharded at most {format_bytes(max(n.sharded_bytes for n in rest))}"
+    )
+    return [nodes[i] for i in keep], others
 
 
 def _available_or(node: NodeBudget, default: int) -> int:

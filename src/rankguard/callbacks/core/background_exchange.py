@@ -39,15 +39,17 @@ from functools import partial
 from time import perf_counter
 from typing import Any
 
-from rankguard.callbacks.core.side_channel import SideChannel
+from rankguard.callbacks.core.side_channel import SideChannel, spread_period
 
 __all__ = [
     "AUTO_INTERVAL",
     "AUTO_INTERVAL_S",
+    "INTERVAL_RANKS_PER_S",
     "BackgroundExchange",
     "IntervalExchange",
     "PartPending",
     "Pending",
+    "auto_interval_s",
 ]
 
 # The name users filter by and recorded outputs show, kept when the module moved.
@@ -58,8 +60,23 @@ AUTO_INTERVAL = 50
 #: ... and the shortest time between them: where :data:`AUTO_INTERVAL` batches take less,
 #: the interval is the smallest multiple of it that takes this long at the pace of the
 #: last one (an exchange costs 400-550 us of CPU in a fit: at 10 ms steps, 50 batches
-#: apart, that is 10 us a step; 5 s apart, 1 us).
+#: apart, that is 10 us a step; 5 s apart, 1 us). Beyond 640 ranks it grows with the
+#: world size (:func:`auto_interval_s`).
 AUTO_INTERVAL_S = 5.0
+#: Ranks a second whose interval exchange the store serves, job-wide, at most (three
+#: requests each on a rank but 0): the shortest time between exchanges is
+#: ``max(AUTO_INTERVAL_S, world_size / INTERVAL_RANKS_PER_S)``, 128 s at 16,384 ranks.
+INTERVAL_RANKS_PER_S = 128.0
+
+
+def auto_interval_s(world_size: int) -> float:
+    """The shortest time between interval exchanges a job of ``world_size`` ranks leaves to us.
+
+    :data:`AUTO_INTERVAL_S` up to 640 ranks; beyond, one second per
+    :data:`INTERVAL_RANKS_PER_S` ranks, so that what the exchanges ask of the store's one
+    thread does not grow with the world size (docs/scale.md).
+    """
+    return spread_period(AUTO_INTERVAL_S, world_size, INTERVAL_RANKS_PER_S)
 
 
 class Pending:
@@ -202,6 +219,12 @@ class PartPending:
     def __init__(self, part: str) -> None:
         self.part = part
         self._whole: Pending | None = None  # the exchange it went in, once flushed
+        self._world = 1  # the ranks it went to (the stretch grows with them)
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`result` returns (or raises) at once: the verdict or an error is in."""
+        return self._whole is None or self._whole.done
 
     @property
     def payload(self) -> Any:
@@ -236,7 +259,7 @@ class PartPending:
 
         ``interval`` batches after ``batch`` (this one's), or after the latest batch
         any rank posted this exchange at where they differed. ``auto``: the smallest
-        multiple of ``interval`` batches that lasts :data:`AUTO_INTERVAL_S` at the
+        multiple of ``interval`` batches that lasts :func:`auto_interval_s` at the
         pace the verdict agreed (the slowest rank's over the last interval). Call it
         once the verdict or an error is in (after :meth:`result`); without a verdict,
         ``interval`` batches after ``batch``.
@@ -247,7 +270,7 @@ class PartPending:
         _, latest, pace = whole._value  # see _Verdicts
         stretch = 1
         if auto and pace:
-            stretch = max(1, math.ceil(AUTO_INTERVAL_S / (interval * pace)))
+            stretch = max(1, math.ceil(auto_interval_s(self._world) / (interval * pace)))
         return max(batch, latest) + interval * stretch
 
 
@@ -326,6 +349,7 @@ class IntervalExchange:
         )
         for _, _, pending in posted.values():
             pending._whole = whole
+            pending._world = channel.world_size
 
     def close(self) -> None:
         """Stops the thread after the exchange it runs; safe to call twice."""

@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar, NoReturn
 
-from rankguard.callbacks.core.background_exchange import IntervalExchange
+from rankguard.callbacks.core.background_exchange import IntervalExchange, PartPending, Pending
 from rankguard.callbacks.core.errors import RankGuardError
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.settings import check_choice, check_positive
@@ -123,6 +123,26 @@ class Guard:
             except Exception as exc:  # a rank that never logs it must not hold this one
                 logger.debug("rankguard %s: not every rank logged the error: %s", self.name, exc)
         raise error
+
+    def verdict_late(self, pending: Pending | PartPending | None, batches: int) -> bool:
+        """Whether ``pending``'s verdict is not in yet at train batch ``batches``.
+
+        A train batch never waits for a verdict: the store may answer slowly (a congested
+        host, a connection opened again). Then the guard acts on it at the first batch
+        it is in, and says so once, at INFO.
+        """
+        if pending is None or pending.done:
+            return False
+        if "late" not in self._warned:
+            self._warned.add("late")
+            logger.info(
+                "rankguard %s: the verdict of its exchange was not in at train batch %d (the "
+                "store answers slowly): training goes on, and it acts on the verdict at the "
+                "batch it comes",
+                self.name,
+                batches,
+            )
+        return True
 
     def warn_once(self, key: str, message: str, *args: Any) -> None:
         """Logs a warning the first time ``key`` is seen by this guard."""

@@ -9,13 +9,28 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import TypeVar
 
-__all__ = ["format_groups", "format_ranks", "group_ranks", "rank_label"]
+__all__ = [
+    "MAX_RUNS",
+    "RankSet",
+    "format_groups",
+    "format_ranks",
+    "group_ranks",
+    "rank_label",
+    "rank_runs",
+]
 
 V = TypeVar("V", bound=Hashable)
+
+#: Runs a description of ranks shows at most: a verdict that names ranks scattered over a
+#: world of 16,384 (every odd rank, say) stays a line, not 60 KB that every rank reads.
+MAX_RUNS = 16
 
 
 def format_ranks(ranks: Iterable[int]) -> str:
     """Formats a set of ranks as comma-separated runs, e.g. ``"0-3,6,8-9"``.
+
+    At most :data:`MAX_RUNS` runs are written; the others are counted:
+    ``"0,2,4,...,30 and 8,176 more (8,192 in all)"`` (without the dots).
 
     Args:
         ranks: Ranks in any order; duplicates are ignored.
@@ -36,7 +51,45 @@ def format_ranks(ranks: Iterable[int]) -> str:
             start = prev = rank
     if start is not None:
         runs.append(_run(start, prev))
-    return ",".join(runs)
+    if len(runs) <= MAX_RUNS:
+        return ",".join(runs)
+    shown = runs[:MAX_RUNS]
+    count = sum(_size(run) for run in shown)
+    return f"{','.join(shown)} and {len(ordered) - count:,} more ({len(ordered):,} in all)"
+
+
+def _size(run: str) -> int:
+    """How many ranks a run written by :func:`_run` holds."""
+    if "-" in run:
+        first, last = run.split("-")
+        return int(last) - int(first) + 1
+    return run.count(",") + 1
+
+
+def rank_runs(ranks: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """Ranks as sorted ``(first, last)`` runs: ``[0, 1, 2, 5]`` is ``((0, 2), (5, 5))``."""
+    runs: list[tuple[int, int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], rank)
+        else:
+            runs.append((rank, rank))
+    return tuple(runs)
+
+
+def _from_runs(runs: Iterable[tuple[int, int]]) -> RankSet:
+    return RankSet(r for first, last in runs for r in range(first, last + 1))
+
+
+class RankSet(frozenset):
+    """A frozenset of ranks that travels as its runs: ``{0, ..., 16383}`` pickles in a few bytes.
+
+    A verdict every rank reads that holds a set of ranks (those that kept up, those
+    missing) would otherwise grow with the world size, and each exchange with its square.
+    """
+
+    def __reduce__(self) -> tuple:
+        return (_from_runs, (rank_runs(self),))
 
 
 def _run(start: int, end: int) -> str:

@@ -325,7 +325,10 @@ class DataConsistencyGuard(Guard):
         self._pending = self._exchange.post(lambda: prints)
 
     def on_due(self, batches: int) -> None:
-        """Acts on the first batches' verdict (every rank at the same batch)."""
+        """Acts on the first batches' verdict (at the first batch it is in)."""
+        if self.verdict_late(self._pending, batches):
+            self.due = batches + 1
+            return
         self.due = math.inf
         pending, self._pending = self._pending, None
         if pending is None:  # the adapter gave no batches (or fewer than compared)

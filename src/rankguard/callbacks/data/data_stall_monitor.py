@@ -235,7 +235,7 @@ class DataStallMonitor(Guard):
 
     def on_due(self, batches: int) -> None:
         """Acts on the last verdict; at the interval's end, posts it."""
-        if self._pending is not None:
+        if self._pending is not None and not self.verdict_late(self._pending, batches):
             self._collect()
         if batches >= self._post_at:
             self._post(batches)

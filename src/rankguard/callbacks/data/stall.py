@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from rankguard.callbacks.core.ranks import rank_label
+from rankguard.callbacks.core.ranks import RankSet, rank_label
 
 __all__ = [
     "FIX",
@@ -92,7 +92,7 @@ class StallVerdict:
         slowest_rank: The rank with that fraction (-1 if none measured).
         stalled: Per stalled rank, its interval statistics.
         recovered: The ranks that are not stalled and waited at most ``threshold``
-            of their measured step time.
+            of their measured step time (a :class:`RankSet`: every rank reads it, as runs).
         others_wait_s: The median wait per batch of the ranks not stalled (of every
             rank where all are), over the interval.
     """
@@ -124,7 +124,7 @@ def stall_verdict(
     measured = {r: s.fraction for r, s in per_rank.items() if s.fraction is not None}
     slowest = max(sorted(measured), key=lambda r: measured[r], default=-1)
     stalled = {r: s for r, s in sorted(per_rank.items()) if is_stalled(s, window)}
-    recovered = frozenset(r for r, f in measured.items() if f <= threshold and r not in stalled)
+    recovered = RankSet(r for r, f in measured.items() if f <= threshold and r not in stalled)
     others = [s.wait_per_batch for r, s in per_rank.items() if r not in stalled and s.steps]
     others = others or [s.wait_per_batch for s in per_rank.values() if s.steps]
     others_wait = statistics.median(others) if others else 0.0

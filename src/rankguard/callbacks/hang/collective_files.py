@@ -17,7 +17,12 @@ from typing import Any
 
 from rankguard.callbacks.core.step_log import PAIRS
 from rankguard.callbacks.core.torch_private import flight_recorder_dumps
-from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued, Mark
+from rankguard.callbacks.hang.collective_compare import (
+    GroupRecord,
+    Issued,
+    Mark,
+    group_members,
+)
 from rankguard.callbacks.hang.stacks import describe_frame
 from rankguard.callbacks.hang.verdict_text import phase_label
 
@@ -239,7 +244,7 @@ def _groups(
         calls = [i for i in mine if isinstance(i, Issued)]
         marks = [m for m in mine if isinstance(m, Mark)]
         count = max([i.seq for i in calls] + [m.end for m in marks], default=0)
-        ranks = tuple(group["ranks"])
+        ranks = group_members(group["ranks"])
         record = group_record(
             group["name"], ranks, count, calls, marks, buckets, last=len(calls) + 8, cut=cut
         )

@@ -58,8 +58,9 @@ def race(
         if diff is None and not waiting:
             continue
         members = tuple(sorted(recs))
-        for seq in sorted({i.seq for rec in recs.values() for i in rec.last}):
-            at = {r: [i for i in recs[r].last if i.seq == seq] for r in members}
+        by_seq = {r: _by_seq(recs[r].last) for r in members}  # each record read once
+        for seq in sorted({seq for calls in by_seq.values() for seq in calls}):
+            at = {r: by_seq[r].get(seq, []) for r in members}
             threads = {i.thread for calls in at.values() for i in calls}
             if len(threads) < 2 or any(foreign(t) or not t for t in threads):
                 continue
@@ -69,6 +70,14 @@ def race(
                 counts = {r: recs[r].count for r in members}
                 return Difference(name, members, seq, "call", counts, issued)
     return None
+
+
+def _by_seq(last: Sequence[Issued]) -> dict[int, list[Issued]]:
+    """A record's last calls by their number (a number held twice: two threads raced)."""
+    calls: dict[int, list[Issued]] = {}
+    for issued in last:
+        calls.setdefault(issued.seq, []).append(issued)
+    return calls
 
 
 def _groups(records: Mapping[int, Sequence[GroupRecord]]) -> dict[str, dict[int, GroupRecord]]:

@@ -22,13 +22,19 @@ import os
 import sys
 import threading
 from _thread import get_ident
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from time import time
 from typing import Any
 
 from rankguard.callbacks.core.torch_private import ddp_logged, ddp_rebuilt, sequence_reader
-from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued, Mark
+from rankguard.callbacks.hang.collective_compare import (
+    GroupRecord,
+    Issued,
+    Mark,
+    group_members,
+    members_json,
+)
 from rankguard.callbacks.hang.collective_files import (
     DDP_FORWARD_OP,
     FAULT_SUFFIX,
@@ -59,7 +65,7 @@ from rankguard.callbacks.hang.collective_sources import (
 )
 from rankguard.callbacks.hang.stacks import code_name
 
-__all__ = ["WRAPPED", "CollectiveRecorder", "sequence_reader"]
+__all__ = ["WRAPPED", "CollectiveRecorder", "group_members", "sequence_reader"]
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +173,7 @@ class _Group:
     __slots__ = ("gid", "name", "own", "ranks", "seq")
 
     def __init__(
-        self, gid: int, name: str, ranks: tuple[int, ...], seq: Callable[[], int], own: Any
+        self, gid: int, name: str, ranks: Sequence[int], seq: Callable[[], int], own: Any
     ) -> None:
         self.gid, self.name, self.ranks, self.seq = gid, name, ranks, seq
         self.own: _OwnCount | None = own  # set when the process group keeps no count
@@ -619,14 +625,14 @@ class CollectiveRecorder:
         known = self._groups.get(id(pg))
         if known is None:
             try:
-                ranks = tuple(dist.get_process_group_ranks(pg))
+                ranks = group_members(dist.get_process_group_ranks(pg))
             except (RuntimeError, ValueError, AttributeError):
-                ranks = tuple(range(dist.get_world_size()))
+                ranks = group_members(range(dist.get_world_size()))
             name = str(getattr(pg, "group_name", len(self._groups)))
             reader = sequence_reader(pg)
             own = None if reader is not None else _OwnCount()
             known = _Group(len(self._names.groups), name, ranks, reader or own, own)
-            self._names.groups.append({"name": name, "ranks": list(ranks)})
+            self._names.groups.append({"name": name, "ranks": members_json(ranks)})
             self._groups[id(pg)] = known
             self._names.kept.append(pg)
             self._write_names()

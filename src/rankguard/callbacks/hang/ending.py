@@ -71,6 +71,11 @@ def _meet(
     says it arrived, waits for the others (not ``skip``: ranks known gone), then says
     it leaves (its last store request); rank 0 waits for those before it exits. Never
     raises: a rank late or gone is not waited for past the window.
+
+    Counted, not named: the ``n``-th rank to arrive (or leave) sets key ``n``, so a rank
+    waits on one key whatever the world size (``arrived/<ranks it expects>``), and no rank
+    reads every other rank's key (16,384 ranks each waiting on 16,383 keys ask the store
+    to look up 268 million).
     """
     if leaving is not None:
         try:
@@ -79,23 +84,24 @@ def _meet(
             logger.debug("rankguard: could not say this rank leaves: %s", exc)
     rank, world = channel.rank, channel.world_size
     skipped = {rank, *skip}
-    others = [r for r in range(world) if r not in skipped]
+    expected = 1 + sum(1 for r in range(world) if r not in skipped)  # this rank too
     base = f"{channel.prefix}/{_KEYS}"
     store = channel.store
     try:
-        store.set(f"{base}/arrived/r{rank}", b"1")
-        if others:
-            keys = [f"{base}/arrived/r{r}" for r in others]
-            store.wait(keys, timedelta(seconds=window_s))
+        arrived = store.add(f"{base}/arrived", 1)
+        store.set(f"{base}/arrived/{arrived}", b"1")
+        if expected > 1:
+            store.wait([f"{base}/arrived/{expected}"], timedelta(seconds=window_s))
     except Exception as exc:
         logger.debug("rankguard: not every rank reached the end within %g s: %s", window_s, exc)
     try:
         if not channel.is_leader:
-            store.set(f"{base}/left/r{rank}", b"1")
+            left = store.add(f"{base}/left", 1)
+            store.set(f"{base}/left/{left}", b"1")
             return
-        keys = [f"{base}/left/r{r}" for r in others if store.check([f"{base}/arrived/r{r}"])]
-        if keys:  # the ranks that arrived: each makes one last request
-            store.wait(keys, timedelta(seconds=LEAVE_WAIT_S))
+        others = store.add(f"{base}/arrived", 0) - 1  # those that arrived: each leaves once
+        if others > 0:
+            store.wait([f"{base}/left/{others}"], timedelta(seconds=LEAVE_WAIT_S))
     except Exception as exc:
         logger.debug("rankguard: the end's last store request failed: %s", exc)
 

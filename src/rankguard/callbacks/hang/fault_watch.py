@@ -88,6 +88,7 @@ class FaultWatch:
         self.board: FaultBoard | None = None
         self.local: dict[int, Process] = {}  # ranks on this node: their pids mean something
         self.published: Fault | None = None  # this rank's own fault
+        self.process: Process | None = None  # where this rank runs, as it registered
         self.handled = False
         self.cancel = threading.Event()
         self._processes_read = False
@@ -119,8 +120,9 @@ class FaultWatch:
         self._processes_read = False
         board = FaultBoard(channel)
         node = node_identity()
+        self.process = Process(node.key, os.getpid(), pid_namespace(), node.host)
         try:
-            board.register(Process(node.key, os.getpid(), pid_namespace(), node.host))
+            board.register(self.process)
         except Exception as exc:
             logger.debug("rankguard: could not register this rank's process: %s", exc)
             return None
@@ -129,17 +131,16 @@ class FaultWatch:
 
     def after_exchange(self) -> None:
         """After an exchange every rank answered: every rank registered; find this node's."""
-        board = self.board
-        if board is None or self._processes_read:
+        board, mine = self.board, self.process
+        if board is None or mine is None or self._processes_read:
             return
         self._processes_read = True
         me = board.channel.rank
-        try:
-            processes = board.processes()
+        try:  # this node's ranks only: every rank's would make it grow with the world size
+            processes = board.node_processes(mine.node)
         except Exception as exc:
             logger.debug("rankguard: could not read the ranks' processes: %s", exc)
             return
-        mine = processes[me]
         self.local = {
             rank: p
             for rank, p in processes.items()
@@ -201,13 +202,17 @@ class FaultWatch:
         )
         self._leave_store_last(board)
 
-    def check(self) -> None:
-        """Reads new faults and this node's dead peers; ends this rank on one (never raises)."""
+    def check(self, read_board: bool = True) -> None:
+        """Reads new faults and this node's dead peers; ends this rank on one (never raises).
+
+        ``read_board``: read the store's board; else only the faults read before (one
+        this rank did not act on yet) and this node's peers.
+        """
         board = self._open()
         if board is None or self.handled or self.published is not None:
             return
         try:
-            faults = board.poll()
+            faults = board.poll() if read_board else list(board.seen)
             if not faults:
                 faults = self._dead_peers()
         except Exception as exc:  # the store: a peer of this node that hosted it may be dead
@@ -287,7 +292,7 @@ class FaultWatch:
         owner, guard = self.owner, self.owner.guard
         first = root(faults)
         rank = guard.channel.rank
-        if first.rank == rank:
+        if first.rank == rank and first.by != -1:  # its own; a store gone (by -1) is not
             return
         beat = guard._beat
         if beat is not None and beat.kind != "done" and _now() - beat.at < QUIET_S:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from rankguard.callbacks.core.side_channel import notify
 from rankguard.callbacks.data.data_worker import worker_failure
 from rankguard.callbacks.hang.collective_compare import GroupRecord
 from rankguard.callbacks.hang.stacks import code_name, describe_frame, user_frame
@@ -354,6 +355,7 @@ class FaultBoard:
         store = self.channel.store
         number = store.add(self._count, 1)
         store.set(f"{self._base}/{number}", pickle.dumps(fault, protocol=pickle.HIGHEST_PROTOCOL))
+        notify(self.channel)  # the watchdogs read the board once this changes
 
     def poll(self) -> list[Fault]:
         """Every fault published so far, in order (new ones read from the store; any thread)."""
@@ -376,14 +378,29 @@ class FaultBoard:
         return any(store.check([f"{self._base}/{n}"]) for n in range(number + 1, count + 1))
 
     def register(self, process: Process) -> None:
-        """Says where this rank's process runs (once, before its first exchange)."""
+        """Says where this rank's process runs (once, before its first exchange).
+
+        Under its rank, and in its node's list (:meth:`node_processes`), so that a rank
+        reads its own node's ranks only, not every rank's.
+        """
+        store, rank = self.channel.store, self.channel.rank
         blob = pickle.dumps(process, protocol=pickle.HIGHEST_PROTOCOL)
-        self.channel.store.set(self._key("process", self.channel.rank), blob)
+        store.set(self._key("process", rank), blob)
+        number = store.add(f"{self._base}/node/{process.node}/count", 1)
+        entry = pickle.dumps((rank, process), protocol=pickle.HIGHEST_PROTOCOL)
+        store.set(f"{self._base}/node/{process.node}/{number}", entry)
 
     def registered(self, ranks: Iterable[int]) -> list[int]:
         """Those of ``ranks`` whose watchdog thread registered its process (it ran)."""
         store = self.channel.store
         return [rank for rank in ranks if store.check([self._key("process", rank)])]
+
+    def node_processes(self, node: str) -> dict[int, Process]:
+        """Where the ranks of ``node`` run (after every rank registered): two requests."""
+        store = self.channel.store
+        count = store.add(f"{self._base}/node/{node}/count", 0)
+        keys = [f"{self._base}/node/{node}/{n}" for n in range(1, count + 1)]
+        return dict(pickle.loads(blob) for blob in store.multi_get(keys)) if keys else {}
 
     def processes(self) -> dict[int, Process]:
         """Where every rank's process runs (after every rank registered)."""

@@ -47,9 +47,9 @@ from rankguard.callbacks.hang.stop import StopAgreement, check_signals
 from rankguard.callbacks.hang.verdict_text import NAMES_DECISION
 from rankguard.callbacks.hang.waits import WaitTracker
 from rankguard.callbacks.hang.watchdog_thread import CONFIRM_AFTER_S as CONFIRM_AFTER_S
+from rankguard.callbacks.hang.watchdog_thread import DEFAULT_PERIOD_S, WatchdogThread
 from rankguard.callbacks.hang.watchdog_thread import PROBE_PERIOD_S as PROBE_PERIOD_S
 from rankguard.callbacks.hang.watchdog_thread import READ_PERIOD_S as READ_PERIOD_S
-from rankguard.callbacks.hang.watchdog_thread import WatchdogThread
 
 __all__ = [
     "DEADLOCK_EXIT_CODE",
@@ -121,7 +121,9 @@ class HangWatchdog(Guard):
             abort at the ceiling) or ``"calibrated"`` (abort at the calibrated deadline).
         report_dir: Directory for the report files; must be writable.
         exchange_period_s: Time between status exchanges: a stuck rank is reported
-            within its deadline + ``exchange_period_s``.
+            within its deadline + ``exchange_period_s``. The default, 10 s, grows with
+            the world beyond 2,560 ranks (``world_size / 256`` s: 64 s at 16,384), so that
+            every rank's exchange asks the job's store for a bounded rate (docs/scale.md).
         auto_calibrate: Calibrate deadlines below the ceilings (else each
             phase's deadline is its ceiling: one stage).
         warmup_steps: Train steps before intervals are recorded.
@@ -203,7 +205,7 @@ class HangWatchdog(Guard):
         action: str = "abort",
         abort_at: str = "ceiling",
         report_dir: str = "./rankguard_reports",
-        exchange_period_s: float = 10.0,
+        exchange_period_s: float = DEFAULT_PERIOD_S,
         auto_calibrate: bool = True,
         warmup_steps: int = 10,
         calibration_factor: float = 10.0,

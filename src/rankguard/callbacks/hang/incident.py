@@ -240,6 +240,7 @@ def after_missing(
 
 def writer(world_size: int, frozen: Collection[int]) -> int:
     """The rank that writes ``summary.txt``: the lowest that still answers."""
+    frozen = set(frozen)
     return min(r for r in range(world_size) if r not in frozen)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from rankguard.callbacks.core.side_channel import notify
 from rankguard.callbacks.hang.ending import end_process
 from rankguard.callbacks.hang.status import EXIT_CODES
 
@@ -260,18 +261,23 @@ class StopAgreement:
 
     # -- the watchdog thread, once per wake ----------------------------------------------
 
-    def poll(self) -> None:
-        """Publishes this rank's signal, reads the request, claims, decides (never raises)."""
+    def poll(self, notified: bool = True) -> None:
+        """Publishes this rank's signal, reads the request, claims, decides (never raises).
+
+        ``notified``: something was published since the last poll (the channel's
+        notices changed); while no rank asked, the request count is read only then.
+        """
         try:
-            self._poll()
+            self._poll(notified)
         except Exception as exc:  # the store: the status exchange says what is wrong
             logger.debug("rankguard: stop agreement: store unreadable: %s", exc)
 
-    def _poll(self) -> None:
+    def _poll(self, notified: bool = True) -> None:
         if self._signum is not None and not self._published:
             self._publish(self._signum)
+            notified = True  # this rank's own request: read at once, as before
         if not self.requested:
-            if not self._distributed:
+            if not self._distributed or not notified:
                 return
             if self.channel.store.add(f"{self._base}/count", 0) == 0:
                 return
@@ -303,6 +309,7 @@ class StopAgreement:
         if not store.check([f"{self._base}/request"]):
             store.set(f"{self._base}/request", request.encode())
         store.add(f"{self._base}/count", 1)
+        notify(self.channel)  # the watchdogs read the count once this changes
 
     def _rank(self) -> int:
         return self.channel.rank if self.channel is not None else 0

@@ -146,9 +146,9 @@ class Timeline:
 
     def drawn_ranks(self) -> list[int]:
         """The ranks drawn, at most :data:`MAX_ROWS`: stuck ranks first, then by rank."""
-        stuck = [
+        stuck = {
             r for r, row in self.rows.items() if row.reported_at is not None and not row.blocked_in
-        ]
+        }
         rest = [r for r in sorted(self.rows) if r not in stuck]
         return (sorted(stuck) + rest)[:MAX_ROWS]
 

@@ -292,7 +292,8 @@ def describe_desync(
     """The summary and detail lines of a desync proven from what every rank issued."""
     issued = first.issued.get(odd)
     call = describe_issued(issued) if issued is not None else UNDESCRIBED
-    never = [r for r in first.members if dict(first.counts).get(r, 0) < first.seq]
+    counts = dict(first.counts)  # once: rebuilt per member, it made this the square of the world
+    never = [r for r in first.members if counts.get(r, 0) < first.seq]
     calls = {r: i for r, i in first.issued.items() if i is not None}
     what = (
         f"rank {odd} issued collective #{first.seq} of {group_label(first)}, {call}, which "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import socket
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 
 from rankguard.callbacks.core.errors import HangDetectedError, RanksMissingError
 from rankguard.callbacks.core.interrupts import wait_through_signals
+from rankguard.callbacks.core.side_channel import POLLS_PER_S, notices, spread_period
 from rankguard.callbacks.core.step_log import expand
 from rankguard.callbacks.hang import deadlines as policy
 from rankguard.callbacks.hang import incident
@@ -54,10 +56,63 @@ PROBE_PERIOD_S = 0.5
 #: log: a wake costs tens of µs of CPU and a read a fixed cost besides its entries', so
 #: rarer reads while training goes on make the thread's share of a step 2-3 times smaller.
 READ_PERIOD_S = 2.0
+#: ``HangWatchdog(exchange_period_s=...)``'s default (seconds).
+DEFAULT_PERIOD_S = 10.0
+#: Ranks a second whose status exchange the store serves, job-wide, at the default period
+#: (three requests each on a rank but 0): beyond 2,560 ranks the default period grows
+#: (:meth:`spread_period`). With the polls and the interval exchanges, rankguard's steady
+#: load on the store stays under 10% of its one thread at 16,384 ranks (docs/scale.md).
+STATUS_RANKS_PER_S = 256.0
+#: Ranks missing before the first verdict that this rank asks the store about, at most.
+HEARD_CHECKS = 16
 #: A deadlock seen at one exchange is confirmed by the next, this long after (seconds): ranks
 #: leave one collective a few milliseconds apart, so a status sampled just before one rank
 #: returned from it must not confirm it.
 CONFIRM_AFTER_S = 1.0
+
+
+class StorePolls:
+    """When the watchdog thread reads the store for a peer's fault or a stop request.
+
+    At each of its wakes (every 0.5-2 s) it looks, at most once a period that grows with
+    the world size (:func:`~rankguard.callbacks.core.side_channel.spread_period`: every
+    wake up to 512 ranks, every 16 s at 16,384), so that the job's polls stay near
+    :data:`~rankguard.callbacks.core.side_channel.POLLS_PER_S` requests a second. A look is
+    one request: the channel's notices, which every publisher of a fault or a stop
+    request bumps; the fault board and the stop count are read only once they changed.
+    """
+
+    def __init__(self) -> None:
+        self.reset(None)
+
+    def reset(self, channel: Any) -> None:
+        """A new fit on ``channel``: nothing seen yet."""
+        self.channel = channel
+        self.seen = 0
+        self.next_at = -math.inf
+        distributed = channel is not None and channel.is_distributed
+        self.period_s = spread_period(0.0, channel.world_size, POLLS_PER_S) if distributed else 0.0
+
+    def look(self) -> bool:
+        """Whether the board and the stop count need reading now (something was published).
+
+        ``False`` until a period passed since the last look. A store that cannot be read
+        says ``True``: the reads that follow find out what is wrong, as before.
+        """
+        channel = self.channel
+        if channel is None or not channel.is_distributed:
+            return True  # no store: the reads are local
+        now = _now()
+        if now < self.next_at:
+            return False
+        self.next_at = now + self.period_s
+        try:
+            count = notices(channel)
+        except Exception as exc:  # the store: the board's read says what is wrong
+            logger.debug("rankguard: notices unreadable: %s", exc)
+            return True
+        fresh, self.seen = count != self.seen, count
+        return fresh
 
 
 class WatchdogThread:
@@ -83,6 +138,7 @@ class WatchdogThread:
         self.loop_thread: int | None = None  # ident of the thread that sends the events
         self.loop_thread_name: str | None = None  # its name, as the record names threads
         self.faults = FaultWatch(self)  # a rank that raised or died
+        self.polls = StorePolls()  # when the board and the stop count are read
         self.store_failed_at: float | None = None  # the first of consecutive failed exchanges
         self.reset()
 
@@ -107,6 +163,7 @@ class WatchdogThread:
         self.loop_thread = threading.get_ident()
         self.loop_thread_name = threading.current_thread().name
         guard._derive()  # the first heartbeat: the thread reads _beat from its start
+        self.spread_period()
         backend, pg_timeout = process_group_timeout()
         if backend == "nccl":
             self.fit_defaults_under(pg_timeout)
@@ -217,6 +274,29 @@ class WatchdogThread:
         g = self.guard
         restored = self._calibrated() if g._restored else None
         return policy.plan(g.ceilings, self._settings(), restored)
+
+    def spread_period(self) -> None:
+        """A default ``exchange_period_s`` grows with the world beyond 2,560 ranks.
+
+        Every rank's status exchange costs the store's one thread three requests: at
+        ``world_size / STATUS_RANKS_PER_S`` seconds (64 s at 16,384 ranks) the job's
+        status exchanges ask it for a bounded rate (docs/scale.md). A period the user
+        set to anything but the default stays as set.
+        """
+        g = self.guard
+        channel = g.channel
+        if g.exchange_period_s != DEFAULT_PERIOD_S or not channel.is_distributed:
+            return
+        period = spread_period(DEFAULT_PERIOD_S, channel.world_size, STATUS_RANKS_PER_S)
+        if period > g.exchange_period_s:
+            g.exchange_period_s, g.exchange_timeout_s = period, max(2.0, period)
+            logger.info(
+                "rankguard %s: `exchange_period_s` set to %.0f s for %d ranks (the job's store "
+                "serves every rank's status exchange; docs/scale.md)",
+                g.name,
+                period,
+                channel.world_size,
+            )
 
     def fit_defaults_under(self, pg_timeout: float | None) -> None:
         """Lowers defaulted ceilings so a hang ends before NCCL ends the job."""
@@ -347,9 +427,9 @@ class WatchdogThread:
         g = self.guard
         channel = g.channel
         self.faults.start()
+        self.polls.reset(channel)
         while not self.stop.is_set():
-            self.faults.check()  # a rank that raised or died: this rank ends here
-            g.stop_agreement.poll()  # a preemption: every rank stops at one step
+            self._poll()
             self.recalibrate()
             suspect = self.last.suspect if self.last is not None else None
             decide = functools.partial(
@@ -402,11 +482,20 @@ class WatchdogThread:
             left = until - _now()
             if left <= 0 or self.wake.wait(min(left, self._probe_period())):
                 break
-            self.faults.check()
-            self.guard.stop_agreement.poll()
+            self._poll()
             if self._settled_at_rendezvous():
                 break
         self.wake.clear()
+
+    def _poll(self) -> None:
+        """A peer's fault (this rank ends here) and a preemption (every rank stops at one step).
+
+        This node's dead peers are looked for at every wake (``/proc``); the store is read
+        as :class:`StorePolls` says.
+        """
+        fresh = self.polls.look()
+        self.faults.check(read_board=fresh)
+        self.guard.stop_agreement.poll(notified=fresh)
 
     def _probe_period(self) -> float:
         """:data:`READ_PERIOD_S` while the loop makes progress, else :data:`PROBE_PERIOD_S`.
@@ -471,10 +560,20 @@ class WatchdogThread:
             state=self._state(),
             policy=self._policy(),
             silent=policy.liveness(g.exchange_period_s, g.exchange_timeout_s),
-            heard=None if self.last is not None else self.faults.heard(missing),
+            heard=None if self.last is not None else self._heard(missing),
         )
         if report is not None:
             self._report(report)
+
+    def _heard(self, missing: list[int]) -> list[int]:
+        """Those of ``missing`` whose watchdog ran before any verdict (one request each).
+
+        At most :data:`HEARD_CHECKS` are asked about: every rank gets the same list, and
+        thousands of ranks missing at a start (every rank asking about each) would ask the
+        store for the square of the world size. Beyond, none counts as heard: they are
+        named past the first step's slack, as ranks that never started are.
+        """
+        return self.faults.heard(missing) if len(missing) <= HEARD_CHECKS else []
 
     def _act(self, step: incident.Step) -> None:
         """Performs one step of :func:`incident.after_verdict`."""

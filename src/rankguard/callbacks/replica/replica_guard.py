@@ -153,7 +153,7 @@ class ReplicaGuard(Guard):
 
     def on_due(self, batches: int) -> None:
         """Collects the check in flight and posts the next, when due."""
-        if batches >= self._collect_at:
+        if batches >= self._collect_at and not self.verdict_late(self._pending, batches):
             self._collect()
         if batches >= self._post_at and self._layout.sets:
             self._post(batches, self.steps.step, self._every(batches))

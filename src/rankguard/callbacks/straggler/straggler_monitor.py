@@ -273,7 +273,7 @@ class StragglerMonitor(Guard):
         hooks of the modules the loop called, and from then on the hooks are on for
         the timed batches only (:meth:`_timed`).
         """
-        if batches >= self._collect_at:
+        if batches >= self._collect_at and not self.verdict_late(self._pending, batches):
             self._collect()
             if not self._on:
                 self.due = math.inf
