@@ -12,7 +12,9 @@ node, master on 127.0.0.1; see ``benchmarks/scale_worker.py``) it prints:
    time per exchange and bytes per exchange;
 3. per check (guard and event): store exchanges, bytes sent and received on
    rank 0 and on another rank, at every world size measured;
-4. least-squares fits ``y = a + b * world`` projected to 4096 ranks;
+4. least-squares fits ``y = a + b * world`` projected to 4096 ranks (straight lines
+   through small sizes, a check of growth only: ``benchmarks/store_load.py`` measures
+   1,024 to 16,384 ranks against one store);
 5. the straggler monitor's interval exchange (a background thread): the main
    thread's time at the batch that posts it and at the one that collects the
    verdict, rank 0's decide time, bytes, fitted and projected likewise.

@@ -29,7 +29,7 @@ The honest limit: every client shares this machine's cores with the server, so
 latencies include the clients' own scheduling; the server's CPU is its own.
 
 Usage: ``python benchmarks/store_load.py [--ranks 1024,4096,16384] [--json out.json]``;
-``--ranks 256`` is a quick run. A full run takes about 10 minutes on 2 cores.
+``--ranks 256`` is a quick run. A full run takes about 25 minutes on 2 cores.
 """
 
 from __future__ import annotations

@@ -210,19 +210,22 @@ def test_a_thread_client_connects_again_and_resends_the_set_the_drop_lost(caplog
     assert said[0].getMessage().endswith("); connected again")
 
 
-class _Late:
-    done = False
-
-
 def test_a_late_verdict_is_left_for_a_later_batch_and_said_once_at_info(caplog):
-    from rankguard.callbacks.core.guard import Guard
+    from rankguard.callbacks.core.background_exchange import Pending
+    from rankguard.callbacks.core.guard import LATE_AFTER_S, Guard
 
     caplog.set_level(logging.INFO, logger="rankguard")
     guard = Guard()
-    late = _Late()
+    late = Pending()
+    started = time.monotonic()
     assert guard.verdict_late(late, 61) and guard.verdict_late(late, 62)
-    late.done = True
+    assert time.monotonic() - started >= 2 * LATE_AFTER_S  # each batch waited its bound
+    late._finish("verdict")
     assert not guard.verdict_late(late, 63) and not guard.verdict_late(None, 63)
+    # A verdict that comes within the bound is waited for: every rank acts at that batch.
+    soon = Pending()
+    threading.Timer(LATE_AFTER_S / 5, soon._finish, args=("verdict",)).start()
+    assert not guard.verdict_late(soon, 64)
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         (
             "INFO",

@@ -53,6 +53,7 @@ import torch
 
 from benchmarks.launch import finish, kill_tree, signal_node, start_nodes
 from rankguard.callbacks.hang.stop import STOP_EXIT_CODE
+from tests.frameworks.stop_lines import assert_every_rank_preempted
 from tests.mp import ROOT
 
 E2E = ROOT / "tests" / "e2e"
@@ -91,10 +92,6 @@ def _saved(case: str, folder: Path, step: int) -> list[Path]:
         saved / "model_and_optim" / ".metadata",
         *(saved / "train" / f"rank{r}.pt" for r in (0, 1)),
     ]
-
-
-def _rankguard_lines(output: str, rank: int, level: str) -> list[str]:
-    return re.findall(rf"\[rank {rank}\] {level} rankguard\.\S+: (.*)", output)
 
 
 def _launch(case: str, out: Path) -> tuple[float, list[str], list[int]]:
@@ -182,13 +179,9 @@ def test_sigterm_to_node_1s_launcher_stops_every_rank_after_one_step_saved_exit_
     if replaced is not None:
         handler = rf"\[rank 1\] .*SIGTERM already had a handler \(\S*{replaced}"
         assert re.search(handler, output), output[-6000:]
-    # every rank ends through the exit path with 75; each launcher names what it saw
-    for rank in (0, 1):
-        ended = _rankguard_lines(output, rank, "INFO")
-        assert any(f"ending (preempted) with exit code {STOP_EXIT_CODE}" in e for e in ended), (
-            rank,
-            output[-6000:],
-        )
+    # every rank ends through the exit path with 75, its one WARNING the preemption's
+    assert_every_rank_preempted(output, step)
+    # each launcher names what it saw
     if case == "composer":  # each launcher names its rank's code and exits with it
         named = [dict(_COMPOSER_CODE.findall(out)) for out in outputs]
         assert named == [{"0": "75"}, {"1": "75"}], output[-6000:]
@@ -196,12 +189,4 @@ def test_sigterm_to_node_1s_launcher_stops_every_rank_after_one_step_saved_exit_
     else:  # node 1's torchrun, signalled itself, names no rank's code
         named = [dict(_TORCHRUN_CODE.findall(out)) for out in outputs]
         assert named == [{"0": "75"}, {}], output[-6000:]
-    # one WARNING per rank, the preemption's, and no rankguard ERROR
-    for rank in (0, 1):
-        (warning,) = _rankguard_lines(output, rank, "WARNING")
-        assert warning.startswith(
-            f"rankguard hang_watchdog: Preempted: SIGTERM on rank 1 at step {step}; "
-            f"every rank stops after train step {step}"
-        ), warning
-        assert _rankguard_lines(output, rank, "ERROR") == [], output[-6000:]
     print(f"{case} ({world}): every rank stopped after step {step}, {took:.1f} s after")

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from rankguard.callbacks.hang.stop import STOP_EXIT_CODE
+from tests.frameworks.stop_lines import assert_every_rank_preempted
 from tests.mp import ROOT, run_job
 
 SIGNAL_AT = 6
@@ -38,10 +39,6 @@ SIGNAL_AT = 6
 LAUNCH_TIMEOUT_S = 300
 #: The stop's grace (``stop_grace_s``'s default): every rank's fit ended within it of the signal.
 GRACE_S = 20.0
-
-
-def _rankguard_lines(output: str, rank: int, level: str) -> list[str]:
-    return re.findall(rf"\[rank {rank}\] {level} rankguard\.\S+: (.*)", output)
 
 
 @pytest.mark.framework
@@ -69,16 +66,5 @@ def test_sigterm_on_one_rank_under_composers_launcher_every_rank_saves_its_shard
     # the launcher, which stops the others once one rank exits, names 75 for those it saw end
     named = re.findall(r"Global rank (\d) \(PID \d+\) exited with code (-?\d+)", output)
     assert named and {int(code) for _, code in named} == {STOP_EXIT_CODE}, output[-6000:]
-    for rank in (0, 1):  # every rank ends through the exit path with 75
-        ended = _rankguard_lines(output, rank, "INFO")
-        assert any(f"ending (preempted) with exit code {STOP_EXIT_CODE}" in e for e in ended), (
-            rank,
-            output[-6000:],
-        )
-        (warning,) = _rankguard_lines(output, rank, "WARNING")
-        assert warning.startswith(
-            f"rankguard hang_watchdog: Preempted: SIGTERM on rank 1 at step {step}; "
-            f"every rank stops after train step {step}"
-        ), warning
-        assert _rankguard_lines(output, rank, "ERROR") == [], output[-6000:]
+    assert_every_rank_preempted(output, step)  # the exit path's 75, one WARNING, no ERROR
     print(f"composer_sharded: every rank stopped after batch {step}, {took:.1f} s after the signal")

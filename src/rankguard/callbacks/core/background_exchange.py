@@ -102,6 +102,10 @@ class Pending:
         """Whether the verdict (or an error) has arrived."""
         return self._finished
 
+    def wait(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for the verdict (or an error); whether it is in."""
+        return self._finished or self._arrived(timeout_s)
+
     def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
         self._value, self._error = value, error
         self._finished = True
@@ -225,6 +229,10 @@ class PartPending:
     def done(self) -> bool:
         """Whether :meth:`result` returns (or raises) at once: the verdict or an error is in."""
         return self._whole is None or self._whole.done
+
+    def wait(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for the exchange's verdict (or an error); whether it is in."""
+        return self._whole is None or self._whole.wait(timeout_s)
 
     @property
     def payload(self) -> Any:

@@ -42,6 +42,10 @@ ON_VIOLATION = ("raise", "warn")
 RAISE_WAIT_S = 10.0
 #: Set on the log record of an error that is then raised (a handler may leave it out).
 RAISED = "rankguard_raised"
+#: How long a train batch waits for a verdict due at it before the guard leaves it for a
+#: later batch (:meth:`Guard.verdict_late`): a healthy store answers within milliseconds;
+#: the store-fault test's 0.5 s per request is slow.
+LATE_AFTER_S = 0.5
 
 
 class Guard:
@@ -125,13 +129,15 @@ class Guard:
         raise error
 
     def verdict_late(self, pending: Pending | PartPending | None, batches: int) -> bool:
-        """Whether ``pending``'s verdict is not in yet at train batch ``batches``.
+        """Whether ``pending``'s verdict is not in at train batch ``batches``, after a short wait.
 
-        A train batch never waits for a verdict: the store may answer slowly (a congested
-        host, a connection opened again). Then the guard acts on it at the first batch
-        it is in, and says so once, at INFO.
+        A train batch waits for a verdict at most :data:`LATE_AFTER_S`: a healthy store
+        answers well within it, even on a loaded machine, so every rank acts at the same
+        batch; a store that answers slowly (a congested host, a connection opened again)
+        does not hold training. Then the guard acts on the verdict at the first batch it
+        is in, and says so once, at INFO.
         """
-        if pending is None or pending.done:
+        if pending is None or pending.wait(LATE_AFTER_S):
             return False
         if "late" not in self._warned:
             self._warned.add("late")
