@@ -291,7 +291,13 @@ def _window_sentence(
     """``"the ranks' accumulation windows differ: rank 0 ends one after 2 backward..."``."""
     n, size, _ = at[enders[0]]
     step = batches[enders[0]][n].step
-    waits = all(statuses[r].waits_at == "backward" for r in enders)
+    # It waits there: in a backward, of the batch whose window it ended (a rank that went on
+    # and waits in a later batch's backward stepped its optimizer at that window's end).
+    waits = all(
+        statuses[r].waits_at == "backward"
+        and (not phases[r].batches or phases[r].batches[-1].n == at[r][0])
+        for r in enders
+    )
     how = "and waits there in its gradient all-reduce" if waits else "and steps its optimizer"
     last = " (the last window of its pass)" if EPOCH_END in batches[enders[0]][n].after else ""
     later = [(o, w) for o, (_, w, e) in sorted(ends[goers[0]].items()) if o > ordinal and e]
