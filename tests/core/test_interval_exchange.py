@@ -54,23 +54,41 @@ def test_a_part_one_rank_cannot_build_fails_on_every_rank_and_the_others_still_d
         )
 
 
-def _at_batch(rank: int, world_size: int) -> str:
+def _at_batch(rank: int, world_size: int, late_rank: int | None) -> tuple[str, str]:
+    from rankguard.callbacks.core.store_health import store_health
+
+    store_health.left_late = rank == late_rank  # this rank's guard acted on a verdict late
     channel = SideChannel.from_environment(timeout_s=10)
     intervals = IntervalExchange()
     pending = intervals.post(channel, 50 * (rank + 1), "stall", lambda: rank, dict)
     intervals.flush()
     try:
-        return repr(pending.result(30))
+        return "verdict", repr(pending.result(30))
     except RuntimeError as exc:
-        return str(exc)
+        return type(exc).__name__, str(exc)
     finally:
         intervals.close()
 
 
 def test_ranks_that_post_at_different_batches_are_told_so():
-    for o in run_ranks(_at_batch, 2, timeout_s=60):
+    for o in run_ranks(_at_batch, 2, None, timeout_s=60):
         assert o.error is None, o.error
-        assert "posted it at different train batches ({0: 50, 1: 100})" in o.value
+        assert o.value == (
+            "RuntimeError",
+            "rankguard exchange part 'stall' failed: the ranks posted it at different train "
+            "batches ({0: 50, 1: 100}): are the guards set the same on every rank?",
+        )
+
+
+def test_ranks_at_different_batches_after_a_late_verdict_are_told_it_is_skewed():
+    # Rank 1 acted on an earlier verdict late (a slow store): no misconfiguration.
+    for o in run_ranks(_at_batch, 2, 1, timeout_s=60):
+        assert o.error is None, o.error
+        assert o.value == (
+            "ExchangeSkewed",
+            "rankguard exchange part 'stall' failed: the ranks posted it at different train "
+            "batches ({0: 50, 1: 100}): rank 1 acted on an earlier verdict late",
+        )
 
 
 def test_a_part_never_flushed_says_so_and_a_local_channel_decides_at_flush():

@@ -39,13 +39,16 @@ from functools import partial
 from time import perf_counter
 from typing import Any
 
+from rankguard.callbacks.core.ranks import rank_label
 from rankguard.callbacks.core.side_channel import SideChannel, spread_period
+from rankguard.callbacks.core.store_health import store_health
 
 __all__ = [
     "AUTO_INTERVAL",
     "AUTO_INTERVAL_S",
     "INTERVAL_RANKS_PER_S",
     "BackgroundExchange",
+    "ExchangeSkewed",
     "IntervalExchange",
     "PartPending",
     "Pending",
@@ -206,11 +209,24 @@ Decide = Callable[[Mapping[int, Any]], Any]
 _Job = tuple[Callable[[], Any], Pending, Decide]
 
 
+class ExchangeSkewed(RuntimeError):
+    """A part failed because ranks posted it at different batches after a late verdict.
+
+    A rank whose guard acted on an earlier verdict late (``Guard.verdict_late``: the store
+    answered slowly) may post its next exchanges at other batches than the others: that
+    exchange is skipped.
+    """
+
+
 @dataclass(frozen=True)
 class _PartFailed:
-    """A part with no verdict: why (a rank could not build it, or its decision raised)."""
+    """A part with no verdict: why (a rank could not build it, or its decision raised).
+
+    ``skewed``: the ranks posted it at different batches after a late verdict.
+    """
 
     message: str
+    skewed: bool = False
 
 
 class PartPending:
@@ -224,11 +240,6 @@ class PartPending:
         self.part = part
         self._whole: Pending | None = None  # the exchange it went in, once flushed
         self._world = 1  # the ranks it went to (the stretch grows with them)
-
-    @property
-    def done(self) -> bool:
-        """Whether :meth:`result` returns (or raises) at once: the verdict or an error is in."""
-        return self._whole is None or self._whole.done
 
     def wait(self, timeout_s: float) -> bool:
         """Waits up to ``timeout_s`` for the exchange's verdict (or an error); whether it is in."""
@@ -259,7 +270,8 @@ class PartPending:
             )
         verdict = verdicts[self.part]
         if isinstance(verdict, _PartFailed):
-            raise RuntimeError(f"rankguard exchange part {self.part!r} failed: {verdict.message}")
+            error = ExchangeSkewed if verdict.skewed else RuntimeError
+            raise error(f"rankguard exchange part {self.part!r} failed: {verdict.message}")
         return verdict
 
     def next_post(self, batch: int, interval: int, auto: bool) -> int:
@@ -369,8 +381,12 @@ class IntervalExchange:
 
 def _build_parts(
     batch: int, builds: Mapping[str, Callable[[], Any]], pace: float | None
-) -> tuple[int, dict, float | None]:
-    """``(batch, {part: payload}, pace)``; a part whose build raised is sent as failed."""
+) -> tuple[int, dict, float | None, bool]:
+    """``(batch, {part: payload}, pace, left_late)``; a part whose build raised is sent failed.
+
+    ``left_late``: a guard of this rank left a verdict for a later batch (the store
+    answered slowly), so it may post at other batches than the other ranks.
+    """
     parts: dict[str, Any] = {}
     for part, build in builds.items():
         try:
@@ -378,7 +394,7 @@ def _build_parts(
         except Exception as exc:
             logger.exception("rankguard: could not build exchange part %r", part)
             parts[part] = _PartFailed(f"{type(exc).__name__}: {exc}")
-    return batch, parts, pace
+    return batch, parts, pace, store_health.left_late
 
 
 def _decide_parts(decides: Mapping[str, Decide], values: Mapping[int, Any]) -> _Verdicts:
@@ -387,9 +403,14 @@ def _decide_parts(decides: Mapping[str, Decide], values: Mapping[int, Any]) -> _
     paces = [value[2] for value in values.values() if value[2] is not None]
     latest, pace = max(batches.values()), max(paces, default=None)
     if len(set(batches.values())) > 1:
+        late = [rank for rank, value in values.items() if value[3]]
+        why = (
+            f"{rank_label(late)} acted on an earlier verdict late"
+            if late
+            else "are the guards set the same on every rank?"
+        )
         failed = _PartFailed(
-            f"the ranks posted it at different train batches ({batches}): are the guards "
-            "set the same on every rank?"
+            f"the ranks posted it at different train batches ({batches}): {why}", bool(late)
         )
         return dict.fromkeys(decides, failed), latest, pace
     verdicts: dict[str, Any] = {}

@@ -21,14 +21,21 @@ import logging
 import math
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from time import monotonic
 from typing import Any, ClassVar, NoReturn
 
-from rankguard.callbacks.core.background_exchange import IntervalExchange, PartPending, Pending
+from rankguard.callbacks.core.background_exchange import (
+    ExchangeSkewed,
+    IntervalExchange,
+    PartPending,
+    Pending,
+)
 from rankguard.callbacks.core.errors import RankGuardError
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.core.settings import check_choice, check_positive
 from rankguard.callbacks.core.side_channel import SideChannel
 from rankguard.callbacks.core.step_log import DRAIN_EVERY, StepLog
+from rankguard.callbacks.core.store_health import store_health
 
 __all__ = ["PER_STEP", "RAISED", "Guard", "GuardRunner", "MetricSink"]
 
@@ -42,10 +49,16 @@ ON_VIOLATION = ("raise", "warn")
 RAISE_WAIT_S = 10.0
 #: Set on the log record of an error that is then raised (a handler may leave it out).
 RAISED = "rankguard_raised"
-#: How long a train batch waits for a verdict due at it before the guard leaves it for a
-#: later batch (:meth:`Guard.verdict_late`): a healthy store answers within milliseconds;
-#: the store-fault test's 0.5 s per request is slow.
+#: How long a train batch waits for a verdict due at it while the store answers at once
+#: (:meth:`Guard.verdict_late`): on a loaded machine the ranks may take seconds to send
+#: theirs (a thread not scheduled, a payload still building), and every rank waiting is
+#: what makes them all act at the same batch.
+VERDICT_WAIT_S = 10.0
+#: ... and once the store answered slowly in this fit: an exchange then takes several of
+#: its round trips, and a batch waits no longer than this for it.
 LATE_AFTER_S = 0.5
+#: How often a waiting batch asks whether the store answers slowly.
+LATE_POLL_S = 0.05
 
 
 class Guard:
@@ -129,26 +142,49 @@ class Guard:
         raise error
 
     def verdict_late(self, pending: Pending | PartPending | None, batches: int) -> bool:
-        """Whether ``pending``'s verdict is not in at train batch ``batches``, after a short wait.
+        """Whether ``pending``'s verdict is not in at train batch ``batches`` and left for later.
 
-        A train batch waits for a verdict at most :data:`LATE_AFTER_S`: a healthy store
-        answers well within it, even on a loaded machine, so every rank acts at the same
-        batch; a store that answers slowly (a congested host, a connection opened again)
-        does not hold training. Then the guard acts on the verdict at the first batch it
-        is in, and says so once, at INFO.
+        While the store answers at once, a train batch waits for a verdict due at it up
+        to :data:`VERDICT_WAIT_S`, however the machine's load slows the ranks sending
+        theirs: every rank then acts at the same batch. Once this process's store requests
+        showed it slow in this fit (:mod:`~rankguard.callbacks.core.store_health`: a
+        congested host), a batch waits at most :data:`LATE_AFTER_S`. A verdict not in by
+        then is acted on at the first batch it is in; the guard says so once, at INFO.
         """
-        if pending is None or pending.wait(LATE_AFTER_S):
+        if pending is None:
             return False
-        if "late" not in self._warned:
-            self._warned.add("late")
-            logger.info(
-                "rankguard %s: the verdict of its exchange was not in at train batch %d (the "
-                "store answers slowly): training goes on, and it acts on the verdict at the "
-                "batch it comes",
-                self.name,
-                batches,
-            )
-        return True
+        started = monotonic()
+        while not pending.wait(LATE_POLL_S):
+            waited = monotonic() - started
+            slow = store_health.slow() or store_health.slow_seen
+            if waited >= (LATE_AFTER_S if slow else VERDICT_WAIT_S):
+                store_health.left_late = True
+                why = "the store answers slowly" if slow else "the ranks are slow to send theirs"
+                self.warn_once_at_info(
+                    "late",
+                    "the verdict of its exchange was not in at train batch %d after %.1f s (%s): "
+                    "training goes on, and it acts on the verdict at the batch it comes",
+                    batches,
+                    waited,
+                    why,
+                )
+                return True
+        return False
+
+    def warn_once_at_info(self, key: str, message: str, *args: Any) -> None:
+        """Logs ``message`` at INFO the first time ``key`` is seen by this guard."""
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.info("rankguard %s: %s", self.name, message % args if args else message)
+
+    def skip_failed(self, what: str, exc: Exception) -> None:
+        """Says once that ``what`` (an exchange) failed and is skipped.
+
+        At INFO where it failed because a rank acted on an earlier verdict late (the
+        store answered slowly, :class:`ExchangeSkewed`); at WARNING otherwise.
+        """
+        say = self.warn_once_at_info if isinstance(exc, ExchangeSkewed) else self.warn_once
+        say("failed", "%s failed (%s); skipping it", what, exc)
 
     def warn_once(self, key: str, message: str, *args: Any) -> None:
         """Logs a warning the first time ``key`` is seen by this guard."""
@@ -246,6 +282,7 @@ class GuardRunner:
             steps.drain()
             steps.reset()
             self.intervals.restart()
+            store_health.restart()
         elif steps.entries and event not in EVAL_BATCH:
             steps.drain()
         try:

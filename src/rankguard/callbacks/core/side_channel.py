@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from rankguard.callbacks.core import torch_private
 from rankguard.callbacks.core.errors import RanksMissingError
 from rankguard.callbacks.core.ranks import rank_label, rank_runs
+from rankguard.callbacks.core.store_health import TIMED_REQUESTS, store_health
 
 __all__ = [
     "CHECK_EACH_UP_TO",
@@ -261,7 +262,10 @@ class _ThreadClient:
         if not callable(attribute):
             return attribute
 
+        timed = name in TIMED_REQUESTS
+
         def request(*args: Any, **kwargs: Any) -> Any:
+            started = store_health.begin() if timed else 0.0
             try:
                 result = getattr(self._client, name)(*args, **kwargs)
             except RuntimeError as exc:
@@ -269,6 +273,9 @@ class _ThreadClient:
                     raise
                 self._reopen(exc)
                 result = getattr(self._client, name)(*args, **kwargs)
+            finally:
+                if timed:
+                    store_health.end(started)
             if name in _UNANSWERED:
                 self._unanswered.append((name, args, kwargs))
             else:  # answered in order: every set before it reached the store

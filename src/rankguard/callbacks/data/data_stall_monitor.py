@@ -439,7 +439,7 @@ class DataStallMonitor(Guard):
             self.warn_once("missing", "skipping a data-wait exchange: %s", missing)
             return
         except Exception as exc:  # never turn a healthy run into a failed one
-            self.warn_once("failed", "a data-wait exchange failed (%s); skipping it", exc)
+            self.skip_failed("a data-wait exchange", exc)
             return
         finally:
             self._next_interval(self._after(pending))

@@ -246,7 +246,7 @@ class ReplicaGuard(Guard):
             self.warn_once("missing", "skipping a replica check: %s", missing)
             return
         except Exception as exc:
-            self.warn_once("failed", "a replica check failed (%s); skipping it", exc)
+            self.skip_failed("a replica check", exc)
             return
         finally:
             if check.interval:

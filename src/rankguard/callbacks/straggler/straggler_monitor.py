@@ -413,7 +413,7 @@ class StragglerMonitor(Guard):
             self.warn_once("missing", "skipping a straggler exchange: %s", missing)
             return
         except Exception as exc:
-            self.warn_once("failed", "a straggler exchange failed (%s); skipping it", exc)
+            self.skip_failed("a straggler exchange", exc)
             return
         finally:  # the reader is not past the next multiple of ``interval`` yet
             self._close_from = self._post_at = pending.next_post(
