@@ -225,7 +225,8 @@ class EventDriver:
         ``batch``: as :meth:`fetch_end_batch_start`'s.
         """
         if self.fetching and not self.batch_open:  # the usual step: both in one entry
-            self.fetch_end_batch_start(batch)
+            self.fetching, self.batch_open = False, True
+            self._steps.fetch_end_batch_start(self.step, batch)
             return
         if self.fetching:
             self.fetch_end()
