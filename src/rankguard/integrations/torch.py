@@ -13,19 +13,19 @@ from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
-from rankguard.callbacks.core.events import LoaderFacts, LoaderPass, ResumeFacts
+from rankguard.callbacks.core.events import LoaderFacts, ResumeFacts
 from rankguard.callbacks.core.guard import Guard
-from rankguard.callbacks.hang.stop import STOP_EXIT_CODE, StopAgreement
+from rankguard.callbacks.hang.stop import STOP_EXIT_CODE
 from rankguard.integrations import _api
 from rankguard.integrations._adapter import Adapter, exit_after_stop
 from rankguard.integrations.torch_loop import (
     ORDER,
     EvalLoader,
-    EvalPass,
+    Fit,
+    Fits,
     Load,
     Save,
     TrainLoader,
-    TrainPass,
     check_dirs,
     check_eval,
     check_fit,
@@ -55,8 +55,7 @@ class _LoopGuard(Adapter):
 
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
         super().__init__(guards, exchange_timeout_s)
-        self._running: Run | None = None
-        self._resume: ResumeFacts | None = None
+        self._fits = Fits()  # the fit running and the resume the next one compares
 
     def fit(
         self,
@@ -105,6 +104,7 @@ class _LoopGuard(Adapter):
             train = LoaderFacts("train", check_iterable("train_loader", train_loader), True)
         return Run(
             self,
+            self._fits,
             model=model,
             optimizer=optimizer,
             train=train,
@@ -137,7 +137,7 @@ class _LoopGuard(Adapter):
         """
         if not isinstance(path, str | os.PathLike) or not str(path):
             raise ValueError(f"`path` must be a checkpoint file or folder path; got {path!r}.")
-        return Load(self, os.fspath(path))
+        return Load(self, self._fits, os.fspath(path))
 
     def resumed(
         self,
@@ -176,7 +176,7 @@ class _LoopGuard(Adapter):
         """
         if state:
             self.runner.load_state_dict(state)
-        self._resume = ResumeFacts(
+        self._fits.resume = ResumeFacts(
             asked="guard.resumed(...)",
             checkpoint=None if checkpoint is None else os.fspath(checkpoint),
             counters={"step": int(step), "epoch": int(epoch), **counters},
@@ -213,6 +213,7 @@ class Run:
     def __init__(
         self,
         guard: _LoopGuard,
+        fits: Fits,
         *,
         model: Any,
         optimizer: Any,
@@ -223,7 +224,8 @@ class Run:
         log_metrics: MetricsFn | None,
     ) -> None:
         self._guard = guard
-        self._model = model
+        self._fits = fits
+        self._fit = Fit(guard.driver, model)  # what the wrapped loaders and save share
         self._optimizer = optimizer
         self._train = train
         self._evals = evals
@@ -231,13 +233,6 @@ class Run:
         self._state_dict_type = state_dict_type
         self._user_metrics = log_metrics
         self.metrics: dict[str, float] = {}
-        self._driver = guard.driver
-        self._state = "new"  # new -> active -> ended
-        self._eval: EvalPass | None = None
-        self._pass: TrainPass | None = None
-        self._save: Save | None = None
-        self._left_early: set[str] = set()
-        self._stop: StopAgreement | None = None
         self._unannounce: Callable[[], None] = _nothing  # the backward passes' announcement
 
     @property
@@ -247,7 +242,8 @@ class Run:
         E.g. ``"preempted by SIGTERM on rank 1 at step 812"``: every rank's
         ``run.train(...)`` ended after train step 812, and any later pass yields no batch.
         """
-        stopped = self._stop.stopped if self._stop is not None else None
+        stop = self._fit.stop
+        stopped = stop.stopped if stop is not None else None
         return stopped.reason if stopped is not None else None
 
     @property
@@ -258,12 +254,13 @@ class Run:
     @property
     def step(self) -> int:
         """Train batches done in this fit (the one in the loop body counts once it started)."""
-        return self._driver.step + int(self._driver.batch_open)
+        driver = self._fit.driver
+        return driver.step + int(driver.batch_open)
 
     @property
     def epoch(self) -> int:
         """Passes over the train loader started in this fit, minus one (-1 before the first)."""
-        return self._driver.epoch
+        return self._fit.driver.epoch
 
     def _log_metrics(self, metrics: Mapping[str, float]) -> None:
         self.metrics.update(metrics)
@@ -273,29 +270,29 @@ class Run:
     # -- the fit ---------------------------------------------------------------------
 
     def __enter__(self) -> Run:
-        if self._state != "new":
+        fit = self._fit
+        if fit.state != "new":
             raise RuntimeError(
                 "This `guard.fit(...)` was already entered; call `guard.fit(...)` again for a "
                 f"new fit. {ORDER}"
             )
-        running = self._guard._running
-        if running is not None:
+        if self._fits.running is not None:
             raise RuntimeError(
                 "`guard.fit(...)` entered while an earlier fit of this RankGuard is still "
                 f"running (fits do not nest): leave the first `with` block first. {ORDER}"
             )
-        self._guard._running = self
-        self._state = "active"
-        self._driver.log_metrics = self._log_metrics
+        self._fits.running = fit
+        fit.state = "active"
+        fit.driver.log_metrics = self._log_metrics
         loaders = ([self._train] if self._train else []) + list(self._evals.values())
         try:
             phases: tuple[str, ...] = ()
             if self._guard.reads_phases:  # the hang watchdog's history reads them
                 steps = self._guard.runner.steps
                 phases, self._unannounce = announce_phases(steps, self._optimizer)
-            self._driver.fit_start(
+            fit.driver.fit_start(
                 loaders=loaders,
-                model=self._model,
+                model=fit.model,
                 optimizer=self._optimizer,
                 directories=self._save_dirs,
                 state_dict_type=self._state_dict_type,
@@ -303,11 +300,11 @@ class Run:
                 sharded_setting=SHARDED_SETTING,
                 phases=phases,
             )
-            self._stop = self._guard.install_stop()  # its train pass ends on the agreed step
-            resume, self._guard._resume = self._guard._resume, None
+            fit.stop = self._guard.install_stop()  # its train pass ends on the agreed step
+            resume, self._fits.resume = self._fits.resume, None
             if resume is not None:
                 resume.loader = self._train.loader if self._train else None
-                self._driver.resumed(resume)
+                fit.driver.resumed(resume)
         except BaseException as exc:
             self._end(exc)
             raise
@@ -322,10 +319,11 @@ class Run:
         if exc is not None:
             self._end(exc)
             return
+        fit = self._fit
         try:
-            self._close_eval()
-            self._close_epoch()
-            self._driver.fit_end()
+            fit.close_eval()
+            fit.close_epoch()
+            fit.driver.fit_end()
         except BaseException as error:
             self._end(error)
             raise
@@ -333,10 +331,11 @@ class Run:
 
     def _end(self, exc: BaseException | None) -> None:
         self._unannounce()
-        self._state = "ended"
-        self._guard._running = None
-        self._save = None
-        self._pass = None
+        fit = self._fit
+        fit.state = "ended"
+        self._fits.running = None
+        fit.save = None
+        fit.train_pass = None
         try:
             if exc is None:
                 self._guard.runner.close()
@@ -347,21 +346,7 @@ class Run:
 
     def _exit_if_stopped(self) -> None:
         """After a preemption: exit with 75 once the code after the block ran (at Python exit)."""
-        exit_after_stop(self._stop, "your code that follows the `with guard.fit(...)` block")
-
-    def _require(self, call: str) -> None:
-        if self._state != "active":
-            when = (
-                "before its `with guard.fit(...)` block"
-                if self._state == "new"
-                else "after its `with guard.fit(...)` block ended"
-            )
-            raise RuntimeError(f"`{call}` used {when}. {ORDER}")
-        if self._save is not None:
-            raise RuntimeError(
-                f"`{call}` used inside `with run.checkpoint(...)`: a save ends before the next "
-                f"train batch or eval starts. {ORDER}"
-            )
+        exit_after_stop(self._fit.stop, "your code that follows the `with guard.fit(...)` block")
 
     # -- train -----------------------------------------------------------------------
 
@@ -380,18 +365,7 @@ class Run:
                     "`run.train()` needs the train loader: pass it here or to `guard.fit(...)`."
                 )
             loader = self._train.loader
-        return TrainLoader(self, check_iterable("loader", loader))
-
-    def _close_epoch(self) -> None:
-        """EPOCH_END of the last train pass, with what its iterator did (next epoch, fit end).
-
-        Not at ``StopIteration``: a rank whose loader ran out first would wait in
-        the check while the others still run batches (and a loop that stops every
-        rank when one runs out, or DDP's ``join``, still needs it in collectives).
-        """
-        it, self._pass = self._pass, None
-        if it is not None:
-            self._driver.epoch_end(it.facts, LoaderPass(it.yielded, it.exhausted))
+        return TrainLoader(self._fit, check_iterable("loader", loader))
 
     # -- eval ------------------------------------------------------------------------
 
@@ -414,12 +388,8 @@ class Run:
         check_eval(loader, name, max_batches)
         if name is None:
             name = next((n for n, f in self._evals.items() if f.loader is loader), "eval")
-        return EvalLoader(self, LoaderFacts(name, loader, is_train=False, num_batches=max_batches))
-
-    def _close_eval(self) -> None:
-        """Ends an eval the loop left early, with the batches that ran as its plan."""
-        if self._eval is not None:
-            self._eval.finish(early=True)
+        facts = LoaderFacts(name, loader, is_train=False, num_batches=max_batches)
+        return EvalLoader(self._fit, facts)
 
     # -- checkpoint ------------------------------------------------------------------
 
@@ -435,7 +405,7 @@ class Run:
                 names); default: ``save_dirs`` of ``guard.fit``.
         """
         dirs = check_dirs(list(directories)) if directories else list(self._save_dirs)
-        return Save(self, dirs)
+        return Save(self._fit, dirs)
 
 
 def _nothing() -> None:

@@ -1,8 +1,10 @@
-"""The loop's wrapped loaders and save, and the checks of the loop API's arguments.
+"""The loop's wrapped loaders and save, the fit they share, and the checks of its arguments.
 
 The wrappers are what ``run.train``, ``run.eval`` and ``run.checkpoint`` return. Each
 turns the loop's own iteration into the driver's events; see
-:mod:`rankguard.integrations.torch` for the run they belong to.
+:mod:`rankguard.integrations.torch` for the run they belong to. The run and its
+wrappers share one :class:`Fit` (the run owns it), and a loop guard keeps its
+:class:`Fits` (the fit running, the resume told for the next).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
-from rankguard.callbacks.core.events import LoaderFacts, LoaderPass
+from rankguard.callbacks.core.events import LoaderFacts, LoaderPass, ResumeFacts
+from rankguard.callbacks.hang.stop import StopAgreement
+from rankguard.integrations._adapter import Adapter
+from rankguard.integrations._driver import EventDriver
 
 logger = logging.getLogger("rankguard.integrations.torch")
 
@@ -21,6 +26,8 @@ __all__ = [
     "ORDER",
     "EvalLoader",
     "EvalPass",
+    "Fit",
+    "Fits",
     "Load",
     "Save",
     "TrainLoader",
@@ -108,33 +115,110 @@ def check_eval(loader: Any, name: Any, max_batches: Any) -> None:
         raise ValueError(f"`max_batches` must be an integer >= 1 or None; got {max_batches!r}.")
 
 
+# -- the state a fit's run and its passes share ------------------------------------------
+
+
+class Fit:
+    """One fit's state, shared by its ``Run`` and the wrapped loaders, passes and save.
+
+    The run owns it (``guard.fit(...)`` makes both); the wrappers read it and move it on.
+
+    Attributes:
+        driver: The guard's event driver (one for every fit).
+        model: The model the fit trains (for a save's checkpoint memory plan).
+        state: ``"new"`` before the ``with`` block, ``"active"`` inside it, ``"ended"`` after.
+        train_pass: The last train pass, until its EPOCH_END (:meth:`close_epoch`).
+        eval_pass: The eval in progress, until its EVAL_END.
+        save: The save in progress (inside ``with run.checkpoint(...)``).
+        left_early: The eval loaders the loop left early (said once per loader).
+        stop: The preemption's agreement, installed at fit start.
+    """
+
+    def __init__(self, driver: EventDriver, model: Any) -> None:
+        self.driver = driver
+        self.model = model
+        self.state = "new"  # new -> active -> ended
+        self.train_pass: TrainPass | None = None
+        self.eval_pass: EvalPass | None = None
+        self.save: Save | None = None
+        self.left_early: set[str] = set()
+        self.stop: StopAgreement | None = None
+
+    def require(self, call: str) -> None:
+        """Raises ``RuntimeError`` naming ``call`` unless the fit is active and not saving."""
+        if self.state != "active":
+            when = (
+                "before its `with guard.fit(...)` block"
+                if self.state == "new"
+                else "after its `with guard.fit(...)` block ended"
+            )
+            raise RuntimeError(f"`{call}` used {when}. {ORDER}")
+        if self.save is not None:
+            raise RuntimeError(
+                f"`{call}` used inside `with run.checkpoint(...)`: a save ends before the next "
+                f"train batch or eval starts. {ORDER}"
+            )
+
+    def close_epoch(self) -> None:
+        """EPOCH_END of the last train pass, with what its iterator did (next epoch, fit end).
+
+        Not at ``StopIteration``: a rank whose loader ran out first would wait in
+        the check while the others still run batches (and a loop that stops every
+        rank when one runs out, or DDP's ``join``, still needs it in collectives).
+        """
+        it, self.train_pass = self.train_pass, None
+        if it is not None:
+            self.driver.epoch_end(it.facts, LoaderPass(it.yielded, it.exhausted))
+
+    def close_eval(self) -> None:
+        """Ends an eval the loop left early, with the batches that ran as its plan."""
+        if self.eval_pass is not None:
+            self.eval_pass.finish(early=True)
+
+
+class Fits:
+    """A loop guard's fits: the one running (fits do not nest), the resume the next compares.
+
+    Attributes:
+        running: The fit inside its ``with`` block, else ``None``.
+        resume: What ``guard.resumed(...)`` told, until the next fit starts.
+    """
+
+    def __init__(self) -> None:
+        self.running: Fit | None = None
+        self.resume: ResumeFacts | None = None
+
+
+# -- the wrapped loaders and save -------------------------------------------------------
+
+
 class TrainLoader:
     """The train loader wrapped by :meth:`Run.train`; one iteration is one epoch."""
 
-    def __init__(self, run: Any, loader: Iterable[Any]) -> None:
-        self._run = run
+    def __init__(self, fit: Fit, loader: Iterable[Any]) -> None:
+        self._fit = fit
         self.loader = loader
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[Any]:
-        run = self._run
-        run._require("run.train(...)")
-        run._close_eval()
-        run._close_epoch()
-        driver = run._driver
+        fit = self._fit
+        fit.require("run.train(...)")
+        fit.close_eval()
+        fit.close_epoch()
+        driver = fit.driver
         facts = LoaderFacts("train", self.loader, is_train=True)
         driver.epoch_start(facts)
-        run._pass = TrainPass(run, facts, driver.epoch)
-        return run._pass
+        fit.train_pass = TrainPass(fit, facts, driver.epoch)
+        return fit.train_pass
 
 
 class TrainPass:
     """One epoch's pass over the train loader: what it returned, and whether it ran out."""
 
-    def __init__(self, run: Any, facts: LoaderFacts, epoch: int) -> None:
-        self._run = run
+    def __init__(self, fit: Fit, facts: LoaderFacts, epoch: int) -> None:
+        self._fit = fit
         self.facts = facts
         self._iterator = iter(facts.loader)
         self._epoch = epoch
@@ -145,19 +229,19 @@ class TrainPass:
         return self
 
     def __next__(self) -> Any:
-        run = self._run
-        driver = run._driver
-        if run._state != "active" or run._save is not None:  # once a batch: checks inlined
-            run._require("run.train(...)")
+        fit = self._fit
+        driver = fit.driver
+        if fit.state != "active" or fit.save is not None:  # once a batch: checks inlined
+            fit.require("run.train(...)")
         if driver.epoch != self._epoch:
             raise RuntimeError(
                 f"A `run.train(...)` iterator of epoch {self._epoch} used after epoch "
                 f"{driver.epoch} started: iterate `run.train(loader)` once per epoch. {ORDER}"
             )
-        if run._eval is not None:
-            run._close_eval()
+        if fit.eval_pass is not None:
+            fit.close_eval()
         driver.fetch_start()
-        stop = run._stop  # a preemption: every rank's pass ends after the agreed step
+        stop = fit.stop  # a preemption: every rank's pass ends after the agreed step
         if stop is not None and stop.requested and stop.at_boundary(driver.step):
             raise StopIteration
         try:
@@ -173,8 +257,8 @@ class TrainPass:
 class EvalLoader:
     """An eval loader wrapped by :meth:`Run.eval`; one iteration is one evaluation."""
 
-    def __init__(self, run: Any, facts: LoaderFacts) -> None:
-        self._run = run
+    def __init__(self, fit: Fit, facts: LoaderFacts) -> None:
+        self._fit = fit
         self.facts = facts
 
     def __len__(self) -> int:
@@ -183,20 +267,20 @@ class EvalLoader:
         return length if cap is None else min(length, cap)
 
     def __iter__(self) -> Iterator[Any]:
-        run = self._run
-        run._require("run.eval(...)")
-        run._close_eval()
-        run._driver.eval_start([self.facts])
-        it = EvalPass(run, self.facts)
-        run._eval = it
+        fit = self._fit
+        fit.require("run.eval(...)")
+        fit.close_eval()
+        fit.driver.eval_start([self.facts])
+        it = EvalPass(fit, self.facts)
+        fit.eval_pass = it
         return it
 
 
 class EvalPass:
     """One evaluation's pass over an eval loader: the batches it started, whether it ran out."""
 
-    def __init__(self, run: Any, facts: LoaderFacts) -> None:
-        self._run = run
+    def __init__(self, fit: Fit, facts: LoaderFacts) -> None:
+        self._fit = fit
         self.facts = facts
         self._iterator = iter(facts.loader)
         self.started = 0
@@ -208,7 +292,7 @@ class EvalPass:
         return self
 
     def __next__(self) -> Any:
-        run = self._run
+        fit = self._fit
         if self._ended:
             if self._exhausted:
                 raise StopIteration
@@ -216,8 +300,8 @@ class EvalPass:
                 f"Eval of {self.facts.name!r} was already ended when the loop moved on; "
                 f"iterate `run.eval(loader)` again for a new evaluation. {ORDER}"
             )
-        run._require("run.eval(...)")
-        driver = run._driver
+        fit.require("run.eval(...)")
+        driver = fit.driver
         cap = self.facts.num_batches
         if cap is not None and self.started >= cap:
             self.finish(early=False)
@@ -242,12 +326,12 @@ class EvalPass:
         """
         self._ended = True
         self._exhausted = not early
-        run = self._run
-        run._eval = None
+        fit = self._fit
+        fit.eval_pass = None
         if early:
             facts = self.facts
-            if facts.name not in run._left_early:  # said once per loader
-                run._left_early.add(facts.name)
+            if facts.name not in fit.left_early:  # said once per loader
+                fit.left_early.add(facts.name)
                 logger.info(
                     "rankguard: the loop left eval %r after %d batches; the batches that ran are "
                     "compared across ranks (`run.eval(loader, max_batches=N)` also checks the "
@@ -255,7 +339,7 @@ class EvalPass:
                     facts.name,
                     self.started,
                 )
-        run._driver.eval_end(
+        fit.driver.eval_end(
             LoaderPass(self.started, self._ran_out), planned=self.started if early else None
         )
 
@@ -263,23 +347,23 @@ class EvalPass:
 class Save:
     """The context manager of :meth:`Run.checkpoint`."""
 
-    def __init__(self, run: Any, directories: list[str]) -> None:
-        self._run = run
+    def __init__(self, fit: Fit, directories: list[str]) -> None:
+        self._fit = fit
         self.directories = directories
         self._entered = False
 
     def __enter__(self) -> Save:
-        run = self._run
-        if self._entered or run._save is not None:
+        fit = self._fit
+        if self._entered or fit.save is not None:
             raise RuntimeError(
                 "`run.checkpoint(...)` entered while a save is in progress (saves do not "
                 f"nest, and each `run.checkpoint(...)` is entered once). {ORDER}"
             )
-        run._require("run.checkpoint(...)")
+        fit.require("run.checkpoint(...)")
         self._entered = True
-        run._close_eval()
-        run._driver.save_start(self.directories, model=run._model)
-        run._save = self
+        fit.close_eval()
+        fit.driver.save_start(self.directories, model=fit.model)
+        fit.save = self
         return self
 
     def __exit__(
@@ -288,24 +372,25 @@ class Save:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        run = self._run
-        run._save = None
-        run._driver.save_end(saved=exc is None and run._state == "active")
+        fit = self._fit
+        fit.save = None
+        fit.driver.save_end(saved=exc is None and fit.state == "active")
 
 
 class Load:
     """The context manager ``guard.load(path)`` returns."""
 
-    def __init__(self, guard: Any, path: str) -> None:
+    def __init__(self, guard: Adapter, fits: Fits, path: str) -> None:
         self._guard = guard
+        self._fits = fits
         self.path = path
         self._outside_fit = False
 
     def __enter__(self) -> Load:
-        run = self._guard._running
-        if run is not None:
-            run._require("guard.load(...)")
-            run._driver.load_start(self.path)
+        fit = self._fits.running
+        if fit is not None:
+            fit.require("guard.load(...)")
+            fit.driver.load_start(self.path)
             return self
         self._outside_fit = True
         try:
