@@ -265,6 +265,11 @@ def test_a_verdict_is_waited_for_while_the_store_answers_at_once_and_briefly_onc
         proxy.latency_s = 0.0
         channel.store.add("polls", 1)  # answered at once again: this fit still waits briefly
         assert store_health.slow_seen and not store_health.slow()
+        # The verdict of an exchange thread's first exchange (its thread starting and
+        # connecting, at a fit's start) is waited for long whatever the store did.
+        first = Pending(first=True)
+        threading.Timer(4 * LATE_AFTER_S, first._finish, args=("verdict",)).start()
+        assert not guard.verdict_late(first, 64)
         store_health.restart()  # the next fit waits long again
         again = Pending()
         threading.Timer(2 * SLOW_REQUEST_S, again._finish, args=("verdict",)).start()

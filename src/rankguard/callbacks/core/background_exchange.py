@@ -87,9 +87,12 @@ class Pending:
 
     Attributes:
         payload: What this rank sent, once the thread has built it.
+        first: The first exchange its thread runs: the thread starts and opens its store
+            connection first, most often at a fit's start, when the machine is busiest.
     """
 
-    def __init__(self, threaded: bool = True) -> None:
+    def __init__(self, threaded: bool = True, *, first: bool = False) -> None:
+        self.first = first
         # Held until the verdict arrives: a lock is made and waited on in C, where an
         # Event is a Condition built in Python (posted and collected on the training thread).
         self._done = threading.Lock() if threaded else None
@@ -177,7 +180,7 @@ class BackgroundExchange:
             else:  # a local channel: nothing to wait for
                 self._run(build, pending, decide)
             return pending
-        pending = Pending()
+        pending = Pending(first=self._thread is None)
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._serve, name=f"rankguard-{self.name}", daemon=True
@@ -244,6 +247,11 @@ class PartPending:
     def wait(self, timeout_s: float) -> bool:
         """Waits up to ``timeout_s`` for the exchange's verdict (or an error); whether it is in."""
         return self._whole is None or self._whole.wait(timeout_s)
+
+    @property
+    def first(self) -> bool:
+        """Whether it went in the first exchange of its thread (see :attr:`Pending.first`)."""
+        return self._whole is not None and self._whole.first
 
     @property
     def payload(self) -> Any:

@@ -148,15 +148,18 @@ class Guard:
         to :data:`VERDICT_WAIT_S`, however the machine's load slows the ranks sending
         theirs: every rank then acts at the same batch. Once this process's store requests
         showed it slow in this fit (:mod:`~rankguard.callbacks.core.store_health`: a
-        congested host), a batch waits at most :data:`LATE_AFTER_S`. A verdict not in by
-        then is acted on at the first batch it is in; the guard says so once, at INFO.
+        congested host), a batch waits at most :data:`LATE_AFTER_S`; but for the verdict of
+        its exchange thread's first exchange (:attr:`Pending.first`: the thread starting
+        and connecting at a fit's start, when a loaded machine's requests are slowest for
+        want of a core). A verdict not in by then is acted on at the first batch it is in;
+        the guard says so once, at INFO.
         """
         if pending is None:
             return False
         started = monotonic()
         while not pending.wait(LATE_POLL_S):
             waited = monotonic() - started
-            slow = store_health.slow() or store_health.slow_seen
+            slow = not pending.first and (store_health.slow() or store_health.slow_seen)
             if waited >= (LATE_AFTER_S if slow else VERDICT_WAIT_S):
                 store_health.left_late = True
                 why = "the store answers slowly" if slow else "the ranks are slow to send theirs"
