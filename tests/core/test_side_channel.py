@@ -12,10 +12,13 @@ import torch.distributed as dist
 from rankguard.callbacks.core.errors import RanksMissingError
 from rankguard.callbacks.core.side_channel import (
     PER_RANK_WAIT_S,
+    STORE_TRIPS,
     SideChannel,
     default_store,
+    in_transit_s,
     scaled_timeout,
 )
+from rankguard.callbacks.core.store_health import store_health
 from tests.mp import run_ranks
 
 
@@ -356,3 +359,80 @@ def test_each_torchrun_restart_attempt_has_its_own_keys(monkeypatch):
     restarted = SideChannel.from_environment(name="keys")
     assert restarted.prefix.startswith("keys/attempt1/")
     assert not plain.prefix.startswith("keys/attempt")
+
+
+class _AnswersLate:
+    """A store whose answer to a wait comes back after the client gave up.
+
+    Every key the wait asked for reached the store within its timeout, but the answer
+    is late (as on a congested store host): the wait raises as a timeout does. Each
+    timeout it was given is recorded.
+    """
+
+    def __init__(self, store) -> None:
+        self.store, self.timeouts = store, []
+
+    def wait(self, keys, timeout):
+        self.timeouts.append(timeout.total_seconds())
+        self.store.wait(keys, timeout)
+        raise RuntimeError("Wait timeout")  # what a TCPStore client raises
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+class _RecordsTimeouts(_AnswersLate):
+    """A healthy store whose waits record the timeout each was given."""
+
+    def wait(self, keys, timeout):
+        self.timeouts.append(timeout.total_seconds())
+        self.store.wait(keys, timeout)
+
+
+def _exchange_on_threads(store, leader_store, name="late answer"):
+    """Rank 0 (on ``leader_store``) and rank 1 (on ``store``) exchange once; rank 0's result."""
+    follower = SideChannel(store, rank=1, world_size=2, timeout_s=5.0)
+    thread = threading.Thread(target=follower.all_gather, args=(name, 1), daemon=True)
+    thread.start()
+    leader = SideChannel(leader_store, rank=0, world_size=2, timeout_s=5.0)
+    try:
+        return leader.all_gather(name, 0)
+    finally:
+        thread.join(30)
+
+
+def test_a_payload_in_the_store_whose_answer_came_late_is_decided_not_missing():
+    # The store's round trip is the store's: the deciding rank checks each payload it
+    # timed out on, and one that is there by then arrived.
+    store = dist.HashStore()
+    late = _AnswersLate(store)
+    assert _exchange_on_threads(store, late) == {0: 0, 1: 1}
+    assert late.timeouts  # the leader's wait did time out
+
+
+@pytest.fixture
+def store_round_trip():
+    """Sets this process's last measured store round trip; measured as healthy after."""
+
+    def measured(seconds: float) -> None:
+        store_health.end(time.monotonic() - seconds)
+
+    yield measured
+    store_health.end(time.monotonic())
+
+
+def test_an_exchange_waits_longer_by_the_stores_round_trips_at_most_double(store_round_trip):
+    store = dist.HashStore()
+    counted = _RecordsTimeouts(store)
+    store_round_trip(0.0)
+    _exchange_on_threads(store, counted, "healthy")
+    store_round_trip(0.4)  # a congested store: three round trips more
+    _exchange_on_threads(store, counted, "slow")
+    store_round_trip(4.0)  # a store that hardly answers: the timeout is at most doubled
+    _exchange_on_threads(store, counted, "stalled")
+    healthy, slow, stalled = (t - scaled_timeout(5.0, 2) for t in counted.timeouts)
+    assert healthy == pytest.approx(0.0, abs=0.01)
+    assert slow == pytest.approx(STORE_TRIPS * 0.4, abs=0.05)
+    assert stalled == pytest.approx(5.0)
+    store_round_trip(0.001)  # the store answers at once again: so does the wait
+    assert in_transit_s(5.0) == pytest.approx(STORE_TRIPS * 0.001, abs=0.01)

@@ -28,10 +28,12 @@ __all__ = [
     "CHECK_EACH_UP_TO",
     "PER_RANK_WAIT_S",
     "POLLS_PER_S",
+    "STORE_TRIPS",
     "MissingOwner",
     "SideChannel",
     "cyclic_gc_paused",
     "default_store",
+    "in_transit_s",
     "notices",
     "notify",
     "own_missing_ranks",
@@ -109,6 +111,26 @@ class _Failed:
     """Verdict published when ``decide`` itself raised on the deciding rank."""
 
     message: str
+
+
+#: Round trips to the store that an exchange's wait allows for beyond its timeout (see
+#: :func:`in_transit_s`): the verdict before reaches a peer, the peer's payload the store,
+#: and the deciding rank's read comes back.
+STORE_TRIPS = 3
+
+
+def in_transit_s(timeout_s: float) -> float:
+    """What an exchange waits beyond ``timeout_s`` for its messages' time in the store's hands.
+
+    A timeout counts the peers' time, not the store's: on a congested store host each
+    request takes its round trip, so a peer's payload reaches the store that much later
+    and the deciding rank's read comes back that much later again. The wait allows
+    :data:`STORE_TRIPS` of this process's last measured round trips
+    (:meth:`~rankguard.callbacks.core.store_health.StoreHealth.round_trip_s`): nothing
+    on a healthy store (well under a millisecond), at most ``timeout_s`` more on a slow
+    one, so a store that stopped answering is still found.
+    """
+    return min(STORE_TRIPS * store_health.round_trip_s(), timeout_s)
 
 
 def scaled_timeout(timeout_s: float, world_size: int) -> float:
@@ -453,8 +475,9 @@ class SideChannel:
                 verdict; runs on the deciding rank only.
             timeout_s: How long the deciding rank waits for the others
                 (default: the channel's ``timeout_s``), scaled with the world
-                size by :func:`scaled_timeout`. The others wait a little
-                longer for the verdict.
+                size by :func:`scaled_timeout`, plus the store's measured round
+                trips (:func:`in_transit_s`). The others wait a little longer for
+                the verdict.
 
         Returns:
             ``decide``'s result, the same object value on every rank.
@@ -471,7 +494,8 @@ class SideChannel:
             self._seq[name] = seq + 1
         if self._root is None:
             return decide({self.rank: payload})
-        configured, timeout = timeout, scaled_timeout(timeout, self.world_size)
+        configured = timeout
+        timeout = scaled_timeout(timeout, self.world_size) + in_transit_s(timeout)
         base = f"{self.prefix}/{name}/{seq}"
         verdict_key = f"{base}/verdict"
         if self.is_leader:  # its own payload never goes through the store
@@ -549,9 +573,13 @@ class SideChannel:
         keys = [f"{base}/r{rank}" for rank in others]
         raw = self._read(keys, timeout)
         if raw is None:
-            return _Missing(
-                [r for r, key in zip(others, keys, strict=True) if not self.store.check([key])]
-            )
+            checked = zip(others, keys, strict=True)
+            missing = [r for r, key in checked if not self.store.check([key])]
+            if missing:
+                return _Missing(missing)
+            # Every payload was in by the time it was checked: late by less than the
+            # store's round trip, which is the store's, not the ranks'.
+            raw = self.store.multi_get(keys)
         started = time.perf_counter()
         self.bytes_received += sum(len(b) for b in raw)
         try:

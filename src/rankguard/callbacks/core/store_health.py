@@ -61,6 +61,12 @@ class StoreHealth:
         if self._last_s > SLOW_REQUEST_S:
             self.slow_seen = True
 
+    def round_trip_s(self) -> float:
+        """How long the store takes to answer: the last timed request, or one in flight longer."""
+        now = monotonic()
+        in_flight = max((now - since for since in tuple(self._since.values())), default=0.0)
+        return max(self._last_s, in_flight)
+
     def slow(self) -> bool:
         """Whether the last timed request, or one in flight, took over :data:`SLOW_REQUEST_S`."""
         if self._last_s > SLOW_REQUEST_S:
