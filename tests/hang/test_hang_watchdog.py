@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -313,6 +314,34 @@ def test_post_eval_deadline_runs_from_eval_end_until_the_next_data_fetch(tmp_pat
 def test_invalid_settings_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):
         HangWatchdog(**kwargs)
+
+
+def test_a_report_dir_another_rank_makes_and_removes_meanwhile_is_writable(tmp_path):
+    # Every rank on a node checks ``./rankguard_reports`` as it is built, while another
+    # rank's fit that just ended removes the empty folder it made (and a next fit makes
+    # it again). A stage as fast as it goes: the folder comes and goes for 1 s.
+    folder = tmp_path / "rankguard_reports"
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            folder.mkdir(exist_ok=True)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    refused, until = [], time.monotonic() + 1.0
+    try:
+        while time.monotonic() < until:
+            try:
+                HangWatchdog(report_dir=str(folder))
+            except ValueError as exc:
+                refused.append(str(exc))
+    finally:
+        stop.set()
+        thread.join(5)
+    assert not refused, refused[:3]
 
 
 def test_close_is_safe_before_start_and_twice():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -64,14 +65,39 @@ __all__ = [
 logger = logging.getLogger("rankguard.callbacks.hang_watchdog")
 
 
+#: Looks at a ``report_dir`` that seems not writable, this far apart (seconds): another
+#: rank on the node may be making or removing the folder as this one looks.
+REPORT_DIR_LOOKS = (0.0, 0.05, 0.2)
+
+
+def _unwritable_above(path: Path) -> Path | None:
+    """The nearest folder at or above ``path`` that is there and not writable, else ``None``.
+
+    A folder that is not there (any more) is the folder above's to decide; one that
+    is there is looked at twice before it is blamed.
+    """
+
+    def writable(folder: Path) -> bool:
+        return os.access(folder, os.W_OK | os.X_OK) and folder.is_dir()
+
+    for folder in (path, *path.parents):
+        if writable(folder):
+            return None
+        if folder.exists() and not writable(folder):
+            return folder
+    return path  # not even the root folder was there
+
+
 def _check_report_dir(report_dir: Any) -> str:
     if not isinstance(report_dir, str | os.PathLike) or not str(report_dir):
         raise ValueError(f"`report_dir` must be a directory path; got {report_dir!r}.")
     path = Path(report_dir).absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"`report_dir` {str(report_dir)!r} is not writable (checked {existing}).")
-    return str(report_dir)
+    for pause in REPORT_DIR_LOOKS:
+        time.sleep(pause)
+        blamed = _unwritable_above(path)
+        if blamed is None:
+            return str(report_dir)
+    raise ValueError(f"`report_dir` {str(report_dir)!r} is not writable (checked {blamed}).")
 
 
 def _num_params(model: Any) -> int | None:
