@@ -166,9 +166,17 @@ def test_a_rank_frozen_in_an_eval_or_a_save_on_another_node_is_named_then_ended_
     print(f"{scenario}: named {named:.1f} s, ended {ended:.1f} s after the freeze")
 
 
+def _rankguard_lines(*nodes) -> str:
+    """Both nodes' rankguard log lines: what a failure needs first (the tail is torchrun's)."""
+    return "\n".join(
+        line for node in nodes for line in node.stderr.splitlines() if " rankguard" in line
+    )
+
+
 def test_a_rank_slow_in_python_in_its_first_step_is_never_named(tmp_path):
     node0, node1 = launch_nodes(
         JOB, [str(tmp_path), "slow_first_step"], nodes=2, per_node=1, timeout=100
     )
-    assert (node0.returncode, node1.returncode) == (0, 0), node0.stderr[-3000:]
+    codes = (node0.returncode, node1.returncode)
+    assert codes == (0, 0), f"{_rankguard_lines(node0, node1)}\n{node0.stderr[-3000:]}"
     assert "frozen or dead" not in node0.stderr + node1.stderr
