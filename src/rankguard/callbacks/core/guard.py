@@ -163,7 +163,8 @@ class Guard:
             if waited >= (LATE_AFTER_S if slow else VERDICT_WAIT_S):
                 store_health.left_late = True
                 why = "the store answers slowly" if slow else "the ranks are slow to send theirs"
-                self.warn_once_at_info(
+                self._say_once(
+                    logging.INFO,
                     "late",
                     "the verdict of its exchange was not in at train batch %d after %.1f s (%s): "
                     "training goes on, and it acts on the verdict at the batch it comes",
@@ -174,26 +175,24 @@ class Guard:
                 return True
         return False
 
-    def warn_once_at_info(self, key: str, message: str, *args: Any) -> None:
-        """Logs ``message`` at INFO the first time ``key`` is seen by this guard."""
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.info("rankguard %s: %s", self.name, message % args if args else message)
-
     def skip_failed(self, what: str, exc: Exception) -> None:
         """Says once that ``what`` (an exchange) failed and is skipped.
 
         At INFO where it failed because a rank acted on an earlier verdict late (the
         store answered slowly, :class:`ExchangeSkewed`); at WARNING otherwise.
         """
-        say = self.warn_once_at_info if isinstance(exc, ExchangeSkewed) else self.warn_once
-        say("failed", "%s failed (%s); skipping it", what, exc)
+        level = logging.INFO if isinstance(exc, ExchangeSkewed) else logging.WARNING
+        self._say_once(level, "failed", "%s failed (%s); skipping it", what, exc)
 
     def warn_once(self, key: str, message: str, *args: Any) -> None:
         """Logs a warning the first time ``key`` is seen by this guard."""
+        self._say_once(logging.WARNING, key, message, *args)
+
+    def _say_once(self, level: int, key: str, message: str, *args: Any) -> None:
+        """Logs ``message`` at ``level`` the first time ``key`` is seen by this guard."""
         if key not in self._warned:
             self._warned.add(key)
-            logger.warning("rankguard %s: %s", self.name, message % args if args else message)
+            logger.log(level, "rankguard %s: %s", self.name, message % args if args else message)
 
     def state_dict(self) -> dict[str, Any]:
         """What the guard keeps across a restart, saved with checkpoints (plain values)."""
