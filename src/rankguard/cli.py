@@ -6,8 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from rankguard import __version__
-from rankguard.callbacks.hang import report as hang_report
+from rankguard import __version__, report
 
 __all__ = ["build_parser", "main"]
 
@@ -34,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"rankguard {__version__}")
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    report = commands.add_parser("report", help=hang_report.REPORT_HELP, prog="rankguard report")
-    hang_report.add_arguments(report).set_defaults(run=hang_report.run)
+    reader = commands.add_parser("report", help=report.REPORT_HELP, prog="rankguard report")
+    report.add_arguments(reader).set_defaults(run=report.run)
     return parser
 
 

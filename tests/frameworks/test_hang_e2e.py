@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from rankguard.callbacks.hang.hang_watchdog import DEADLOCK_EXIT_CODE, HANG_EXIT_CODE
-from rankguard.callbacks.hang.timeline import plot_timeline
+from rankguard.report.timeline import plot_timeline
 from tests.e2e.hang_settings import EVAL_BATCH_S, HANG, HEALTHY, TRAIN_STEP_S, TWO_STAGE
 from tests.mp import run_job
 

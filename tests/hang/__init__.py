@@ -1,1 +1,1 @@
-"""Unit tests of the HangWatchdog, its pure decisions and the report CLI."""
+"""Unit tests of the HangWatchdog and its pure decisions."""

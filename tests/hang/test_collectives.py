@@ -17,8 +17,8 @@ import torch
 from rankguard.callbacks.core.events import Event, EventFacts
 from rankguard.callbacks.hang.collective_files import flight_recorder, read_files
 from rankguard.callbacks.hang.collectives import CollectiveRecorder
-from rankguard.callbacks.hang.report import run as report
 from rankguard.callbacks.hang.stacks import library_paths
+from rankguard.report import run as report
 from tests.mp import run_ranks
 
 

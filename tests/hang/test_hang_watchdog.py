@@ -18,13 +18,13 @@ from rankguard.callbacks.core.errors import RanksMissingError
 from rankguard.callbacks.core.events import Event, EventFacts, LoaderFacts
 from rankguard.callbacks.core.side_channel import SideChannel
 from rankguard.callbacks.hang.hang_watchdog import HANG_EXIT_CODE, HangWatchdog
-from rankguard.callbacks.hang.report import main as report_main
 from rankguard.callbacks.hang.report import write_heartbeats, write_stacks
 from rankguard.callbacks.hang.stacks import blocked_in
 from rankguard.callbacks.hang.status import RankStatus
 from rankguard.callbacks.hang.verdict import diagnose, gone
 from rankguard.callbacks.hang.verdict_text import flight_recorder_note, nccl_timeout_advice
 from rankguard.callbacks.hang.watchdog_settings import fit_defaults_under
+from rankguard.report import main as report_main
 from tests.mp import run_ranks
 
 EVAL = LoaderFacts("eval", None, is_train=False)

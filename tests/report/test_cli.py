@@ -13,7 +13,7 @@ import pytest
 import rankguard
 from rankguard import cli
 from rankguard.callbacks.hang.report import write_heartbeats
-from rankguard.callbacks.hang.timeline import MAX_ROWS, build_timeline, plot_timeline, title
+from rankguard.report.timeline import MAX_ROWS, build_timeline, plot_timeline, title
 
 ROOT = Path(__file__).resolve().parents[2]
 

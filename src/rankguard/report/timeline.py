@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rankguard.callbacks.core.events import Event
+from rankguard.callbacks.hang.report import REPORT_EVENT
 
 __all__ = [
     "PHASE_COLORS",
-    "REPORT_EVENT",
     "RankRow",
     "Span",
     "Timeline",
@@ -37,8 +37,6 @@ __all__ = [
     "title",
 ]
 
-#: The ``event`` of the record that ends ``rank{N}.jsonl``: the rank's status when it reported.
-REPORT_EVENT = "report"
 #: Rows drawn at most; stuck ranks first, then the others by rank.
 MAX_ROWS = 32
 
