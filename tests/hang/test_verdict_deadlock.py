@@ -90,7 +90,7 @@ def test_rendezvous_is_a_collective_backward_or_rankguard_exchange_not_other_dis
 def test_user_frame_is_the_innermost_frame_outside_libraries_with_its_source_line():
     here = os.path.abspath(__file__)
     stack = [(C10D, 10, "all_reduce"), (here, 1, "caller"), (TRAIN, 9, "main")]
-    assert user_frame(stack, library_paths()).startswith("test_hang_deadlock.py:1 (caller): ")
+    assert user_frame(stack, library_paths()).startswith("test_verdict_deadlock.py:1 (caller): ")
     assert user_frame([(C10D, 10, "all_reduce")], library_paths()) is None
 
 
@@ -350,12 +350,12 @@ def test_collective_on_one_rank_is_a_proven_deadlock_ending_every_rank_with_70(t
     assert [o.exitcode for o in outcomes] == [DEADLOCK_EXIT_CODE] * 2, outcomes
     assert time.monotonic() - start < 30  # seconds after the split, not the harness's kill
     summary = (tmp_path / "summary.txt").read_text()
-    assert "rank 0: your code at test_hang_deadlock.py:" in summary
+    assert "rank 0: your code at test_verdict_deadlock.py:" in summary
     assert "(reduce_under_if_rank_0): dist.all_reduce(torch.ones(1), group=group)" in summary
     assert "Next: fix the code path at rank 0's wait point" in summary, summary
     # The record of collectives sees it too, and names the same rank and line.
     assert "Collectives issued: group 1 (ranks 0,1): rank 0 issued 1; rank 1 issued 0; " in summary
-    assert "rank 0: all_reduce float32[1] at test_hang_deadlock.py:" in summary
+    assert "rank 0: all_reduce float32[1] at test_verdict_deadlock.py:" in summary
 
 
 def _rank0_leaves_the_loop(rank, world_size, report_dir, split):
@@ -384,7 +384,7 @@ def test_a_rank_leaving_the_loop_alone_ends_every_rank_with_70_together_is_silen
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.startswith("deadlock, rank 0 left the training loop while the others"), summary
     assert "rank 0 left the training loop at step 3" in summary
-    assert "rank 1 waiting" in summary and "in barrier at test_hang_deadlock.py:" in summary
+    assert "rank 1 waiting" in summary and "in barrier at test_verdict_deadlock.py:" in summary
     assert "Next: fix the stop decision of rank 0" in summary, summary
     healthy = tmp_path / "healthy"
     healthy.mkdir()
