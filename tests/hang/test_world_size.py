@@ -5,10 +5,10 @@ Pinned at 16,384 ranks against 4,096, side by side in one process: for each deci
 the interval exchange, the checkpoint plan), the Python calls it makes
 (``sys.setprofile``: deterministic) grow at most linearly (x4, bound x5; the square
 would be x16), and so does its time (the best of three, bound x10, a backstop for work
-inside one C call), both as rank 0 decides (the cyclic collector paused,
-``cyclic_gc_paused``); what every rank reads from the store (its status, each verdict,
-a missing-ranks verdict) and the words it logs stay the same size whatever the world
-size (bound x1.5). docs/scale.md.
+inside one C call; a ``timing`` test, run alone), both as rank 0 decides (the cyclic
+collector paused, ``cyclic_gc_paused``); what every rank reads from the store (its
+status, each verdict, a missing-ranks verdict) and the words it logs stay the same size
+whatever the world size (bound x1.5). docs/scale.md.
 """
 
 from __future__ import annotations
@@ -193,6 +193,12 @@ def test_each_decision_grows_linearly_and_its_verdict_not_at_all(name):
         assert _words(verdict_large) / _words(verdict_small) < SIZE_BOUND
     if hasattr(verdict_large, "table"):
         assert len(verdict_large.table()) / len(verdict_small.table()) < SIZE_BOUND
+
+
+@pytest.mark.timing  # a figure: run alone (make test's timing session), not beside a worker
+@pytest.mark.parametrize("name", list(DECISIONS))
+def test_each_decisions_time_grows_at_most_linearly(name):
+    small, large = DECISIONS[name](SMALL), DECISIONS[name](LARGE)
     small_s, large_s = [], []
     for _ in range(3):  # side by side: what loads the machine loads both
         small_s.append(_seconds(small))
