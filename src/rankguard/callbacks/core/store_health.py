@@ -71,8 +71,7 @@ class StoreHealth:
         """Whether the last timed request, or one in flight, took over :data:`SLOW_REQUEST_S`."""
         if self._last_s > SLOW_REQUEST_S:
             return True
-        now = monotonic()
-        if any(now - since > SLOW_REQUEST_S for since in tuple(self._since.values())):
+        if self.round_trip_s() > SLOW_REQUEST_S:  # one in flight that long
             self.slow_seen = True
             return True
         return False
