@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,12 +98,15 @@ def test_a_zombie_or_missing_pid_is_not_alive():
 # -- two real ranks --------------------------------------------------------------------------
 
 
-def _watchdog(report_dir: str, teardown_s: float = 3.0):
+def _watchdog(report_dir: str, teardown_s: float = 3.0, period_s: float = 2.0):
     from rankguard.callbacks.core.side_channel import SideChannel
     from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
 
     watchdog = HangWatchdog(
-        report_dir=report_dir, timeout_s=60, exchange_period_s=2, teardown_timeout_s=teardown_s
+        report_dir=report_dir,
+        timeout_s=60,
+        exchange_period_s=period_s,
+        teardown_timeout_s=teardown_s,
     )
     watchdog.bind(SideChannel.from_environment(timeout_s=10))
     watchdog.on_fit_start(EventFacts())
@@ -148,6 +152,64 @@ def test_a_rank_that_raised_ends_every_rank_in_seconds_naming_it(tmp_path):
     assert "it ends with exit code 70" in summary and "Next: fix the error on rank 1" in summary
     assert "destroy_process_group_waits" in (tmp_path / "rank1.txt").read_text()
     assert "check_batch" not in (tmp_path / "rank0.txt").read_text().split("\n")[0]
+
+
+#: How late rank 1's watchdog thread comes to its second exchange (seconds).
+THREAD_LATE_S = 6.0
+
+
+def _late_once(sleep):
+    """A watchdog thread's wait for its next exchange that, once, ends ``THREAD_LATE_S`` late."""
+    calls = []
+
+    def late(thread):
+        sleep(thread)
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(THREAD_LATE_S)  # a loaded machine did not schedule it
+
+    return late
+
+
+def _rank1_raises_while_rank0_waits_in_an_exchange(rank, world_size, report_dir):
+    """Rank 0 waits in its next collective; the default period and timeout (10 s).
+
+    Rank 0's second exchange waits for rank 1's status; rank 1's thread is late for it,
+    and rank 1 raises and closes meanwhile, as every adapter does: the status never
+    comes. Rank 1's process stays, as under NCCL (no closed socket tells rank 0).
+    """
+    import torch.distributed as dist
+
+    from rankguard.callbacks.hang.watchdog_thread import WatchdogThread
+
+    if rank == 1:
+        WatchdogThread._sleep = _late_once(WatchdogThread._sleep)
+    watchdog = _watchdog(report_dir, teardown_s=15.0, period_s=10.0)
+    if rank == 1:
+        time.sleep(THREAD_LATE_S / 3)  # its own code: rank 0's second exchange waits
+        try:
+            check_batch({"tokens": []})
+        except ValueError as exc:
+            Path(report_dir, "raised_at").write_text(repr(time.time()))
+            watchdog.on_error(exc, EventFacts(step=3))
+            watchdog.close()
+        destroy_process_group_waits()
+    dist.barrier()
+
+
+def test_a_rank_that_raises_while_a_peer_waits_in_a_status_exchange_ends_it_in_seconds(
+    tmp_path,
+):
+    outcomes = run_ranks(
+        _rank1_raises_while_rank0_waits_in_an_exchange, 2, str(tmp_path), timeout_s=90, until=[0]
+    )
+    assert outcomes[0].exitcode == DEADLOCK_EXIT_CODE, outcomes
+    summary = tmp_path / "summary.txt"
+    assert summary.read_text().startswith("Rank 1 raised ValueError: sample 4711 has no tok")
+    # Rank 0's exchange would wait out its 10 s timeout for a status that never comes: it
+    # reads the board meanwhile, as at its wakes (every 0.5 s while its loop waits).
+    after_s = summary.stat().st_mtime - float((tmp_path / "raised_at").read_text())
+    assert after_s < 4.0, after_s
 
 
 def _worker_died(signum, frame):

@@ -14,7 +14,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
 from typing import Any, TypeVar
@@ -111,6 +111,15 @@ class _Failed:
     """Verdict published when ``decide`` itself raised on the deciding rank."""
 
     message: str
+
+
+@dataclass(frozen=True)
+class _Waiting:
+    """How one exchange waits: until when (``time.monotonic``), and what it does meanwhile."""
+
+    until: float
+    meanwhile: Callable[[], None] | None
+    every_s: float
 
 
 #: Round trips to the store that an exchange's wait allows for beyond its timeout (see
@@ -462,6 +471,8 @@ class SideChannel:
         decide: Callable[[Mapping[int, Any]], T],
         *,
         timeout_s: float | None = None,
+        meanwhile: Callable[[], None] | None = None,
+        every_s: float = 0.5,
     ) -> T:
         """Sends ``payload`` to the deciding rank and returns its verdict.
 
@@ -478,6 +489,11 @@ class SideChannel:
                 size by :func:`scaled_timeout`, plus the store's measured round
                 trips (:func:`in_transit_s`). The others wait a little longer for
                 the verdict.
+            meanwhile: Called every ``every_s`` seconds while this rank waits (for the
+                others' payloads, or for the verdict); an exception it raises ends the
+                wait and leaves the exchange. ``None``: one wait, one request.
+            every_s: How often ``meanwhile`` is called: each call re-sends the wait (one
+                request), so callers at scale pass a period spread over the world.
 
         Returns:
             ``decide``'s result, the same object value on every rank.
@@ -498,13 +514,14 @@ class SideChannel:
         timeout = scaled_timeout(timeout, self.world_size) + in_transit_s(timeout)
         base = f"{self.prefix}/{name}/{seq}"
         verdict_key = f"{base}/verdict"
+        waiting = _Waiting(time.monotonic() + timeout, meanwhile, every_s)
         if self.is_leader:  # its own payload never goes through the store
-            verdict: Any = self._decide(base, payload, decide, timeout)
+            verdict: Any = self._decide(base, payload, decide, waiting)
             self._set(verdict_key, verdict)
             self._forget_verdicts(name, verdict_key, everyone=not isinstance(verdict, _Missing))
         else:
             self._set(f"{base}/r{self.rank}", payload)
-            verdict = self._await_verdict(base, verdict_key, timeout)
+            verdict = self._await_verdict(base, verdict_key, waiting)
             if verdict is not _NO_VERDICT:
                 # Each rank removes its own payload (the deciding rank has read it by now),
                 # so the deciding rank makes no per-rank request.
@@ -546,6 +563,27 @@ class SideChannel:
             left.clear()
         left.append(verdict_key)
 
+    def _wait_read(self, keys: list[str], waiting: _Waiting) -> list[bytes] | None:
+        """Every key's value once all exist, or ``None`` at ``waiting``'s deadline.
+
+        Where ``waiting`` has something to do meanwhile, the wait goes in slices of its
+        period, and it is done between them. The client keeps the whole wait's timeout
+        for its next requests, as one read leaves it.
+        """
+        total = waiting.until - time.monotonic()
+        if waiting.meanwhile is None or total <= waiting.every_s:
+            return self._read(keys, max(total, 0.001))
+        try:
+            while True:
+                left = waiting.until - time.monotonic()
+                raw = self._read(keys, max(min(left, waiting.every_s), 0.001))
+                if raw is not None or left <= waiting.every_s:
+                    return raw
+                waiting.meanwhile()
+        finally:
+            if self._per_thread:
+                self.store.set_timeout(timedelta(seconds=total))
+
     def _read(self, keys: list[str], timeout: float) -> list[bytes] | None:
         """Every key's value once all exist, or ``None`` after ``timeout`` seconds.
 
@@ -566,12 +604,16 @@ class SideChannel:
         return store.multi_get(keys)
 
     def _decide(
-        self, base: str, payload: Any, decide: Callable[[Mapping[int, Any]], Any], timeout: float
+        self,
+        base: str,
+        payload: Any,
+        decide: Callable[[Mapping[int, Any]], Any],
+        waiting: _Waiting,
     ) -> Any:
         """``decide`` over this rank's ``payload`` and every other rank's, read from the store."""
         others = [rank for rank in range(self.world_size) if rank != self.rank]
         keys = [f"{base}/r{rank}" for rank in others]
-        raw = self._read(keys, timeout)
+        raw = self._wait_read(keys, waiting)
         if raw is None:
             checked = zip(others, keys, strict=True)
             missing = [r for r, key in checked if not self.store.check([key])]
@@ -598,11 +640,11 @@ class SideChannel:
         finally:
             self.decide_s += time.perf_counter() - started
 
-    def _await_verdict(self, base: str, verdict_key: str, timeout: float) -> Any:
+    def _await_verdict(self, base: str, verdict_key: str, waiting: _Waiting) -> Any:
         # Wait longer than the deciding rank so it can publish who is missing.
-        grace = max(5.0, 0.25 * timeout)
         started = time.monotonic()
-        raw = self._read([verdict_key], timeout + grace)
+        grace = max(5.0, 0.25 * (waiting.until - started))
+        raw = self._wait_read([verdict_key], replace(waiting, until=waiting.until + grace))
         if raw is None:
             logger.debug(
                 "rankguard: no verdict for %s after %.1f s", base, time.monotonic() - started

@@ -74,6 +74,10 @@ HEARD_CHECKS = 16
 CONFIRM_AFTER_S = 1.0
 
 
+class _Raised(Exception):
+    """Leaves an exchange in flight: this rank raised, and its fit closes."""
+
+
 class StorePolls:
     """When the watchdog thread reads the store for a peer's fault or a stop request.
 
@@ -423,8 +427,15 @@ class WatchdogThread:
                 status = self.status()
                 self.read_wake = False  # a wake point read so far: this status tells it
                 verdict = channel.exchange(
-                    STATUS_EXCHANGE, status, decide, timeout_s=self.settings.exchange_timeout_s
+                    STATUS_EXCHANGE,
+                    status,
+                    decide,
+                    timeout_s=self.settings.exchange_timeout_s,
+                    meanwhile=self._while_waiting,
+                    every_s=max(PROBE_PERIOD_S, self.polls.period_s),
                 )
+            except _Raised:
+                return  # this rank raised and its fit closes: its peers act on its fault
             except RanksMissingError as missing:
                 self.failures += 1
                 self._on_missing(missing.missing)
@@ -457,6 +468,18 @@ class WatchdogThread:
                 self.stop.wait(CONFIRM_AFTER_S)
             else:
                 self._sleep()
+
+    def _while_waiting(self) -> None:
+        """While an exchange waits (for a peer's status, or the verdict): the wake's reads.
+
+        A peer that raised after this rank's exchange began never sends its status: its
+        fault is read here, not after the exchange's timeout (10 s at the defaults). A
+        rank that raised itself and closes leaves the exchange: nothing waits for it.
+        """
+        published = self.faults.published
+        if self.stop.is_set() and published is not None and published.family != "left":
+            raise _Raised
+        self._poll()
 
     def _sleep(self) -> None:
         """Waits for the next exchange; sooner when this rank's loop settles at a rendezvous."""
