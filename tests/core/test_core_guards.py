@@ -286,3 +286,30 @@ def test_drain_while_the_training_thread_appends_loses_and_reorders_no_entry():
     assert drains > 1
     assert [entry[2] for entry in read] == list(range(total))
     assert steps.entries == []
+
+
+def test_an_error_is_explained_on_this_rank_before_the_other_ranks_are_told():
+    # A peer told ends within seconds and its launcher then stops this rank: every line
+    # that only explains the error here is logged first, whatever the guards' order.
+    from rankguard.callbacks.core.guard import Guard, GuardRunner
+    from rankguard.callbacks.data.data_stall_monitor import DataStallMonitor
+    from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
+
+    said: list[str] = []
+
+    class Teller(Guard):
+        name = "teller"
+        tells_peers_on_error = True
+
+        def on_error(self, exc, facts):
+            said.append("told")
+
+    class Explainer(Guard):
+        name = "explainer"
+
+        def on_error(self, exc, facts):
+            said.append("explained")
+
+    GuardRunner([Teller(), Explainer()]).error(ValueError("x"), EventFacts(step=3))
+    assert said == ["explained", "told"]
+    assert HangWatchdog.tells_peers_on_error and not DataStallMonitor.tells_peers_on_error

@@ -86,6 +86,9 @@ class Guard:
     name: ClassVar[str] = "guard"
     #: The per-step events ``read_steps`` reads (what the reference lists).
     step_events: ClassVar[tuple[Event, ...]] = ()
+    #: Its ``on_error`` tells the other ranks (they may end at once): it runs after every
+    #: guard that only explains the error on this rank, so their lines are logged first.
+    tells_peers_on_error: ClassVar[bool] = False
 
     def __init__(self, *, on_violation: str = "raise") -> None:
         self.on_violation = check_choice("on_violation", on_violation, ON_VIOLATION)
@@ -328,8 +331,12 @@ class GuardRunner:
             guard.bind(self.channel, log_metrics)
 
     def error(self, exc: BaseException, facts: EventFacts) -> None:
-        """Lets guards that explain errors (``on_error``) log what they know about ``exc``."""
-        for guard in self.guards:
+        """Lets guards that explain errors (``on_error``) log what they know about ``exc``.
+
+        Those that tell the other ranks go last: a peer told ends within seconds, and its
+        launcher then stops this rank, maybe before a later line was logged.
+        """
+        for guard in sorted(self.guards, key=lambda g: g.tells_peers_on_error):
             on_error = getattr(guard, "on_error", None)
             if on_error is not None:
                 try:

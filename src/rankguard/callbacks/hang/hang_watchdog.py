@@ -212,6 +212,7 @@ class HangWatchdog(Guard):
     name = "hang_watchdog"
     #: It reads a batch's parts where the adapter announces them (its history).
     reads_phases = True
+    tells_peers_on_error = True
     step_events = (
         Event.DATA_FETCH_START,
         Event.DATA_FETCH_END,
