@@ -436,3 +436,42 @@ def test_an_exchange_waits_longer_by_the_stores_round_trips_at_most_double(store
     assert stalled == pytest.approx(5.0, abs=0.01)
     store_round_trip(0.001)  # the store answers at once again: so does the wait
     assert in_transit_s(5.0) == pytest.approx(STORE_TRIPS * 0.001, abs=0.01)
+
+
+def test_an_exchange_with_something_to_do_meanwhile_does_it_between_slices_of_its_wait():
+    # The watchdog reads the fault board while its exchange waits for a late peer: the
+    # wait goes in slices, each request between them (and after) keeps the wait's timeout.
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+    follower = SideChannel(client, rank=1, world_size=2, timeout_s=5.0)
+    leader = SideChannel(client, rank=0, world_size=2, timeout_s=5.0)
+    timeouts: list[float] = []
+
+    def meanwhile():
+        timeouts.append(leader.store.timeout.total_seconds())
+
+    def late_follower():
+        time.sleep(1.2)
+        follower.all_gather("sliced", 1)
+
+    thread = threading.Thread(target=late_follower, daemon=True)
+    thread.start()
+    try:
+        assert leader.exchange("sliced", 0, dict, meanwhile=meanwhile, every_s=0.3) == {0: 0, 1: 1}
+    finally:
+        thread.join(30)
+    # Called at 0.3, 0.6 and 0.9 s (1.2 s on a loaded machine): never after the answer.
+    assert 3 <= len(timeouts) <= 4, timeouts
+    total = scaled_timeout(5.0, 2)
+    assert all(total - 0.1 < t < total + 0.1 for t in timeouts), timeouts
+    assert total - 0.1 < leader.store.timeout.total_seconds() < total + 0.1
+
+    def leave():
+        raise KeyboardInterrupt  # what the watchdog raises to leave: this rank raised
+
+    with pytest.raises(KeyboardInterrupt):  # nobody answers: it leaves at the first slice
+        leader.exchange("left", 0, dict, meanwhile=leave, every_s=0.3)

@@ -567,8 +567,9 @@ class SideChannel:
         """Every key's value once all exist, or ``None`` at ``waiting``'s deadline.
 
         Where ``waiting`` has something to do meanwhile, the wait goes in slices of its
-        period, and it is done between them. The client keeps the whole wait's timeout
-        for its next requests, as one read leaves it.
+        period, and it is done between them. Its requests, and this client's after the
+        wait, get the whole wait's timeout, as one read leaves it (a slice's would fail
+        them on a store that answers slowly).
         """
         total = waiting.until - time.monotonic()
         if waiting.meanwhile is None or total <= waiting.every_s:
@@ -579,10 +580,15 @@ class SideChannel:
                 raw = self._read(keys, max(min(left, waiting.every_s), 0.001))
                 if raw is not None or left <= waiting.every_s:
                     return raw
+                self._keep_timeout(total)
                 waiting.meanwhile()
         finally:
-            if self._per_thread:
-                self.store.set_timeout(timedelta(seconds=total))
+            self._keep_timeout(total)
+
+    def _keep_timeout(self, seconds: float) -> None:
+        """This thread's client answers its next requests within ``seconds`` (its own only)."""
+        if self._per_thread:
+            self.store.set_timeout(timedelta(seconds=seconds))
 
     def _read(self, keys: list[str], timeout: float) -> list[bytes] | None:
         """Every key's value once all exist, or ``None`` after ``timeout`` seconds.
