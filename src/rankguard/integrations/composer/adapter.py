@@ -1,7 +1,7 @@
 """The Composer adapter: Composer's events, as rankguard core events, drive the guards.
 
-Its event map (``_EVENTS``, and the events of every train batch tested by
-identity: Composer calls ``run_event`` some 13 times a batch) and its hooks.
+Its event table (``run_event``: each Composer event's row, found by its value
+string; Composer calls it some 13 times a batch) and its hooks.
 The facts each event needs are read in :mod:`.facts`; what they mean is
 decided in :mod:`.decisions`. Every other module of the package is imported
 after this one's Composer imports (the package's ``__init__`` imports it first),
@@ -11,6 +11,7 @@ so a missing Composer is named here.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from composer.callbacks import CheckpointSaver
@@ -74,35 +75,6 @@ _EVENTS: dict[Event, CoreEvent] = {
     Event.FIT_END: CoreEvent.FIT_END,
 }
 
-#: ``_EVENTS`` keyed by each member's ``id``: Composer calls ``run_event`` some 13 times a
-#: batch, and its ``StringEnum`` hashes in Python (about 1 us a lookup, 0.2 us by ``id``).
-_EVENTS_BY_ID: dict[int, CoreEvent] = {id(event): core for event, core in _EVENTS.items()}
-#: The events of every train batch, tested by identity (``is``): Composer calls ``run_event``
-#: some 13 times a batch, and an identity test against a module constant costs the least.
-_BEFORE_DATALOADER = Event.BEFORE_DATALOADER
-_AFTER_DATALOADER = Event.AFTER_DATALOADER
-_BATCH_END = Event.BATCH_END
-_BATCH_CHECKPOINT = Event.BATCH_CHECKPOINT
-_INIT = Event.INIT
-_BEFORE_LOAD = Event.BEFORE_LOAD
-#: The value of each event of a train batch rankguard has nothing to do at (BATCH_START: it
-#: is recorded with AFTER_DATALOADER), tested inline (``private.composer.event_values``): a
-#: test that allocates nothing costs a third of one by ``id`` (a new int) in a cold call.
-_QUIET = event_values(
-    (
-        Event.BATCH_START,
-        Event.BEFORE_TRAIN_BATCH,
-        Event.BEFORE_FORWARD,
-        Event.AFTER_FORWARD,
-        Event.BEFORE_LOSS,
-        Event.AFTER_LOSS,
-    )
-)
-#: Each microbatch's backward, its start and end: in the step log (the watchdog's history).
-_BEFORE_BACKWARD = Event.BEFORE_BACKWARD
-_AFTER_BACKWARD = Event.AFTER_BACKWARD
-#: The event after a train batch's microbatches, before Composer reduces the loss per key.
-_AFTER_TRAIN_BATCH = Event.AFTER_TRAIN_BATCH
 #: The loss keys before a fit's first batch (no :func:`loss_keys` result equals it).
 _UNSEEN = object()
 #: Composer events that start or end a fit.
@@ -138,6 +110,7 @@ class _ComposerAdapter(Adapter, Callback):
         #: count at FIT_START (the agreement counts the steps of this fit).
         self._stop: StopAgreement | None = None
         self._first_batch = 0
+        self._table = self._event_table()
 
     def _train_facts(self, state: State) -> LoaderFacts | None:
         """The train loader's facts, built again only when Composer's loader or length changes."""
@@ -163,81 +136,123 @@ class _ComposerAdapter(Adapter, Callback):
             return False
         return saves_at(savers, state, event)
 
-    def run_event(
-        self, event: Event, state: State, logger: Logger, _quiet: frozenset[str] = _QUIET
-    ) -> None:
-        """Translates a Composer event and dispatches it to the guards.
+    def _event_table(self) -> dict[str, Callable[[Event, State, Logger], None]]:
+        """What each Composer event does, by its value string; an event absent does nothing.
 
-        ``_quiet`` is :data:`_QUIET`, a local here (a module global is one more cold
-        cache line in each of Composer's some 13 calls a batch).
+        The events of every train batch rankguard has no use for (BATCH_START is recorded
+        with AFTER_DATALOADER; the forward and the loss) and Composer's events without a
+        core event are absent, so they cost one lookup.
         """
-        if event._value_ in _quiet:
+        table: dict[Event, Callable[[Event, State, Logger], None]] = {
+            event: self._core_event for event in _EVENTS
+        }
+        del table[Event.BATCH_START]
+        table |= {
+            Event.INIT: self._init,
+            Event.BEFORE_DATALOADER: self._fetch_start,
+            Event.AFTER_DATALOADER: self._fetch_end,
+            Event.BATCH_END: self._batch_end,
+            Event.BEFORE_BACKWARD: self._backward,
+            Event.AFTER_BACKWARD: self._backward_end,
+            Event.AFTER_TRAIN_BATCH: self._after_train_batch,
+            Event.BATCH_CHECKPOINT: self._batch_checkpoint,
+            Event.BEFORE_LOAD: self._before_load,
+        }
+        return {value: table[event] for event in table for value in event_values((event,))}
+
+    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+        """Translates a Composer event and dispatches it to the guards (its row of the table).
+
+        Composer calls it some 13 times a batch: the row is found by the event's value
+        string (``private.composer.EVENT_VALUE``), whose hash Composer has just computed.
+        """
+        row = self._table.get(event._value_)
+        if row is not None:
+            row(event, state, logger)
+
+    # -- the rows of every train batch: the step log's clock read and one entry -----------
+
+    def _step_of(self, state: State) -> int:
+        """The batch count, read again only when Composer replaced its timestamp."""
+        timestamp = state.timestamp
+        if timestamp is not self._timestamp:
+            self._timestamp = timestamp
+            self._step = timestamp.batch.value
+        return self._step
+
+    def _fetch_start(self, event: Event, state: State, logger: Logger) -> None:
+        # The window also holds an all_reduce: the loader goes with it (see
+        # callbacks/data/data_fetch.py), read again only when it may be watched.
+        steps = self.runner.steps
+        train = self._train[2]
+        if train is None or steps.fetch_clock is not None:
+            train = self._train_facts(state)
+        steps.fetch_start(self._step_of(state), train)
+
+    def _fetch_end(self, event: Event, state: State, logger: Logger) -> None:
+        # The fetch ends and the batch starts: Composer fires BATCH_START next, with
+        # nothing between them, so one entry holds both (see step_log.PAIRS).
+        self.runner.steps.fetch_end_batch_start(self._step_of(state), state.batch)
+        if self._resume_due is not None:  # the fit's first BATCH_START: see _resumed
+            self._resumed(state)
+
+    def _batch_end(self, event: Event, state: State, logger: Logger) -> None:
+        self.runner.steps.batch_end(self._step_of(state))
+        stop = self._stop  # a preemption: every rank stops after the agreed step
+        if stop is not None and stop.requested:
+            self._stop_if_agreed(stop, state)
+
+    def _backward(self, event: Event, state: State, logger: Logger) -> None:
+        self.runner.steps.backward()  # each microbatch's
+
+    def _backward_end(self, event: Event, state: State, logger: Logger) -> None:
+        self.runner.steps.backward_end()
+
+    def _after_train_batch(self, event: Event, state: State, logger: Logger) -> None:
+        """The microbatches ran, the optimizer steps next; then Composer reduces the loss."""
+        self.runner.steps.optimizer_step()
+        check = self._loss_check
+        if check is not None:
+            loss = state.loss
+            keys = loss_keys(loss)
+            if keys != self._loss_keys:
+                self._loss_keys = keys
+                check.check_changed(loss_rows(loss, self._step + 1))
+
+    def _batch_checkpoint(self, event: Event, state: State, logger: Logger) -> None:
+        if self._save_due(state, event):  # every batch: a save only when a saver says so
+            self._save(state, logger)
+
+    # -- the rows of the fit's other events: a core event dispatched ----------------------
+
+    def _init(self, event: Event, state: State, logger: Logger) -> None:
+        self._hook_fit(state)
+
+    def _before_load(self, event: Event, state: State, logger: Logger) -> None:
+        self._resume = resume_request()
+        self._core_event(event, state, logger)
+
+    def _save(self, state: State, logger: Logger) -> None:
+        """A checkpoint save a saver makes now, where a guard handles it."""
+        if self.runner.handlers[CoreEvent.CHECKPOINT_SAVE_START]:
+            self._dispatch(CoreEvent.CHECKPOINT_SAVE_START, state, logger)
+
+    def _core_event(self, event: Event, state: State, logger: Logger) -> None:
+        core_event = _EVENTS[event]
+        if core_event is CoreEvent.CHECKPOINT_SAVE_START:  # EPOCH_CHECKPOINT
+            if self._save_due(state, event):
+                self._save(state, logger)
             return
-        if (
-            event is _BATCH_END or event is _BEFORE_DATALOADER or event is _AFTER_DATALOADER
-        ):  # the hot path, three times a step: the step log's clock read and append
-            timestamp = state.timestamp
-            if timestamp is not self._timestamp:  # Composer replaces it as time advances
-                self._timestamp = timestamp
-                self._step = timestamp.batch.value
-            steps = self.runner.steps
-            if event is _BATCH_END:
-                steps.batch_end(self._step)
-                stop = self._stop  # a preemption: every rank stops after the agreed step
-                if stop is not None and stop.requested:
-                    self._stop_if_agreed(stop, state)
-            elif event is _AFTER_DATALOADER:
-                # The fetch ends and the batch starts: Composer fires BATCH_START next,
-                # with nothing between them, so one entry holds both (see step_log.PAIRS).
-                steps.fetch_end_batch_start(self._step, state.batch)
-                if self._resume_due is not None:  # the fit's first BATCH_START: see _resumed
-                    self._resumed(state)
-            else:
-                # The window also holds an all_reduce: the loader goes with it (see
-                # callbacks/data/data_fetch.py), read again only when it may be watched.
-                train = self._train[2]
-                if train is None or steps.fetch_clock is not None:
-                    train = self._train_facts(state)
-                steps.fetch_start(self._step, train)
-            return
-        if event is _BEFORE_BACKWARD:  # each microbatch's
-            self.runner.steps.backward()
-            return
-        if event is _AFTER_BACKWARD:
-            self.runner.steps.backward_end()
-            return
-        if event is _AFTER_TRAIN_BATCH:  # before Composer reduces the loss, key by key
-            self.runner.steps.optimizer_step()  # the microbatches ran; the optimizer steps next
-            check = self._loss_check
-            if check is not None:
-                loss = state.loss
-                keys = loss_keys(loss)
-                if keys != self._loss_keys:
-                    self._loss_keys = keys
-                    check.check_changed(loss_rows(loss, self._step + 1))
-            return
-        if event is _BATCH_CHECKPOINT and not self._save_due(state, event):
-            return  # every batch: a save only when a saver says so
-        if event is _BEFORE_LOAD:
-            self._resume = resume_request()
-        core_event = _EVENTS_BY_ID.get(id(event))
-        if core_event is None:  # Composer's other events: rankguard has no use for them
-            if event is _INIT:
-                self._hook_fit(state)
-            return
-        runner = self.runner
-        if core_event is CoreEvent.CHECKPOINT_SAVE_START and not (
-            runner.handlers[core_event]
-            and (event is _BATCH_CHECKPOINT or self._save_due(state, event))
-        ):
-            return  # a save only when a guard handles it and a saver says so (asked above
-            # for BATCH_CHECKPOINT, not twice)
         if core_event in _FIT_BOUNDS:
             self.driver.fitting = core_event is CoreEvent.FIT_START
             self._passes.clear()
             self._timestamp, self._train, self._savers = None, (None, None, None), (None, 0, [])
-        if not self.runner.handles(core_event):
-            return
+        if self.runner.handles(core_event):
+            self._dispatch(core_event, state, logger)
+
+    def _dispatch(self, core_event: CoreEvent, state: State, logger: Logger) -> None:
+        """``core_event``'s facts to the guards, and what the adapter does around it."""
+        runner = self.runner
         facts = event_facts(core_event, state, logger)
         if core_event is CoreEvent.CHECKPOINT_LOAD_START and facts.load_path is None:
             return
@@ -251,13 +266,13 @@ class _ComposerAdapter(Adapter, Callback):
                 self._resume_due = dataset_positions(state)  # as loaded, before any batch
             if core_event is CoreEvent.FIT_START:
                 self._loss_check = metric_reduction_check(
-                    self.runner.guards, "composer_loss", where=LOSS_REDUCTION, fix=LOSS_FIX
+                    runner.guards, "composer_loss", where=LOSS_REDUCTION, fix=LOSS_FIX
                 )
                 self._first_batch = int(state.timestamp.batch)
                 self._stop = self.install_stop()  # Composer sets its own at import
             elif self._stop is not None and self._stop.stopped is not None:
                 self._warn_unsaved(state)
-        if core_event in _PASS_ENDS.values() and self.runner.handles(_PASS_END[core_event]):
+        if core_event in _PASS_ENDS.values() and runner.handles(_PASS_END[core_event]):
             original = state.dataloader
             counter = observe_pass(state)
             if counter is not None:
