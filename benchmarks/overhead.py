@@ -64,8 +64,13 @@ the training thread, where the check runs. Budget: 2 ms per flush, the exchange'
 store round trips on a loaded machine: under 0.5% of OLMo-core's steps (0.1 s and up on a
 GPU) at one flush every 5 steps.
 
+``--trees BEFORE,AFTER`` measures two git revisions' ``rankguard`` package with this tree's
+job, in launches of ABBA order (the machine's speed drifts over minutes; interleaved, both
+trees share it), and prints each one's figures.
+
 Usage: ``python benchmarks/overhead.py [--rounds 2] [--steps 900] [--frameworks composer,torch]``
-(about 8 minutes on 2 cores); ``python benchmarks/overhead.py --collectives [--steps 300]``;
+(about 8 minutes on 2 cores); ``--trees main~3,main`` (four launches per framework);
+``python benchmarks/overhead.py --collectives [--steps 300]``;
 ``python benchmarks/overhead.py --metric-flush [--steps 300]``.
 """
 
@@ -85,9 +90,17 @@ ROOT = HERE.parent
 
 
 def run_framework(
-    framework: str, rounds: int, steps: int, config: str = "{}", profile: str | None = None
+    framework: str,
+    rounds: int,
+    steps: int,
+    config: str = "{}",
+    profile: str | None = None,
+    src: Path = ROOT / "src",
 ) -> dict:
-    """Runs one framework's job (2 ranks) and returns what rank 0 measured."""
+    """Runs one framework's job (2 ranks) and returns what rank 0 measured.
+
+    ``src``: the ``rankguard`` package measured (this tree's; ``--trees``: a commit's).
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         job = [str(HERE / "overhead_job.py"), framework, str(rounds), str(steps), str(out)]
@@ -99,7 +112,7 @@ def run_framework(
         else:
             cmd = [sys.executable, *job]
         # This tree's own package first: an editable install may point at another checkout.
-        path = os.pathsep.join((str(ROOT / "src"), str(ROOT)))
+        path = os.pathsep.join((str(src), str(ROOT)))
         env = {**os.environ, "PYTHONPATH": path, "RANKGUARD_BENCH_CONFIG": config}
         if profile:
             Path(profile).mkdir(parents=True, exist_ok=True)
@@ -227,6 +240,45 @@ def report(framework: str, t: dict) -> None:
             else ""
         )
     )
+
+
+def export_src(revision: str, into: Path) -> Path:
+    """The ``src/`` folder of git ``revision`` of this repository, written under ``into``."""
+    folder = into / revision.replace("/", "_")
+    folder.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "archive", revision, "src"], cwd=ROOT, capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder / "src"
+
+
+def merged(runs: list[dict]) -> dict:
+    """One framework's measurements of several launches of the same tree, as one launch's."""
+    first = runs[0]
+    return {
+        key: [x for run in runs for x in run[key]] if isinstance(value, list) else value
+        for key, value in first.items()
+    }
+
+
+def compare_trees(framework: str, revisions: list[str], args: argparse.Namespace) -> None:
+    """Two commits' package in ABBA order of launches, this tree's job: each one's figures.
+
+    The machine's speed drifts over minutes (an empty Composer callback's floor has
+    moved by a quarter in 17); launches of the two trees interleaved share the drift.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        srcs = {rev: export_src(rev, Path(tmp)) for rev in revisions}
+        a, b = revisions
+        runs: dict[str, list[dict]] = {a: [], b: []}
+        for rev in (a, b, b, a):
+            runs[rev].append(
+                run_framework(framework, args.rounds, args.steps, args.config, None, srcs[rev])
+            )
+    for rev in revisions:
+        print(f"-- {rev}")
+        report(framework, merged(runs[rev]))
 
 
 def print_profile(path: Path, steps: int, top: int = 12) -> None:
@@ -488,7 +540,19 @@ def main() -> None:
     parser.add_argument("--per-step", type=int, default=128, help="collectives a step")
     parser.add_argument("--metric-flush", action="store_true", help="the flush check's cost")
     parser.add_argument("--interval", type=int, default=5, help="steps a metric flush holds")
+    parser.add_argument(
+        "--trees",
+        metavar="REV,REV",
+        help="two git revisions' package, launches in ABBA order (a change's before and after)",
+    )
     args = parser.parse_args()
+    if args.trees:
+        revisions = args.trees.split(",")
+        if len(revisions) != 2:
+            parser.error("--trees takes two revisions, e.g. --trees main~3,main")
+        for framework in args.frameworks.split(","):
+            compare_trees(framework, revisions, args)
+        return
     if args.metric_flush:
         metric_flush_cost(args.rounds, min(args.steps, 300), args.interval)
         return
