@@ -51,7 +51,7 @@ from rankguard.integrations.composer.messages import (
 )
 from rankguard.integrations.private.composer import (
     constructing_trainer,
-    event_values,
+    event_value,
     resume_request,
 )
 
@@ -158,7 +158,7 @@ class _ComposerAdapter(Adapter, Callback):
             Event.BATCH_CHECKPOINT: self._batch_checkpoint,
             Event.BEFORE_LOAD: self._before_load,
         }
-        return {value: table[event] for event in table for value in event_values((event,))}
+        return {event_value(event): row for event, row in table.items()}
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         """Translates a Composer event and dispatches it to the guards (its row of the table).

@@ -12,7 +12,7 @@ value string (an ``Enum``'s ``_value_``) inline, the one read it makes there.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
@@ -22,7 +22,7 @@ from composer.core import Event
 __all__ = [
     "EVENT_VALUE",
     "constructing_trainer",
-    "event_values",
+    "event_value",
     "resume_request",
     "trainer_init_locals",
     "trainer_load_path",
@@ -33,15 +33,15 @@ __all__ = [
 EVENT_VALUE = "_value_"
 
 
-def event_values(events: Iterable[Event]) -> frozenset[str]:
-    """What ``event._value_`` reads for each of ``events``: the set ``run_event`` tests.
+def event_value(event: Event) -> str:
+    """What ``event._value_`` reads: the key of ``event``'s row in ``run_event``'s table.
 
     Composer calls ``run_event`` some 13 times a batch, often on a cold cache; the
     member's value string, which Composer has just read and whose hash it holds, is
-    the cheapest thing to test. The public ``Event.value`` is a property (a Python
-    call) and ``Event.__hash__`` is Python code, so a set of members costs a call too.
+    the cheapest thing to look up. The public ``Event.value`` is a property (a Python
+    call) and ``Event.__hash__`` is Python code, so a table keyed by members costs a call too.
     """
-    return frozenset(vars(event)[EVENT_VALUE] for event in events)
+    return vars(event)[EVENT_VALUE]
 
 
 def _trainer_init_frame() -> FrameType | None:
