@@ -188,6 +188,7 @@ class Recorder:
         self.results: dict[str, dict] = {}
         self.collector = WarningCollector()
         self.threads = ThreadAudit()
+        self._running: tuple[str, dict] = ("", {})  # the scenario running, and its counters
         logging.getLogger("rankguard").addHandler(self.collector)
 
     def outcome(self, fn, counters: dict) -> dict:
@@ -207,15 +208,42 @@ class Recorder:
         return result
 
     def run(self, name: str, fn, counters: dict) -> None:
+        global RECORDER
         leftovers = self.threads.leftovers()
         self.results[name] = {"leftover_threads": leftovers}
         self.path.write_text(json.dumps(self.results, indent=1))
+        RECORDER, self._running = self, (name, counters)
         result = self.outcome(fn, counters)
         self.threads.ended(name)
         self.results[name] = result = {**result, "leftover_threads": leftovers}
         self.path.write_text(json.dumps(self.results, indent=1))
         if result["outcome"] != "ok" and os.environ.get("E2E_RERAISE") == "1":
             raise SystemExit(f"{result['outcome']}: {result['message']}")
+
+    def at_raise(self, exc: BaseException) -> None:
+        """Records the running scenario's outcome as ``exc`` leaves its loop, before the fit's
+        teardown: rankguard then tells the other ranks, which end within a second, and the
+        launcher stops this rank, maybe before the scenario returns (its record is then this
+        one: no traceback)."""
+        name, counters = self._running
+        self.results[name] = {
+            **self.results[name],
+            "outcome": type(exc).__name__,
+            "message": str(exc),
+            "warnings": list(self.collector.messages),
+            "counters": dict(counters),
+        }
+        self.path.write_text(json.dumps(self.results, indent=1))
+
+
+#: The recorder of the scenario running in this process (set by :meth:`Recorder.run`).
+RECORDER: Recorder | None = None
+
+
+def record_at_raise(exc: BaseException) -> None:
+    """:meth:`Recorder.at_raise` of the running scenario's recorder (none: nothing)."""
+    if RECORDER is not None:
+        RECORDER.at_raise(exc)
 
 
 def rankguard_off() -> bool:

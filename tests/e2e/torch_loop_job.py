@@ -362,7 +362,7 @@ def slow_loop(slow_s: float, steps: int, raise_at: int | None = None) -> None:
     ``raise_at``: its loader raises at that batch, as OLMo's data thread does when reads
     cannot keep up (``generator thread data thread 3 failed``).
     """
-    from tests.e2e.common import Points
+    from tests.e2e.common import Points, record_at_raise
 
     COUNTERS.clear()
     seed_everything(0)
@@ -384,11 +384,15 @@ def slow_loop(slow_s: float, steps: int, raise_at: int | None = None) -> None:
     logging.getLogger("rankguard").addHandler(handler)
     try:
         with RankGuard(**QUICK).fit(model, optimizer, train_loader) as run:
-            for x, y in run.train(train_loader):
-                count("train_batches")
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                optimizer.step()
-                optimizer.zero_grad()
+            try:
+                for x, y in run.train(train_loader):
+                    count("train_batches")
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            except RuntimeError as exc:  # the loader's: recorded before rankguard tells rank 0
+                record_at_raise(exc)
+                raise
     finally:
         logging.getLogger("rankguard").removeHandler(handler)
 
