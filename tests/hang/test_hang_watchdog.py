@@ -592,8 +592,9 @@ def _one_incident_two_stages(rank, world_size, report_dir):
         _train(watchdog, range(step, step + 1), step_s=0.01)
         step += 1
     watchdog.on_eval_start(EventFacts(step=12, loader=EVAL))
-    watchdog.on_eval_batch_start(EventFacts(step=12, loader=EVAL, batch_index=0))
+    # Read before the beat the watchdog's clock starts from: rank 1's is the stall's start.
     stalled = time.time()
+    watchdog.on_eval_batch_start(EventFacts(step=12, loader=EVAL, batch_index=0))
     if rank == 1:
         slow_eval_batch(watchdog)
     dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1 (the eval's metric sync)
@@ -608,9 +609,10 @@ def _one_incident_two_stages(rank, world_size, report_dir):
 
 def test_one_incident_reports_at_the_calibrated_deadline_then_once_at_the_ceiling(tmp_path):
     outcomes = run_ranks(_one_incident_two_stages, 2, str(tmp_path), timeout_s=60)
+    assert [o.error for o in outcomes] == [None, None], outcomes
+    stalled = outcomes[1].value[0]  # rank 1's eval batch start: the stuck rank's idle starts there
     for o in outcomes:
-        assert o.error is None, o.error
-        stalled, lines, incidents, ceilings_reached, deadlines = o.value
+        _, lines, incidents, ceilings_reached, deadlines = o.value
         assert (incidents, ceilings_reached) == (1, 1)
         stage1 = [(t, m) for t, level, m in lines if level == "WARNING"]
         stage2 = [(t, m) for t, level, m in lines if level == "ERROR"]
