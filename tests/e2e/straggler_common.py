@@ -52,9 +52,9 @@ class SlowForward(torch.nn.Module):
         return self.net(self.norm(x))
 
 
-def forward_delay(rank: int, slow: bool) -> float:
-    """Rank ``rank``'s extra forward time: 1.5x on rank 1 when ``slow``."""
-    return FORWARD_S * (SLOW_FACTOR if slow and rank == 1 else 1.0)
+def forward_delay(rank: int, slow: bool, base_s: float = FORWARD_S) -> float:
+    """Rank ``rank``'s extra forward time: ``base_s``, 1.5x on rank 1 when ``slow``."""
+    return base_s * (SLOW_FACTOR if slow and rank == 1 else 1.0)
 
 
 class SlowReads(Dataset):
