@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import logging
 import signal
 from pathlib import Path
@@ -433,3 +434,38 @@ def test_transformers_catches_the_stop_signals_during_the_fit_and_restores_them(
     ).train()
     assert Seen.handler == stop_agreement(guard.runner.guards)._handle
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+INTEGRATIONS = Path(rg_torch.__file__).resolve().parent
+#: The base that makes the runner, and the driver that holds it: the one door to the guards.
+DOOR = {"_adapter.py", "_driver.py"}
+
+
+def _runner_reaches(path: Path) -> list[str]:
+    """Each ``x.runner`` (and ``GuardRunner`` named) in a module, as ``file:line``."""
+    tree = ast.parse(path.read_text())
+    found = [
+        node.lineno
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Attribute) and node.attr == "runner")
+        or (isinstance(node, ast.Name) and node.id == "GuardRunner")
+    ]
+    return [f"{path.relative_to(INTEGRATIONS)}:{line}" for line in found]
+
+
+def test_adapters_reach_the_guards_only_through_their_driver():
+    modules = [p for p in INTEGRATIONS.rglob("*.py") if p.name not in DOOR]
+    assert len(modules) > 20  # every integration's package is scanned
+    reaches = [r for path in sorted(modules) for r in _runner_reaches(path)]
+    assert reaches == [], reaches
+
+
+def test_the_driver_finds_the_guards_says_what_they_handle_and_carries_their_state():
+    guard = rg_torch.ResumeGuard()
+    driver = guard.driver
+    assert [g.name for g in driver.guards] == ["resume_guard"]
+    assert driver.handles(Event.RESUMED) and not driver.handles(Event.EVAL_BATCH_END)
+    assert driver.steps is guard.runner.steps  # the hot path: one step log
+    assert driver.state_dict() == guard.state_dict() == guard.runner.state_dict()
+    guard.close()
+    driver.close()  # twice: safe

@@ -2,11 +2,11 @@
 
 An adapter translates: its framework's events into core events (its event map)
 and its framework's objects into facts. Everything else every adapter needs is
-here: the guards' runner and the :class:`~rankguard.integrations._driver.EventDriver`
-that fires core events in order, the framework methods it wrapped (each with
-its undo), the guards' metrics until the framework takes them, the sequence
-that lets the guards explain an error and then stops them, and the guards'
-checkpoint state. See docs/integrations.md#adding-an-integration.
+here: the :class:`~rankguard.integrations._driver.EventDriver`, its one door to
+the guards (it fires core events in order and holds the step log), the framework
+methods it wrapped (each with its undo), the guards' metrics until the framework
+takes them, the sequence that lets the guards explain an error and then stops
+them, and the guards' checkpoint state. See docs/integrations.md#adding-an-integration.
 """
 
 from __future__ import annotations
@@ -57,14 +57,14 @@ class Adapter:
         exchange_timeout_s: The side channel's default timeout.
 
     Attributes:
-        runner: The guards' runner.
-        driver: Fires core events on ``runner`` in order; the guards' metrics go to
+        driver: The adapter's one door to the guards: fires core events on their runner
+            in order, holds the step log; the guards' metrics go to
             :meth:`buffer_metrics` until the adapter hands them on (:meth:`take_metrics`).
     """
 
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
-        self.runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
-        self.driver = EventDriver(self.runner, self.buffer_metrics)
+        runner = GuardRunner(guards, exchange_timeout_s=exchange_timeout_s)
+        self.driver = EventDriver(runner, self.buffer_metrics)
         self._unhooks: list[Unhook] = []
         self._metrics: dict[str, float] = {}
 
@@ -88,13 +88,18 @@ class Adapter:
         self._unhooks.append(on_raise(obj, name, on_error or self.fail))
 
     @property
+    def runner(self) -> GuardRunner:
+        """The guards' runner, as the driver holds it (tests and tools; adapters use ``driver``)."""
+        return self.driver.runner
+
+    @property
     def reads_phases(self) -> bool:
         """Whether a guard reads a batch's parts (backward passes, optimizer steps).
 
         The hang watchdog's history does; an adapter that must hook them itself (a loop's
         backward) does so only then.
         """
-        return any(getattr(g, "reads_phases", False) for g in self.runner.guards)
+        return any(getattr(g, "reads_phases", False) for g in self.driver.guards)
 
     @property
     def wrapped(self) -> bool:
@@ -150,7 +155,7 @@ class Adapter:
         Called at fit start by an adapter that ends its loop on the agreement, once the
         framework's own handlers are in place (they are kept and restored at close).
         """
-        stop = stop_agreement(self.runner.guards)
+        stop = stop_agreement(self.driver.guards)
         if stop is not None:
             stop.install()
         return stop
@@ -159,7 +164,7 @@ class Adapter:
         """Stops every guard and removes every wrapper; safe to call twice and after an error."""
         self.driver.fitting = False
         self.unwrap()
-        self.runner.close()
+        self.driver.close()
 
     # -- checkpoint state ---------------------------------------------------------------
 
@@ -171,8 +176,8 @@ class Adapter:
         last save (the resume check). A loop saves it itself:
         ``torch.save({"model": ..., "rankguard": guard.state_dict()}, path)``.
         """
-        return self.runner.state_dict()
+        return self.driver.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores what :meth:`state_dict` saved, before the resumed fit (an empty dict: none)."""
-        self.runner.load_state_dict(state_dict)
+        self.driver.load_state_dict(state_dict)

@@ -14,10 +14,10 @@ import importlib
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 
-from rankguard.callbacks.core.guard import Guard, GuardRunner
+from rankguard.callbacks.core.guard import Guard
 from rankguard.callbacks.hang.hang_watchdog import HangWatchdog
 from rankguard.callbacks.hang.metric_reductions import ReductionCheck
 from rankguard.callbacks.registry import GUARDS, build_guard, build_guards, unknown_name_error
@@ -102,7 +102,12 @@ def class_name(guard_name: str) -> str:
 
 
 def metric_reduction_check(
-    guards: list[Guard], name: str, *, where: str, fix: str, notes: Mapping[str, str] | None = None
+    guards: Iterable[Guard],
+    name: str,
+    *,
+    where: str,
+    fix: str,
+    notes: Mapping[str, str] | None = None,
 ) -> ReductionCheck | None:
     """The hang watchdog's check of a reduction's names (at FIT_START, once the channel is open).
 
@@ -166,13 +171,21 @@ def resolved_checkpoint(path: str | None) -> str | None:
 GUARD_STATE_FILE = "rankguard_state.json"
 
 
-def save_guard_state(runner: GuardRunner, folder: str) -> None:
-    """Writes ``runner.state_dict()`` into checkpoint ``folder`` (nothing if it is empty).
+class GuardState(Protocol):
+    """What holds the guards' checkpoint state (an adapter's driver)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+def save_guard_state(guards: GuardState, folder: str) -> None:
+    """Writes ``guards.state_dict()`` into checkpoint ``folder`` (nothing if it is empty).
 
     Call it on the process that writes the checkpoint, after the save's
     CHECKPOINT_SAVE_START (whose exchange the state records).
     """
-    state = runner.state_dict()
+    state = guards.state_dict()
     if not state or not os.path.isdir(folder):
         return
     path = os.path.join(folder, GUARD_STATE_FILE)
@@ -181,7 +194,7 @@ def save_guard_state(runner: GuardRunner, folder: str) -> None:
     os.replace(f"{path}.tmp", path)
 
 
-def load_guard_state(runner: GuardRunner, folder: str) -> None:
+def load_guard_state(guards: GuardState, folder: str) -> None:
     """Gives the guards what :func:`save_guard_state` wrote into ``folder``, if it is there."""
     path = os.path.join(folder, GUARD_STATE_FILE)
     try:
@@ -192,4 +205,4 @@ def load_guard_state(runner: GuardRunner, folder: str) -> None:
     except (OSError, ValueError) as exc:  # a torn or foreign file: checked without it
         logger.info("rankguard: cannot read %s (%s)", path, exc)
         return
-    runner.load_state_dict(state)
+    guards.load_state_dict(state)

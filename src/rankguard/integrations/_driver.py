@@ -23,7 +23,7 @@ their users' calls and name them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from rankguard.callbacks.core.events import (
@@ -33,7 +33,7 @@ from rankguard.callbacks.core.events import (
     LoaderPass,
     ResumeFacts,
 )
-from rankguard.callbacks.core.guard import GuardRunner, MetricSink
+from rankguard.callbacks.core.guard import Guard, GuardRunner, MetricSink
 
 __all__ = ["EventDriver", "inspection_limits"]
 
@@ -67,7 +67,12 @@ class EventDriver:
         runner: The guards' runner.
         log_metrics: Where the guards' metrics go.
 
+    The one door through which an adapter reaches the guards: the events, the step log,
+    the guards themselves (to find one), their state and their close.
+
     Attributes:
+        steps: The step log, where an adapter's hooks write a step's parts (a batch's
+            start and end, a backward pass, an optimizer step): the hot path.
         step: Train batches ended so far in this fit (the index of the next one).
         epoch: The current epoch, from 0 (-1 before the first).
         fitting: Between :meth:`fit_start` and :meth:`fit_end` / :meth:`abandon`.
@@ -85,7 +90,7 @@ class EventDriver:
     def __init__(self, runner: GuardRunner, log_metrics: MetricSink | None = None) -> None:
         self.runner = runner
         self.log_metrics = log_metrics
-        self._steps = runner.steps  # where the per-step events go: the hot path
+        self.steps = runner.steps  # where a step's parts go: the hot path
         self.fitting = False
         self._reset()
         self._noted: set[str] = set()
@@ -99,6 +104,27 @@ class EventDriver:
         self.batch_open = False
         self._eval_batch_open = False
         self.fetching = False
+
+    @property
+    def guards(self) -> tuple[Guard, ...]:
+        """The guards, in run order (an adapter looks one up: the stop agreement, a check)."""
+        return tuple(self.runner.guards)
+
+    def handles(self, event: Event) -> bool:
+        """Whether a guard handles ``event`` (an adapter skips reading its facts if not)."""
+        return self.runner.handles(event)
+
+    def close(self) -> None:
+        """Stops every guard; safe to call twice."""
+        self.runner.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guards' state (plain values) to save with a checkpoint."""
+        return self.runner.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Gives the guards what :meth:`state_dict` saved."""
+        self.runner.load_state_dict(state)
 
     def fire(self, event: Event, **facts: Any) -> None:
         """Fires ``event`` with the current step and epoch and ``facts``."""
@@ -192,19 +218,19 @@ class EventDriver:
             if not self.fetching:  # the usual step: its end and the next fetch in one entry
                 self.batch_open, self.fetching = False, True
                 self.step = step = self.step + 1
-                self._steps.batch_end_fetch_start(step - 1, fetch_step=step)
+                self.steps.batch_end_fetch_start(step - 1, fetch_step=step)
                 return
             self.end_train_batch()
         if not self.fetching:
             self.fetching = True
-            self._steps.fetch_start(self.step)
+            self.steps.fetch_start(self.step)
 
     def fetch_end(self) -> None:
         """DATA_FETCH_END (a window nobody opened opens here, empty)."""
         if self.batch_open or not self.fetching:
             self.fetch_start()
         self.fetching = False
-        self._steps.fetch_end(self.step)
+        self.steps.fetch_end(self.step)
 
     def fetch_end_batch_start(self, batch: Any = None) -> None:
         """DATA_FETCH_END (as :meth:`fetch_end`), then TRAIN_BATCH_START.
@@ -214,7 +240,7 @@ class EventDriver:
         """
         if self.fetching and not self.batch_open:  # the usual step (train_batch_start's too)
             self.fetching, self.batch_open = False, True
-            self._steps.fetch_end_batch_start(self.step, batch)
+            self.steps.fetch_end_batch_start(self.step, batch)
             return
         self.fetch_end()  # no fetch open: it opens here, empty
         self.train_batch_start(batch)
@@ -226,18 +252,18 @@ class EventDriver:
         """
         if self.fetching and not self.batch_open:  # the usual step: both in one entry
             self.fetching, self.batch_open = False, True
-            self._steps.fetch_end_batch_start(self.step, batch)
+            self.steps.fetch_end_batch_start(self.step, batch)
             return
         if self.fetching:
             self.fetch_end()
         self.batch_open = True
-        self._steps.batch_start(self.step, batch)
+        self.steps.batch_start(self.step, batch)
 
     def end_train_batch(self) -> None:
         """TRAIN_BATCH_END of the open train batch, if one is open."""
         if self.batch_open:
             self.batch_open = False
-            self._steps.batch_end(self.step)
+            self.steps.batch_end(self.step)
             self.step += 1
 
     # -- eval --------------------------------------------------------------------------

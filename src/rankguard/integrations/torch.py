@@ -175,7 +175,7 @@ class _LoopGuard(Adapter):
             **counters: Other counters the loop restored, e.g. ``batch_in_epoch=3``.
         """
         if state:
-            self.runner.load_state_dict(state)
+            self.driver.load_state_dict(state)
         self._fits.resume = ResumeFacts(
             asked="guard.resumed(...)",
             checkpoint=None if checkpoint is None else os.fspath(checkpoint),
@@ -288,7 +288,7 @@ class Run:
         try:
             phases: tuple[str, ...] = ()
             if self._guard.reads_phases:  # the hang watchdog's history reads them
-                steps = self._guard.runner.steps
+                steps = self._guard.driver.steps
                 phases, self._unannounce = announce_phases(steps, self._optimizer)
             fit.driver.fit_start(
                 loaders=loaders,
@@ -338,7 +338,7 @@ class Run:
         fit.train_pass = None
         try:
             if exc is None:
-                self._guard.runner.close()
+                self._guard.driver.close()
             else:
                 self._guard.fail(exc)
         finally:

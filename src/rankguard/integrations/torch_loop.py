@@ -396,7 +396,7 @@ class Load:
         try:
             self._guard.driver.load_start(self.path)
         except BaseException:
-            self._guard.runner.close()
+            self._guard.driver.close()
             raise
         return self
 
@@ -408,4 +408,4 @@ class Load:
     ) -> None:
         if self._outside_fit:  # the fit that follows starts the guards afresh
             self._outside_fit = False
-            self._guard.runner.close()
+            self._guard.driver.close()

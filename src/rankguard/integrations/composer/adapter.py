@@ -87,7 +87,7 @@ _PASS_END = {start: end for end, start in _PASS_ENDS.items()}
 
 
 class _ComposerAdapter(Adapter, Callback):
-    """Drives the guards from Composer events (:class:`Adapter`: runner, driver, wrapped fit)."""
+    """Drives the guards from Composer events (:class:`Adapter`: its driver, the wrapped fit)."""
 
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
         super().__init__(guards, exchange_timeout_s)
@@ -183,7 +183,7 @@ class _ComposerAdapter(Adapter, Callback):
     def _fetch_start(self, event: Event, state: State, logger: Logger) -> None:
         # The window also holds an all_reduce: the loader goes with it (see
         # callbacks/data/data_fetch.py), read again only when it may be watched.
-        steps = self.runner.steps
+        steps = self.driver.steps
         train = self._train[2]
         if train is None or steps.fetch_clock is not None:
             train = self._train_facts(state)
@@ -192,25 +192,25 @@ class _ComposerAdapter(Adapter, Callback):
     def _fetch_end(self, event: Event, state: State, logger: Logger) -> None:
         # The fetch ends and the batch starts: Composer fires BATCH_START next, with
         # nothing between them, so one entry holds both (see step_log.PAIRS).
-        self.runner.steps.fetch_end_batch_start(self._step_of(state), state.batch)
+        self.driver.steps.fetch_end_batch_start(self._step_of(state), state.batch)
         if self._resume_due is not None:  # the fit's first BATCH_START: see _resumed
             self._resumed(state)
 
     def _batch_end(self, event: Event, state: State, logger: Logger) -> None:
-        self.runner.steps.batch_end(self._step_of(state))
+        self.driver.steps.batch_end(self._step_of(state))
         stop = self._stop  # a preemption: every rank stops after the agreed step
         if stop is not None and stop.requested:
             self._stop_if_agreed(stop, state)
 
     def _backward(self, event: Event, state: State, logger: Logger) -> None:
-        self.runner.steps.backward()  # each microbatch's
+        self.driver.steps.backward()  # each microbatch's
 
     def _backward_end(self, event: Event, state: State, logger: Logger) -> None:
-        self.runner.steps.backward_end()
+        self.driver.steps.backward_end()
 
     def _after_train_batch(self, event: Event, state: State, logger: Logger) -> None:
         """The microbatches ran, the optimizer steps next; then Composer reduces the loss."""
-        self.runner.steps.optimizer_step()
+        self.driver.steps.optimizer_step()
         check = self._loss_check
         if check is not None:
             loss = state.loss
@@ -234,7 +234,7 @@ class _ComposerAdapter(Adapter, Callback):
 
     def _save(self, state: State, logger: Logger) -> None:
         """A checkpoint save a saver makes now, where a guard handles it."""
-        if self.runner.handlers[CoreEvent.CHECKPOINT_SAVE_START]:
+        if self.driver.handles(CoreEvent.CHECKPOINT_SAVE_START):
             self._dispatch(CoreEvent.CHECKPOINT_SAVE_START, state, logger)
 
     def _core_event(self, event: Event, state: State, logger: Logger) -> None:
@@ -247,12 +247,12 @@ class _ComposerAdapter(Adapter, Callback):
             self.driver.fitting = core_event is CoreEvent.FIT_START
             self._passes.clear()
             self._timestamp, self._train, self._savers = None, (None, None, None), (None, 0, [])
-        if self.runner.handles(core_event):
+        if self.driver.handles(core_event):
             self._dispatch(core_event, state, logger)
 
     def _dispatch(self, core_event: CoreEvent, state: State, logger: Logger) -> None:
         """``core_event``'s facts to the guards, and what the adapter does around it."""
-        runner = self.runner
+        driver = self.driver
         facts = event_facts(core_event, state, logger)
         if core_event is CoreEvent.CHECKPOINT_LOAD_START and facts.load_path is None:
             return
@@ -262,17 +262,17 @@ class _ComposerAdapter(Adapter, Callback):
         if core_event in _FIT_BOUNDS:
             self._loss_check, self._loss_keys = None, _UNSEEN
             self._resume_due = None
-            if core_event is CoreEvent.FIT_START and self._resume and runner.handles(RESUMED):
+            if core_event is CoreEvent.FIT_START and self._resume and driver.handles(RESUMED):
                 self._resume_due = dataset_positions(state)  # as loaded, before any batch
             if core_event is CoreEvent.FIT_START:
                 self._loss_check = metric_reduction_check(
-                    runner.guards, "composer_loss", where=LOSS_REDUCTION, fix=LOSS_FIX
+                    driver.guards, "composer_loss", where=LOSS_REDUCTION, fix=LOSS_FIX
                 )
                 self._first_batch = int(state.timestamp.batch)
                 self._stop = self.install_stop()  # Composer sets its own at import
             elif self._stop is not None and self._stop.stopped is not None:
                 self._warn_unsaved(state)
-        if core_event in _PASS_ENDS.values() and runner.handles(_PASS_END[core_event]):
+        if core_event in _PASS_ENDS.values() and driver.handles(_PASS_END[core_event]):
             original = state.dataloader
             counter = observe_pass(state)
             if counter is not None:

@@ -71,7 +71,7 @@ class _LightningAdapter(Adapter, Callback):
         super().__init__(guards, exchange_timeout_s)
         # Lightning's loggers take metrics at any point: they go there at once, at its step.
         self.driver.log_metrics = self._log_metrics
-        self._steps = self.runner.steps  # a batch's parts go here (on_before_backward...)
+        self._steps = self.driver.steps  # a batch's parts go here (on_before_backward...)
         self._trainer: pl.Trainer | None = None
         self._val: list[LoaderFacts] = []
         #: ``should_stop`` as last recorded in the step log this fit (``None``: not yet).
@@ -87,7 +87,7 @@ class _LightningAdapter(Adapter, Callback):
 
     def _fire(self, trainer: pl.Trainer, event: Event, **facts: Any) -> None:
         """Fires ``event`` at the trainer's step and epoch (FIT_END closes the fit)."""
-        if self.runner.handles(event) or event is Event.FIT_END:
+        if self.driver.handles(event) or event is Event.FIT_END:
             self._trainer = trainer
             step, epoch = trainer.global_step, trainer.current_epoch
             self.driver.dispatch(event, EventFacts(step=step, epoch=epoch, **facts))
@@ -185,7 +185,7 @@ class _LightningAdapter(Adapter, Callback):
     ) -> None:
         """DATA_FETCH_END then TRAIN_BATCH_START, in the step log (the step read once)."""
         tracker = self._steps_taken
-        steps = self.runner.steps
+        steps = self.driver.steps
         steps.fetch_end_batch_start(
             trainer.global_step if tracker is None else tracker.completed, batch
         )
@@ -208,12 +208,12 @@ class _LightningAdapter(Adapter, Callback):
         step = trainer.global_step if tracker is None else tracker.completed
         should_stop = trainer.should_stop
         if should_stop is self._should_stop:
-            self.runner.steps.batch_end_fetch_start(step)
+            self.driver.steps.batch_end_fetch_start(step)
         else:
             self._should_stop = should_stop
-            self.runner.steps.batch_end_fetch_start(step, {"should_stop": should_stop})
+            self.driver.steps.batch_end_fetch_start(step, {"should_stop": should_stop})
         stop = self._stop  # a preemption: every rank's fit ends after the agreed batch
-        if stop is not None and stop.requested and stop.at_boundary(self.runner.steps.batches):
+        if stop is not None and stop.requested and stop.at_boundary(self.driver.steps.batches):
             trainer.should_stop = True
             self._stopped_epoch = trainer.current_epoch
 

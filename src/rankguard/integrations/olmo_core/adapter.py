@@ -92,7 +92,7 @@ class _OlmoCoreAdapter(Adapter, Callback):
         self._train = LoaderFacts("train", trainer.data_loader, is_train=True)
         watched = evaluators(trainer)
         evals = eval_facts(watched)
-        guards = self.runner.guards
+        guards = self.driver.guards
         barrier = next((g for g in guards if isinstance(g, CoreSharedDirBarrier)), None)
         hooks = _Hooks(self.driver, evals, barrier)
         for wrapper in trainer_wrappers(trainer, hooks, [evaluator for evaluator, _ in watched]):
@@ -147,7 +147,7 @@ class _OlmoCoreAdapter(Adapter, Callback):
     def pre_optim_step(self) -> None:
         """The optimizer steps, in the step log."""
         if self.driver.fitting:
-            self.runner.steps.optimizer_step()
+            self.driver.steps.optimizer_step()
 
     def post_train_batch(self) -> None:
         """TRAIN_BATCH_END (before the checkpointer's save)."""

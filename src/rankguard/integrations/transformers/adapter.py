@@ -51,7 +51,7 @@ class _TrainerAdapter(Adapter, TrainerCallback):
 
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
         super().__init__(guards, exchange_timeout_s)
-        self._steps = self.runner.steps  # the usual step's entries go here (on_step_begin)
+        self._steps = self.driver.steps  # the usual step's entries go here (on_step_begin)
         self._trainer: Trainer | None = None
         self._train: LoaderFacts | None = None
         self._evals: list[LoaderFacts] = []
@@ -156,7 +156,7 @@ class _TrainerAdapter(Adapter, TrainerCallback):
         evals = self._eval_loaders() if args.eval_strategy != "no" or args.eval_on_start else []
         dirs = [str(args.output_dir)] if args.save_strategy != "no" else []
         if self._resume:  # the guards' state saved with the checkpoint (see on_save)
-            load_guard_state(self.runner, self._resume[0])
+            load_guard_state(self.driver, self._resume[0])
         self.driver.fit_start(
             loaders=([self._train] if self._train else []) + evals,
             model=model,
@@ -351,7 +351,7 @@ class _TrainerAdapter(Adapter, TrainerCallback):
         """The guards' state into the checkpoint (the save's exchange is done); SAVE_END."""
         if self.driver.fitting and self.driver.saving:
             if args.should_save:  # the Trainer keeps no callback state of its own
-                save_guard_state(self.runner, checkpoint_folder(args, state))
+                save_guard_state(self.driver, checkpoint_folder(args, state))
             self.driver.save_end()
             self.driver.fetch_start()
 
@@ -383,6 +383,6 @@ class _TrainerAdapter(Adapter, TrainerCallback):
         self._resume = None
         self._evals = []
         self._eval_source = None
-        self.runner.close()
+        self.driver.close()
         stop, self._stop = self._stop, None  # after a preemption: exit 75 when Python exits
         exit_after_stop(stop, "your code that follows `trainer.train(...)`")
