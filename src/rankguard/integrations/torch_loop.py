@@ -1,34 +1,38 @@
-"""The loop's wrapped loaders and save, the fit they share, and the checks of its arguments.
+"""A loop's run (:class:`Run`, what ``guard.fit(...)`` makes), its passes, and their checks.
 
-The wrappers are what ``run.train``, ``run.eval`` and ``run.checkpoint`` return. Each
-turns the loop's own iteration into the driver's events; see
-:mod:`rankguard.integrations.torch` for the run they belong to. The run and its
-wrappers share one :class:`Fit` (the run owns it), and a loop guard keeps its
-:class:`Fits` (the fit running, the resume told for the next).
+The run's ``train``, ``eval`` and ``checkpoint`` return the wrapped loaders and the save:
+each turns the loop's own iteration into the driver's events. The run and its passes
+share one :class:`Fit` (the run owns it), and a loop guard
+(:mod:`rankguard.integrations.torch`) keeps its :class:`Fits` (the fit running, the
+resume told for the next).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
 from rankguard.callbacks.core.events import LoaderFacts, LoaderPass, ResumeFacts
-from rankguard.callbacks.hang.stop import StopAgreement
-from rankguard.integrations._adapter import Adapter
+from rankguard.callbacks.hang.stop import STOP_EXIT_CODE, StopAgreement
+from rankguard.integrations._adapter import Adapter, exit_after_stop
 from rankguard.integrations._driver import EventDriver
+from rankguard.integrations.torch_phases import announce_phases
 
 logger = logging.getLogger("rankguard.integrations.torch")
 
 __all__ = [
     "ORDER",
+    "SHARDED_SETTING",
     "EvalLoader",
     "EvalPass",
     "Fit",
     "Fits",
     "Load",
+    "MetricsFn",
+    "Run",
     "Save",
     "TrainLoader",
     "TrainPass",
@@ -44,6 +48,17 @@ ORDER = (
     "run.train(loader)`, `for batch in run.eval(loader)` and `with run.checkpoint(dir):` "
     "(one at a time, on every rank)."
 )
+
+
+#: What a hand-written loop changes to save sharded checkpoints, named in rankguard's messages.
+SHARDED_SETTING = (
+    "torch.distributed.checkpoint.save({'model': model_sd, 'optim': optim_sd}, "
+    "checkpoint_id=folder) with the sharded state dicts of "
+    "torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer), and "
+    "guard.fit(..., state_dict_type='sharded')"
+)
+
+MetricsFn = Callable[[dict[str, float]], Any]
 
 
 # -- the arguments of guard.fit and run.checkpoint --------------------------------------
@@ -409,3 +424,229 @@ class Load:
         if self._outside_fit:  # the fit that follows starts the guards afresh
             self._outside_fit = False
             self._guard.driver.close()
+
+
+# -- the run: one fit, its passes made from it -----------------------------------------
+
+
+class Run:
+    """One fit of a hand-written loop; made by ``guard.fit(...)``, used inside ``with``.
+
+    A preemption signal (``HangWatchdog``'s ``stop_signals``, SIGTERM by default) on
+    any rank ends every rank's ``run.train(...)`` pass after one agreed step:
+    :attr:`stopped` says why; the loop's code after it (a save) runs on every rank;
+    the process then exits with :attr:`exit_code` (75) when Python exits, after the
+    code that follows the ``with`` block (docs/hang.md#preemption-every-rank-stops-at-one-step)::
+
+        with guard.fit(model, optimizer, loader) as run:
+            for epoch in range(epochs):
+                for batch in run.train(loader):
+                    ...
+                if run.stopped:  # preempted: every rank is here, after the same step
+                    break
+            save(model, optimizer, run.step)
+
+    Attributes:
+        metrics: The latest value of each metric the guards logged.
+    """
+
+    def __init__(
+        self,
+        guard: Adapter,
+        fits: Fits,
+        *,
+        model: Any,
+        optimizer: Any,
+        train: LoaderFacts | None,
+        evals: dict[str, LoaderFacts],
+        save_dirs: list[str],
+        state_dict_type: str | None,
+        log_metrics: MetricsFn | None,
+    ) -> None:
+        self._guard = guard
+        self._fits = fits
+        self._fit = Fit(guard.driver, model)  # what the wrapped loaders and save share
+        self._optimizer = optimizer
+        self._train = train
+        self._evals = evals
+        self._save_dirs = save_dirs
+        self._state_dict_type = state_dict_type
+        self._user_metrics = log_metrics
+        self.metrics: dict[str, float] = {}
+        self._unannounce: Callable[[], None] = _nothing  # the backward passes' announcement
+
+    @property
+    def stopped(self) -> str | None:
+        """Why every rank's training stopped early, or ``None``.
+
+        E.g. ``"preempted by SIGTERM on rank 1 at step 812"``: every rank's
+        ``run.train(...)`` ended after train step 812, and any later pass yields no batch.
+        """
+        stop = self._fit.stop
+        stopped = stop.stopped if stop is not None else None
+        return stopped.reason if stopped is not None else None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The code the process exits with when Python exits: 75 after a preemption, else None."""
+        return STOP_EXIT_CODE if self.stopped is not None else None
+
+    @property
+    def step(self) -> int:
+        """Train batches done in this fit (the one in the loop body counts once it started)."""
+        driver = self._fit.driver
+        return driver.step + int(driver.batch_open)
+
+    @property
+    def epoch(self) -> int:
+        """Passes over the train loader started in this fit, minus one (-1 before the first)."""
+        return self._fit.driver.epoch
+
+    def _log_metrics(self, metrics: Mapping[str, float]) -> None:
+        self.metrics.update(metrics)
+        if self._user_metrics is not None:
+            self._user_metrics(dict(metrics))
+
+    # -- the fit ---------------------------------------------------------------------
+
+    def __enter__(self) -> Run:
+        fit = self._fit
+        if fit.state != "new":
+            raise RuntimeError(
+                "This `guard.fit(...)` was already entered; call `guard.fit(...)` again for a "
+                f"new fit. {ORDER}"
+            )
+        if self._fits.running is not None:
+            raise RuntimeError(
+                "`guard.fit(...)` entered while an earlier fit of this RankGuard is still "
+                f"running (fits do not nest): leave the first `with` block first. {ORDER}"
+            )
+        self._fits.running = fit
+        fit.state = "active"
+        fit.driver.log_metrics = self._log_metrics
+        loaders = ([self._train] if self._train else []) + list(self._evals.values())
+        try:
+            phases: tuple[str, ...] = ()
+            if self._guard.reads_phases:  # the hang watchdog's history reads them
+                steps = self._guard.driver.steps
+                phases, self._unannounce = announce_phases(steps, self._optimizer)
+            fit.driver.fit_start(
+                loaders=loaders,
+                model=fit.model,
+                optimizer=self._optimizer,
+                directories=self._save_dirs,
+                state_dict_type=self._state_dict_type,
+                switch_to_sharded=None,
+                sharded_setting=SHARDED_SETTING,
+                phases=phases,
+            )
+            fit.stop = self._guard.install_stop()  # its train pass ends on the agreed step
+            resume, self._fits.resume = self._fits.resume, None
+            if resume is not None:
+                resume.loader = self._train.loader if self._train else None
+                fit.driver.resumed(resume)
+        except BaseException as exc:
+            self._end(exc)
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            self._end(exc)
+            return
+        fit = self._fit
+        try:
+            fit.close_eval()
+            fit.close_epoch()
+            fit.driver.fit_end()
+        except BaseException as error:
+            self._end(error)
+            raise
+        self._end(None)
+
+    def _end(self, exc: BaseException | None) -> None:
+        self._unannounce()
+        fit = self._fit
+        fit.state = "ended"
+        self._fits.running = None
+        fit.save = None
+        fit.train_pass = None
+        try:
+            if exc is None:
+                self._guard.driver.close()
+            else:
+                self._guard.fail(exc)
+        finally:
+            self._exit_if_stopped()
+
+    def _exit_if_stopped(self) -> None:
+        """After a preemption: exit with 75 once the code after the block ran (at Python exit)."""
+        exit_after_stop(self._fit.stop, "your code that follows the `with guard.fit(...)` block")
+
+    # -- train -----------------------------------------------------------------------
+
+    def train(self, loader: Iterable[Any] | None = None) -> TrainLoader:
+        """The train loader, wrapped: iterate it once per epoch, as you would the loader.
+
+        Args:
+            loader: The train loader (default: the one given to ``guard.fit``).
+
+        Returns:
+            An iterable with the loader's ``len()``.
+        """
+        if loader is None:
+            if self._train is None:
+                raise ValueError(
+                    "`run.train()` needs the train loader: pass it here or to `guard.fit(...)`."
+                )
+            loader = self._train.loader
+        return TrainLoader(self._fit, check_iterable("loader", loader))
+
+    # -- eval ------------------------------------------------------------------------
+
+    def eval(
+        self, loader: Iterable[Any], *, name: str | None = None, max_batches: int | None = None
+    ) -> EvalLoader:
+        """An eval loader, wrapped: iterate it once per evaluation.
+
+        Args:
+            loader: The eval loader.
+            name: Its name in messages and cross-rank checks (default: its key in
+                ``guard.fit(eval_loaders=...)``, else ``"eval"``).
+            max_batches: Stop after this many batches (the plan the checks use);
+                leaving the loop early with ``break`` works too, and the batches
+                that ran are compared across ranks.
+
+        Returns:
+            An iterable with the loader's ``len()`` (capped by ``max_batches``).
+        """
+        check_eval(loader, name, max_batches)
+        if name is None:
+            name = next((n for n, f in self._evals.items() if f.loader is loader), "eval")
+        facts = LoaderFacts(name, loader, is_train=False, num_batches=max_batches)
+        return EvalLoader(self._fit, facts)
+
+    # -- checkpoint ------------------------------------------------------------------
+
+    def checkpoint(self, *directories: str | os.PathLike) -> Save:
+        """A context manager around one save, entered on every rank.
+
+        On entry every rank sees ``directories`` (created where missing, on the
+        right ranks, see ``SharedDirBarrier``) before any rank writes, and the
+        hang watchdog applies its checkpoint deadline until the block ends.
+
+        Args:
+            *directories: The directories this save writes into (not file
+                names); default: ``save_dirs`` of ``guard.fit``.
+        """
+        dirs = check_dirs(list(directories)) if directories else list(self._save_dirs)
+        return Save(self._fit, dirs)
+
+
+def _nothing() -> None:
+    """Undoes nothing (no announcement was made)."""
