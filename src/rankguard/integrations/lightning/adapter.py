@@ -71,7 +71,6 @@ class _LightningAdapter(Adapter, Callback):
         super().__init__(guards, exchange_timeout_s)
         # Lightning's loggers take metrics at any point: they go there at once, at its step.
         self.driver.log_metrics = self._log_metrics
-        self._steps = self.driver.steps  # a batch's parts go here (on_before_backward...)
         self._trainer: pl.Trainer | None = None
         self._val: list[LoaderFacts] = []
         #: ``should_stop`` as last recorded in the step log this fit (``None``: not yet).
@@ -221,17 +220,17 @@ class _LightningAdapter(Adapter, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any
     ) -> None:
         """A backward starts (``manual_backward`` too), in the step log."""
-        self._steps.backward()
+        self.driver.steps.backward()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The backward ended, in the step log."""
-        self._steps.backward_end()
+        self.driver.steps.backward_end()
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
     ) -> None:
         """The optimizer steps (its closure, the backward, ran), in the step log."""
-        self._steps.optimizer_step()
+        self.driver.steps.optimizer_step()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """EVAL_START for every val loader, in Lightning's order."""

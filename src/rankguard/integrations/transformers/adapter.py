@@ -51,7 +51,6 @@ class _TrainerAdapter(Adapter, TrainerCallback):
 
     def __init__(self, guards: list[Guard], exchange_timeout_s: float = 300.0) -> None:
         super().__init__(guards, exchange_timeout_s)
-        self._steps = self.driver.steps  # the usual step's entries go here (on_step_begin)
         self._trainer: Trainer | None = None
         self._train: LoaderFacts | None = None
         self._evals: list[LoaderFacts] = []
@@ -204,7 +203,7 @@ class _TrainerAdapter(Adapter, TrainerCallback):
                 # it: the driver's two flags, then the step log's one entry. A frame fewer
                 # (about 1 us here, on the cache the backward left cold, every step).
                 driver.fetching, driver.batch_open = False, True
-                self._steps.fetch_end_batch_start(driver.step)
+                driver.steps.fetch_end_batch_start(driver.step)
             else:
                 driver.fetch_end_batch_start()
             if self._metrics:  # at most once an interval (Adapter.buffer_metrics's)
@@ -214,13 +213,13 @@ class _TrainerAdapter(Adapter, TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """A microbatch's backward ran, its window goes on (gradient accumulation), in the log."""
-        self._steps.microbatch()
+        self.driver.steps.microbatch()
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """The window's last backward ran; the optimizer steps, in the step log."""
-        self._steps.backward_optimizer_step()
+        self.driver.steps.backward_optimizer_step()
 
     def _resumed(self, args: TrainingArguments, state: TrainerState) -> None:
         """RESUMED, at the resumed train's first ``on_step_begin``.
@@ -249,7 +248,7 @@ class _TrainerAdapter(Adapter, TrainerCallback):
                     # (see on_step_begin): the batch ends and the next fetch starts.
                     driver.batch_open, driver.fetching = False, True
                     driver.step = step = driver.step + 1
-                    self._steps.batch_end_fetch_start(step - 1, fetch_step=step)
+                    driver.steps.batch_end_fetch_start(step - 1, fetch_step=step)
                 else:
                     driver.fetch_start()
                 stop = self._stop  # a preemption: every rank ends after the agreed step
