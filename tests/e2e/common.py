@@ -194,18 +194,20 @@ class Recorder:
     def outcome(self, fn, counters: dict) -> dict:
         """Runs ``fn``; returns its outcome, rankguard's warnings and ``counters``."""
         self.collector.messages.clear()
-        result: dict = {"outcome": "ok"}
         try:
             fn()
         except Exception as exc:
-            result = {
-                "outcome": type(exc).__name__,
-                "message": str(exc),
-                "traceback": traceback.format_exc(),
-            }
-        result["warnings"] = list(self.collector.messages)
-        result["counters"] = dict(counters)
-        return result
+            return self._record(exc, counters, traceback.format_exc())
+        return self._record(None, counters)
+
+    def _record(self, exc: BaseException | None, counters: dict, trace: str = "") -> dict:
+        """An outcome: ``exc`` (``None``: ok; ``trace``: its traceback), the warnings, counters."""
+        result: dict = {"outcome": "ok"}
+        if exc is not None:
+            result = {"outcome": type(exc).__name__, "message": str(exc)}
+        if trace:
+            result["traceback"] = trace
+        return {**result, "warnings": list(self.collector.messages), "counters": dict(counters)}
 
     def run(self, name: str, fn, counters: dict) -> None:
         global RECORDER
@@ -226,13 +228,7 @@ class Recorder:
         launcher stops this rank, maybe before the scenario returns (its record is then this
         one: no traceback)."""
         name, counters = self._running
-        self.results[name] = {
-            **self.results[name],
-            "outcome": type(exc).__name__,
-            "message": str(exc),
-            "warnings": list(self.collector.messages),
-            "counters": dict(counters),
-        }
+        self.results[name] = {**self.results[name], **self._record(exc, counters)}
         self.path.write_text(json.dumps(self.results, indent=1))
 
 
