@@ -239,8 +239,10 @@ def test_dead_loader_worker_is_logged_with_rank_and_step(caplog):
     with caplog.at_level(logging.ERROR, logger="rankguard"):
         assert monitor.on_error(info.value, EventFacts(step=17)) is True
         assert monitor.on_error(ValueError("loss is nan"), EventFacts(step=18)) is False
-    assert len(caplog.records) == 1
-    message = caplog.records[0].getMessage()
+    # Only rankguard's records count: torch's SIGCHLD handler can raise inside torch's own code
+    # while the worker dies (torch 2.13 caught it in a lazy profiler import and logged a warning).
+    [record] = [r for r in caplog.records if r.name.startswith("rankguard")]
+    message = record.getMessage()
     assert "rank 0, step 17" in message and "DataLoader worker process died" in message
     # torch says "is killed by signal: Killed." or "exited unexpectedly", depending on timing.
     assert "DataLoader worker (pid" in message
