@@ -178,6 +178,7 @@ def _lagging_rank_1(rank: int, world_size: int, base: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_folders_rank_1_sees_late_are_waited_for_and_warned_about_once(tmp_path):
     os.makedirs(tmp_path / "ckpt")
     outcomes = run_ranks(_lagging_rank_1, 2, str(tmp_path), timeout_s=90)

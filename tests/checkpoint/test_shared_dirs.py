@@ -67,6 +67,7 @@ def two_nodes(tmp_path_factory):
     return base, values
 
 
+@pytest.mark.slow
 def test_node_local_dirs_are_detected_and_created_by_each_nodes_local_rank_0(two_nodes):
     base, values = two_nodes
     for rank, value in enumerate(values):
@@ -79,6 +80,7 @@ def test_node_local_dirs_are_detected_and_created_by_each_nodes_local_rank_0(two
             assert os.path.isdir(own)
 
 
+@pytest.mark.slow
 def test_shared_dir_is_created_once_by_rank_0(two_nodes):
     base, values = two_nodes
     path = os.path.join(base, "shared", "ckpt", "train")
@@ -87,6 +89,7 @@ def test_shared_dir_is_created_once_by_rank_0(two_nodes):
         assert value["shared"]["created_by"][path] == [0]
 
 
+@pytest.mark.slow
 def test_shared_dir_shown_late_on_node_1_passes_within_timeout(two_nodes):
     _, values = two_nodes
     for rank, value in enumerate(values):
@@ -100,6 +103,7 @@ def test_shared_dir_shown_late_on_node_1_passes_within_timeout(two_nodes):
         assert report["max_waited_s"] >= LAG_OK_S * 0.8
 
 
+@pytest.mark.slow
 def test_shared_dir_shown_too_late_names_path_lagging_ranks_and_fix(two_nodes):
     base, values = two_nodes
     for value in values:
@@ -114,6 +118,7 @@ def test_shared_dir_shown_too_late_names_path_lagging_ranks_and_fix(two_nodes):
         assert "actimeo" in message and "`timeout_s`" in message and "node-local" in message
 
 
+@pytest.mark.slow
 def test_file_in_the_way_is_a_clear_error_on_every_rank(two_nodes):
     base, values = two_nodes
     for value in values:
@@ -125,6 +130,7 @@ def test_file_in_the_way_is_a_clear_error_on_every_rank(two_nodes):
         assert f.read() == "not a directory"  # never touched
 
 
+@pytest.mark.slow
 def test_existing_node_local_folder_is_probed_and_found_node_local(two_nodes):
     base, values = two_nodes
     for rank, value in enumerate(values):
@@ -138,6 +144,7 @@ def test_existing_node_local_folder_is_probed_and_found_node_local(two_nodes):
         )
 
 
+@pytest.mark.slow
 def test_existing_shared_folder_is_probed_and_found_shared(two_nodes):
     base, values = two_nodes
     path = os.path.join(base, "shared", "ckpt", "train")
@@ -146,6 +153,7 @@ def test_existing_shared_folder_is_probed_and_found_shared(two_nodes):
         assert value["existing_shared"]["node_local"] == {}
 
 
+@pytest.mark.slow
 def test_guard_warns_about_a_node_local_folder_on_every_rank_unless_uploaded(two_nodes):
     base, values = two_nodes
     for rank, value in enumerate(values):
@@ -162,6 +170,7 @@ def test_guard_warns_about_a_node_local_folder_on_every_rank_unless_uploaded(two
         assert "Fix: save to a folder on a filesystem every node mounts" in warning
 
 
+@pytest.mark.slow
 def test_resume_checkpoint_on_one_node_only_names_the_nodes_that_cannot_see_it(two_nodes):
     _, values = two_nodes
     for value in values:
@@ -173,12 +182,14 @@ def test_resume_checkpoint_on_one_node_only_names_the_nodes_that_cannot_see_it(t
         assert "Fix: put the checkpoint on a filesystem every node mounts" in message
 
 
+@pytest.mark.slow
 def test_markers_are_removed(two_nodes):
     base, _ = two_nodes
     leftovers = [f for _, _, files in os.walk(base) for f in files if f.startswith(MARKER_PREFIX)]
     assert leftovers == []
 
 
+@pytest.mark.slow
 def test_node_launcher_timeout_kills_every_rank(tmp_path):
     # torchrun starts each rank in a session of its own; a rank left behind would
     # hold the launcher's pipes open and stall the suite for as long as it runs.

@@ -155,6 +155,7 @@ def _rank_never_finishes_eval(rank, world_size):
     guard.handle(Event.EVAL_END, facts)
 
 
+@pytest.mark.slow
 def test_after_eval_check_names_the_rank_stuck_in_eval_instead_of_hanging():
     outcomes = run_ranks(_rank_never_finishes_eval, 2, timeout_s=60, until=[0])
     assert outcomes[0].error_type == "BatchCountMismatchError"
@@ -195,6 +196,7 @@ def _rank_missing_at_eval_start(rank, world_size):
     return records
 
 
+@pytest.mark.slow
 def test_warn_mode_also_warns_when_a_rank_does_not_arrive():
     rank0 = run_ranks(_rank_missing_at_eval_start, 2, timeout_s=60, until=[0])[0]
     assert rank0.error is None, rank0.error
@@ -225,6 +227,7 @@ def _raise_late_on_rank_1(rank, world_size):
     return times
 
 
+@pytest.mark.slow
 def test_every_rank_logs_the_error_before_any_rank_raises_it():
     rank0, rank1 = (o.value for o in run_ranks(_raise_late_on_rank_1, 2))
     # A launcher that ends the job at the first exit cannot hide rank 1's error.

@@ -30,6 +30,7 @@ def _sum_of_ranks(rank: int, world_size: int) -> int:
     return int(t.item())
 
 
+@pytest.mark.slow
 def test_a_set_up_that_fails_once_is_retried_and_every_rank_runs(tmp_path):
     setup = functools.partial(_setup_failing, tmp_path, 1)
     outcomes = run_ranks(_sum_of_ranks, 2, timeout_s=60, setup=setup)
@@ -37,6 +38,7 @@ def test_a_set_up_that_fails_once_is_retried_and_every_rank_runs(tmp_path):
     assert len(list(tmp_path.iterdir())) == 1  # it failed once, and the second try ran
 
 
+@pytest.mark.slow
 def test_a_set_up_that_fails_every_time_fails_the_test_with_every_ranks_own_error(
     tmp_path, monkeypatch
 ):

@@ -63,6 +63,7 @@ def _one_rank_late(rank, world_size, late_rank, delay_s):
     return channel.all_gather("late", rank)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("late_rank", [2, 0])
 def test_timeout_names_the_missing_rank(late_rank):
     # Rank 0 late: only the others' outcomes are read (rank 0 is killed once they reported).
@@ -182,6 +183,7 @@ def _tcp_threads(rank, world_size, port):
     return quick, elapsed
 
 
+@pytest.mark.slow
 def test_a_blocked_thread_does_not_stall_another_threads_tcp_store_exchanges():
     # One TCPStore client is one socket: a waiting background thread (the watchdog)
     # must not hold up the main thread's checks.
@@ -247,6 +249,7 @@ def _tcp_exchanges(rank, world_size, port):
     return gathered, missing, store.num_keys() - before
 
 
+@pytest.mark.slow
 def test_tcp_store_exchanges_name_a_missing_rank_and_leave_one_verdict_per_name():
     # Each thread's own TCPStore client waits for the keys and reads them in one
     # request, timing out like a wait: the missing rank is named.
@@ -340,6 +343,7 @@ def _every_guard_without_collectives(rank, world_size, folder):
     return exchanges, warnings.messages
 
 
+@pytest.mark.slow
 def test_no_guard_ever_uses_the_training_process_group(tmp_path):
     # Every collective of torch.distributed raises in these ranks: the guards'
     # checks and the watchdog's background exchanges all go through the store.
@@ -438,6 +442,7 @@ def test_an_exchange_waits_longer_by_the_stores_round_trips_at_most_double(store
     assert in_transit_s(5.0) == pytest.approx(STORE_TRIPS * 0.001, abs=0.01)
 
 
+@pytest.mark.slow
 def test_an_exchange_with_something_to_do_meanwhile_does_it_between_slices_of_its_wait():
     # The watchdog reads the fault board while its exchange waits for a late peer: the
     # wait goes in slices, each request between them (and after) keeps the wait's timeout.

@@ -20,6 +20,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
+
 from tests.mp import run_ranks
 from tests.store_proxy import StoreProxy
 
@@ -155,6 +157,7 @@ def _slow(proxy: StoreProxy) -> None:
     proxy.latency_s = 0.0
 
 
+@pytest.mark.slow
 def test_a_slow_store_delays_rankguard_not_the_training_steps(tmp_path):
     outcomes = _fit_with(_slow, tmp_path)
     _assert_healthy(outcomes)
@@ -176,6 +179,7 @@ def _drop(proxy: StoreProxy) -> None:
         assert proxy.drop(rank=1, first=1) > 0
 
 
+@pytest.mark.slow
 def test_a_dropped_store_connection_is_opened_again_in_one_line(tmp_path):
     outcomes = _fit_with(_drop, tmp_path)
     _assert_healthy(outcomes)
@@ -214,6 +218,7 @@ def test_a_thread_client_connects_again_and_resends_the_set_the_drop_lost(caplog
     assert said[0].getMessage().endswith("); connected again")
 
 
+@pytest.mark.slow
 def test_a_verdict_is_waited_for_while_the_store_answers_at_once_and_briefly_once_slow(caplog):
     from torch.distributed import TCPStore
 

@@ -6,6 +6,7 @@ fails when torch renames or moves what it reads.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rankguard.callbacks.core import torch_private
@@ -88,6 +89,7 @@ def _ddp_reaches(rank, world_size):
     }
 
 
+@pytest.mark.slow
 def test_ddp_reaches_read_its_coalesced_broadcast_and_its_buckets():
     outcomes = run_ranks(_ddp_reaches, 2, timeout_s=60)
     for o in outcomes:
@@ -116,6 +118,7 @@ def _fsdp_name(rank, world_size):
     return [torch_private.fsdp_module_name(g) for g in groups], torch_private.fsdp_module_name(net)
 
 
+@pytest.mark.slow
 def test_fsdp2_parameter_groups_are_named_by_their_module():
     outcomes = run_ranks(_fsdp_name, 2, timeout_s=60)
     for o in outcomes:
@@ -141,6 +144,7 @@ def _replicate(rank, world_size):
     )
 
 
+@pytest.mark.slow
 def test_replicate_settings_are_read_before_and_after_the_first_forward():
     for o in run_ranks(_replicate, 2, timeout_s=60):
         assert o.error is None, o.error

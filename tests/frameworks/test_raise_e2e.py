@@ -161,6 +161,7 @@ def _rank1_ended_as_allowed(name: str, launch: Raised) -> None:
         assert set(codes) <= {str(DEADLOCK_EXIT_CODE), "-15"}, output[-6000:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
     [

@@ -12,6 +12,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
 from rankguard.callbacks.core.events import Event, EventFacts
@@ -77,6 +78,7 @@ def _metrics_job(rank, world_size, report_dir, extra_on):
     return watchdog.incidents
 
 
+@pytest.mark.slow
 def test_async_metric_reductions_on_one_rank_more_are_a_desync_proven_from_the_records(tmp_path):
     from rankguard.callbacks.hang.hang_watchdog import DEADLOCK_EXIT_CODE
 
@@ -131,6 +133,7 @@ def _skewed_job(rank, world_size, report_dir):
     return watchdog.incidents
 
 
+@pytest.mark.slow
 def test_a_rank_behind_in_a_checkpoint_write_or_logging_alone_is_never_a_desync(tmp_path):
     outcomes = run_ranks(_skewed_job, 2, str(tmp_path), timeout_s=60)
     assert [(o.error, o.value) for o in outcomes] == [(None, 0), (None, 0)], outcomes

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from rankguard.callbacks.core import torch_private
 from rankguard.callbacks.hang import ending
 from tests.mp import run_ranks
@@ -53,6 +55,7 @@ def test_the_evidence_comes_first_the_groups_are_aborted_before_the_ranks_meet()
     assert took[0] >= 0.9 and took[1] < 0.9, took
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_reaches_the_end_is_waited_for_one_window_only():
     outcomes = run_ranks(_end, 2, 0.0, (1,), timeout_s=60, until=[0])
     assert outcomes[0].error is None, outcomes[0].error

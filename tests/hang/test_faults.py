@@ -138,6 +138,7 @@ def _rank1_raises(rank, world_size, report_dir):
     dist.barrier()  # rank 0's next collective: rank 1 never comes
 
 
+@pytest.mark.slow
 def test_a_rank_that_raised_ends_every_rank_in_seconds_naming_it(tmp_path):
     started = time.monotonic()
     outcomes = run_ranks(_rank1_raises, 2, str(tmp_path), timeout_s=90)
@@ -197,6 +198,7 @@ def _rank1_raises_while_rank0_waits_in_an_exchange(rank, world_size, report_dir)
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_while_a_peer_waits_in_a_status_exchange_ends_it_in_seconds(
     tmp_path,
 ):
@@ -247,6 +249,7 @@ def _rank1_raises_then_its_worker_dies(rank, world_size, report_dir):
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_a_signal_handlers_error_during_the_publication_still_tells_every_rank(tmp_path):
     started = time.monotonic()
     outcomes = run_ranks(_rank1_raises_then_its_worker_dies, 2, str(tmp_path), timeout_s=90)
@@ -290,6 +293,7 @@ def _rank1_killed(rank, world_size, report_dir):
     wait_at_host_sync()
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_named_gone_by_its_node_within_seconds(tmp_path):
     started = time.monotonic()
     outcomes = run_ranks(_rank1_killed, 2, str(tmp_path), timeout_s=90)
@@ -329,6 +333,7 @@ def _every_rank_raises_and_catches(rank, world_size, report_dir):
     return watchdog.incidents
 
 
+@pytest.mark.slow
 def test_a_fault_every_rank_catches_before_a_new_fit_ends_nothing(tmp_path):
     outcomes = run_ranks(_every_rank_raises_and_catches, 2, str(tmp_path), timeout_s=90)
     assert [(o.error, o.value) for o in outcomes] == [(None, 0), (None, 0)], outcomes

@@ -99,6 +99,7 @@ def _rank1_stalls_in_eval(rank, world_size, report_dir, action):
     return waited, watchdog.incidents, records.lines, watchdog._watch.thread
 
 
+@pytest.mark.slow
 def test_rank_stuck_in_eval_is_named_with_phase_step_and_stack(tmp_path):
     outcomes = run_ranks(_rank1_stalls_in_eval, 2, str(tmp_path), "report", timeout_s=40)
     for o in outcomes:
@@ -120,6 +121,7 @@ def test_rank_stuck_in_eval_is_named_with_phase_step_and_stack(tmp_path):
     assert "eval_batch_start" in (tmp_path / "rank1.jsonl").read_text()
 
 
+@pytest.mark.slow
 def test_abort_exits_every_rank_with_the_hang_exit_code(tmp_path):
     start = time.monotonic()
     outcomes = run_ranks(_rank1_stalls_in_eval, 2, str(tmp_path), "abort", timeout_s=50)
@@ -158,6 +160,7 @@ def _one_rank_freezes(rank, world_size, report_dir, frozen, port):
     return waited, records.lines, (Path(report_dir) / "summary.txt").read_text()
 
 
+@pytest.mark.slow
 def test_frozen_rank_is_named_frozen_or_dead(tmp_path):
     # A frozen rank 0 is found the same way, 5 s later (the side channel's grace for the
     # deciding rank); test_side_channel covers that path, test_frozen_ranks_* the decision.
@@ -213,6 +216,7 @@ def _healthy_run(rank, world_size, report_dir):
     return watchdog.incidents, records.lines, dict(watchdog.history.peaks), process_group_timeout()
 
 
+@pytest.mark.slow
 def test_healthy_run_with_slow_eval_and_long_first_step_reports_nothing(tmp_path):
     outcomes = run_ranks(_healthy_run, 2, str(tmp_path / "reports"), timeout_s=40)
     for o in outcomes:
@@ -500,6 +504,7 @@ def _rank0_waits_in_a_collective_for_rank1(rank, world_size, report_dir):
     return waited, watchdog.incidents
 
 
+@pytest.mark.slow
 def test_rank_waiting_in_a_collective_is_told_apart_from_the_stuck_rank_in_the_same_phase(
     tmp_path,
 ):
@@ -522,6 +527,7 @@ def check_that_waits_for_rank_1(channel: SideChannel) -> None:
         pass
 
 
+@pytest.mark.slow
 def test_a_rank_waiting_in_a_rankguard_check_is_blocked_on_its_peers():
     # Rank 0 waits in another guard's exchange (e.g. the epoch-start batch check)
     # for a rank that hangs: it is waiting, not stuck, and the caller is named.
@@ -607,6 +613,7 @@ def _one_incident_two_stages(rank, world_size, report_dir):
     return stalled, timed.lines, watchdog.incidents, watchdog.ceilings_reached, deadlines
 
 
+@pytest.mark.slow
 def test_one_incident_reports_at_the_calibrated_deadline_then_once_at_the_ceiling(tmp_path):
     outcomes = run_ranks(_one_incident_two_stages, 2, str(tmp_path), timeout_s=60)
     assert [o.error for o in outcomes] == [None, None], outcomes
@@ -680,6 +687,7 @@ def _rank0_waits_in_a_check_for_stuck_rank1(rank, world_size, report_dir, action
     return time.monotonic() - stalled, str(watchdog.last_incident)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("action", ["abort", "report"])
 def test_a_rank_missing_from_another_checks_exchange_gets_the_watchdogs_diagnosis(tmp_path, action):
     outcomes = run_ranks(

@@ -150,6 +150,7 @@ def test_loss_keys_changed_alike_on_every_rank_agree_after_one_exchange_each():
         assert o.value["agreed_in"] < 2.0
 
 
+@pytest.mark.slow
 def test_a_rank_whose_loss_keys_changed_alone_waits_and_says_which_keys():
     outcomes = run_ranks(_loss_keys, 2, 1, timeout_s=60)
     changer = next(o for o in outcomes if o.rank == 1)

@@ -8,6 +8,7 @@ rank, so nothing told differs where nothing does.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rankguard.callbacks.hang.collective_compare import Issued, Mark, differences
@@ -82,6 +83,7 @@ def _ddp(rank, world_size, report_dir, skip_at):
         recorder.close(keep=True)
 
 
+@pytest.mark.slow
 def test_a_healthy_ddp_run_tells_its_buffers_and_buckets_alike_on_every_rank(tmp_path):
     outcomes = run_ranks(_ddp, 2, str(tmp_path), None, timeout_s=90)
     assert [o.error for o in outcomes] == [None, None], outcomes
@@ -106,6 +108,7 @@ def test_a_healthy_ddp_run_tells_its_buffers_and_buckets_alike_on_every_rank(tmp
     assert read_files(tmp_path)[1][0].last[-3:] == records[1][0].last[-3:]
 
 
+@pytest.mark.slow
 def test_a_skipped_backward_is_told_as_its_buckets_against_the_next_forwards_buffers(tmp_path):
     outcomes = run_ranks(_ddp, 2, str(tmp_path), 4, timeout_s=90, until=[1])
     rank1 = next(o for o in outcomes if o.rank == 1)
@@ -143,6 +146,7 @@ def _fsdp2(rank, world_size, report_dir):
         recorder.close(keep=False)
 
 
+@pytest.mark.slow
 def test_fsdp2_collectives_name_their_module_and_the_pass_that_issued_them(tmp_path):
     outcomes = run_ranks(_fsdp2, 2, str(tmp_path), timeout_s=90)
     assert [o.error for o in outcomes] == [None, None], outcomes

@@ -212,11 +212,13 @@ def _check_stopped_together(outcomes, signal_at, signalled):
     return step, took
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_rank_mid_step_stops_every_rank_after_the_same_step(tmp_path):
     outcomes = run_ranks(_train, 3, str(tmp_path), 20, False, timeout_s=120)
     _check_stopped_together(outcomes, 20, signalled=1)
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_inside_the_next_batch_stops_with_the_others_one_step_later(tmp_path):
     outcomes = run_ranks(_train, 2, str(tmp_path), 20, True, timeout_s=120)
     step, _ = _check_stopped_together(outcomes, 20, signalled=0)
@@ -225,6 +227,7 @@ def test_a_rank_stuck_inside_the_next_batch_stops_with_the_others_one_step_later
     assert step == 22, step
 
 
+@pytest.mark.slow
 def test_a_signal_every_rank_gets_at_once_stops_them_at_one_step_with_one_warning(tmp_path):
     outcomes = run_ranks(_train, 2, str(tmp_path), 20, None, timeout_s=120)
     assert [o.exitcode for o in outcomes] == [0, 0], outcomes
@@ -268,6 +271,7 @@ def _loop(rank, world_size, report_dir):
     return run.step, run.stopped, run.exit_code, after, epoch
 
 
+@pytest.mark.slow
 def test_the_loops_train_pass_ends_after_one_step_on_every_rank(tmp_path):
     outcomes = run_ranks(_loop, 2, str(tmp_path), timeout_s=120)
     assert [o.exitcode for o in outcomes] == [0, 0], outcomes

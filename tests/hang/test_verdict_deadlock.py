@@ -6,6 +6,7 @@ import os
 import sys
 import time
 
+import pytest
 import torch
 
 from rankguard.callbacks.core import side_channel
@@ -317,6 +318,7 @@ def _rank0_works_alone_while_rank1_waits(rank, world_size, report_dir):
     return watchdog.incidents
 
 
+@pytest.mark.slow
 def test_rank0_only_work_while_the_others_wait_in_a_barrier_is_never_a_deadlock(tmp_path):
     outcomes = run_ranks(_rank0_works_alone_while_rank1_waits, 2, str(tmp_path), timeout_s=60)
     assert [(o.error, o.value) for o in outcomes] == [(None, 0), (None, 0)], outcomes
@@ -342,6 +344,7 @@ def _split_collectives(rank, world_size, report_dir):
         watchdog.close()  # raise "Connection closed by peer" in rank 0 before its own exit
 
 
+@pytest.mark.slow
 def test_collective_on_one_rank_is_a_proven_deadlock_ending_every_rank_with_70(tmp_path):
     from rankguard.callbacks.hang.hang_watchdog import DEADLOCK_EXIT_CODE
 
@@ -374,6 +377,7 @@ def _rank0_leaves_the_loop(rank, world_size, report_dir, split):
     return watchdog.incidents, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_a_rank_leaving_the_loop_alone_ends_every_rank_with_70_together_is_silent(tmp_path):
     from rankguard.callbacks.hang.hang_watchdog import DEADLOCK_EXIT_CODE
 

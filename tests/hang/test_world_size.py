@@ -181,6 +181,7 @@ DECISIONS: dict[str, Callable[[int], Callable[[], Any]]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(DECISIONS))
 def test_each_decision_grows_linearly_and_its_verdict_not_at_all(name):
     small, large = DECISIONS[name](SMALL), DECISIONS[name](LARGE)
@@ -195,6 +196,7 @@ def test_each_decision_grows_linearly_and_its_verdict_not_at_all(name):
         assert len(verdict_large.table()) / len(verdict_small.table()) < SIZE_BOUND
 
 
+@pytest.mark.slow
 @pytest.mark.timing  # a figure: run alone (make test's timing session), not beside a worker
 @pytest.mark.parametrize("name", list(DECISIONS))
 def test_each_decisions_time_grows_at_most_linearly(name):

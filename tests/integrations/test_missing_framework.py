@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 #: integration -> (the framework module blocked, the extra the message must name)
@@ -44,6 +46,7 @@ def _import_without(blocked: str, integration: str) -> list[str] | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_importing_any_module_of_an_integration_without_its_framework_names_the_extra():
     for integration, (blocked, extra) in CASES.items():
         raised = _import_without(blocked, integration)

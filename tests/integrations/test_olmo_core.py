@@ -169,6 +169,7 @@ class SignalAt(olmo_callbacks.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.slow
 def test_sigterm_during_the_fit_is_rankguards_and_cancels_the_run_after_a_saved_step(
     tmp_path, caplog, monkeypatch
 ):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rankguard.callbacks.replica.layout import replica_layout, set_key
@@ -57,6 +58,7 @@ PARAMS = ["linear.weight", "linear.bias", "norm.weight", "norm.bias"]
 STATS = {"running statistics (each rank's own batches update them)": 3}
 
 
+@pytest.mark.slow
 def test_layouts_of_real_wrappers():
     outcomes = run_ranks(_layouts, 2, timeout_s=120)
     for o in outcomes:

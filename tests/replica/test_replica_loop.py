@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import pytest
 import torch
 
 from tests.mp import run_ranks
@@ -87,6 +88,7 @@ def run(fault: str, tmp_path, **settings) -> list[dict]:
     return [o.value for o in outcomes]
 
 
+@pytest.mark.slow
 def test_healthy_accumulation_with_evals_and_saves_stays_silent(tmp_path):
     for rank in run("none", tmp_path, interval=3):
         assert "error" not in rank and rank["warnings"] == [], rank
@@ -94,6 +96,7 @@ def test_healthy_accumulation_with_evals_and_saves_stays_silent(tmp_path):
         assert rank["metrics"]["rankguard/replica_sets_differing"] == 0.0
 
 
+@pytest.mark.slow
 def test_a_step_skipped_on_one_rank_is_caught_at_the_first_check_after(tmp_path):
     # Checks at batches 1, 3, 6 (the first, then every 3rd): rank 1 skips the step of
     # batch 4 (i == 3); the check at the start of batch 6 sees it, collected (and raised)
@@ -120,6 +123,7 @@ def test_a_step_skipped_on_one_rank_is_caught_at_the_first_check_after(tmp_path)
         assert "(2)" not in lines[5]
 
 
+@pytest.mark.slow
 def test_a_clamp_on_rank_0_before_an_eval_is_caught_by_the_evals_check(tmp_path):
     # One interval check at batch 1 (interval 100); the clamp after batch 8's step; the
     # eval's check right after it, collected (and raised) at batch 9's start.
@@ -138,6 +142,7 @@ def test_a_clamp_on_rank_0_before_an_eval_is_caught_by_the_evals_check(tmp_path)
         )
 
 
+@pytest.mark.slow
 def test_warn_mode_warns_once_and_training_goes_on(tmp_path):
     for rank in run("clamp_warn", tmp_path, interval=100, on_violation="warn"):
         assert "error" not in rank and rank["batches"] == 2 * STEPS, rank

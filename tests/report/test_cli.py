@@ -135,6 +135,7 @@ def test_report_on_a_folder_of_report_folders_lists_them(tmp_path, capsys):
     assert set(record) == {"t", "event", "phase", "step"}
 
 
+@pytest.mark.slow
 def test_a_normal_install_holds_one_rankguard_package_with_every_subpackage(tmp_path):
     """A built wheel, not the editable install: nothing generic lands in site-packages.
 

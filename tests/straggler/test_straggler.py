@@ -319,6 +319,7 @@ def test_monitor_hooks_the_model_for_the_timed_batches_of_each_interval_only(
     assert samples[-1] == len(positions)
 
 
+@pytest.mark.slow
 def test_a_left_interval_stretches_at_fast_steps_and_times_only_its_last_fifty_batches(
     monkeypatch,
 ):
@@ -639,6 +640,7 @@ def _straggler_warnings(run):
     return [(b, m) for b, m in run["records"] if m.startswith("rankguard straggler_monitor")]
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_ddp_healthy_ranks_log_scores_and_no_warning(ddp_runs):
     for run in (r["healthy"] for r in ddp_runs):
@@ -647,6 +649,7 @@ def test_ddp_healthy_ranks_log_scores_and_no_warning(ddp_runs):
         assert len(scores) == STEPS // SETTINGS["interval"] and min(scores) > 0.8
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_ddp_rank_1_with_1_5x_the_forward_is_named_on_every_rank_with_its_score(ddp_runs):
     messages = []
@@ -673,6 +676,7 @@ def _forward_s(run):
     return statistics.median(m[key] for m in run["metrics"] if key in m)
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_ddp_forward_time_is_the_rank_s_own_compute(ddp_runs):
     fast, slow = (_forward_s(r["slow_compute"]) for r in ddp_runs)
@@ -682,6 +686,7 @@ def test_ddp_forward_time_is_the_rank_s_own_compute(ddp_runs):
     assert _forward_s(ddp_runs[0]["slow_data"]) < 1.5 * FORWARD_S
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_ddp_raise_stops_every_rank_at_the_same_batch(ddp_runs):
     outcomes = [r["slow_compute_raise"]["outcome"] for r in ddp_runs]
@@ -689,6 +694,7 @@ def test_ddp_raise_stops_every_rank_at_the_same_batch(ddp_runs):
     assert outcomes[0].startswith("StragglerError at batch 14: Straggler: rank 1 (node ")
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_ddp_rank_slow_at_data_is_named_by_data_stall_monitor_alone(ddp_runs):
     for run in (r["slow_data"] for r in ddp_runs):
@@ -701,6 +707,7 @@ def test_ddp_rank_slow_at_data_is_named_by_data_stall_monitor_alone(ddp_runs):
         assert scores and min(scores) > 0.8
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_fsdp2_fast_rank_waiting_in_all_gathers_is_not_counted_as_its_compute(ddp_runs):
     runs = [r["fsdp2_slow_compute"] for r in ddp_runs]
@@ -714,6 +721,7 @@ def test_fsdp2_fast_rank_waiting_in_all_gathers_is_not_counted_as_its_compute(dd
     assert runs[0]["root_s"] > 0.8 * runs[1]["root_s"]
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_ddp_rank_200x_slower_than_a_sub_millisecond_reference_is_named(ddp_runs):
     for run in (r["sub_ms_slow"] for r in ddp_runs):
@@ -726,6 +734,7 @@ def test_ddp_rank_200x_slower_than_a_sub_millisecond_reference_is_named(ddp_runs
     assert _forward_s(ddp_runs[1]["sub_ms_slow"]) > 0.018
 
 
+@pytest.mark.slow
 @pytest.mark.timing
 def test_ddp_sub_millisecond_ranks_within_noise_of_each_other_stay_silent(ddp_runs):
     for run in (r["sub_ms_healthy"] for r in ddp_runs):
