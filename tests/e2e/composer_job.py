@@ -893,7 +893,7 @@ def setup_straggler(names: list[str]) -> None:
     logging.getLogger("rankguard").addHandler(AtBatch())
 
 
-# --- Resuming from a checkpoint (test_resume_composer.py) -----------------------------------------
+# --- Resuming from a checkpoint (test_resume_e2e.py) ---------------------------------------------
 
 #: The run the resume scenarios save and resume; each fit trains 4 batches more.
 RESUME_RUN = "resume"

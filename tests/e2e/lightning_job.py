@@ -634,7 +634,7 @@ CHECKPOINT = {
 }
 
 
-# --- Resumes on two simulated nodes (test_resume_lightning.py) ------------------------------------
+# --- Resumes on two simulated nodes (test_resume_e2e.py) -----------------------------------------
 
 #: The first fit's checkpoint folder (shared by both nodes), and the copy of it a node took
 #: right after its step-4 save (the node-local copy that lagged).
