@@ -264,6 +264,12 @@ def test_a_verdict_is_waited_for_while_the_store_answers_at_once_and_briefly_onc
         assert guard.verdict_late(late, 61) and guard.verdict_late(late, 62)
         # Each batch waited its short bound once the poll was slow, not the verdict.
         assert 2 * LATE_AFTER_S <= time.monotonic() - started < 2 * LATE_AFTER_S + 0.8
+        # Another guard whose part went in the same exchange does not wait for it again at
+        # batch 62 (two guards due at one batch: the batch waits once, not twice); it says
+        # so once, as the first did.
+        started = time.monotonic()
+        assert Guard().verdict_late(late, 62)
+        assert time.monotonic() - started < LATE_AFTER_S / 2
         poll.join()
         late._finish("verdict")
         assert not guard.verdict_late(late, 63) and not guard.verdict_late(None, 63)
@@ -282,9 +288,10 @@ def test_a_verdict_is_waited_for_while_the_store_answers_at_once_and_briefly_onc
     assert [(r.levelname, r.getMessage()[:112]) for r in caplog.records] == [
         (
             "INFO",
-            "rankguard guard: the verdict of its exchange was not in at train batch 61 after 0.5 "
-            "s (the store answers slowly)",
+            f"rankguard guard: the verdict of its exchange was not in at train batch {batch} "
+            "after 0.5 s (the store answers slowly)",
         )
+        for batch in (61, 62)
     ]
 
 

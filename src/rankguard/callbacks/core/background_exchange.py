@@ -89,10 +89,14 @@ class Pending:
         payload: What this rank sent, once the thread has built it.
         first: The first exchange its thread runs: the thread starts and opens its store
             connection first, most often at a fit's start, when the machine is busiest.
+        left: Where a guard stopped waiting for its verdict (``None`` while none has): the
+            train batch, the seconds it waited and why; the guards whose parts share the
+            exchange wait for it once a batch, not each.
     """
 
     def __init__(self, threaded: bool = True, *, first: bool = False) -> None:
         self.first = first
+        self.left: tuple[int, float, str] | None = None
         # Held until the verdict arrives: a lock is made and waited on in C, where an
         # Event is a Condition built in Python (posted and collected on the training thread).
         self._done = threading.Lock() if threaded else None
@@ -252,6 +256,16 @@ class PartPending:
     def first(self) -> bool:
         """Whether it went in the first exchange of its thread (see :attr:`Pending.first`)."""
         return self._whole is not None and self._whole.first
+
+    @property
+    def left(self) -> tuple[int, float, str] | None:
+        """The exchange's :attr:`Pending.left` (``None`` until it was flushed)."""
+        return None if self._whole is None else self._whole.left
+
+    @left.setter
+    def left(self, left: tuple[int, float, str] | None) -> None:
+        if self._whole is not None:
+            self._whole.left = left
 
     @property
     def payload(self) -> Any:

@@ -155,10 +155,18 @@ class Guard:
         its exchange thread's first exchange (:attr:`Pending.first`: the thread starting
         and connecting at a fit's start, when a loaded machine's requests are slowest for
         want of a core). A verdict not in by then is acted on at the first batch it is in;
-        the guard says so once, at INFO.
+        the guard says so once, at INFO. Guards whose parts went in one exchange wait for
+        it once a batch: where another already stopped waiting at this batch, this one
+        does not wait again.
         """
         if pending is None:
             return False
+        left = pending.left
+        if left is not None and left[0] == batches:  # another guard's part waited for it
+            if pending.wait(0):
+                return False
+            self._say_late(*left)
+            return True
         started = monotonic()
         while not pending.wait(LATE_POLL_S):
             waited = monotonic() - started
@@ -166,17 +174,22 @@ class Guard:
             if waited >= (LATE_AFTER_S if slow else VERDICT_WAIT_S):
                 store_health.left_late = True
                 why = "the store answers slowly" if slow else "the ranks are slow to send theirs"
-                self._say_once(
-                    logging.INFO,
-                    "late",
-                    "the verdict of its exchange was not in at train batch %d after %.1f s (%s): "
-                    "training goes on, and it acts on the verdict at the batch it comes",
-                    batches,
-                    waited,
-                    why,
-                )
+                pending.left = (batches, waited, why)
+                self._say_late(batches, waited, why)
                 return True
         return False
+
+    def _say_late(self, batches: int, waited: float, why: str) -> None:
+        """Says once, at INFO, that a verdict was not in at train batch ``batches``."""
+        self._say_once(
+            logging.INFO,
+            "late",
+            "the verdict of its exchange was not in at train batch %d after %.1f s (%s): "
+            "training goes on, and it acts on the verdict at the batch it comes",
+            batches,
+            waited,
+            why,
+        )
 
     def skip_failed(self, what: str, exc: Exception) -> None:
         """Says once that ``what`` (an exchange) failed and is skipped.
