@@ -28,12 +28,16 @@ HANG = {
 }
 
 #: The two-stage run: calibrated deadlines from the first steps (2 s floor), reported at
-#: stage 1; the after-eval ceiling (8 s) ends the incident (stage 2, exit 75).
+#: stage 1; the after-eval ceiling (8 s) ends the incident (stage 2, exit 75). The factor is
+#: 2 (the default 10 would put the after-eval deadline at the ceiling as soon as a loaded
+#: machine stretched one of the 4 after-eval-batch intervals it calibrates from to 0.8 s; at
+#: 2 that takes 4 s, the deadline being at least twice the longest interval seen).
 TWO_STAGE = {
     "timeout_s": 20.0,
     "eval_timeout_s": 20.0,
     "post_eval_timeout_s": 8.0,
     "warmup_steps": 0,
+    "calibration_factor": 2.0,
     "floor_s": 2.0,
     "exchange_period_s": 0.5,
 }
