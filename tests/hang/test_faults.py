@@ -340,6 +340,58 @@ def test_a_fault_every_rank_catches_before_a_new_fit_ends_nothing(tmp_path):
     assert not (tmp_path / "summary.txt").exists()
 
 
+def _every_rank_raises_a_checks_verdict(rank, world_size, report_dir):
+    """A check's verdict every rank raises at fit start (the loop example's unseeded split).
+
+    Rank 1 gets it first and closes while its watchdog thread sleeps between exchanges;
+    rank 0 closes once its own thread waits in its next status exchange, for a status
+    rank 1 will never send. Returns how long rank 0's close took.
+    """
+    import threading
+
+    import torch.distributed as dist
+
+    from rankguard.callbacks.core.errors import DataInconsistencyError
+    from rankguard.callbacks.core.side_channel import SideChannel
+    from rankguard.callbacks.hang.watchdog_thread import STATUS_EXCHANGE
+
+    waiting = threading.Event()
+    exchange = SideChannel.exchange
+
+    def noted(self, name, *args, **kwargs):
+        if name == STATUS_EXCHANGE and peer_closed.is_set():
+            waiting.set()
+        return exchange(self, name, *args, **kwargs)
+
+    peer_closed = threading.Event()
+    SideChannel.exchange = noted
+    watchdog = _watchdog(report_dir, period_s=10.0)  # the defaults: a 10 s exchange timeout
+    error = DataInconsistencyError("Ranks see different data (at fit start): ...")
+    if rank == 1:
+        watchdog.on_error(error, EventFacts(step=0))
+        watchdog.close()
+    dist.barrier()  # rank 1 closed
+    if rank == 1:
+        return None
+    peer_closed.set()
+    watchdog._watch.wake.set()  # its next exchange now, not at the end of its period
+    assert waiting.wait(15), "rank 0's watchdog thread started no status exchange"
+    time.sleep(0.5)  # in it, waiting for rank 1's status
+    started = time.monotonic()
+    watchdog.on_error(error, EventFacts(step=0))
+    watchdog.close()
+    return time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_a_rank_closing_after_a_verdict_every_rank_raised_leaves_its_status_exchange(tmp_path):
+    # Its close does not wait out the exchange's 10 s for a peer that already closed: a
+    # launcher that stops every rank once one exits would end it before its error shows.
+    outcomes = run_ranks(_every_rank_raises_a_checks_verdict, 2, str(tmp_path), timeout_s=90)
+    assert [o.error for o in outcomes] == [None, None], outcomes
+    assert outcomes[0].value < 3.0, outcomes[0].value
+
+
 def _rank1_killed_rank0_raises(rank, world_size, report_dir):
     """Gloo: the killed peer's closed socket raises in rank 0's next collective at once."""
     import torch.distributed as dist

@@ -435,7 +435,7 @@ class WatchdogThread:
                     every_s=max(PROBE_PERIOD_S, self.polls.period_s),
                 )
             except _Raised:
-                return  # this rank raised and its fit closes: its peers act on its fault
+                return  # this rank's fit raised and it closes: see _while_waiting
             except RanksMissingError as missing:
                 self.failures += 1
                 self._on_missing(missing.missing)
@@ -474,11 +474,18 @@ class WatchdogThread:
 
         A peer that raised after this rank's exchange began never sends its status: its
         fault is read here, not after the exchange's timeout (10 s at the defaults). A
-        rank that raised itself and closes leaves the exchange: nothing waits for it.
+        rank whose fit raised and that closes leaves the exchange at once: its peers act
+        on its published fault, or raise the same verdict's error themselves (a check's,
+        which every rank raises and none publishes). Its close would otherwise wait out
+        the timeout for a peer that already left, and a launcher that stops every rank
+        once one exits would end it before its error is printed.
         """
-        published = self.faults.published
-        if self.stop.is_set() and published is not None and published.family != "left":
-            raise _Raised
+        if self.stop.is_set():
+            published = self.faults.published
+            if not self.heartbeats.fit_ended or (
+                published is not None and published.family != "left"
+            ):
+                raise _Raised
         self._poll()
 
     def _sleep(self) -> None:
