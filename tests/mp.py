@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.launch import finish, job_env, start
+from benchmarks.launch import finish, free_port, job_env, start
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,6 +202,18 @@ def _run_ranks_once(
     ]
 
 
+def launcher_port() -> dict[str, str]:
+    """``MASTER_PORT`` for a launcher that would pick its own with ``bind(0)``.
+
+    Lightning's ``ddp`` and Composer's launcher take a port from the kernel's ephemeral
+    range, release it, and bind it again in rank 0 later: meanwhile, with launches
+    running side by side, another process's connection may take it. ``free_port`` picks
+    below that range. A launcher that binds its own at once (``torchrun --standalone``)
+    or is given one (``--master-port``) ignores the variable.
+    """
+    return {"MASTER_PORT": str(free_port())}
+
+
 @dataclass
 class Job:
     returncode: int
@@ -228,7 +240,7 @@ def run_job(
     """
     # HF_HUB_OFFLINE: no hub. src: rankguard where the environment does not install it.
     path = os.pathsep.join([str(ROOT), str(ROOT / "src")])
-    env = job_env(PYTHONPATH=path, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    env = job_env(PYTHONPATH=path, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **launcher_port())
     [ended] = finish([start(cmd, env=env, cwd=cwd)], timeout_s, after_exit)
     if ended.timed_out:
         name = Path(cmd[0]).name

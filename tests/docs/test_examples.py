@@ -21,6 +21,7 @@ import yaml
 
 from rankguard.callbacks import HANG_EXIT_CODE
 from tests.generator import generate
+from tests.mp import launcher_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -41,13 +42,15 @@ def composer_example(tmp_path, *args, per_rank_files=False):
     script = [str(EXAMPLES / "composer_train.py"), "--workdir", str(tmp_path / "work")]
     files = ["--stdout", "rank{rank}.out", "--stderr", "rank{rank}.err"] if per_rank_files else []
     cmd = [str(LAUNCHER), "-n", "2", *files, *script, *args]
-    return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180)
+    env = {**ENV, **launcher_port()}
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
 
 
 def lightning_example(tmp_path, *args):
     script = [str(EXAMPLES / "lightning_train.py"), "--workdir", str(tmp_path / "work")]
     cmd = [sys.executable, *script, *args]
-    return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180)
+    env = {**ENV, **launcher_port()}
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
 
 
 def says_what_the_docs_quote(name, output, workdir=None):
