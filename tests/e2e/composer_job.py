@@ -134,7 +134,7 @@ def fit(*args: Any, **kwargs: Any) -> None:
         job.close()
 
 
-# --- Batch parity and drop_last (test_composer_e2e.py) --------------------------------------------
+# --- Batch parity and drop_last (test_batches_e2e.py) ---------------------------------------------
 
 
 def parity(train: DataLoader, eval_loader: DataLoader, guard: Callback | None = None) -> None:

@@ -244,7 +244,7 @@ def run_fit(name: str, scenario: Scenario, data: bool) -> tuple[dict, BaseExcept
     return record, error
 
 
-# --- Batch parity and drop_last (test_lightning_e2e.py) -------------------------------------------
+# --- Batch parity and drop_last (test_batches_e2e.py) ---------------------------------------------
 
 
 class LyingSampler(Sampler[int]):

@@ -34,6 +34,7 @@ import pytest
 
 from benchmarks.launch import can_mount, launch_nodes, node_disk
 from rankguard.callbacks.checkpoint.dir_probe import MARKER_PREFIX
+from tests.frameworks.launches import composer_both
 
 pytestmark = pytest.mark.framework
 
@@ -307,3 +308,73 @@ def test_resume_from_a_checkpoint_one_node_cannot_see_fails_before_loading(job):
         assert "on_checkpoint_load_start" in result["traceback"]  # before the framework read it
         assert "train_steps" not in result["counters"]
         assert "train_batches" not in result["counters"]
+
+
+# -- The many-scenario launches (tests/frameworks/launches.py) -----------------------------
+
+
+def test_composer_checkpointing_run_goes_through_the_dir_barrier_silently(composer_scenarios):
+    for result in composer_both(composer_scenarios, "checkpoint_barrier"):
+        assert result["outcome"] == "ok", result.get("traceback")
+        assert result["warnings"] == []
+    saved = sorted(
+        p.name for p in (composer_scenarios[0] / "ckpt" / "e2e").glob("ep*-ba*-rank0.pt")
+    )
+    assert saved == ["ep0-ba4-rank0.pt", "ep0-ba8-rank0.pt"]
+    assert not list(composer_scenarios[0].rglob("*rankguard*"))  # barrier markers are removed
+
+
+def test_loop_folders_of_each_rank_own_are_created_and_clean(loop_scenarios):
+    for rank in loop_scenarios[2]:
+        result = rank["per_rank_ckpt"]
+        assert result["outcome"] == "ok" and result["warnings"] == [], result
+        assert result["counters"]["files"] == [
+            "per_rank/ckpt_rank0/model.pt",
+            "per_rank/ckpt_rank1/model.pt",
+        ]
+
+
+def test_loop_resume_from_one_nodes_disk_fails_before_any_rank_loads(loop_scenarios):
+    out, _, ranks = loop_scenarios
+    host = HOST
+    for r, rank in enumerate(ranks):
+        result = rank["resume_node_local"]
+        # At fit start: the save folder is each node's own.
+        [warning] = result["warnings"]
+        assert (
+            f"Checkpoint folder {out}/node{r}/ckpt is node-local: node {host}/node1 (rank 1) "
+            in (warning)
+        )
+        assert result["outcome"] == "NodeLocalDirError", result
+        assert result["message"].startswith(
+            f"Checkpoint to resume from rank 0: {out}/node0/ckpt/last.pt; rank 1: "
+            f"{out}/node1/ckpt/last.pt is not there on node {host}/node1 (rank 1); node "
+            f"{host}/node0 (rank 0) sees it."
+        )
+        assert "loaded" not in result["counters"]  # no rank read it
+    assert [rank["resume_node_local"]["counters"]["saved"] for rank in ranks] == [1, 0]
+
+
+def test_hf_resume_from_a_checkpoint_one_node_lacks_fails_before_the_trainer_loads(hf_scenarios):
+    out, _, ranks = hf_scenarios
+    host = HOST
+    # Rank 1's node got only its own RNG state from each save: no resumable checkpoint.
+    assert [r["node_local_resume"]["counters"]["saved"][-1] for r in ranks] == [
+        "training_args.bin",
+        "rng_state_1.pth",
+    ]
+    for r, rank in enumerate(ranks):
+        result = rank["node_local_resume"]
+        [warning] = result["warnings"]  # the first run's save folder, at its fit start
+        assert warning.startswith(
+            f"rankguard shared_dir_barrier: Checkpoint folder {out}/hf_node{r}/out is node-local: "
+            f"node {host}/node1 (rank 1) does not see what rank 0 ({host}/node0) writes there"
+        )
+        assert result["outcome"] == "NodeLocalDirError", result
+        state = "checkpoint-6/trainer_state.json"
+        assert result["message"].startswith(
+            f"Checkpoint to resume from rank 0: {out}/hf_node0/out/{state}; rank 1: "
+            f"{out}/hf_node1/out/{state} is not there on node {host}/node1 (rank 1); node "
+            f"{host}/node0 (rank 0) sees it."
+        )
+        assert "steps" not in result["counters"]  # stopped before any step of the resume

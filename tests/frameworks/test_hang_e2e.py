@@ -342,3 +342,34 @@ def test_timeline_of_the_real_hang_shows_rank_1_stopping_first_its_deadline_and_
 
 def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# -- The loop and the HF Trainer (torchrun; tests/frameworks/launches.py) ----------------
+
+
+def assert_rank_1_named_with_its_stack(out: Path, output: str, frame: str) -> None:
+    reports = out / "reports"
+    summary = (reports / "summary.txt").read_text()
+    deadline = HANG["post_eval_timeout_s"]
+    assert re.match(
+        rf"rank 1 stuck \d+ s in after eval of 'eval' \(deadline {deadline:g} s\); rank 0 ",
+        summary,
+    ), summary
+    assert "Next: read rank1.txt" in summary
+    stall = json.loads((out / "stall.json").read_text())
+    latency = (reports / "summary.txt").stat().st_mtime - stall["t"]
+    assert deadline - 0.5 < latency < deadline + REPORT_MARGIN_S
+    assert frame in _loop_stack(reports / "rank1.txt")  # where rank 1's loop stopped
+    assert output.count("Now aborting with exit code 75.") == 2
+
+
+def test_loop_rank_stalled_after_eval_is_named_with_its_stack_and_every_rank_exits_75(
+    loop_scenarios,
+):
+    out, output, _ = loop_scenarios
+    assert_rank_1_named_with_its_stack(out, output, "in stall_after_eval")
+
+
+def test_hf_rank_stalled_after_eval_is_named_with_its_stack_and_every_rank_exits_75(hf_scenarios):
+    out, output, _ = hf_scenarios
+    assert_rank_1_named_with_its_stack(out, output, "in on_evaluate")

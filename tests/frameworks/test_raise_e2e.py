@@ -26,7 +26,7 @@ which nobody ends: this process reaps it and reads its exit code), and Composer
 (``composer -n 2``, in its world: the wrapper of ``Trainer.fit`` found at ``INIT`` sees
 the error). Jobs: ``tests/e2e/*_job.py``, scenario ``data_check_raises``. The healthy
 counterpart, a data check whose error the loop itself catches, is the loop's ``healthy``
-scenario (``tests/frameworks/test_torchrun_e2e.py``).
+scenario (``tests/frameworks/test_healthy_e2e.py``).
 """
 
 from __future__ import annotations

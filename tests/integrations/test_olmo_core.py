@@ -41,7 +41,8 @@ from rankguard.integrations import olmo_core as rg_olmo
 from rankguard.integrations.olmo_core import RankGuard, decisions, facts
 from tests.e2e.common import EventLog
 from tests.e2e.olmo_core_job import LATE_S, NEG_CACHE_LAG_S, NEVER_TIMEOUT_S, build_trainer
-from tests.frameworks.test_torchrun_e2e import assert_rank_1_named_with_its_stack, launch
+from tests.frameworks.launches import torchrun as launch
+from tests.frameworks.test_hang_e2e import assert_rank_1_named_with_its_stack
 
 
 class LoadLog(Guard):

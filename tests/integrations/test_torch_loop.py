@@ -1,6 +1,6 @@
 """The hand-written loop API (``rankguard.integrations.torch``) in one process, no process group.
 
-The same loop runs on 2 ranks under ``torchrun`` in ``tests/frameworks/test_torchrun_e2e.py``;
+The same loop runs on 2 ranks under ``torchrun`` in ``tests/frameworks/launches.py``;
 here: the events it fires and their order, its misuse errors, loaders it
 cannot inspect, a healthy loop's silence, and the checkpoint plan it gets
 (that one on 2 spawned ranks, since a sharded save only differs from a full

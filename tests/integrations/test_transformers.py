@@ -1,6 +1,6 @@
 """The Hugging Face Trainer adapter in one process: its events, its decisions, its silence.
 
-The same adapter runs on 2 ranks under ``torchrun`` in ``tests/frameworks/test_torchrun_e2e.py``.
+The same adapter runs on 2 ranks under ``torchrun`` in ``tests/frameworks/launches.py``.
 A 2-layer BERT built from a config; nothing reaches the network.
 """
 
