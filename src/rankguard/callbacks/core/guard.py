@@ -59,6 +59,9 @@ VERDICT_WAIT_S = 10.0
 LATE_AFTER_S = 0.5
 #: How often a waiting batch asks whether the store answers slowly.
 LATE_POLL_S = 0.05
+#: ``[batch, seconds]``: how long the guards' late verdicts were waited for at that train
+#: batch, together, while the store answered slowly (the training thread's).
+_batch_waited: list[float] = [-1, 0.0]
 
 
 class Guard:
@@ -157,7 +160,8 @@ class Guard:
         want of a core). A verdict not in by then is acted on at the first batch it is in;
         the guard says so once, at INFO. Guards whose parts went in one exchange wait for
         it once a batch: where another already stopped waiting at this batch, this one
-        does not wait again.
+        does not wait again; and every guard's wait at one batch counts against the one
+        :data:`LATE_AFTER_S` of that batch.
         """
         if pending is None:
             return False
@@ -167,17 +171,25 @@ class Guard:
                 return False
             self._say_late(*left)
             return True
+        # Once slow, LATE_AFTER_S is the batch's, shared by every guard's exchange due at it.
+        spent = _batch_waited[1] if _batch_waited[0] == batches else 0.0
         started = monotonic()
-        while not pending.wait(LATE_POLL_S):
-            waited = monotonic() - started
-            slow = not pending.first and (store_health.slow() or store_health.slow_seen)
-            if waited >= (LATE_AFTER_S if slow else VERDICT_WAIT_S):
-                store_health.left_late = True
-                why = "the store answers slowly" if slow else "the ranks are slow to send theirs"
-                pending.left = (batches, waited, why)
-                self._say_late(batches, waited, why)
-                return True
-        return False
+        waited = 0.0
+        try:
+            while not pending.wait(LATE_POLL_S):
+                waited = monotonic() - started
+                slow = not pending.first and (store_health.slow() or store_health.slow_seen)
+                if waited >= (LATE_AFTER_S - spent if slow else VERDICT_WAIT_S):
+                    store_health.left_late = True
+                    why = (
+                        "the store answers slowly" if slow else "the ranks are slow to send theirs"
+                    )
+                    pending.left = (batches, spent + waited, why)
+                    self._say_late(batches, spent + waited, why)
+                    return True
+            return False
+        finally:
+            _batch_waited[:] = [batches, spent + monotonic() - started]
 
     def _say_late(self, batches: int, waited: float, why: str) -> None:
         """Says once, at INFO, that a verdict was not in at train batch ``batches``."""
