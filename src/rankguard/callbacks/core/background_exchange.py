@@ -29,10 +29,12 @@ comes at most every :data:`AUTO_INTERVAL_S` seconds.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -144,6 +146,35 @@ class Pending:
         return True
 
 
+#: How long the interpreter's exit waits for the exchanges threads still run (see
+#: :func:`close_at_exit`): a healthy peer's answer comes in milliseconds.
+EXIT_WAIT_S = 5.0
+#: The exchanges whose thread started, until collected.
+_STARTED: weakref.WeakSet[BackgroundExchange] = weakref.WeakSet()
+
+
+def close_at_exit() -> None:
+    """Closes every exchange at the interpreter's exit; waits for those a thread still runs.
+
+    A thread inside an exchange waits in a store request, in torch's C++ code with the
+    GIL released. Should the answer come once the interpreter is finalizing, Python ends
+    the thread where it takes the GIL back, inside a C++ destructor, and the C++ runtime
+    aborts the process: ``terminate called without an active exception`` (SIGABRT) after
+    a fit that ended healthy, its last exchange (a peer slower to post) still in flight.
+    Functions registered with :mod:`atexit` run before that point; idle threads end at
+    once, busy ones after their exchange, within :data:`EXIT_WAIT_S` in all.
+    """
+    started = perf_counter()
+    for exchange in list(_STARTED):
+        exchange.close()
+        thread = exchange._thread
+        if thread is not None and thread.is_alive():
+            thread.join(max(0.0, EXIT_WAIT_S - (perf_counter() - started)))
+
+
+atexit.register(close_at_exit)
+
+
 class BackgroundExchange:
     """Runs one guard's exchanges on a daemon thread, in the order posted.
 
@@ -190,6 +221,7 @@ class BackgroundExchange:
                 target=self._serve, name=f"rankguard-{self.name}", daemon=True
             )
             self._thread.start()
+            _STARTED.add(self)
         self._jobs.put((build, pending, decide))
         return pending
 
