@@ -29,9 +29,9 @@ HANG = {
 
 #: The two-stage run: calibrated deadlines from the first steps (2 s floor), reported at
 #: stage 1; the after-eval ceiling (8 s) ends the incident (stage 2, exit 75). The factor is
-#: 2 (the default 10 would put the after-eval deadline at the ceiling as soon as a loaded
-#: machine stretched one of the 4 after-eval-batch intervals it calibrates from to 0.8 s; at
-#: 2 that takes 4 s, the deadline being at least twice the longest interval seen).
+#: 2: the after-eval deadline, not seen yet, is derived as 3 x factor x (train p99 + eval p99)
+#: (0.08 s here alone: 2.4 s at the default 10, which a loaded machine's 0.27 s puts at the
+#: ceiling; at 2 that takes 1.3 s).
 TWO_STAGE = {
     "timeout_s": 20.0,
     "eval_timeout_s": 20.0,
