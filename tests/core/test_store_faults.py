@@ -243,8 +243,8 @@ def test_a_verdict_is_waited_for_while_the_store_answers_at_once_and_briefly_onc
         # A healthy store: a verdict the ranks are slow to send (a loaded machine) is waited
         # for, here 4 times longer than a slow store would be, so every rank acts at it.
         soon = Pending()
+        started = time.monotonic()  # before the timer starts: it cannot end sooner than this
         threading.Timer(8 * LATE_AFTER_S, soon._finish, args=("verdict",)).start()
-        started = time.monotonic()
         assert not guard.verdict_late(soon, 60)
         assert time.monotonic() - started >= 8 * LATE_AFTER_S
         # The store turns slow: another thread's poll (its own client, as the watchdog's)
