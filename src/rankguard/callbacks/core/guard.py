@@ -59,9 +59,6 @@ VERDICT_WAIT_S = 10.0
 LATE_AFTER_S = 0.5
 #: How often a waiting batch asks whether the store answers slowly.
 LATE_POLL_S = 0.05
-#: ``[batch, seconds]``: how long the guards' late verdicts were waited for at that train
-#: batch, together, while the store answered slowly (the training thread's).
-_batch_waited: list[float] = [-1, 0.0]
 
 
 class Guard:
@@ -172,7 +169,8 @@ class Guard:
             self._say_late(*left)
             return True
         # Once slow, LATE_AFTER_S is the batch's, shared by every guard's exchange due at it.
-        spent = _batch_waited[1] if _batch_waited[0] == batches else 0.0
+        waited_at, spent = store_health.batch_waited
+        spent = spent if waited_at == batches else 0.0
         started = monotonic()
         waited = 0.0
         try:
@@ -189,7 +187,7 @@ class Guard:
                     return True
             return False
         finally:
-            _batch_waited[:] = [batches, spent + monotonic() - started]
+            store_health.batch_waited = (batches, spent + monotonic() - started)
 
     def _say_late(self, batches: int, waited: float, why: str) -> None:
         """Says once, at INFO, that a verdict was not in at train batch ``batches``."""

@@ -36,6 +36,8 @@ class StoreHealth:
         slow_seen: A timed request took over :data:`SLOW_REQUEST_S` since the fit started.
         left_late: A guard of this process left a verdict for a later batch since the fit
             started: its later exchanges may go at other batches than the other ranks'.
+        batch_waited: ``(train batch, seconds)``: how long the guards waited for late
+            verdicts at that batch, together (the training thread's; ``Guard.verdict_late``).
     """
 
     def __init__(self) -> None:
@@ -43,10 +45,12 @@ class StoreHealth:
         self._last_s = 0.0
         self.slow_seen = False
         self.left_late = False
+        self.batch_waited: tuple[int, float] = (-1, 0.0)
 
     def restart(self) -> None:
         """A fit starts: what earlier fits saw is forgotten (requests in flight stay)."""
         self.slow_seen = self.left_late = False
+        self.batch_waited = (-1, 0.0)
 
     def begin(self) -> float:
         """Records that this thread sent a timed request; returns when."""
