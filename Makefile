@@ -62,6 +62,11 @@ lint: venv
 # of the older Lightning, transformers 4 and OLMo-core 2.4 (marker `older`).
 test: envs lint test-today test-composer
 
+# The suites write bytecode caches (git ignores them) even where PYTHONDONTWRITEBYTECODE is
+# set: each of their ~900 processes would otherwise compile rankguard and its tests again,
+# and each xdist worker rewrite every test file's assertions again at collection.
+test-today test-composer check: export PYTHONDONTWRITEBYTECODE :=
+
 test-today: venv
 	$(BIN)/python $(PYTEST_ALL) -m "not composer and not older and not timing" --durations=10
 	$(BIN)/python -m pytest -m "timing and not composer" --durations=3
