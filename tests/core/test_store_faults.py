@@ -305,7 +305,30 @@ def test_a_verdict_is_waited_for_while_the_store_answers_at_once_and_briefly_onc
     ]
     assert len(said) == 3 and said[2][0] == "INFO", said  # the third guard's, once
     assert said[2][1].startswith(
-        "rankguard guard: the verdict of its exchange was not in at train batch 62 after "
+        "rankguard guard: the verdict of its exchange was not in at train batch 62 after 0.5 s "
+    ), said
+
+
+def test_a_late_verdict_is_said_after_the_bound_its_batch_waited_not_the_clock(monkeypatch, caplog):
+    # A loaded machine: the wait's polls end past the bound (0.35 s apart, the second at 0.7
+    # s). CI read "after 0.6 s" once where the bound is 0.5 s, and a recording would go stale.
+    from rankguard.callbacks.core import guard as guard_module
+    from rankguard.callbacks.core.background_exchange import Pending
+    from rankguard.callbacks.core.guard import Guard
+    from rankguard.callbacks.core.store_health import store_health
+
+    caplog.set_level(logging.INFO, logger="rankguard")
+    monkeypatch.setattr(guard_module, "LATE_POLL_S", 0.35)
+    store_health.restart()  # a fit starts; its store was slow once
+    monkeypatch.setattr(store_health, "slow_seen", True)
+    started = time.monotonic()
+    assert Guard().verdict_late(Pending(), 7)
+    assert time.monotonic() - started >= 0.7
+    store_health.restart()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith(
+        "rankguard guard: the verdict of its exchange was not in at train batch 7 after 0.5 s "
+        "(the store answers slowly)"
     ), said
 
 
