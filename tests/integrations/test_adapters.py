@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import ast
-import importlib
-import importlib.util
 import logging
 import signal
 from pathlib import Path
@@ -15,44 +13,25 @@ from torch.utils.data import DataLoader
 
 from rankguard.callbacks import GUARDS, Event, EventFacts, Guard
 from rankguard.callbacks.core import events as events_module
+from rankguard.integrations import lightning as rg_lightning
+from rankguard.integrations import torch as rg_torch
+from rankguard.integrations import transformers as rg_transformers
 from rankguard.integrations._adapter import stop_agreement
 from rankguard.integrations._common import class_name
+from rankguard.integrations.lightning import facts as lightning_facts
 from tests.e2e.common import Points, cpu_trainer
 
-
-class _Lazy:
-    """A module imported at its first attribute read, not at collection.
-
-    Every xdist worker collects every file: importing Lightning, the HF Trainer and
-    Composer here cost each of them about 4.5 CPU-s more, in both worlds. The worker that
-    runs these tests imports them.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.__name__ = name
-
-    def __getattr__(self, attr: str):
-        return getattr(importlib.import_module(self.__name__), attr)
-
-    def __repr__(self) -> str:
-        return f"<lazy module {self.__name__!r}>"
-
-
-def _lazy(name: str, needs: str | None = None) -> _Lazy | None:
-    """``name`` imported lazily, or ``None`` where the framework it needs is not installed."""
-    return None if needs is not None and importlib.util.find_spec(needs) is None else _Lazy(name)
-
-
-rg_lightning = _lazy("rankguard.integrations.lightning")
-rg_torch = _lazy("rankguard.integrations.torch")
-rg_transformers = _lazy("rankguard.integrations.transformers")
-lightning_facts = _lazy("rankguard.integrations.lightning.facts")
-# Composer's world only (tests/conftest.py marks its tests)
-rg_composer = _lazy("rankguard.integrations.composer", "composer")
-composer_adapter = _lazy("rankguard.integrations.composer.adapter", "composer")
-composer_decisions = _lazy("rankguard.integrations.composer.decisions", "composer")
-composer_facts = _lazy("rankguard.integrations.composer.facts", "composer")
-rg_olmo_core = _lazy("rankguard.integrations.olmo_core", "olmo_core")  # the olmo-core extra
+try:  # Composer's world only (tests/conftest.py marks its tests)
+    from rankguard.integrations import composer as rg_composer
+    from rankguard.integrations.composer import adapter as composer_adapter
+    from rankguard.integrations.composer import decisions as composer_decisions
+    from rankguard.integrations.composer import facts as composer_facts
+except ImportError:
+    rg_composer = composer_adapter = composer_decisions = composer_facts = None
+try:  # the olmo-core extra
+    from rankguard.integrations import olmo_core as rg_olmo_core
+except ImportError:
+    rg_olmo_core = None
 
 ADAPTERS = [
     m for m in (rg_composer, rg_lightning, rg_torch, rg_transformers, rg_olmo_core) if m is not None
