@@ -139,7 +139,12 @@ def nodes_run(tmp_path_factory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("straggler_nodes")
     worker = E2E / "straggler_nodes_worker.py"
     results = launch_nodes(worker, [str(out)], 2, 2, timeout=TIMEOUT_S)
-    assert [r.returncode for r in results] == [0, 0], results[0].stderr[-3000:]
+    # Both launchers' output: where one node's rank fails, the other's torchrun may only wait.
+    output = "\n".join(
+        f"node {n} (exit code {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        for n, r in enumerate(results)
+    )
+    assert [r.returncode for r in results] == [0, 0], output
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
