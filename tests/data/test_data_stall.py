@@ -397,13 +397,18 @@ def _composer_like_steps(monitor, dataset, collective_s, steps, clock=None):
     monitor.on_fit_end(facts)  # acts on the last exchange
 
 
-def test_a_collective_in_the_fetch_window_is_not_counted_as_data_wait():
+def test_a_collective_in_the_fetch_window_is_not_counted_as_data_wait(monkeypatch):
     """Composer's window also holds an all_reduce: waiting there for a slower rank is not ours."""
+    # On a fake clock, the step log's and the loader-return hook's: a loaded machine that
+    # descheduled a real fetch read 27% of a step as data wait (a fresh clone's CI).
+    clock = [0.0]
+    monkeypatch.setattr(step_log, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(data_fetch, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     metrics: list[dict] = []
     monitor = DataStallMonitor(window=1, interval=6, on_violation="raise")
     monitor.bind(SideChannel(None), log_metrics=metrics.append)
-    data = _Profiled(delay_s=0.0)
-    _composer_like_steps(monitor, data, collective_s=0.03, steps=6)
+    data = _Profiled(delay_s=0.0, clock=clock)
+    _composer_like_steps(monitor, data, collective_s=0.03, steps=6, clock=clock)
     early, logged = metrics  # no DataStallError although every window was 85% waiting
     assert early["rankguard/data_wait_fraction"] < 0.2  # the early verdict at batch 3
     assert logged["rankguard/data_wait_fraction"] < 0.2
