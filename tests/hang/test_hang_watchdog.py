@@ -131,7 +131,13 @@ def test_abort_exits_every_rank_with_the_hang_exit_code(tmp_path):
     assert "stall_in_eval" in (tmp_path / "rank1.txt").read_text()
 
 
-def _one_rank_freezes(rank, world_size, report_dir, frozen, port):
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (``SIGSTOP``), as ``/proc`` says."""
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state in ("T", "t")
+
+
+def _one_rank_freezes(rank, world_size, report_dir, frozen, port, ahead):
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -150,10 +156,24 @@ def _one_rank_freezes(rank, world_size, report_dir, frozen, port):
     pids = watchdog.channel.all_gather("pids", os.getpid())
     watchdog.on_fit_start(EventFacts())
     _train(watchdog, range(6), step_s=0.01)
-    watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=6))
-    time.sleep(0.2)  # the exchange the calibration triggered
     if rank == frozen:
+        watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=6))
+        time.sleep(0.2)  # the exchange the calibration triggered
+        if ahead:
+            # Its thread exchanges once more than the other's (as one does whose wake
+            # points were read apart): its status waits in the store for the other's.
+            sent = watchdog.channel.exchanges
+            watchdog._watch.exchange_soon()
+            while watchdog.channel.exchanges == sent:
+                time.sleep(0.01)
+            time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGSTOP)  # the whole process stops, watchdog thread too
+    else:
+        while not _stopped(pids[frozen]):
+            time.sleep(0.01)
+        # The next batch waits for the frozen rank from its start (its collective never
+        # completes): this rank's stall begins after the other stopped.
+        watchdog.handle(Event.TRAIN_BATCH_START, EventFacts(step=6))
     waited = _wait_for_incident(watchdog, 25)
     os.kill(pids[frozen], signal.SIGKILL)
     # No close(): it could wait out an exchange in flight; the worker exits hard.
@@ -161,16 +181,20 @@ def _one_rank_freezes(rank, world_size, report_dir, frozen, port):
 
 
 @pytest.mark.slow
-def test_frozen_rank_is_named_frozen_or_dead(tmp_path):
+@pytest.mark.parametrize("ahead", [False, True], ids=["in_step", "its_status_sent_ahead"])
+def test_frozen_rank_is_named_frozen_or_dead(tmp_path, ahead):
     # A frozen rank 0 is found the same way, 5 s later (the side channel's grace for the
     # deciding rank); test_side_channel covers that path, test_frozen_ranks_* the decision.
+    # ``ahead``: the frozen rank's last status went to an exchange the other rank joined
+    # only at its next period, past its own deadline: that status cannot clear it.
     frozen = 1
     from datetime import timedelta
 
     import torch.distributed as dist
 
     host = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    outcomes = run_ranks(_one_rank_freezes, 2, str(tmp_path), frozen, host.port, timeout_s=40)
+    args = (str(tmp_path), frozen, host.port, ahead)
+    outcomes = run_ranks(_one_rank_freezes, 2, *args, timeout_s=40)
     assert outcomes[frozen].exitcode == -signal.SIGKILL
     waiting = outcomes[1 - frozen]
     assert waiting.error is None, waiting.error

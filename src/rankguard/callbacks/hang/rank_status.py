@@ -40,6 +40,7 @@ def rank_status(
     quiet_s: float,
     loop_thread: str | None = None,
     phases: Phases | None = None,
+    since_verdict_s: float | None = None,
 ) -> RankStatus:
     """This rank's status: its phase, idle time, deadlines, where its loop waits, its record.
 
@@ -68,6 +69,8 @@ def rank_status(
         quiet_s: How long this rank made no progress and issued no collective.
         loop_thread: The name of the thread that runs the training loop.
         phases: What this rank ran lately, batch by batch.
+        since_verdict_s: Seconds since this rank received the last exchange's verdict,
+            or ``None`` before the first.
     """
     event, step, batch_index, loader, since, kind = beat
     done = kind == Phase.DONE
@@ -93,6 +96,7 @@ def rank_status(
         quiet=quiet_s >= settle.record_s,
         loop_thread=loop_thread,
         phases=phases,
+        since_verdict_s=None if since_verdict_s is None else round(since_verdict_s, 3),
     )
     if not done:
         return status

@@ -146,6 +146,11 @@ class RankStatus:
         phases: What the rank ran lately, batch by batch (its backward passes, optimizer
             steps, what ran after each batch), or ``None`` where unknown: the verdict
             compares them to say what split the ranks.
+        since_verdict_s: Seconds from the last exchange's verdict, as this rank received
+            it, to this status (the same instant on every rank, within the store's round
+            trip), or ``None`` before the first. Statuses of one exchange built at
+            different times (a rank that exchanged once more than the others, and sent
+            this one early) are told apart by it.
     """
 
     phase: str
@@ -169,6 +174,7 @@ class RankStatus:
     quiet: bool = False
     loop_thread: str | None = None
     phases: Phases | None = None
+    since_verdict_s: float | None = None
 
     @property
     def overdue(self) -> bool:
@@ -229,6 +235,8 @@ class Verdict:
             exchange (which then comes at once), or ``None``.
         mismatch: Collectives paired with the wrong partner while the job runs
             (a key to tell it once, and the message), or ``None``.
+        recheck: Whether a rank's status was sent before a named rank's stall began
+            (it says nothing of that rank since): not acted on, asked again at once.
     """
 
     stuck: Runs
@@ -243,6 +251,7 @@ class Verdict:
     kind: str = "healthy"
     suspect: str | None = None
     mismatch: tuple[str, str] | None = None
+    recheck: bool = False
 
     @property
     def deadlock(self) -> bool:

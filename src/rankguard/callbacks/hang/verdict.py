@@ -43,7 +43,15 @@ from rankguard.callbacks.hang.verdict_text import (
     where_lines,
 )
 
-__all__ = ["Proof", "deadlock_key", "diagnose", "gone", "held_by_own_collective", "record_proof"]
+__all__ = [
+    "Proof",
+    "deadlock_key",
+    "diagnose",
+    "gone",
+    "held_by_own_collective",
+    "record_proof",
+    "sent_before_stall",
+]
 
 
 class Proof(NamedTuple):
@@ -67,6 +75,7 @@ def diagnose(
     incident: Runs = (),
     suspect: str | None = None,
     split_decisions: Mapping[str, SplitDecision] | None = None,
+    rechecked: bool = False,
 ) -> Verdict:
     """The verdict on every rank's status (the ``decide`` of the status exchange, on rank 0).
 
@@ -77,18 +86,62 @@ def diagnose(
     or a stall at the ceiling or where a check gave up waiting for them); else
     healthy. Collectives paired with unlike partners are told beside any class.
 
+    A slow or stalled rank is named only on statuses that say what every other rank
+    did since its stall began: where one was sent before (:func:`sent_before_stall`),
+    the verdict is asked again at once (:attr:`Verdict.recheck`), once.
+
     Args:
         statuses: Every rank's status.
         incident: The stuck ranks of the open incident (``()`` when none): they
             stay its cause while they are past their deadline.
         suspect: :attr:`Verdict.suspect` of the previous exchange.
         split_decisions: The adapter's words for its decisions (stop decisions and their fixes).
+        rechecked: Whether the previous exchange's verdict was a recheck: this one is
+            acted on whatever its statuses' ages.
 
     Returns:
         A verdict whose summary reads e.g. ``"rank 1 stuck 61 s in eval batch
         3 of 'eval' (deadline 60 s); ranks 0,2,3 waiting 58 s in train batch 2001"``.
     """
-    split_decisions = split_decisions or {}
+    verdict = _judged(statuses, incident, suspect, split_decisions or {})
+    if rechecked or verdict.deadlock or not sent_before_stall(statuses, verdict.stuck):
+        return verdict
+    return replace(verdict, recheck=True)
+
+
+def sent_before_stall(statuses: Mapping[int, RankStatus], stuck: Runs) -> list[int]:
+    """The ranks, not in ``stuck``, whose status was sent before a stuck rank's stall began.
+
+    A rank that exchanged once more than the others sent its status early, and waited
+    for theirs: it may have stopped since (a process frozen, a node gone), while a rank
+    it stopped for went past its deadline waiting. Such a status cannot clear its rank.
+    Times are :attr:`RankStatus.since_verdict_s`, the same origin on every rank; a rank
+    without one (its first exchange) is not compared.
+    """
+    began = [
+        status.since_verdict_s - status.idle_s
+        for rank, status in statuses.items()
+        if in_runs(rank, stuck) and status.since_verdict_s is not None
+    ]
+    if not began:
+        return []
+    latest = max(began)
+    return [
+        rank
+        for rank, status in statuses.items()
+        if not in_runs(rank, stuck)
+        and status.since_verdict_s is not None
+        and status.since_verdict_s < latest
+    ]
+
+
+def _judged(
+    statuses: Mapping[int, RankStatus],
+    incident: Runs,
+    suspect: str | None,
+    split_decisions: Mapping[str, SplitDecision],
+) -> Verdict:
+    """:func:`diagnose`'s verdict, whenever each status was sent."""
     records = _records(statuses)
     verdict = _stalled(statuses, incident, split_decisions, records)
     if records:

@@ -172,6 +172,7 @@ class WatchdogThread:
         self.faults = FaultWatch(self)  # a rank that raised or died
         self.polls = StorePolls()  # when the board and the stop count are read
         self.store_failed_at: float | None = None  # the first of consecutive failed exchanges
+        self.verdict_at: float | None = None  # when the last exchange's verdict came (_now)
         self.reset()
 
     def reset(self) -> None:
@@ -181,6 +182,7 @@ class WatchdogThread:
         self.state.new_fit()
         self.told_calibrated = False
         self.failures = 0
+        self.verdict_at = None
         self.faults.reset()
 
     @property
@@ -380,6 +382,7 @@ class WatchdogThread:
             quiet_s=self._quiet_s(),
             loop_thread=self.loop_thread_name,
             phases=heartbeats.history.phases(),
+            since_verdict_s=None if self.verdict_at is None else _now() - self.verdict_at,
         )
 
     def collectives(self) -> tuple:
@@ -416,12 +419,13 @@ class WatchdogThread:
         while not self.stop.is_set():
             self._poll()
             self.recalibrate()
-            suspect = state.last.suspect if state.last is not None else None
+            last = state.last
             decide = functools.partial(
                 diagnose,
                 incident=state.runs,
-                suspect=suspect,
+                suspect=last.suspect if last is not None else None,
                 split_decisions=heartbeats.split_decisions,
+                rechecked=last is not None and last.recheck,
             )
             try:
                 status = self.status()
@@ -437,6 +441,7 @@ class WatchdogThread:
             except _Raised:
                 return  # this rank's fit raised and it closes: see _while_waiting
             except RanksMissingError as missing:
+                self.verdict_at = _now()  # the deciding rank's verdict: who was missing
                 self.failures += 1
                 self._on_missing(missing.missing)
                 continue  # the exchange itself waited; ask again at once
@@ -446,9 +451,14 @@ class WatchdogThread:
                     self._store_failed(exc)
                 self._sleep()
                 continue
+            self.verdict_at = _now()
             self.failures = 0
             self.store_failed_at = None
             self.faults.after_exchange()
+            if verdict.recheck:  # a status older than the stall it would clear: ask again
+                logger.debug("rankguard %s: a status predates the stall: asked again", self.name)
+                state.last = verdict
+                continue
             confirm = verdict.suspect is not None and (
                 state.last is None or state.last.suspect != verdict.suspect
             )
