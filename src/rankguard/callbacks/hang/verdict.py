@@ -104,7 +104,9 @@ def diagnose(
         3 of 'eval' (deadline 60 s); ranks 0,2,3 waiting 58 s in train batch 2001"``.
     """
     verdict = _judged(statuses, incident, suspect, split_decisions or {})
-    if rechecked or verdict.deadlock or not sent_before_stall(statuses, verdict.stuck):
+    if rechecked or verdict.deadlock or not verdict.stuck:
+        return verdict
+    if not sent_before_stall(statuses, verdict.stuck):
         return verdict
     return replace(verdict, recheck=True)
 
@@ -118,11 +120,8 @@ def sent_before_stall(statuses: Mapping[int, RankStatus], stuck: Runs) -> list[i
     Times are :attr:`RankStatus.since_verdict_s`, the same origin on every rank; a rank
     without one (its first exchange) is not compared.
     """
-    began = [
-        status.since_verdict_s - status.idle_s
-        for rank, status in statuses.items()
-        if in_runs(rank, stuck) and status.since_verdict_s is not None
-    ]
+    named = (statuses[r] for first, last in stuck for r in range(first, last + 1) if r in statuses)
+    began = [s.since_verdict_s - s.idle_s for s in named if s.since_verdict_s is not None]
     if not began:
         return []
     latest = max(began)
