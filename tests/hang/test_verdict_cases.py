@@ -26,7 +26,7 @@ from rankguard.callbacks.hang.collective_compare import GroupRecord, Issued
 from rankguard.callbacks.hang.deadlines import liveness
 from rankguard.callbacks.hang.history import History, Phases
 from rankguard.callbacks.hang.status import LEFT_LOOP, RankStatus, Verdict
-from rankguard.callbacks.hang.verdict import diagnose, gone, sent_before_stall
+from rankguard.callbacks.hang.verdict import diagnose, gone, sent_apart
 
 WORDS = {
     "should_stop": SplitDecision(fix="reduce the decision across ranks"),
@@ -1057,20 +1057,22 @@ def test_a_rank_heard_before_is_named_when_its_thread_goes_silent_whatever_its_p
     assert gone([1], waited_s=300, **{**kw, "last": done}) is None  # its fit ended: it closes
 
 
-def test_a_status_sent_before_the_stall_began_is_asked_again_once_not_acted_on():
-    # Rank 1 exchanged once more than rank 0, sent its status 0.2 s after the last verdict
-    # and froze; rank 0 joined that exchange 3 s after the verdict, stalled 2.6 s waiting.
-    early = rank(idle=0.1, quiet=False, since_verdict_s=0.2)
+def test_a_status_built_well_before_the_stuck_ranks_is_asked_again_once_not_acted_on():
+    # Rank 1 exchanged once more than rank 0: it sent its status 0.6 s after the last
+    # verdict and froze; rank 0 joined that exchange 3 s after it, stalled 2.6 s (at its
+    # next host sync, waiting for rank 1's collective). Rank 1 was running when rank 0's
+    # stall began, and says nothing of itself since.
+    early = rank(idle=0.1, quiet=False, since_verdict_s=0.6)
     late = rank(idle=2.6, deadline=1.0, ceiling=2.0, quiet=False, since_verdict_s=3.0)
     statuses = {0: late, 1: early}
     verdict = diagnose(statuses, split_decisions=WORDS)
     assert (verdict.kind, verdict.stuck, verdict.recheck) == ("stall", ((0, 0),), True)
-    assert sent_before_stall(statuses, verdict.stuck) == [1]
+    assert sent_apart(statuses, verdict.stuck) == [1]
     again = diagnose(statuses, split_decisions=WORDS, rechecked=True)  # acted on the second time
     assert (again.kind, again.stuck, again.recheck) == ("stall", ((0, 0),), False)
-    # Sent after rank 0's stall began (0.4 s after the verdict), rank 1's status clears it.
-    fresh = {0: late, 1: dataclasses.replace(early, since_verdict_s=0.5)}
-    assert not diagnose(fresh, split_decisions=WORDS).recheck
+    # Built with rank 0's (0.4 s apart: two ranks' scheduling), rank 1's status clears it.
+    together = {0: late, 1: dataclasses.replace(early, since_verdict_s=2.6)}
+    assert not diagnose(together, split_decisions=WORDS).recheck
     # A first exchange (no verdict before it) and a healthy verdict are not compared.
     first = {r: dataclasses.replace(s, since_verdict_s=None) for r, s in statuses.items()}
     assert not diagnose(first, split_decisions=WORDS).recheck

@@ -235,8 +235,8 @@ class Verdict:
             exchange (which then comes at once), or ``None``.
         mismatch: Collectives paired with the wrong partner while the job runs
             (a key to tell it once, and the message), or ``None``.
-        recheck: Whether a rank's status was sent before a named rank's stall began
-            (it says nothing of that rank since): not acted on, asked again at once.
+        recheck: Whether a rank's status was built well before a named rank's (it
+            says nothing of that rank since): not acted on, asked again at once.
     """
 
     stuck: Runs

@@ -50,8 +50,14 @@ __all__ = [
     "gone",
     "held_by_own_collective",
     "record_proof",
-    "sent_before_stall",
+    "sent_apart",
 ]
+
+
+#: How far apart the statuses of one exchange may be built and still be judged together
+#: (seconds): ranks that exchange in step build theirs within milliseconds of each other
+#: (a loaded host's scheduling, some hundreds); one sent an exchange early is seconds apart.
+BUILT_WITHIN_S = 0.5
 
 
 class Proof(NamedTuple):
@@ -86,9 +92,9 @@ def diagnose(
     or a stall at the ceiling or where a check gave up waiting for them); else
     healthy. Collectives paired with unlike partners are told beside any class.
 
-    A slow or stalled rank is named only on statuses that say what every other rank
-    did since its stall began: where one was sent before (:func:`sent_before_stall`),
-    the verdict is asked again at once (:attr:`Verdict.recheck`), once.
+    A slow or stalled rank is named only beside statuses of the other ranks built when
+    its own was: where one was built earlier (:func:`sent_apart`), the verdict is asked
+    again at once (:attr:`Verdict.recheck`), once.
 
     Args:
         statuses: Every rank's status.
@@ -106,31 +112,33 @@ def diagnose(
     verdict = _judged(statuses, incident, suspect, split_decisions or {})
     if rechecked or verdict.deadlock or not verdict.stuck:
         return verdict
-    if not sent_before_stall(statuses, verdict.stuck):
+    if not sent_apart(statuses, verdict.stuck):
         return verdict
     return replace(verdict, recheck=True)
 
 
-def sent_before_stall(statuses: Mapping[int, RankStatus], stuck: Runs) -> list[int]:
-    """The ranks, not in ``stuck``, whose status was sent before a stuck rank's stall began.
+def sent_apart(statuses: Mapping[int, RankStatus], stuck: Runs) -> list[int]:
+    """The ranks, not in ``stuck``, whose status was built well before a stuck rank's.
 
-    A rank that exchanged once more than the others sent its status early, and waited
-    for theirs: it may have stopped since (a process frozen, a node gone), while a rank
-    it stopped for went past its deadline waiting. Such a status cannot clear its rank.
-    Times are :attr:`RankStatus.since_verdict_s`, the same origin on every rank; a rank
-    without one (its first exchange) is not compared.
+    A rank that exchanged once more than the others sent its status early and waited
+    for theirs: it may have stopped since (a process frozen, a node gone) while a rank
+    waiting for it (at a collective, or at its next host sync on NCCL) went past its
+    deadline. Only a status built when the stuck rank's was says the rank still answers.
+    Times are :attr:`RankStatus.since_verdict_s`, the same origin on every rank; apart
+    is more than :data:`BUILT_WITHIN_S`; a rank without one (its first exchange) is not
+    compared.
     """
     named = (statuses[r] for first, last in stuck for r in range(first, last + 1) if r in statuses)
-    began = [s.since_verdict_s - s.idle_s for s in named if s.since_verdict_s is not None]
-    if not began:
+    built = [s.since_verdict_s for s in named if s.since_verdict_s is not None]
+    if not built:
         return []
-    latest = max(began)
+    latest = max(built)
     return [
         rank
         for rank, status in statuses.items()
         if not in_runs(rank, stuck)
         and status.since_verdict_s is not None
-        and status.since_verdict_s < latest
+        and status.since_verdict_s < latest - BUILT_WITHIN_S
     ]
 
 

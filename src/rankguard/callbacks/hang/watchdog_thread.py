@@ -455,8 +455,8 @@ class WatchdogThread:
             self.failures = 0
             self.store_failed_at = None
             self.faults.after_exchange()
-            if verdict.recheck:  # a status older than the stall it would clear: ask again
-                logger.debug("rankguard %s: a status predates the stall: asked again", self.name)
+            if verdict.recheck:  # a status built well before the stuck rank's: ask again
+                logger.debug("rankguard %s: statuses built apart: asked again", self.name)
                 state.last = verdict
                 continue
             confirm = verdict.suspect is not None and (
