@@ -1076,6 +1076,17 @@ def test_a_status_built_well_before_the_stuck_ranks_is_asked_again_once_not_acte
     # A first exchange (no verdict before it) and a healthy verdict are not compared.
     first = {r: dataclasses.replace(s, since_verdict_s=None) for r, s in statuses.items()}
     assert not diagnose(first, split_decisions=WORDS).recheck
+
+    # A proof's first sighting on such statuses is not kept: the next exchange comes at once,
+    # not a second later. Ranks 0 and 1 past the ceiling at unlike rendezvous, 2 sent early.
+    def waits(status: RankStatus, at: str) -> RankStatus:
+        return dataclasses.replace(status, waits_at=at, blocked_in=at, settled=True)
+
+    unlike = {0: waits(late, "all_reduce"), 1: waits(late, "barrier"), 2: waits(early, "barrier")}
+    seen = diagnose(unlike, split_decisions=WORDS, rechecked=True)
+    assert seen.stuck == ((0, 1),) and seen.suspect is not None
+    assert (diagnose(unlike, split_decisions=WORDS).recheck, seen.recheck) == (True, False)
+    assert diagnose(unlike, split_decisions=WORDS).suspect is None
     calm = {0: dataclasses.replace(late, idle_s=0.1), 1: early}
     assert diagnose(calm, split_decisions=WORDS).kind == "healthy"
     assert not diagnose(calm, split_decisions=WORDS).recheck

@@ -114,7 +114,8 @@ def diagnose(
         return verdict
     if not sent_apart(statuses, verdict.stuck):
         return verdict
-    return replace(verdict, recheck=True)
+    # No suspicion either: a proof needs two sightings a second apart, and the next comes now.
+    return replace(verdict, recheck=True, suspect=None)
 
 
 def sent_apart(statuses: Mapping[int, RankStatus], stuck: Runs) -> list[int]:
