@@ -110,9 +110,12 @@ def diagnose(
         3 of 'eval' (deadline 60 s); ranks 0,2,3 waiting 58 s in train batch 2001"``.
     """
     verdict = _judged(statuses, incident, suspect, split_decisions or {})
-    if rechecked or verdict.deadlock or not verdict.stuck:
-        return verdict
-    if not sent_apart(statuses, verdict.stuck):
+    if (
+        rechecked
+        or verdict.deadlock
+        or not verdict.stuck
+        or not sent_apart(statuses, verdict.stuck)
+    ):
         return verdict
     # No suspicion either: a proof needs two sightings a second apart, and the next comes now.
     return replace(verdict, recheck=True, suspect=None)

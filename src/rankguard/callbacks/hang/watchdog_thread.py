@@ -172,7 +172,6 @@ class WatchdogThread:
         self.faults = FaultWatch(self)  # a rank that raised or died
         self.polls = StorePolls()  # when the board and the stop count are read
         self.store_failed_at: float | None = None  # the first of consecutive failed exchanges
-        self.verdict_at: float | None = None  # when the last exchange's verdict came (_now)
         self.reset()
 
     def reset(self) -> None:
@@ -182,7 +181,7 @@ class WatchdogThread:
         self.state.new_fit()
         self.told_calibrated = False
         self.failures = 0
-        self.verdict_at = None
+        self.verdict_at: float | None = None  # when the last exchange's verdict came (_now)
         self.faults.reset()
 
     @property
