@@ -349,9 +349,7 @@ class VirtualChannel(SideChannel):
         self._local.client = vr.counting  # this thread's client is the rank's one connection
         self.raw: dict[str, tuple[list[bytes], Any, Any]] = {}  # rank 0: one exchange per name
 
-    def exchange(
-        self, name: str, payload: Any, decide: Any, *, timeout_s: float | None = None
-    ) -> Any:
+    def exchange(self, name: str, payload: Any, decide: Any, **kwargs: Any) -> Any:
         vr = self.vr
         started, decided = time.perf_counter(), self.decide_s
         cpu = time.thread_time()  # this thread's own CPU: what a rank with a core would take
@@ -360,7 +358,7 @@ class VirtualChannel(SideChannel):
         try:
             if self.is_leader:
                 self._deciding = (name, payload, decide)
-            return super().exchange(name, payload, decide, timeout_s=timeout_s)
+            return super().exchange(name, payload, decide, **kwargs)
         except BaseException as exc:
             error = exc
             raise
@@ -690,8 +688,8 @@ class VirtualRank:
         template, decide = self.worker.interval_templates[
             self.rank % len(self.worker.interval_templates)
         ]
-        _, parts, pace = template
-        payload = (self.intervals * 50, copy.deepcopy(parts), pace)
+        _, parts, pace, left_late = template
+        payload = (self.intervals * 50, copy.deepcopy(parts), pace, left_late)
         try:
             self.channel.exchange("intervals", payload, decide)
         except Exception as exc:  # the monitors warn and go on
