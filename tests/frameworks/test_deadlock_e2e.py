@@ -4,7 +4,8 @@ Three launches, each ending the job with :data:`DEADLOCK_EXIT_CODE` on every
 rank within seconds of the split, naming the user's own line:
 
 - a hand-written DDP loop under torchrun (``tests/e2e/torch_loop_job.py``);
-- Composer (``composer -n 2``, ``tests/e2e/composer_job.py``);
+- Composer (``composer -n 2``, ``tests/e2e/composer_job.py``; the scenarios' code in
+  ``tests/e2e/composer_concerns/hang.py``);
 - Lightning ``ddp``: rank 1 alone logs a key with ``sync_dist=True``
   (``tests/e2e/lightning_job.py``): rank 0 waits in DDP's backward.
 
@@ -46,6 +47,9 @@ pytestmark = pytest.mark.framework
 
 BIN = Path(sys.executable).parent
 LAUNCH_TIMEOUT_S = 150
+#: Where Composer's job keeps its hang scenarios' code, and the line every one of them fits
+#: from (``tests/e2e/composer_concerns/``): the files a report names as the user's code.
+COMPOSER_HANG, COMPOSER_FIT = "hang.py", "harness.py"
 #: The issue's target: reported within 10 s of the split (a 2-core machine under load).
 REPORT_WITHIN_S = 10.0
 #: A rank that left the loop: reported and ended well before any stage (generous bound).
@@ -129,7 +133,7 @@ def test_composer_collective_on_rank0_only_is_a_proven_deadlock_ended_with_exit_
     out, output, returncode, ended_at = composer
     assert returncode == DEADLOCK_EXIT_CODE, output[-6000:]
     _composer_ranks_exited_70(output)
-    _check(out, output, ended_at, "composer_job.py", "reduce_on_rank0_only")
+    _check(out, output, ended_at, COMPOSER_HANG, "reduce_on_rank0_only")
 
 
 def test_lightning_sync_dist_key_on_one_rank_is_a_proven_deadlock_naming_the_log_call(lightning):
@@ -258,9 +262,9 @@ def test_composer_loss_key_on_one_rank_is_named_before_its_reduction_and_ends_wi
         "What split them: rank 0 reduced loss/train/total at step 1; "
         "rank 1 reduced loss/train/aux, loss/train/total at step 5."
     ) in summary, summary
-    assert "rank 1: your code at composer_job.py" in summary, summary
+    assert f"rank 1: your code at {COMPOSER_FIT}" in summary, summary
     assert "blocked in rankguard exchange, called from metric_reductions.py" in summary
-    assert "rank 0: your code at composer_job.py" in summary and "blocked in all_reduce" in summary
+    assert f"rank 0: your code at {COMPOSER_FIT}" in summary and "blocked in all_reduce" in summary
     split = json.loads((out / "split.json").read_text())
     assert split["rank"] == 1
     assert ended_at - split["t"] < REPORT_WITHIN_S + 5, ended_at - split["t"]
@@ -276,7 +280,7 @@ def test_composer_all_gather_on_a_path_one_rank_skips_is_a_proven_deadlock_ended
         out,
         output,
         ended_at,
-        "composer_job.py",
+        COMPOSER_HANG,
         "epoch_end",
         scenario="epoch_end_all_gather",
         call=r"dist\.all_gather\(",

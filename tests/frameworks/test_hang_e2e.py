@@ -278,7 +278,8 @@ def test_rank_in_an_unmatched_collective_is_a_proven_deadlock_named_with_its_cal
     summary = (reports / "summary.txt").read_text()
     assert summary.startswith("deadlock, every rank waits at a rendezvous"), summary
     assert "rank 1 waiting" in summary and "(reduce_on_side_group): torch.distributed" in summary
-    assert "rank 0: your code at composer_job.py:" in summary  # its trainer.fit() line
+    # its trainer.fit() line, in the Composer job's harness (tests/e2e/composer_concerns/)
+    assert "rank 0: your code at harness.py:" in summary
     assert "blocked in all_reduce, called from trainer.py:" in summary  # Composer's fetch
     assert "Next: fix the code path at rank 1's wait point" in summary, summary
     latency = _latency(launch.out, "unmatched_collective")

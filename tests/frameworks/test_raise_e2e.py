@@ -66,13 +66,16 @@ class Job:
     script: str
     launcher: list[str]
     needs: str | None  # the framework's module
+    site: str = ""  # the file of the scenario's code, where not the script (the report names it)
 
 
 JOBS = {
     "loop": Job("torch_loop_job.py", TORCHRUN, None),
     "hf_trainer": Job("hf_trainer_job.py", TORCHRUN, "transformers"),
     "lightning": Job("lightning_job.py", [sys.executable], "lightning"),  # it starts rank 1
-    "composer": Job("composer_job.py", [str(BIN / "composer"), "-n", "2"], "composer"),
+    "composer": Job(
+        "composer_job.py", [str(BIN / "composer"), "-n", "2"], "composer", "hang.py"
+    ),  # its scenarios' code: tests/e2e/composer_concerns/
     "olmo_core": Job("olmo_core_job.py", TORCHRUN, "olmo_core"),
 }
 
@@ -179,7 +182,7 @@ def test_rank_whose_data_check_raises_ends_the_job_with_70_naming_its_line(name,
     # rank 0's summary: the sentence, the user's line, the step; where it waited; what next
     summary = (launch.out / f"reports_{SCENARIO}" / "summary.txt").read_text()
     first, waited, next_step, *_ = summary.splitlines()
-    script = JOBS[name].script
+    script = JOBS[name].site or JOBS[name].script
     assert re.match(
         rf"{re.escape(SENTENCE)} At {script}:\d+ \(check_batch\): "
         r'raise ValueError\("sample 4711 has no tokens after filtering"\); '
