@@ -7,7 +7,8 @@ rank within seconds of the split, naming the user's own line:
 - Composer (``composer -n 2``, ``tests/e2e/composer_job.py``; the scenarios' code in
   ``tests/e2e/composer_concerns/hang.py``);
 - Lightning ``ddp``: rank 1 alone logs a key with ``sync_dist=True``
-  (``tests/e2e/lightning_job.py``): rank 0 waits in DDP's backward.
+  (``tests/e2e/lightning_job.py``, its scenarios' code in
+  ``tests/e2e/lightning_concerns/hang.py``): rank 0 waits in DDP's backward.
 
 Two launches of the tracker cases most likely to regress (the others are rows of
 ``benchmarks/detection.py --frameworks``):
@@ -47,9 +48,9 @@ pytestmark = pytest.mark.framework
 
 BIN = Path(sys.executable).parent
 LAUNCH_TIMEOUT_S = 150
-#: Where Composer's job keeps its hang scenarios' code, and the line every one of them fits
-#: from (``tests/e2e/composer_concerns/``): the files a report names as the user's code.
-COMPOSER_HANG, COMPOSER_FIT = "hang.py", "harness.py"
+#: Where the jobs keep their hang scenarios' code (``tests/e2e/<framework>_concerns/``), and
+#: the line every Composer scenario fits from: the files a report names as the user's code.
+COMPOSER_HANG, COMPOSER_FIT, LIGHTNING_HANG = "hang.py", "harness.py", "hang.py"
 #: The issue's target: reported within 10 s of the split (a 2-core machine under load).
 REPORT_WITHIN_S = 10.0
 #: A rank that left the loop: reported and ended well before any stage (generous bound).
@@ -143,13 +144,13 @@ def test_lightning_sync_dist_key_on_one_rank_is_a_proven_deadlock_naming_the_log
         out,
         output,
         ended_at,
-        "lightning_job.py",
+        LIGHTNING_HANG,
         "training_step",
         scenario="sync_dist_key",
         rank=1,
         call=r'self\.log\("extra"',
     )
-    assert "rank 0: your code at lightning_job.py:" in summary  # in backward
+    assert f"rank 0: your code at {LIGHTNING_HANG}:" in summary  # in backward
     split = "What split them: rank 1 logged with sync_dist=True at step 5: extra; rank 0 did not."
     assert split in summary, summary
 
@@ -194,7 +195,7 @@ def test_lightning_should_stop_on_one_rank_is_a_proven_deadlock_ended_with_exit_
         "rank 0 left the training loop at step 5 (should_stop set)"
     ), summary
     # Lightning broadcasts a SIGTERM flag before each step: rank 1 waits there, or in backward.
-    assert re.search(r"rank 1 waiting \d+ s in (broadcast|backward) at lightning_job", summary)
+    assert re.search(rf"rank 1 waiting \d+ s in (broadcast|backward) at {LIGHTNING_HANG}", summary)
     assert "Next: fix the stop decision of rank 0" in summary, summary
 
 
@@ -228,12 +229,12 @@ def test_lightning_save_checkpoint_on_global_zero_only_is_a_proven_deadlock_nami
         out,
         output,
         ended_at,
-        "lightning_job.py",
+        LIGHTNING_HANG,
         "on_train_batch_end",
         scenario="save_on_rank0",
         call=r"trainer\.save_checkpoint\(",
     )
-    assert "rank 0 waiting" in summary and "s in barrier at lightning_job.py:" in summary
+    assert "rank 0 waiting" in summary and f"s in barrier at {LIGHTNING_HANG}:" in summary
     split = "What split them: rank 0 entered a checkpoint save at step 5; rank 1 did not."
     assert split in summary, summary
 

@@ -72,10 +72,10 @@ class Job:
 JOBS = {
     "loop": Job("torch_loop_job.py", TORCHRUN, None),
     "hf_trainer": Job("hf_trainer_job.py", TORCHRUN, "transformers"),
-    "lightning": Job("lightning_job.py", [sys.executable], "lightning"),  # it starts rank 1
-    "composer": Job(
-        "composer_job.py", [str(BIN / "composer"), "-n", "2"], "composer", "hang.py"
-    ),  # its scenarios' code: tests/e2e/composer_concerns/
+    # Lightning starts rank 1 itself; Composer's and Lightning's scenarios' code lives in
+    # tests/e2e/<framework>_concerns/.
+    "lightning": Job("lightning_job.py", [sys.executable], "lightning", "hang.py"),
+    "composer": Job("composer_job.py", [str(BIN / "composer"), "-n", "2"], "composer", "hang.py"),
     "olmo_core": Job("olmo_core_job.py", TORCHRUN, "olmo_core"),
 }
 
