@@ -64,3 +64,28 @@ def test_the_wait_is_bounded_and_an_interrupt_goes_through_unless_asked():
 
     assert wait_through_signals(once_interrupted, never.is_set, 1.0, "it", through=BaseException)
     assert len(calls) == 2
+
+
+def test_a_request_to_end_the_process_waited_through_is_kept_for_the_caller(caplog):
+    never = threading.Event()
+    calls = []
+
+    def stopped_then_done(seconds):  # Composer's SIGTERM handler, then a SIGCHLD one's error
+        calls.append(seconds)
+        if len(calls) == 1:
+            raise SystemExit(143)
+        if len(calls) == 2:
+            raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed.")
+        never.set()
+
+    ends: list[BaseException] = []
+    caplog.set_level(logging.INFO, logger="rankguard")
+    assert wait_through_signals(
+        stopped_then_done, never.is_set, 5.0, "it", through=BaseException, ends=ends
+    )
+    assert len(calls) == 3
+    assert [type(e) for e in ends] == [SystemExit] and ends[0].code == 143
+    assert (
+        "SystemExit raised while it; rankguard finishes that first, then raises it." in caplog.text
+    )
+    assert "RuntimeError raised while it; rankguard finishes that first." in caplog.text

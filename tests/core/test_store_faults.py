@@ -351,3 +351,37 @@ def test_an_exchange_skewed_by_a_late_verdict_is_skipped_at_info_any_other_failu
             "rankguard guard: a straggler exchange failed (rank 1 could not build it); skipping it",
         ),
     ]
+
+
+def test_a_thread_opening_a_client_to_a_store_whose_host_ended_is_told_at_once():
+    """Rank 0 hosted the store and died (Composer's, Lightning's launcher): no minute's wait."""
+    from torch.distributed import TCPStore
+
+    from rankguard.callbacks.core.side_channel import SideChannel, StoreGoneError
+
+    server = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
+    root = TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
+    channel = SideChannel(root, rank=1, world_size=2, timeout_s=30)
+    channel.store.set("healthy", b"1")  # a listening store: the look is silent
+    assert server.get("healthy") == b"1"
+    port = server.port
+    del server  # its process ended
+    errors: list[BaseException] = []
+
+    def publish() -> None:  # a thread of its own: a client of its own
+        try:
+            channel.store.set("fault", b"rank 1 raised")
+        except BaseException as exc:
+            errors.append(exc)
+
+    started = time.monotonic()
+    thread = threading.Thread(target=publish)
+    thread.start()
+    thread.join(70)
+    assert time.monotonic() - started < 5.0  # a TCPStore client retries a refusal for 60 s
+    assert [type(e) for e in errors] == [StoreGoneError], errors
+    assert str(errors[0]) == (
+        f"the store at 127.0.0.1:{port} refuses connections: the process that hosted it has ended"
+    )

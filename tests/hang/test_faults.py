@@ -260,6 +260,99 @@ def test_a_signal_handlers_error_during_the_publication_still_tells_every_rank(t
     assert summary.startswith("Rank 1 raised ValueError: sample 4711 has no tokens after filt")
 
 
+def _launcher_stops(signum, frame):
+    """Composer's SIGTERM handler (``composer/core/engine.py``): ``sys.exit(128 + SIGTERM)``.
+
+    Its launcher sends SIGTERM to every other rank once one crashed, and kills them 30 s on.
+    """
+    raise SystemExit(128 + signal.SIGTERM)
+
+
+def _rank1_raises_then_its_launcher_stops_it(rank, world_size, report_dir):
+    from rankguard.callbacks.hang.faults import FaultBoard
+
+    watchdog = _watchdog(report_dir)
+    if rank == 1:
+        signal.signal(signal.SIGUSR1, _launcher_stops)
+        FaultBoard.publish = _publish_interrupted_between_number_and_fault(FaultBoard.publish)
+        try:
+            check_batch({"tokens": []})
+        except ValueError as exc:
+            try:
+                watchdog.on_error(exc, EventFacts(step=3))
+            except SystemExit as stop:  # the launcher's request, once the others were told
+                return {"exit": stop.code}
+            watchdog.close()
+        destroy_process_group_waits()
+    wait_at_host_sync()  # rank 0, on NCCL: gloo would fail its collective once rank 1 exits
+
+
+@pytest.mark.slow
+def test_a_launchers_stop_during_the_publication_tells_every_rank_then_ends_the_rank(tmp_path):
+    outcomes = run_ranks(_rank1_raises_then_its_launcher_stops_it, 2, str(tmp_path), timeout_s=90)
+    assert outcomes[0].exitcode == DEADLOCK_EXIT_CODE, outcomes
+    assert (outcomes[1].exitcode, outcomes[1].value) == (0, {"exit": 143}), outcomes
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("Rank 1 raised ValueError: sample 4711 has no tokens after filt")
+
+
+def _store_in_rank0(port, rank, world_size, init_file):
+    """The process group's store hosted by rank 0 (Composer's and Lightning's launchers)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    del init_file
+    timeout = timedelta(seconds=30)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+
+
+def _rank0_hosting_the_store_dies_then_rank1_raises(rank, world_size, report_dir):
+    watchdog = _watchdog(report_dir, teardown_s=30.0)
+    if rank == 0:
+        os.abort()  # gloo's abort after a mismatched collective: the store goes with it
+    time.sleep(1.0)  # rank 1's collective with it fails
+    try:
+        check_batch({"tokens": []})
+    except ValueError as exc:
+        started = time.monotonic()
+        watchdog.on_error(exc, EventFacts(step=3))
+        Path(report_dir, "told_s").write_text(str(time.monotonic() - started))
+    destroy_process_group_waits()
+
+
+@pytest.mark.slow
+def test_a_rank_whose_store_died_with_rank_0_knows_it_at_once_and_names_rank_0(tmp_path):
+    """Composer's and Lightning's launchers: rank 0 hosts the store; it aborts, rank 1 raises.
+
+    A TCPStore client retries a refused connection for its whole timeout (a minute): rank 1
+    waited 15 s to tell nobody, then its close 20 s more, and Composer's launcher killed it
+    at 30 s. Now its store look is refused at once, and its node's look finds rank 0 gone.
+    """
+    import functools
+
+    from benchmarks.launch import free_port
+
+    setup = functools.partial(_store_in_rank0, free_port())
+    started = time.monotonic()
+    outcomes = run_ranks(
+        _rank0_hosting_the_store_dies_then_rank1_raises,
+        2,
+        str(tmp_path),
+        timeout_s=90,
+        until=[1],
+        setup=setup,
+    )
+    took = time.monotonic() - started
+    told_s = float((tmp_path / "told_s").read_text())
+    assert told_s < 5.0, told_s  # the publication gave up at once, not after 15 s
+    assert outcomes[1].exitcode == HANG_EXIT_CODE, outcomes
+    assert took < 45, took
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("Rank 0 is gone: its process ended without an exception"), summary
+
+
 def _board(store):
     from types import SimpleNamespace
 

@@ -142,8 +142,10 @@ def wrap_method(
 def on_raise(obj: Any, name: str, on_error: Callable[[BaseException], None]) -> Unhook:
     """Wraps ``obj.name`` so ``on_error(exc)`` runs where an exception leaves it; returns the undo.
 
-    The exception then propagates unchanged. A framework without an exception
-    event (Composer's ``fit``) is seen failing there, before its caller's ``finally``.
+    The exception then propagates unchanged, unless a request to end the process came
+    while ``on_error`` told the other ranks (``HangWatchdog.on_error`` raises that one). A
+    framework without an exception event (Composer's ``fit``) is seen failing there, before
+    its caller's ``finally``.
     """
 
     def make(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -24,12 +24,16 @@ def wait_through_signals(
     what: str,
     *,
     through: type[BaseException] = Exception,
+    ends: list[BaseException] | None = None,
 ) -> bool:
     """Calls ``wait(seconds left)`` until ``done()`` or ``limit_s``; whether it is done.
 
     An exception of class ``through`` raised meanwhile (by a signal handler: the wait
     itself does not raise) is logged at INFO and the wait goes on: the exception follows
-    from what rankguard is finishing, which matters more.
+    from what rankguard is finishing, which matters more. A request to end the process
+    (``SystemExit`` from a framework's SIGTERM handler, ``KeyboardInterrupt``) is not
+    dropped where ``ends`` is given: the first is kept there for the caller to raise once
+    it finished (a launcher that stops the ranks waits for them, then kills them).
 
     Args:
         wait: Blocks at most the seconds it is given (``Event.wait``, ``Thread.join``).
@@ -37,6 +41,7 @@ def wait_through_signals(
         limit_s: The longest wait in all.
         what: What is awaited, for the log: ``"this rank told the others its fault"``.
         through: The exceptions waited through (``BaseException``: even an interrupt).
+        ends: Where to keep a request to end the process that was waited through.
     """
     deadline = time.monotonic() + limit_s
     while not done():
@@ -46,9 +51,13 @@ def wait_through_signals(
         try:
             wait(left)
         except through as late:
+            kept = ends is not None and not isinstance(late, Exception)
             logger.info(
-                "rankguard: %s raised while %s; rankguard finishes that first.",
+                "rankguard: %s raised while %s; rankguard finishes that first%s.",
                 type(late).__name__,
                 what,
+                ", then raises it" if kept else "",
             )
+            if kept and not ends:
+                ends.append(late)
     return True

@@ -11,6 +11,7 @@ import gc
 import logging
 import os
 import pickle
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -255,6 +256,34 @@ def _dropped(exc: BaseException) -> bool:
     return type(exc).__name__ == "DistNetworkError"
 
 
+class StoreGoneError(RuntimeError):
+    """Nothing listens where the store was: the process that hosted it has ended."""
+
+
+#: How long a look at the store's port may take before a client connects (a refusal is
+#: at once; a host that does not answer is the client's own timeout to wait out).
+PROBE_S = 2.0
+
+
+def _check_listening(address: tuple[str, int]) -> None:
+    """Raises :class:`StoreGoneError` where the store's port refuses connections.
+
+    A TCPStore client's connect retries a refused port until its timeout (a minute here),
+    so a thread that opens a client to a store whose host died (rank 0, under Composer's
+    or Lightning's launcher) would wait that minute: to tell the others this rank raised,
+    or to close. A refusal means nobody listens there; the server itself is left alone.
+    """
+    try:
+        socket.create_connection(address, timeout=PROBE_S).close()
+    except ConnectionRefusedError as exc:
+        raise StoreGoneError(
+            f"the store at {address[0]}:{address[1]} refuses connections: the process "
+            "that hosted it has ended"
+        ) from exc
+    except OSError:
+        pass  # unreachable or slow: the client's own connect says what it says
+
+
 #: Requests the store does not answer (``TCPStore``'s protocol).
 _UNANSWERED = frozenset(("set", "multi_set"))
 
@@ -271,12 +300,18 @@ class _ThreadClient:
     store that is gone fails the new connection too, and that error is raised. The
     first time in a process it says so at WARNING, then at DEBUG.
 
+    A store whose port refuses connections is gone: :class:`StoreGoneError` at once,
+    before a client would retry the refusal for its whole timeout.
+
     Args:
         connect: Opens a new client (with the channel's timeout).
+        address: The store's host and port.
     """
 
-    def __init__(self, connect: Callable[[], Any]) -> None:
+    def __init__(self, connect: Callable[[], Any], address: tuple[str, int]) -> None:
         self._connect = connect
+        self._address = address
+        _check_listening(address)
         self._client = connect()
         self._timeout: timedelta | None = None
         #: Sets sent since the last answer: the store does not answer a set, so one sent
@@ -316,6 +351,7 @@ class _ThreadClient:
         return request
 
     def _reopen(self, exc: RuntimeError) -> None:
+        _check_listening(self._address)
         self._client = self._connect()
         if self._timeout is not None:
             self._client.set_timeout(self._timeout)
@@ -449,7 +485,8 @@ class SideChannel:
                     is_master=False,
                     timeout=timedelta(seconds=max(60.0, 2 * self.timeout_s)),
                     wait_for_workers=False,
-                )
+                ),
+                (root.host, root.port),
             )
             self._local.client = client
         return client

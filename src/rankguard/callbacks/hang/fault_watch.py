@@ -396,7 +396,13 @@ class FaultWatch:
     # -- the rank that raised (its training thread) -----------------------------------------
 
     def raised(self, exc: BaseException, step: int | None) -> None:
-        """Publishes this rank's fault before anything can hang, then bounds its teardown."""
+        """Publishes this rank's fault before anything can hang, then bounds its teardown.
+
+        Raises:
+            SystemExit: Or ``KeyboardInterrupt``: a request to end the process (a launcher's
+                SIGTERM, raised by the framework's handler) that came while it published,
+                raised once the teardown is bounded, as it would have been without rankguard.
+        """
         owner = self.owner
         board = self._open()
         if board is None or self.published is not None or self.handled:
@@ -419,53 +425,66 @@ class FaultWatch:
             record=owner.collectives(),
         )
         limit_s = owner.settings.exchange_timeout_s + PUBLISH_SLACK_S
-        failed = self._publish_raised(board, fault, limit_s)
-        if failed is not None:
-            logger.warning(
-                "rankguard %s: could not tell the other ranks this rank raised (%s).",
-                owner.name,
-                failed,
-            )
-            return
-        self.published = fault
-        try:
-            first = root(board.poll())
-        except Exception:
-            first = fault
+        ends: list[BaseException] = []  # a launcher's stop that came meanwhile: raised last
+        failed = self._publish_raised(board, fault, limit_s, ends)
         bound = owner.settings.teardown_timeout_s
         then = f"; it ends this process in {bound:g} s if it is still running" if bound else ""
-        cause = f"{first.sentence()} {first.detail()}"
-        if first != fault:  # a peer's fault came first: this error follows from it
-            cause += f" This rank's {fault.error} follows from it."
+        if failed is not None:  # the store's host is gone, say: the teardown is bounded still
+            logger.warning(
+                "rankguard %s: could not tell the other ranks this rank raised (%s)%s.",
+                owner.name,
+                failed,
+                then,
+            )
+            self._bound_teardown(fault, bound, fault.code)
         else:
-            cause += " Told the other ranks."
-        logger.error(  # with the traceback: a teardown that waits never lets Python print it
-            "rankguard %s: %s Those still training end with exit code %d%s.",
-            owner.name,
-            cause,
-            first.code,
-            then,
-            exc_info=exc,
-        )
+            self.published = fault
+            try:
+                first = root(board.poll())
+            except Exception:
+                first = fault
+            cause = f"{first.sentence()} {first.detail()}"
+            if first != fault:  # a peer's fault came first: this error follows from it
+                cause += f" This rank's {fault.error} follows from it."
+            else:
+                cause += " Told the other ranks."
+            logger.error(  # with the traceback: a teardown that waits never lets Python print it
+                "rankguard %s: %s Those still training end with exit code %d%s.",
+                owner.name,
+                cause,
+                first.code,
+                then,
+                exc_info=exc,
+            )
+            self._bound_teardown(fault, bound, first.code)
+            self._leave_store_last(board)
+        if ends:
+            raise ends[0]
+
+    def _bound_teardown(self, fault: Fault, bound: float, code: int) -> None:
+        """Ends this process ``bound`` seconds from now (0: never) if it is still running."""
         if bound:
             with _bounds_lock:
                 _bounds.append(self.cancel)
             threading.Thread(
                 target=self._bound,
-                args=(fault, bound, self.cancel, first.code),
+                args=(fault, bound, self.cancel, code),
                 name="rankguard-teardown",
                 daemon=True,
             ).start()
-        self._leave_store_last(board)
 
-    def _publish_raised(self, board: FaultBoard, fault: Fault, limit_s: float) -> str | None:
+    def _publish_raised(
+        self, board: FaultBoard, fault: Fault, limit_s: float, ends: list[BaseException]
+    ) -> str | None:
         """Publishes ``fault`` from a thread of its own; ``None`` once done, else why not.
 
         The training thread only waits: an exception a signal handler raises in it
         meanwhile (the DataLoader's SIGCHLD handler, when a worker died) cannot cut the
         publication in half (a number taken, its fault never written), so the others are
         told every time. Such an exception follows from the fault being published: it is
-        logged, not raised.
+        logged, not raised. A request to end the process (a launcher's SIGTERM, which
+        Composer's and OLMo-core's handlers raise as ``SystemExit``) goes to ``ends``, for
+        :meth:`raised` to raise once it bounded the teardown.
         """
         outcome: list[Exception | None] = []
         done = threading.Event()
@@ -496,6 +515,7 @@ class FaultWatch:
             limit_s,
             "this rank told the others its fault",
             through=BaseException,
+            ends=ends,
         )
         if not outcome:
             return f"the store did not answer within {limit_s:g} s"
