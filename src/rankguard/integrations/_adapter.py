@@ -142,7 +142,10 @@ class Adapter:
                 FIT_START..FIT_END too (Lightning's sanity check); default: while a fit runs.
                 Outside a fit the guards only stop.
 
-        Never raises.
+        Raises:
+            SystemExit: Only a request to end the process (a launcher's SIGTERM, raised by
+                the framework's handler) that came while a guard told the other ranks; the
+                guards have stopped by then. Nothing else.
         """
         explain = self.driver.fitting if fitting is None else fitting
         self.driver.abandon(exc if explain else None, step, epoch)
