@@ -244,6 +244,10 @@ def _tcp_exchanges(rank, world_size, port):
             channel.all_gather("late", rank)
         except RanksMissingError as exc:
             missing = exc.missing
+        store.set("late_named", b"1")
+    else:  # rank 1 goes on once rank 0 named it: "after" then times both ranks alike
+        store.wait(["late_named"])
+        store.delete_key("late_named")
     channel.barrier("after")
     time.sleep(0.5)
     return gathered, missing, store.num_keys() - before
