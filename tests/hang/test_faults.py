@@ -406,6 +406,7 @@ def _every_rank_raises_and_catches(rank, world_size, report_dir):
     import torch.distributed as dist
 
     watchdog = _watchdog(report_dir, teardown_s=2.0)
+    dist.barrier()  # at once: every rank raises at the same batch, none past the settle time
     try:
         check_batch({"tokens": []})
     except ValueError as exc:
