@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -90,9 +91,26 @@ def test_the_root_is_the_first_fault_not_a_peers_consequence():
     assert "Then: Rank 0 raised RuntimeError: Connection closed by peer." in text
 
 
-def test_a_zombie_or_missing_pid_is_not_alive():
+@pytest.mark.parametrize("look", ["pidfd", "proc"])
+def test_a_zombie_or_missing_pid_is_not_alive(look, monkeypatch):
+    if look == "proc":  # a kernel or sandbox without pidfd_open
+
+        def no_pidfd(pid: int) -> int:
+            raise OSError(38, "Function not implemented")
+
+        monkeypatch.setattr(os, "pidfd_open", no_pidfd)
     assert is_alive(os.getpid())
     assert not is_alive(2**22 + 12345)  # above the kernel's pid_max default
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert is_alive(child.pid)
+        child.kill()
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # ended, not reaped
+        assert not is_alive(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert not is_alive(child.pid)
 
 
 # -- two real ranks --------------------------------------------------------------------------

@@ -512,8 +512,9 @@ class WatchdogThread:
     def _poll(self) -> None:
         """A peer's fault (this rank ends here) and a preemption (every rank stops at one step).
 
-        This node's dead peers are looked for at every wake (``/proc``); the store is read
-        as :class:`StorePolls` says.
+        This node's dead peers are looked for at every wake (a pidfd each, else ``/proc``:
+        :func:`~rankguard.callbacks.hang.faults.is_alive`); the store is read as
+        :class:`StorePolls` says.
         """
         fresh = self.polls.look()
         self.faults.check(read_board=fresh)
