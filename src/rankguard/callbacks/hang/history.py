@@ -18,7 +18,9 @@ from rankguard.callbacks.core.step_log import (
     BATCH_END,
     BATCH_END_FETCH_START,
     BATCH_START,
+    FETCH_END,
     FETCH_END_BATCH_START,
+    FETCH_START,
     MICROBATCH,
     OPTIMIZER_STEP,
     Entry,
@@ -162,6 +164,8 @@ class History:
         batches, backwards = self._batches, self._backwards
         pending = self._pending  # the last backward whose window's end is not known yet
         for _, event, step, _, loader, _ in entries:
+            if event == FETCH_START or event == FETCH_END:  # a fetch: no batch's part
+                continue
             if event == FETCH_END_BATCH_START or event == BATCH_START:
                 self._n += 1
                 batches.append([self._n, step, max(self._epoch, 0), 0, False, ()])
