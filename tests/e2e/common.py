@@ -100,6 +100,25 @@ class Points(Dataset):
         return self.x[i], self.y[i]
 
 
+class SlowItems(Dataset):
+    """``data`` whose every item takes ``delay_s`` more to read (``0``: as ``data`` does).
+
+    A scenario gives the delay to the slow rank's loader only, and ``0`` to the others'.
+    """
+
+    def __init__(self, data: Dataset, delay_s: float) -> None:
+        self.data = data
+        self.delay_s = delay_s
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return self.data[i]
+
+
 class LyingSampler(DistributedSampler):
     """Claims ``claimed`` samples but yields ``actual`` (a loader whose __len__ lies)."""
 

@@ -4,7 +4,7 @@ Usage::
 
     torchrun --standalone --nproc-per-node 2 tests/e2e/olmo_core_async_job.py OUT_DIR SCENARIO...
 
-Every scenario is a fresh 2-step ``Trainer`` (``tests/e2e/olmo_core_job.py``'s
+Every scenario is a fresh 2-step ``Trainer`` (``tests/e2e/olmo_core_concerns/harness.py``'s
 :func:`build_trainer`) whose ``CheckpointerCallback`` saves asynchronously
 (OLMo-core's default on CPU): its pre-train save at step 0, its final save at
 step 2 synchronously (OLMo-core's ``post_train``). When that step-0 save ends
@@ -35,7 +35,7 @@ from olmo_core.train.callbacks import Callback
 from olmo_core.train.common import ReduceType
 
 from tests.e2e.common import run_scenarios
-from tests.e2e.olmo_core_job import COUNTERS, QUICK, build_trainer, counting, fit
+from tests.e2e.olmo_core_concerns.harness import COUNTERS, QUICK, build_trainer, counting, fit
 
 OUT = Path(".")
 #: How long a rank waits for its own save's done-callback before it fails the scenario.

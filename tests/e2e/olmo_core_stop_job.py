@@ -2,7 +2,7 @@
 
 Run: ``torchrun --standalone --nproc-per-node 2 olmo_core_stop_job.py OUT self|launcher``, or
 one torchrun per node (``--nnodes 2``). The Trainer is
-:func:`tests.e2e.olmo_core_job.build_trainer`'s (no evals, a save interval far past the
+:func:`tests.e2e.olmo_core_concerns.harness.build_trainer`'s (no evals, a save interval far past the
 stop). After train step ``SIGNAL_AT`` rank 1 writes the moment to ``OUT/signalled.json``
 and, with ``self``, sends itself SIGTERM; with ``launcher`` the test sends SIGTERM to its
 node's torchrun, which passes it on. ``RankGuard`` at its defaults agrees the stop and
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from olmo_core.train.callbacks import Callback
 
 from rankguard.integrations.olmo_core import RankGuard
-from tests.e2e.olmo_core_job import PER_RANK, build_trainer
+from tests.e2e.olmo_core_concerns.harness import PER_RANK, build_trainer
 
 SIGNAL_AT = 6
 STEP_S = 0.05

@@ -11,9 +11,8 @@ from __future__ import annotations
 import time
 
 import torch
-from torch.utils.data import Dataset
 
-from tests.e2e.common import Points
+from tests.e2e.common import Points, SlowItems
 
 #: Forward time of a healthy rank (seconds) and a straggler's factor.
 FORWARD_S, SLOW_FACTOR = 0.02, 1.5
@@ -57,17 +56,6 @@ def forward_delay(rank: int, slow: bool, base_s: float = FORWARD_S) -> float:
     return base_s * (SLOW_FACTOR if slow and rank == 1 else 1.0)
 
 
-class SlowReads(Dataset):
-    """``Points(n)`` whose items take ``SLOW_ITEM_S`` to read on rank 1 when ``slow``."""
-
-    def __init__(self, n: int, rank: int, slow: bool, seed: int = 0) -> None:
-        self.points = Points(n, seed)
-        self.delay_s = SLOW_ITEM_S if slow and rank == 1 else 0.0
-
-    def __len__(self) -> int:
-        return len(self.points)
-
-    def __getitem__(self, i: int):
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        return self.points[i]
+def slow_reads(n: int, rank: int, slow: bool, seed: int = 0) -> SlowItems:
+    """``Points(n, seed)`` whose items take ``SLOW_ITEM_S`` to read on rank 1 when ``slow``."""
+    return SlowItems(Points(n, seed), SLOW_ITEM_S if slow and rank == 1 else 0.0)

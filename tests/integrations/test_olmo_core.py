@@ -4,10 +4,10 @@ One process (no process group): the hooks and wrapped methods fire core events
 in the documented order, a resume is announced before it is read and restores
 the guards' state, the wrappers are gone after the fit, and rankguard's hooks
 run before every OLMo-core callback's. One ``torchrun`` launch
-(``tests/e2e/olmo_core_job.py``) then runs, in one pair of processes: a
-healthy run and its resume (calibrated from the checkpoint), eval sets of
-different sizes, a slow data loader on rank 1, each rank a node with its own
-disk, rank 1's view of the save folder showing ``step0-tmp`` 12 s late or
+(``tests/e2e/olmo_core_job.py``, its scenarios in ``tests/e2e/olmo_core_concerns/``) then
+runs, in one pair of processes: a healthy run and its resume (calibrated from the
+checkpoint), eval sets of different sizes, a slow data loader on rank 1, each rank a node
+with its own disk, rank 1's view of the save folder showing ``step0-tmp`` 12 s late or
 never, a sharded save and a full export on a node given 16 KiB, and rank 1
 stalling after its first eval (last: exit code 75).
 """
@@ -40,7 +40,8 @@ from rankguard.integrations import _adapter as rg_adapter
 from rankguard.integrations import olmo_core as rg_olmo
 from rankguard.integrations.olmo_core import RankGuard, decisions, facts
 from tests.e2e.common import EventLog
-from tests.e2e.olmo_core_job import LATE_S, NEG_CACHE_LAG_S, NEVER_TIMEOUT_S, build_trainer
+from tests.e2e.olmo_core_concerns.checkpoint import LATE_S, NEG_CACHE_LAG_S, NEVER_TIMEOUT_S
+from tests.e2e.olmo_core_concerns.harness import build_trainer
 from tests.frameworks.launches import torchrun as launch
 from tests.frameworks.test_hang_e2e import assert_rank_1_named_with_its_stack
 

@@ -190,7 +190,7 @@ def test_hf_trainer_announces_each_microbatch_and_the_windows_last_with_its_step
 def test_olmo_core_announces_its_optimizer_steps(tmp_path):
     pytest.importorskip("olmo_core", reason="needs rankguard[olmo-core]")
     from rankguard.integrations import olmo_core as rg_olmo
-    from tests.e2e.olmo_core_job import build_trainer
+    from tests.e2e.olmo_core_concerns.harness import build_trainer
 
     log = PhaseLog()
     trainer = build_trainer(tmp_path, {"rankguard": rg_olmo._OlmoCoreAdapter([log])}, steps=3)

@@ -27,7 +27,7 @@ import olmo_core.utils
 from olmo_core.train import Trainer
 
 from rankguard.integrations.private import olmo_core as private
-from tests.e2e.olmo_core_job import build_trainer
+from tests.e2e.olmo_core_concerns.harness import build_trainer
 
 
 def test_attached_trainer_is_none_before_a_trainer_attaches_the_callback(tmp_path):

@@ -7,7 +7,6 @@ import logging
 import os
 import random
 import signal
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -26,6 +25,7 @@ from rankguard.integrations.composer import RankGuard
 from tests.e2e.common import (
     ClaimedStream,
     Points,
+    SlowItems,
 )
 from tests.e2e.composer_concerns import harness
 from tests.e2e.composer_concerns.hang import destroy_process_group_waits
@@ -139,25 +139,10 @@ def write_mds(root: str, scenarios: list[str]) -> None:
     dist.barrier()
 
 
-class SlowOnRank(Dataset):
-    """``Points(n)`` whose items take ``delay_s`` to read on ``slow_rank`` only."""
-
-    def __init__(self, n: int, slow_rank: int | None, delay_s: float = SLOW_ITEM_S) -> None:
-        self.points = Points(n)
-        self.delay_s = delay_s if slow_rank == rank() else 0.0
-
-    def __len__(self) -> int:
-        return len(self.points)
-
-    def __getitem__(self, i: int):
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        return self.points[i]
-
-
 def stall(slow_rank: int | None) -> None:
     """10 batches of 1 per rank; ``slow_rank`` reads each in 150 ms."""
-    train = sharded(SlowOnRank(20, slow_rank), batch_size=1)
+    delay_s = SLOW_ITEM_S if slow_rank == rank() else 0.0
+    train = sharded(SlowItems(Points(20), delay_s), batch_size=1)
     guard = RankGuard(data_stall_monitor=STALL)
     fit_data(train, sharded(8), guard, rankguard_metrics=True)
 

@@ -17,8 +17,8 @@ from tests.e2e.straggler_common import (
     BATCHES,
     STRAGGLER,
     SlowForward,
-    SlowReads,
     forward_delay,
+    slow_reads,
 )
 from tests.e2e.straggler_common import STALL as STRAGGLER_STALL
 
@@ -54,7 +54,7 @@ def race(guard: RankGuard, *, slow_compute: bool = False, slow_data: bool = Fals
     """``BATCHES`` train batches per rank; rank 1 computes or reads slowly if told."""
     delay = forward_delay(rank(), slow_compute)
     fit(
-        sharded(SlowReads(2 * BATCHES * BATCH, rank(), slow_data)),
+        sharded(slow_reads(2 * BATCHES * BATCH, rank(), slow_data)),
         [guard, CountDone()],
         net=lambda: SlowForward(delay),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.01),

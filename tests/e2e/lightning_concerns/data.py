@@ -25,6 +25,7 @@ from rankguard.integrations.lightning import (
     DataStallMonitor,
     RankGuard,
 )
+from tests.e2e.common import SlowItems
 from tests.e2e.lightning_concerns.batches import NO_SANITY
 from tests.e2e.lightning_concerns.harness import (
     BATCH,
@@ -76,25 +77,10 @@ def torch_random_split(rank: int) -> tuple[DataLoader, DataLoader]:
     return DataLoader(train, BATCH), DataLoader(val, BATCH)
 
 
-class SlowOnRank(Dataset):
-    """``dataset(n)`` whose items take ``delay_s`` to read on rank ``slow_rank`` only."""
-
-    def __init__(self, n: int, rank: int, slow_rank: int | None) -> None:
-        self.data = dataset(n)
-        self.delay_s = SLOW_ITEM_S if rank == slow_rank else 0.0
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int):
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        return self.data[i]
-
-
 def stall(rank: int, slow_rank: int | None) -> tuple[DataLoader, DataLoader]:
     """10 train batches of 1 per rank; ``slow_rank`` reads each in 150 ms."""
-    return DataLoader(SlowOnRank(10, rank, slow_rank), batch_size=1), DataLoader(dataset(4), BATCH)
+    slow = SlowItems(dataset(10), SLOW_ITEM_S if rank == slow_rank else 0.0)
+    return DataLoader(slow, batch_size=1), DataLoader(dataset(4), BATCH)
 
 
 class WorkerDiesOnRank(Dataset):

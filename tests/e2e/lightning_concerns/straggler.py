@@ -24,8 +24,8 @@ from tests.e2e.straggler_common import (
     BATCHES,
     STRAGGLER,
     SlowForward,
-    SlowReads,
     forward_delay,
+    slow_reads,
 )
 from tests.e2e.straggler_common import STALL as STRAGGLER_STALL
 
@@ -73,7 +73,7 @@ def race(settings: dict[str, Any], slow_compute: bool, slow_data: bool, **kw: An
     job = trainer(callbacks, logger=metrics, num_sanity_val_steps=0, **kw)
     rank = job.global_rank
     module = Classifier(forward_delay(rank, slow_compute))
-    train = DataLoader(SlowReads(BATCHES * BATCH, rank, slow_data, seed=rank), batch_size=BATCH)
+    train = DataLoader(slow_reads(BATCHES * BATCH, rank, slow_data, seed=rank), batch_size=BATCH)
     val = DataLoader(Points(8), batch_size=BATCH)
     records = AtBatch(module)
     logging.getLogger("rankguard").addHandler(records)
