@@ -310,10 +310,10 @@ def is_alive(pid: int) -> bool:
 
     Asked at every wake of the watchdog thread, for each peer on this node. A pidfd
     (Linux 5.3+) turns readable once its process ended, reaped or not: one open, a poll
-    that does not wait and a close, about 2.6 us. Reading ``/proc/PID/stat`` costs 12 us
-    warm for a rank's ~25 threads (the kernel sums every thread's times), and about
-    100 us on the watchdog thread's cold cache. Where no pidfd can be opened (an older
-    kernel, a sandbox that forbids the call) ``/proc`` is read.
+    that does not wait and a close, about 2.3 us. Reading ``/proc/PID/stat`` costs 12.9
+    us for a rank's 22 threads (the kernel sums every thread's times), warm
+    (``benchmarks/peer_liveness.py``). Where no pidfd can be opened (an older kernel, a
+    sandbox that forbids the call) ``/proc`` is read.
     """
     try:
         fd = os.pidfd_open(pid)
