@@ -174,6 +174,41 @@ def test_eval_and_epoch_boundaries_are_not_counted_as_data_wait():
     assert metrics == []  # the only step spanned evaluation: nothing measured
 
 
+@pytest.mark.parametrize("in_a_save", [True, False])
+def test_a_checkpoint_save_after_the_batch_end_is_not_counted_as_data_wait(in_a_save, monkeypatch):
+    """Lightning's ModelCheckpoint saves after rankguard's batch-end hook opened the window.
+
+    On a fake clock: 5 ms of compute, then 100 ms inside the fetch window, either a save
+    (not a wait for data) or the loader itself (a wait), then 1 ms to fetch.
+    """
+    clock = [0.0]
+    monkeypatch.setattr(step_log, "perf_counter", lambda: clock[0])
+    metrics: list[dict] = []
+    monitor = DataStallMonitor(window=1, interval=4)
+    monitor.bind(SideChannel(None), log_metrics=metrics.append)
+    monitor.handle(Event.FIT_START, EventFacts())
+    for _ in range(5):
+        monitor.handle(Event.TRAIN_BATCH_START, EventFacts())
+        clock[0] += 0.005  # forward, backward, optimizer step
+        monitor.handle(Event.TRAIN_BATCH_END, EventFacts())
+        monitor.handle(Event.DATA_FETCH_START, EventFacts())  # Lightning: at train batch end
+        if in_a_save:
+            monitor.handle(Event.CHECKPOINT_SAVE_START, EventFacts())
+        clock[0] += 0.1
+        if in_a_save:
+            monitor.handle(Event.CHECKPOINT_SAVE_END, EventFacts())
+        clock[0] += 0.001  # the loader's next()
+        monitor.handle(Event.DATA_FETCH_END, EventFacts())
+    monitor.handle(Event.TRAIN_BATCH_START, EventFacts())
+    monitor.on_fit_end(EventFacts())
+    fractions = [m["rankguard/data_wait_fraction"] for m in metrics]
+    assert fractions, metrics
+    if in_a_save:  # 1 ms of each 106 ms step waited for data
+        assert max(fractions) < 0.05, fractions
+    else:
+        assert min(fractions) > 0.9, fractions
+
+
 def test_stall_verdict_names_ranks_with_a_long_enough_run():
     fast = IntervalStats(wait_s=0.1, step_s=10.0, steps=50, longest_run=0)
     slow = IntervalStats(wait_s=8.0, step_s=10.0, steps=50, longest_run=7, batch_size=32)

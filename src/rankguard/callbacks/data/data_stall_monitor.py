@@ -10,6 +10,7 @@ import logging
 import math
 from functools import partial
 
+from rankguard.callbacks.core import step_log
 from rankguard.callbacks.core.background_exchange import AUTO_INTERVAL, PartPending
 from rankguard.callbacks.core.errors import DataStallError, RanksMissingError
 from rankguard.callbacks.core.events import Event, EventFacts
@@ -166,6 +167,7 @@ class DataStallMonitor(Guard):
     def _discard(self) -> None:
         """Forgets the step in progress (not measured across it)."""
         self._fetch_start: float | None = None
+        self._saving = False  # a save paused the fetch window: it opens again at its end
         self._wait = 0.0
         self._exact = True
         self._last_start: float | None = None
@@ -271,6 +273,22 @@ class DataStallMonitor(Guard):
     def on_eval_start(self, facts: EventFacts) -> None:
         """Does not measure across evaluation."""
         self._discard()
+
+    def on_checkpoint_save_start(self, facts: EventFacts) -> None:
+        """A save inside the fetch window is no wait for data: the window pauses over it.
+
+        Lightning's ``ModelCheckpoint`` and the HF Trainer save after the hooks that end
+        the batch, where the window opens. The log is read to here (every event but a
+        per-step one drains it first), so the window open now is this step's.
+        """
+        if self._fetch_start is not None:
+            self._wait += max(0.0, step_log.perf_counter() - self._fetch_start)
+            self._fetch_start, self._saving = None, True
+
+    def on_checkpoint_save_end(self, facts: EventFacts) -> None:
+        """The fetch window a save paused opens again."""
+        if self._saving:
+            self._fetch_start, self._saving = step_log.perf_counter(), False
 
     def on_error(self, exc: BaseException, facts: EventFacts | None = None) -> bool:
         """Explains a loader that failed: a dead worker, or an error raised while fetching.
