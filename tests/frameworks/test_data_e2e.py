@@ -452,7 +452,7 @@ def test_loop_loader_starved_from_its_first_batch_is_named_before_it_raises_at_i
     assert 1 <= slow <= measured <= 7, said[0]  # batches before the 8th, warm-up excluded
     told = (
         r"\[rank 0\] ERROR rankguard.callbacks.hang_watchdog: rankguard hang_watchdog: Rank 1 "
-        r"raised RuntimeError: generator thread data thread 3 failed\. At torch_loop_job\.py:"
+        r"raised RuntimeError: generator thread data thread 3 failed\. At data\.py:"
     )
     assert re.search(told, output), output[-4000:]
     assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s+exitcode\s*:\s*75", output)

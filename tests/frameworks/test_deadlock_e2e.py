@@ -121,7 +121,7 @@ def test_loop_collective_on_rank0_only_is_a_proven_deadlock_ended_with_exit_70(l
     assert returncode != 0
     codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", output))
     assert codes == {str(DEADLOCK_EXIT_CODE)}, output[-6000:]
-    _check(out, output, ended_at, "torch_loop_job.py", "reduce_on_rank0_only")
+    _check(out, output, ended_at, "hang.py", "reduce_on_rank0_only")
 
 
 def _composer_ranks_exited_70(output: str) -> None:

@@ -70,10 +70,10 @@ class Job:
 
 
 JOBS = {
-    "loop": Job("torch_loop_job.py", TORCHRUN, None),
-    "hf_trainer": Job("hf_trainer_job.py", TORCHRUN, "transformers"),
-    # Lightning starts rank 1 itself; Composer's, Lightning's and OLMo-core's scenarios' code
-    # lives in tests/e2e/<framework>_concerns/.
+    "loop": Job("torch_loop_job.py", TORCHRUN, None, "hang.py"),
+    "hf_trainer": Job("hf_trainer_job.py", TORCHRUN, "transformers", "hang.py"),
+    # Lightning starts rank 1 itself; every job's scenarios' code lives in
+    # tests/e2e/<framework>_concerns/.
     "lightning": Job("lightning_job.py", [sys.executable], "lightning", "hang.py"),
     "composer": Job("composer_job.py", [str(BIN / "composer"), "-n", "2"], "composer", "hang.py"),
     "olmo_core": Job("olmo_core_job.py", TORCHRUN, "olmo_core", "hang.py"),
