@@ -70,7 +70,7 @@ class Job:
 
 
 JOBS = {
-    "loop": Job("torch_loop_job.py", TORCHRUN, None, "hang.py"),
+    "loop": Job("torch_loop_job.py", TORCHRUN, None, "harness.py"),
     "hf_trainer": Job("hf_trainer_job.py", TORCHRUN, "transformers", "hang.py"),
     # Lightning starts rank 1 itself; every job's scenarios' code lives in
     # tests/e2e/<framework>_concerns/.
