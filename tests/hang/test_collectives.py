@@ -193,6 +193,41 @@ def test_a_rank_killed_or_aborted_leaves_its_record_and_report_names_the_differe
     assert f"rank{aborts[0]} died of a fatal signal (Fatal Python error: Aborted)" in out, out
 
 
+def _issued_between_the_reads(rank, world_size, report_dir):
+    """A broadcast issued while the watchdog thread reads the ring (the training thread
+    runs on): every number the snapshot counts must be a call it holds."""
+    import torch.distributed as dist
+
+    from rankguard.callbacks.hang import collectives
+
+    recorder = CollectiveRecorder(report_dir, rank, library_paths())
+    assert recorder.install()
+    dist.all_reduce(torch.ones(2))
+    read_ring = collectives.read_ring
+
+    def read_then_issue(ring):
+        slots = read_ring(ring)
+        dist.broadcast(torch.zeros(1, dtype=torch.int64), src=0)
+        return slots
+
+    collectives.read_ring = read_then_issue
+    try:
+        [record] = recorder.snapshot()
+    finally:
+        collectives.read_ring = read_ring
+    return record.count, [(c.seq, c.op) for c in record.last]
+
+
+def test_a_collective_issued_while_a_status_reads_the_record_is_counted_or_told_never_half(
+    tmp_path,
+):
+    outcomes = run_ranks(_issued_between_the_reads, 2, str(tmp_path), timeout_s=60)
+    for o in outcomes:
+        assert o.error is None, o
+        count, calls = o.value
+        assert [seq for seq, _ in calls if seq <= count] == list(range(1, count + 1)), o.value
+
+
 def test_a_status_reads_only_each_groups_newest_slots_in_the_order_written():
     from rankguard.callbacks.hang.collective_files import DDP_FORWARD_OP, newest_per_group
 

@@ -665,13 +665,17 @@ class CollectiveRecorder:
         not moved since the last snapshot (the rank issues nothing), the flight recorder's
         entries, where the running torch keeps them, tell what the others were.
         """
+        # The counts before the ring: a call is noted before its collective is counted,
+        # so every number counted here is in the ring read after it. One issued between a
+        # ring read and a count read would be a number no Python call took, which after a
+        # DDP forward is told as a gradient bucket: a mismatch with the others where none was.
+        known = self._known()
+        counts = tuple(g.seq() for g in known)
         ring = self._ring
         slots = newest_per_group(read_ring(ring) if ring is not None else [], LAST, MARKS)
         names = self._names.current()
         decoded = decode_all(slots, names)
         threads = {str(t.ident): t.name for t in threading.enumerate()}
-        known = self._known()
-        counts = tuple(g.seq() for g in known)
         still, self._seen_counts = counts == self._seen_counts, counts
         buckets = buckets_list(names["ddp"])
         held = []
