@@ -327,7 +327,12 @@ def _store_in_rank0(port, rank, world_size, init_file):
 
 
 def _rank0_hosting_the_store_dies_then_rank1_raises(rank, world_size, report_dir):
+    import torch.distributed as dist
+
     watchdog = _watchdog(report_dir, teardown_s=30.0)
+    # Rank 1 knows rank 0's process before it dies: without the barrier rank 0 could abort
+    # as soon as it knew rank 1's, before rank 1's thread read rank 0's (a fresh clone did).
+    dist.barrier()
     if rank == 0:
         os.abort()  # gloo's abort after a mismatched collective: the store goes with it
     time.sleep(1.0)  # rank 1's collective with it fails
