@@ -27,9 +27,24 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")
 
 
+#: The C library's resolver: one try of 1 s where it was two of 5 s. torch names every store
+#: connection's address (``::ffff:127.0.0.1`` for a local store) through a reverse DNS lookup,
+#: on the client as it connects and in the store's server thread as it accepts; the lookup goes
+#: to the machine's DNS server, as no hosts file lists that name. Here that server drops a
+#: query now and then (6 of 150 connections in a row took 5.0 s each, 2026-11-30), and a
+#: dropped query stalled a connection, or the whole store, for 5 or 10 s: timings no test or
+#: benchmark means to measure. Unanswered, the name is the address, and torch logs a warning.
+RESOLVER_ENV = {"RES_OPTIONS": "timeout:1 attempts:1"}
+
+
 def job_env(**extra: str) -> dict[str, str]:
-    """This process's environment without :data:`LAUNCH_ENV`, with ``extra`` set."""
+    """This process's environment without :data:`LAUNCH_ENV`, with ``extra`` set.
+
+    :data:`RESOLVER_ENV` applies where the environment sets no resolver options of its own.
+    """
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}
+    for name, value in RESOLVER_ENV.items():
+        env.setdefault(name, value)
     env.update(extra)
     return env
 

@@ -9,7 +9,16 @@ transformers 4 and OLMo-core 2.4 that Composer's world also runs.
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from benchmarks.launch import RESOLVER_ENV
+
+# Every rank and job a test starts inherits it (see RESOLVER_ENV: a dropped DNS query of torch's
+# stalled a store connection for 5-10 s).
+for _name, _value in RESOLVER_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 #: Words in a test's id or in one of its fixtures' names that mean it needs Composer.
 COMPOSER_WORDS = ("composer", "llmfoundry")

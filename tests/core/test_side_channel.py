@@ -238,7 +238,7 @@ def test_store_requests_per_exchange_do_not_grow_with_the_world_size():
 def _tcp_exchanges(rank, world_size, port):
     store = _tcp_client(port)
     channel = SideChannel(store, rank=rank, world_size=world_size, timeout_s=1)
-    channel.barrier("start")
+    channel.barrier("start", timeout_s=30)  # the ranks meet: their set-up is not what it times
     before = store.num_keys()
     gathered = [channel.all_gather("cleanup", (rank, i)) for i in range(3)]
     channel.barrier("settle")
