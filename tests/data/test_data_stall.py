@@ -23,7 +23,7 @@ from rankguard.callbacks.data import data_fetch
 from rankguard.callbacks.data.data_fetch import LoaderReturnClock
 from rankguard.callbacks.data.data_stall_monitor import DataStallMonitor
 from rankguard.callbacks.data.data_worker import worker_failure
-from rankguard.callbacks.data.stall import IntervalStats, stall_verdict
+from rankguard.callbacks.data.stall import IntervalStats, describe_stall, stall_verdict
 from tests.mp import run_ranks
 
 WINDOW, INTERVAL, STEPS = 3, 5, 20
@@ -218,7 +218,7 @@ def test_stall_verdict_names_ranks_with_a_long_enough_run():
     assert verdict.recovered == {0, 2}
     # Rank 1's run is too short for a stall, but it still waits 80%: it has not kept up.
     short = stall_verdict({0: fast, 1: slow}, window=8, threshold=0.5)
-    assert short.stalled == {} and short.recovered == {0}
+    assert short.stalled == set() and short.recovered == {0}
 
 
 def test_a_stall_that_goes_on_is_reported_once_and_again_only_after_a_recovery():
@@ -585,23 +585,38 @@ def test_early_verdicts_name_a_rank_slow_on_most_of_its_first_steps_only():
     verdict = stall_verdict({0: fast, 1: stats(2, 2, 2)}, window=10, threshold=0.5)
     assert list(verdict.stalled) == [1] and verdict.others_wait_s == 0.0
     # One slow step of two is not most; one measured step is too few to judge.
-    assert stall_verdict({0: fast, 1: stats(1, 2, 1)}, window=10, threshold=0.5).stalled == {}
-    assert stall_verdict({0: fast, 1: stats(1, 1, 1)}, window=10, threshold=0.5).stalled == {}
+    assert stall_verdict({0: fast, 1: stats(1, 2, 1)}, window=10, threshold=0.5).stalled == set()
+    assert stall_verdict({0: fast, 1: stats(1, 1, 1)}, window=10, threshold=0.5).stalled == set()
     # From `window` measured steps on, only a run of `window` slow steps is a stall.
-    assert stall_verdict({0: fast, 1: stats(8, 12, 4)}, window=10, threshold=0.5).stalled == {}
+    assert stall_verdict({0: fast, 1: stats(8, 12, 4)}, window=10, threshold=0.5).stalled == set()
 
 
 def test_early_verdicts_leave_a_rank_whose_first_steps_waited_milliseconds_alone():
     # A healthy run's first steps: 3 of 5 steps of 1.2 ms waited 0.84 ms (70%), 0.5 ms a batch.
     quick = IntervalStats(0.0025, 0.006, 5, 3, None, 5, 3)
-    assert stall_verdict({0: quick, 1: quick}, window=10, threshold=0.5).stalled == {}
+    assert stall_verdict({0: quick, 1: quick}, window=10, threshold=0.5).stalled == set()
     # The same share of steps a hundred times longer is a starved loader.
     starved = IntervalStats(0.25, 0.6, 5, 3, None, 5, 3)
     assert list(stall_verdict({0: quick, 1: starved}, window=10, threshold=0.5).stalled) == [1]
     # A healthy rank on a busy host: its loader's return held 30 ms in both of its first two
     # steps of 48 ms (62%), by the scheduler; two steps do not tell that from a starved loader.
     held = IntervalStats(0.06, 0.096, 2, 2, None, 2, 2)
-    assert stall_verdict({0: quick, 1: held}, window=10, threshold=0.5).stalled == {}
+    assert stall_verdict({0: quick, 1: held}, window=10, threshold=0.5).stalled == set()
     # Ten such steps in a row are a stall, whatever their wait.
     held_long = IntervalStats(0.3, 0.48, 10, 10, None, 10, 10)
     assert list(stall_verdict({0: quick, 1: held_long}, window=10, threshold=0.5).stalled) == [1]
+
+
+def test_a_stall_of_more_ranks_than_a_message_details_counts_the_rest_and_names_the_others():
+    def stats(wait_s: float, run: int) -> IntervalStats:
+        return IntervalStats(wait_s, 10.0, 50, run, None, 200, 100 if run else 0)
+
+    per_rank = {r: stats(6.0 + r * 0.1, 20) if r < 8 else stats(0.5, 0) for r in range(16)}
+    verdict = stall_verdict(per_rank, window=10, threshold=0.5)
+    assert verdict.stalled == set(range(8)) and verdict.world == 16
+    assert list(verdict.detailed) == [5, 6, 7]  # the 3 longest waits, by rank
+    text = describe_stall(verdict, threshold=0.5, window=10)
+    assert text.startswith("Data loading cannot keep up on ranks 0-7: "), text
+    assert "; 5 more stalled ranks (all stalled ranks: a median 0.13 s per batch)" in text, text
+    assert "; other ranks 0.01 s per batch);" in text, text
+    assert "every other rank waits for them at each collective" in text, text

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -150,14 +151,29 @@ def _gone(world: int) -> Callable[[], Any]:
     return lambda: gone(missing, rank=0, waited_s=120.0, last=last, default_s=1800.0)
 
 
-def _stall(world: int) -> Callable[[], Any]:
-    def stats(rank: int) -> IntervalStats:
-        starved = rank == world // 2
-        return IntervalStats(
-            wait_s=4.0 if starved else 0.1, step_s=5.0, steps=50, longest_run=20 * starved
+def _stall_stats(world: int, starved: Callable[[int], bool]) -> dict[int, IntervalStats]:
+    """Every rank's data-wait interval; the ``starved`` ranks waited 80% of 50 steps in a row."""
+    return {
+        rank: IntervalStats(
+            wait_s=4.0 + rank % 7 * 0.01 if starved(rank) else 0.1,
+            step_s=5.0,
+            steps=50,
+            longest_run=20 * starved(rank),
+            fit_steps=200,
+            fit_slow=100 * starved(rank),
         )
+        for rank in range(world)
+    }
 
-    stats = {rank: stats(rank) for rank in range(world)}
+
+def _stall(world: int) -> Callable[[], Any]:
+    stats = _stall_stats(world, lambda rank: rank == world // 2)
+    return lambda: stall_verdict(stats, window=10, threshold=0.5)
+
+
+def _stall_everywhere(world: int) -> Callable[[], Any]:
+    """Every rank's loader starves (one short configuration on every rank)."""
+    stats = _stall_stats(world, lambda rank: True)
     return lambda: stall_verdict(stats, window=10, threshold=0.5)
 
 
@@ -177,6 +193,7 @@ DECISIONS: dict[str, Callable[[int], Callable[[], Any]]] = {
     "ranks ahead": lambda w: _decide(w, "ahead"),
     "gone": _gone,
     "data stall": _stall,
+    "data stall on every rank": _stall_everywhere,
     "checkpoint plan": _plan,
 }
 
@@ -228,3 +245,14 @@ def test_the_report_of_a_stall_at_16384_ranks_is_a_few_lines():
     report = next(s for s in steps if isinstance(s, incident.Report))
     text = incident.summary_text(report, "")
     assert len(text) < 6000 and len(text.splitlines()) < 60, text
+
+
+def test_a_data_stall_on_every_one_of_16384_ranks_is_said_in_a_few_lines():
+    from rankguard.callbacks.data.stall import describe_stall
+
+    verdict = _stall_everywhere(LARGE)()
+    text = describe_stall(verdict, threshold=0.5, window=10)
+    assert text.startswith("Data loading cannot keep up on every rank (ranks 0-16383):"), text
+    assert len(text) < 2000 and len(re.findall(r"rank \d+: waited", text)) == 3, text
+    assert "16,381 more stalled ranks (all stalled ranks: a median 0.08 s per batch)" in text, text
+    assert "other ranks" not in text and "every rank's own loader is short" in text, text

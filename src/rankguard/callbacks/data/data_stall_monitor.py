@@ -379,8 +379,11 @@ class DataStallMonitor(Guard):
         if verdict is None or not verdict.stalled:
             return None
         stalled = ", ".join(
-            f"rank {r} {s.wait_per_batch:.2f} s per batch" for r, s in verdict.stalled.items()
+            f"rank {r} {s.wait_per_batch:.2f} s per batch" for r, s in verdict.detailed.items()
         )
+        rest = len(verdict.stalled) - len(verdict.detailed)
+        if rest > 0:
+            stalled += f" and {rest:,} more ranks"
         return (
             f"at the data-wait exchange of batch {self._last_verdict_at}, {stalled} waited "
             f"for data (other ranks {verdict.others_wait_s:.2f} s): if this error is a "
@@ -476,7 +479,5 @@ class DataStallMonitor(Guard):
         # A reported rank stays reported until it keeps up for a whole interval.
         self._reported = frozenset(verdict.stalled) | (self._reported - verdict.recovered)
         if newly:
-            message = describe_stall(
-                verdict.stalled, self.threshold, self.window, verdict.others_wait_s
-            )
+            message = describe_stall(verdict, self.threshold, self.window)
             self.violation(DataStallError(message))
