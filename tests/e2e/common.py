@@ -261,6 +261,20 @@ def record_at_raise(exc: BaseException) -> None:
         RECORDER.at_raise(exc)
 
 
+def destroy_process_group_waits() -> None:
+    """NCCL's communicator teardown waiting for a peer that never comes: the process stays.
+
+    A rank whose script calls ``destroy_process_group()`` in its ``finally`` after it raised
+    waits there (NCCL's teardown, unlike gloo's, waits for its peers); here a long sleep.
+    """
+    time.sleep(600)
+
+
+def wait_at_host_sync() -> None:
+    """Under NCCL a collective returns at once; the thread waits at its next host sync."""
+    time.sleep(600)
+
+
 def rankguard_off() -> bool:
     """``E2E_RANKGUARD=off``: a scenario that honours it runs without rankguard (the
     "without" column of ``benchmarks/faults.py``)."""

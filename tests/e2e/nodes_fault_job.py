@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from rankguard.integrations.torch import RankGuard, Run
+from tests.e2e.common import destroy_process_group_waits, wait_at_host_sync
 
 FAIL_AT = 6
 #: A step's time. Each rank tells the others at once that it left start-up (its exchange
@@ -67,16 +68,6 @@ def check_batch(batch: torch.Tensor, step: int) -> None:
     """The user's data check: rank 1's sample at step 6 has no tokens."""
     if dist.get_rank() == 1 and step == FAIL_AT:
         raise ValueError("sample 4711 has no tokens after filtering")
-
-
-def destroy_process_group_waits() -> None:
-    """NCCL's teardown waiting for a peer that never comes (the raising rank's process stays)."""
-    time.sleep(600)
-
-
-def wait_at_host_sync() -> None:
-    """Under NCCL the all-reduce returns; the thread waits at its next host sync, forever."""
-    time.sleep(600)
 
 
 class Bare:

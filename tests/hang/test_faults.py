@@ -24,6 +24,7 @@ from rankguard.callbacks.hang.faults import (
 )
 from rankguard.callbacks.hang.stacks import library_paths
 from rankguard.callbacks.hang.status import DEADLOCK_EXIT_CODE, EXIT_CODES, HANG_EXIT_CODE
+from tests.e2e.common import destroy_process_group_waits, wait_at_host_sync
 from tests.mp import run_ranks
 
 # -- the exit-code table (README and docs/hang.md: each row) -------------------------------
@@ -136,11 +137,6 @@ def _watchdog(report_dir: str, teardown_s: float = 3.0, period_s: float = 2.0):
     while not watchdog._watch.faults.local and time.monotonic() < deadline:
         time.sleep(0.05)
     return watchdog
-
-
-def destroy_process_group_waits() -> None:
-    """NCCL's communicator teardown waiting for a peer: the raising rank's process stays."""
-    time.sleep(120)
 
 
 def _rank1_raises(rank, world_size, report_dir):
@@ -410,11 +406,6 @@ def test_a_fault_numbered_but_never_written_does_not_hide_the_next():
     assert [(f.rank, f.family) for f in board.poll()] == [(1, "transient")]
     board.publish(_fault(2, "code"))
     assert [f.rank for f in _board(store).poll()] == [1, 2]  # a new reader passes it too
-
-
-def wait_at_host_sync() -> None:
-    """A rank under NCCL waits for the killed peer at its next host sync, not at the call."""
-    time.sleep(120)
 
 
 def _rank1_killed(rank, world_size, report_dir):

@@ -26,9 +26,9 @@ from tests.e2e.common import (
     ClaimedStream,
     Points,
     SlowItems,
+    destroy_process_group_waits,
 )
 from tests.e2e.composer_concerns import harness
-from tests.e2e.composer_concerns.hang import destroy_process_group_waits
 from tests.e2e.composer_concerns.harness import (
     BATCH,
     COUNTERS,

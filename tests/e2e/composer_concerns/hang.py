@@ -17,7 +17,7 @@ from composer.utils import dist
 
 from rankguard.integrations.composer import HangWatchdog, RankGuard
 from tests.e2e import hang_settings
-from tests.e2e.common import rankguard_off
+from tests.e2e.common import destroy_process_group_waits, rankguard_off
 from tests.e2e.composer_concerns import harness
 from tests.e2e.composer_concerns.harness import COUNTERS, count, fit, rank, sharded, trainer
 
@@ -213,11 +213,6 @@ class CheckBatches(Callback):
 
     def after_dataloader(self, state, logger):
         check_batch(state.batch, int(state.timestamp.batch))
-
-
-def destroy_process_group_waits() -> None:
-    """NCCL's communicator teardown waiting for a peer (here a long sleep): the process stays."""
-    time.sleep(600)
 
 
 def data_check_raises() -> None:

@@ -11,7 +11,13 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from rankguard.integrations.transformers import RankGuard
-from tests.e2e.common import rankguard_off, seed_everything, seeded_split, tiny_bert
+from tests.e2e.common import (
+    destroy_process_group_waits,
+    rankguard_off,
+    seed_everything,
+    seeded_split,
+    tiny_bert,
+)
 from tests.e2e.hang_settings import HANG
 from tests.e2e.hf_trainer_concerns import harness
 from tests.e2e.hf_trainer_concerns.harness import train
@@ -86,11 +92,6 @@ class CheckedTrainer(Trainer):
     def training_step(self, model, inputs, *args, **kwargs):
         check_batch(inputs, self.state.global_step)
         return super().training_step(model, inputs, *args, **kwargs)
-
-
-def destroy_process_group_waits() -> None:
-    """NCCL's communicator teardown waiting for a peer (here a long sleep): the process stays."""
-    time.sleep(600)
 
 
 def data_check_raises() -> None:

@@ -19,7 +19,7 @@ from rankguard.integrations.lightning import (
     RankGuard,
 )
 from tests.e2e import hang_settings
-from tests.e2e.common import WarningCollector, rankguard_off
+from tests.e2e.common import WarningCollector, destroy_process_group_waits, rankguard_off
 from tests.e2e.lightning_concerns import harness
 from tests.e2e.lightning_concerns.harness import Outcome, TinyModule, loader, rank, trainer
 
@@ -272,11 +272,6 @@ class CheckedModule(PacedModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         check_batch(batch, self.global_step)
         return super().training_step(batch, batch_idx)
-
-
-def destroy_process_group_waits() -> None:
-    """NCCL's communicator teardown waiting for a peer (here a long sleep): the process stays."""
-    time.sleep(600)
 
 
 def data_check_raises() -> dict[str, Any]:

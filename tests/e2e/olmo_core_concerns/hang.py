@@ -12,7 +12,7 @@ import torch.distributed as dist
 from olmo_core.train.callbacks import Callback
 from olmo_core.train.common import ReduceType
 
-from tests.e2e.common import rankguard_off
+from tests.e2e.common import destroy_process_group_waits, rankguard_off
 from tests.e2e.hang_settings import HANG
 from tests.e2e.olmo_core_concerns import harness
 from tests.e2e.olmo_core_concerns.harness import QUICK, build_trainer, counting, fit
@@ -80,11 +80,6 @@ class CheckBatches(Callback):
 
     def pre_step(self, batch: dict[str, Any]) -> None:
         check_batch(batch, self.trainer.global_step - 1)
-
-
-def destroy_process_group_waits() -> None:
-    """NCCL's communicator teardown waiting for a peer (here a long sleep): the process stays."""
-    time.sleep(600)
 
 
 def data_check_raises() -> None:

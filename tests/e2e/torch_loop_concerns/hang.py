@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from rankguard.integrations.torch import RankGuard
-from tests.e2e.common import seeded_split
+from tests.e2e.common import destroy_process_group_waits, seeded_split
 from tests.e2e.hang_settings import HANG
 from tests.e2e.torch_loop_concerns import harness
 from tests.e2e.torch_loop_concerns.harness import check_batch, fit
@@ -48,11 +48,6 @@ def strict_check(batch: dict, step: int) -> None:
     if dist.get_rank() == 1 and step == 6:
         (harness.OUT / "raised.json").write_text(json.dumps({"rank": 1, "t": time.time()}))
     check_batch(batch, step, bad_step=6)
-
-
-def destroy_process_group_waits() -> None:
-    """NCCL's communicator teardown waiting for a peer (here a long sleep): the process stays."""
-    time.sleep(600)
 
 
 def data_check_raises() -> None:
