@@ -22,6 +22,7 @@ def _end(rank, world_size, delay_s, absent):
     from rankguard.callbacks.core.side_channel import SideChannel
 
     channel = SideChannel.from_environment(timeout_s=10)
+    assert channel.store is not None  # this thread's connection, opened before the timing
     if rank in absent:  # a rank that never reaches the end (frozen, or on a lost node)
         time.sleep(12)
         return None
