@@ -422,3 +422,19 @@ def cpu_trainer(**settings):
         enable_model_summary=False,
         **{"max_epochs": 1, "enable_checkpointing": False, **settings},
     )
+
+
+def gloo_training_args(output_dir: str | Path, **settings):
+    """The Hugging Face Trainer's arguments for a rank of a CPU job over gloo, reporting and
+    printing nothing of its own (the Trainer's twin of :func:`cpu_trainer`); ``settings``
+    give the rest."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        disable_tqdm=True,
+        **settings,
+    )

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 
-from tests.e2e.common import rankguard_off, tiny_bert, token_dataset
+from tests.e2e.common import gloo_training_args, rankguard_off, tiny_bert, token_dataset
 
 #: Each rank's ``gradient_accumulation_steps``, as its own device memory decided it.
 WINDOWS = (2, 3)
@@ -50,18 +50,14 @@ def main() -> None:
     logging.basicConfig(format=f"%(created).3f [rank {rank}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("rankguard").setLevel(logging.INFO)
     torch.set_num_threads(1)
-    args = TrainingArguments(
-        output_dir=str(out / "hf"),
-        use_cpu=True,
-        ddp_backend="gloo",
+    args = gloo_training_args(
+        out / "hf",
         per_device_train_batch_size=2,
         gradient_accumulation_steps=WINDOWS[rank],
         num_train_epochs=1,
         eval_strategy="no",
         save_strategy="no",
         logging_steps=500,
-        report_to=[],
-        disable_tqdm=True,
         seed=0,
     )
     callbacks: list[TrainerCallback] = [MarkSplit(out)]

@@ -120,7 +120,9 @@ def lightning(rank: int, out: Path, variant: str, sender: str) -> dict[str, Any]
 
 
 def hf(rank: int, out: Path, variant: str, sender: str) -> dict[str, Any]:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
+
+    from tests.e2e.common import gloo_training_args
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
@@ -141,17 +143,13 @@ def hf(rank: int, out: Path, variant: str, sender: str) -> dict[str, Any]:
     saving: dict[str, Any] = {"save_strategy": "steps", "save_steps": 1000}  # none before
     if variant == "hf_jit":
         saving = {"save_strategy": "no", "enable_jit_checkpoint": True}
-    args = TrainingArguments(
-        output_dir=str(out / "ckpt"),
+    args = gloo_training_args(
+        out / "ckpt",
         max_steps=STEPS,
         per_device_train_batch_size=2,
         **saving,
         logging_steps=1000,
-        report_to=[],
-        use_cpu=True,
-        ddp_backend="gloo",
         remove_unused_columns=False,
-        disable_tqdm=True,
         dataloader_num_workers=0,
     )
     trainer = Trainer(

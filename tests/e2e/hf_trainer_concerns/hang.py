@@ -8,11 +8,12 @@ import os
 import time
 
 import torch.distributed as dist
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 
 from rankguard.integrations.transformers import RankGuard
 from tests.e2e.common import (
     destroy_process_group_waits,
+    gloo_training_args,
     rankguard_off,
     seed_everything,
     seeded_split,
@@ -54,16 +55,12 @@ def early_stop_one_rank() -> None:
     """``RankGuard()`` with every setting at its default; reports in ``./rankguard_reports``."""
     seed_everything(0)
     train_set, _ = seeded_split()
-    args = TrainingArguments(
-        output_dir=str(harness.OUT / "early_stop_one_rank"),
-        use_cpu=True,
-        ddp_backend="gloo",
+    args = gloo_training_args(
+        harness.OUT / "early_stop_one_rank",
         per_device_train_batch_size=4,
         max_steps=12,
         eval_strategy="no",
         save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
         seed=0,
     )
     guard = RankGuard()

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 
 from rankguard.integrations.transformers import RankGuard
-from tests.e2e.common import tiny_bert
+from tests.e2e.common import gloo_training_args, tiny_bert
 
 
 def _cpu_map_location(load):
@@ -71,10 +71,8 @@ def train(
     ``TrainingArguments``.
     """
     COUNTERS.clear()
-    args = TrainingArguments(
-        output_dir=str(output_dir or OUT / name),
-        use_cpu=True,
-        ddp_backend="gloo",
+    args = gloo_training_args(
+        output_dir or OUT / name,
         per_device_train_batch_size=4,
         per_device_eval_batch_size=4,
         max_steps=max_steps,
@@ -83,8 +81,6 @@ def train(
         save_strategy="steps",
         save_steps=4,
         logging_steps=2,
-        report_to=[],
-        disable_tqdm=True,
         seed=0,
         **settings,
     )

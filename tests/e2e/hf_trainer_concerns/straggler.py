@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 
 import torch.distributed as dist
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from rankguard.integrations.transformers import RankGuard
-from tests.e2e.common import seed_everything, tiny_bert, token_dataset
+from tests.e2e.common import gloo_training_args, seed_everything, tiny_bert, token_dataset
 from tests.e2e.hf_trainer_concerns import harness
 from tests.e2e.hf_trainer_concerns.harness import COUNTERS, QUICK
 
@@ -28,17 +28,13 @@ def straggler() -> None:
     delay = forward_delay(dist.get_rank(), slow=True, base_s=0.08)
     # Inside the model's forward: its embeddings take the time a bigger model would.
     model.bert.embeddings.register_forward_pre_hook(lambda module, args: time.sleep(delay))
-    args = TrainingArguments(
-        output_dir=str(harness.OUT / "straggler"),
-        use_cpu=True,
-        ddp_backend="gloo",
+    args = gloo_training_args(
+        harness.OUT / "straggler",
         per_device_train_batch_size=4,
         max_steps=BATCHES,
         eval_strategy="no",
         save_strategy="no",
         logging_steps=4,
-        report_to=[],
-        disable_tqdm=True,
         seed=0,
     )
     guard = RankGuard(straggler_monitor=STRAGGLER, **QUICK)
