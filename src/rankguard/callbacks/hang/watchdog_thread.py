@@ -65,6 +65,8 @@ PROBE_PERIOD_S = 0.5
 #: While it makes progress, the watchdog thread wakes this often (seconds) to read the step
 #: log: a wake costs tens of µs of CPU and a read a fixed cost besides its entries', so
 #: rarer reads while training goes on make the thread's share of a step 2-3 times smaller.
+#: What it costs: a loop that stops is seen at the next wake, so a deadlock or desync is
+#: reported later (the loop's desync row of docs/hang.md: 6.0 s from the split, 5.0 at 0.5).
 READ_PERIOD_S = 2.0
 #: Ranks missing before the first verdict that this rank asks the store about, at most.
 HEARD_CHECKS = 16
