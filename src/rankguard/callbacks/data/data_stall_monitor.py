@@ -381,7 +381,7 @@ class DataStallMonitor(Guard):
         stalled = ", ".join(
             f"rank {r} {s.wait_per_batch:.2f} s per batch" for r, s in verdict.detailed.items()
         )
-        rest = len(verdict.stalled) - len(verdict.detailed)
+        rest = verdict.undetailed
         if rest > 0:
             stalled += f" and {rest:,} more ranks"
         return (

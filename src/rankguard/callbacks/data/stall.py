@@ -122,6 +122,11 @@ class StallVerdict:
     early: bool = False
     world: int = 0
 
+    @property
+    def undetailed(self) -> int:
+        """How many stalled ranks the verdict counts without their statistics."""
+        return len(self.stalled) - len(self.detailed)
+
 
 def stall_verdict(
     per_rank: Mapping[int, IntervalStats], window: int, threshold: float
@@ -176,7 +181,7 @@ def is_stalled(stats: IntervalStats, window: int) -> bool:
 
 def _rest(verdict: StallVerdict) -> str:
     """The stalled ranks a message does not detail, counted (``""`` where there are none)."""
-    rest = len(verdict.stalled) - len(verdict.detailed)
+    rest = verdict.undetailed
     if rest <= 0:
         return ""
     return (
